@@ -1,0 +1,213 @@
+"""A shared-memory slot arena: the bytes of the DRAM tier, mappable by any process on the host.
+
+Layout of the segment (``/dev/shm/<name>``, mode 0600)::
+
+    [header: 4 KiB][slot table: num_slots x 64 B][pad to 4 KiB][slot data: num_slots x slot_bytes]
+
+Each slot-table row holds ``gen`` (u64), ``length`` (u64), ``checksum`` (u64)
+and the 32-byte ``key`` of the block in that slot.
+
+Generation protocol (a seqlock per slot):
+- ``gen`` is even iff the slot holds a committed block; odd while it is free
+  or being written. Every commit gets a new even value, so (slot, gen) names
+  one block's bytes for as long as they last.
+- Only the arena's owner (the process that created it, through
+  :class:`kvpool.tiers.dram.DramStore`) changes ``gen``, ``length``,
+  ``checksum`` and ``key``. Others may read any slot and may write the data of
+  a slot the owner has handed them while it is odd.
+- A reader checks ``gen`` and ``key``, copies, verifies the checksum of what it
+  copied and checks ``gen`` again: if the slot was reused under it, it sees a
+  miss, never another block's bytes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpool.buffers import BufferLike, as_array
+from kvpool.checksum import copy_with_checksum
+from kvpool.keys import KEY_BYTES, BlockKey
+
+SHM_DIR = "/dev/shm"
+_MAGIC = b"KVPARENA"
+_VERSION = 1
+_HEADER_BYTES = 4096
+_HEADER = struct.Struct("<8sIIQQQQ")  # magic, version, pad, slot_bytes, num_slots, table_off, data_off
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+SLOT_DTYPE = np.dtype(
+    [("gen", "<u8"), ("length", "<u8"), ("checksum", "<u8"), ("key", f"V{KEY_BYTES}"), ("_pad", "V8")]
+)
+assert SLOT_DTYPE.itemsize == 64, "arena: slot table rows must stay 64 bytes"
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def shm_path(name: str) -> str:
+    """The file behind a named arena; ValueError for names that are not a plain file name."""
+    if not _NAME_RE.match(name):
+        raise ValueError(f"bad arena name {name!r}: use letters, digits, '_', '-', '.'")
+    return os.path.join(SHM_DIR, name)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    """Where one committed block lives in an arena: valid while the slot's gen is unchanged."""
+
+    slot: int
+    gen: int
+    length: int
+
+
+class SharedArena:
+    """One mapped arena segment. Create with :meth:`create` (owner) or :meth:`attach` (anyone)."""
+
+    def __init__(self, name: str, mm: mmap.mmap, slot_bytes: int, num_slots: int, table_off: int, data_off: int, owner: bool):
+        self.name = name
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.owner = owner
+        self._mm = mm
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        self.table = buf[table_off : table_off + num_slots * SLOT_DTYPE.itemsize].view(SLOT_DTYPE)
+        self.gens = self.table["gen"]
+        self.data = buf[data_off : data_off + num_slots * slot_bytes].reshape(num_slots, slot_bytes)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    @classmethod
+    def create(cls, name: str, num_slots: int, slot_bytes: int) -> "SharedArena":
+        """Create and map a new arena; its memory is reserved up front (ENOSPC now, not SIGBUS later)."""
+        if num_slots < 1 or slot_bytes < 1:
+            raise ValueError(f"arena needs num_slots >= 1 and slot_bytes >= 1, got {num_slots}, {slot_bytes}")
+        path = shm_path(name)
+        table_off = _HEADER_BYTES
+        data_off = _round_up(table_off + num_slots * SLOT_DTYPE.itemsize, mmap.PAGESIZE)
+        total = data_off + num_slots * slot_bytes
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, total)
+            except OSError as exc:
+                raise ValueError(f"cannot reserve {total} bytes of shared memory for arena {name!r}: {exc}") from exc
+            mm = mmap.mmap(fd, total)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        _HEADER.pack_into(mm, 0, _MAGIC, _VERSION, 0, slot_bytes, num_slots, table_off, data_off)
+        arena = cls(name, mm, slot_bytes, num_slots, table_off, data_off, owner=True)
+        arena.table["gen"] = 1  # every slot starts free (odd)
+        return arena
+
+    @classmethod
+    def attach(cls, name: str) -> "SharedArena":
+        """Map an existing arena created by another process (read/write, never owner)."""
+        path = shm_path(name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < _HEADER_BYTES:
+                raise ValueError(f"{path} is not a kvpool arena (too small)")
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        magic, version, _, slot_bytes, num_slots, table_off, data_off = _HEADER.unpack_from(mm, 0)
+        if magic != _MAGIC or version != _VERSION:
+            mm.close()
+            raise ValueError(f"{path} is not a kvpool arena of version {_VERSION}")
+        if data_off + num_slots * slot_bytes > size:
+            mm.close()
+            raise ValueError(f"{path} is truncated")
+        return cls(name, mm, slot_bytes, num_slots, table_off, data_off, owner=False)
+
+    def close(self) -> None:
+        """Unmap; the owner also removes the segment. Views handed out must be dropped first."""
+        self.table = self.gens = self.data = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes when it does
+        if self.owner:
+            try:
+                os.unlink(shm_path(self.name))
+            except FileNotFoundError:
+                pass
+
+    # -- reading (any process) ---------------------------------------------------
+
+    def ref(self, slot: int) -> SlotRef | None:
+        """The committed block in ``slot`` now, or None if the slot is free or being written."""
+        gen = int(self.gens[slot])
+        length = int(self.table["length"][slot])
+        if gen & 1 or int(self.gens[slot]) != gen:  # free, or reused while we looked
+            return None
+        return SlotRef(slot, gen, length)
+
+    def find(self, key: BlockKey) -> SlotRef | None:
+        """Scan the slot table for ``key`` (O(slots); for tools and tests, not the hot path)."""
+        want = np.frombuffer(key, dtype=f"V{KEY_BYTES}")[0]
+        for slot in np.flatnonzero(self.table["key"] == want):
+            ref = self.ref(int(slot))
+            if ref is not None and self.table["key"][ref.slot] == want:
+                return ref
+        return None
+
+    def read_into(self, ref: SlotRef, key: BlockKey, out: BufferLike, *, verify: bool = True) -> bool:
+        """Copy the block ``ref`` names into ``out``; False if the slot no longer holds it.
+
+        ``out`` must be exactly ``ref.length`` bytes (ValueError otherwise).
+        With ``verify`` the copied bytes are checked against the slot's checksum,
+        which catches a torn copy even where the gen re-check alone might not
+        (weakly ordered CPUs).
+        """
+        dst = as_array(out, writable=True)
+        if dst.size != ref.length:
+            raise ValueError(f"output is {dst.size} bytes, block is {ref.length}")
+        slot = ref.slot
+        row = self.table[slot]
+        if int(self.gens[slot]) != ref.gen or row["key"].tobytes() != key:
+            return False
+        src = self.data[slot, : ref.length]
+        if verify:
+            if copy_with_checksum(dst, src) != int(row["checksum"]):
+                return False
+        else:
+            np.copyto(dst, src)
+        return int(self.gens[slot]) == ref.gen
+
+    def slot_view(self, slot: int, length: int | None = None) -> memoryview:
+        """A writable byte view of a slot's data (for the owner, or a writer it handed the slot)."""
+        n = self.slot_bytes if length is None else length
+        return memoryview(self.data[slot, :n])
+
+    # -- owner-only state changes ------------------------------------------------
+
+    def commit(self, slot: int, key: BlockKey, length: int, checksum: int) -> SlotRef:
+        """Publish the bytes already written into free ``slot`` as ``key`` (owner only)."""
+        assert self.owner, "arena: only the owner commits slots"
+        gen = int(self.gens[slot])
+        assert gen & 1, f"arena: commit of slot {slot} that is not free (gen {gen})"
+        row = self.table[slot]
+        row["key"] = np.frombuffer(key, dtype=f"V{KEY_BYTES}")[0]
+        row["length"] = length
+        row["checksum"] = checksum
+        self.gens[slot] = gen + 1  # even: readable. Written last.
+        return SlotRef(slot, gen + 1, length)
+
+    def release(self, slot: int) -> None:
+        """Mark a committed slot free; readers holding its old ref now miss (owner only)."""
+        assert self.owner, "arena: only the owner releases slots"
+        gen = int(self.gens[slot])
+        assert not gen & 1, f"arena: release of slot {slot} that is already free (gen {gen})"
+        self.gens[slot] = gen + 1  # odd first, so no reader starts on the old bytes again
+        self.table[slot]["length"] = 0

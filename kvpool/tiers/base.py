@@ -1,0 +1,85 @@
+"""The interface every tier implements, and the vocabulary they share.
+
+Failure vocabulary (the same in every tier):
+- caller misuse (malformed key, value of the wrong size, read-only output) is a
+  ValueError raised *before* anything changes;
+- "no room", "not here", "evicted under you", "checksum mismatch" are ``False``
+  in the returned list: a miss, counted in :class:`TierStats`;
+- a broken internal invariant is an AssertionError naming the component.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from kvpool.keys import BlockKey
+
+
+class Tier(enum.IntEnum):
+    """Storage tiers, fastest first; lookups try them in this order."""
+
+    HBM = 0
+    DRAM = 1
+    SSD = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters and gauges of one tier store (a snapshot; plain numbers)."""
+
+    tier: Tier
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    blocks: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+
+
+Buf = TypeVar("Buf", contravariant=True)
+
+
+class TierStore(Protocol, Generic[Buf]):
+    """A batched key -> block store. Single-key calls are wrappers, not extra methods.
+
+    ``get_into`` copies into caller-owned buffers and returns per-key hit flags;
+    a False entry leaves that output's contents unspecified (the caller recomputes).
+    ``contains`` never changes recency: looking does not keep a block alive.
+    """
+
+    tier: Tier
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]: ...
+
+    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[Buf]) -> list[bool]: ...
+
+    def put(self, keys: Sequence[BlockKey], values: Sequence[Buf]) -> list[bool]: ...
+
+    def remove(self, keys: Sequence[BlockKey]) -> int: ...
+
+    def stats(self) -> TierStats: ...
+
+    def close(self) -> None: ...
+
+
+# Called with (keys, byte views of their data, their checksums) when a tier
+# evicts blocks that a lower tier should keep. The views are valid only
+# during the call.
+EvictionSink = Callable[[Sequence[BlockKey], Sequence[memoryview], Sequence[int]], None]
+
+
+def check_batch(keys: Sequence[object], values: Sequence[object]) -> None:
+    """ValueError unless ``keys`` and ``values`` are sequences of the same length."""
+    if len(keys) != len(values):
+        raise ValueError(f"{len(keys)} keys but {len(values)} buffers")

@@ -1,0 +1,439 @@
+"""The SSD tier: KV blocks in one LMDB environment, LRU-evicted under a hard byte budget.
+
+Invariants:
+- A key is visible only after its header, bytes and checksum are committed in
+  one LMDB write transaction; readers see whole values or nothing (MVCC).
+- ``used_bytes <= capacity_bytes`` at every moment. ``used_bytes`` counts the
+  LMDB pages an entry occupies (:meth:`SsdStore.entry_cost`), and room is made
+  by evicting in the same write transaction that adds the new entries.
+- Eviction order is LRU: ``get_into`` hits and re-puts of identical blocks
+  refresh recency, ``contains`` does not. Recency lives in memory only, so after
+  a restart the order is write order (each value carries a write sequence number).
+- Bytes returned by ``get_into`` always matched their stored checksum; a value
+  that fails its header or checksum check is a miss, counted in ``corrupt`` and
+  deleted.
+- One process owns a store directory (an ``flock`` on ``kvpool.lock``): the
+  in-memory LRU must mirror the file.
+
+Sync policy: this is a cache, so by default commits are not fsynced. A process
+killed with SIGKILL loses nothing (committed pages are already in the OS page
+cache); a power loss or kernel crash may lose recent entries or damage the file.
+Every entry carries a checksum, and a file that LMDB refuses to open is moved
+aside to ``data.mdb.broken`` (replacing an older one) and the store starts empty
+with a logged warning. ``sync=True`` fsyncs every commit; :meth:`SsdStore.sync_now`
+flushes on demand (the node calls it periodically and on clean shutdown).
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import logging
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from kvpool.buffers import BufferLike, byte_view
+from kvpool.checksum import block_checksum, copy_with_checksum
+from kvpool.keys import KEY_BYTES, BlockKey, check_keys
+from kvpool.tiers.base import Tier, TierStats, check_batch
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVB1"
+FORMAT_VERSION = 2
+# magic, format version, flags (0), payload length, payload checksum, write sequence number, padding.
+# 48 bytes so that, after LMDB's 16-byte page header, a large value's payload starts 64-byte
+# aligned: memcpy into an aligned engine buffer from a misaligned source runs ~5x slower here.
+_HEADER = struct.Struct("<4sHHQQQ16x")
+HEADER_BYTES = _HEADER.size  # 48
+_MIB = 1 << 20
+# Not a block key (wrong length): written only to make LMDB's freed pages reusable (see put).
+_MARK = b"kvpool.seq"
+# Errors meaning "this file is not a usable LMDB environment" (not: disk full, permissions).
+_BROKEN_FILE = (lmdb.InvalidError, lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.VersionMismatchError,
+                lmdb.PanicError)
+
+
+def _parse_header(value: memoryview) -> tuple[int, int, int] | None:
+    """(payload length, checksum, sequence) of a stored value, or None if its header is bad."""
+    if len(value) < HEADER_BYTES:
+        return None
+    magic, version, _flags, length, checksum, seq = _HEADER.unpack_from(value)
+    if magic != MAGIC or version != FORMAT_VERSION or length != len(value) - HEADER_BYTES:
+        return None
+    return length, checksum, seq
+
+
+class SsdStore:
+    """A TierStore (tier SSD) over an LMDB environment in ``path``; see the module docstring."""
+
+    tier = Tier.SSD
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        sync: bool = False,
+        max_value_bytes: int = 64 << 20,
+    ) -> None:
+        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
+        if not isinstance(max_value_bytes, int) or max_value_bytes <= 0:
+            raise ValueError(f"max_value_bytes must be a positive integer, got {max_value_bytes!r}")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.max_value_bytes = max_value_bytes
+        # Far above capacity: LMDB reuses pages freed by txn N only from txn N+2 on (and once
+        # no reader holds an older snapshot), and an overflow value needs a run of free pages.
+        self.map_size = max(2 * capacity_bytes, capacity_bytes + 256 * _MIB)
+        self._sync = sync
+        self._lock = threading.Lock()  # guards _lru, _used and counters; never held across LMDB I/O
+        self._wlock = threading.Lock()  # serialises write transactions (and close)
+        self._lru: collections.OrderedDict[BlockKey, int] = collections.OrderedDict()  # LRU first
+        self._used = 0
+        self._seq = 0
+        self._scratch = bytearray()
+        self._counts = dict(hits=0, misses=0, puts=0, bytes_in=0, bytes_out=0, evictions=0, corrupt=0)
+        self._lock_fd = self._claim_dir()
+        self._env: lmdb.Environment | None = None
+        self.page_size = 0
+        try:
+            self._open()
+        except BaseException:
+            if self._env is not None:
+                self._env.close()
+            os.close(self._lock_fd)
+            raise
+
+    # ---- opening -------------------------------------------------------------------------
+
+    def _claim_dir(self) -> int:
+        fd = os.open(self.path / "kvpool.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(f"SSD store {self.path} is already open (this or another process)") from None
+        return fd
+
+    def _lmdb_open(self) -> lmdb.Environment:
+        env = lmdb.open(
+            str(self.path), map_size=self.map_size, subdir=True, metasync=False, sync=self._sync,
+            readahead=False, max_readers=2048, max_dbs=0, lock=True,
+        )
+        env.reader_check()  # drop reader slots left by killed processes
+        return env
+
+    def _open(self) -> None:
+        """Open (or create) the environment and rebuild the LRU; a broken file is moved aside once."""
+        for attempt in (0, 1):
+            try:
+                self._env = self._lmdb_open()
+                self.page_size = self._env.stat()["psize"]
+                self._load()
+                return
+            except _BROKEN_FILE as exc:
+                if attempt:
+                    raise
+                if self._env is not None:
+                    self._env.close()
+                    self._env = None
+                self._lru.clear()
+                self._used = 0
+                data = self.path / "data.mdb"
+                log.warning("SSD store %s: LMDB cannot read %s (%r); moving it to %s.broken, starting empty",
+                            self.path, data, exc, data.name)
+                os.replace(data, self.path / "data.mdb.broken")
+
+    def _load(self) -> None:
+        """Rebuild the LRU from the headers (write order); drop bad entries and any excess."""
+        assert self._env is not None
+        entries: list[tuple[int, BlockKey, int]] = []
+        bad: list[bytes] = []
+        with self._env.begin(buffers=True) as txn:
+            for key, value in txn.cursor():
+                if key == _MARK:
+                    continue
+                header = _parse_header(value)
+                if header is None or len(key) != KEY_BYTES:
+                    bad.append(bytes(key))
+                else:
+                    entries.append((header[2], BlockKey(bytes(key)), self.entry_cost(header[0])))
+        entries.sort()
+        for _seq, key, cost in entries:
+            self._lru[key] = cost
+            self._used += cost
+        self._seq = entries[-1][0] + 1 if entries else 0
+        victims = self._pick_victims(self._used - self.capacity_bytes, frozenset())
+        if bad or victims:
+            with self._env.begin(write=True) as wtxn:
+                for key in bad + victims:
+                    wtxn.delete(key)
+            self._forget(victims, evicted=True)
+            self._counts["corrupt"] += len(bad)
+            if bad:
+                log.warning("SSD store %s: dropped %d entries with bad headers", self.path, len(bad))
+
+    # ---- accounting ----------------------------------------------------------------------
+
+    def entry_cost(self, payload_bytes: int) -> int:
+        """Accounted bytes of one entry: the pages its value occupies plus one page of overhead."""
+        pages = -(-(HEADER_BYTES + payload_bytes) // self.page_size)
+        return (pages + 1) * self.page_size
+
+    def _pick_victims(self, need: int, pinned: frozenset[BlockKey]) -> list[BlockKey]:
+        """LRU-first unpinned keys whose costs sum to >= need (fewer if there are not enough)."""
+        victims: list[BlockKey] = []
+        with self._lock:
+            for key, cost in self._lru.items():
+                if need <= 0:
+                    break
+                if key not in pinned:
+                    victims.append(key)
+                    need -= cost
+        return victims
+
+    def _forget(self, keys: Sequence[BlockKey], *, evicted: bool) -> None:
+        with self._lock:
+            for key in keys:
+                cost = self._lru.pop(key, None)
+                if cost is not None:
+                    self._used -= cost
+                    self._counts["evictions"] += evicted
+
+    def _env_or_raise(self) -> lmdb.Environment:
+        if self._env is None:
+            raise ValueError(f"SSD store {self.path} is closed")
+        return self._env
+
+    # ---- TierStore -----------------------------------------------------------------------
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Which keys are stored; does not change recency."""
+        ks = check_keys(keys)
+        with self._lock:
+            return [k in self._lru for k in ks]
+
+    def put(self, keys: Sequence[BlockKey], values: Sequence[BufferLike],
+            checksums: Sequence[int] | None = None) -> list[bool]:
+        """Store blocks in one write transaction, evicting LRU entries to stay within capacity.
+
+        ``checksums`` (e.g. from the DRAM tier) are verified: a mismatch means the
+        caller's memory is corrupt, so that block is skipped (False, counted corrupt).
+        An identical block already stored is refreshed, not rewritten. False also
+        means "no room" (more new bytes in one batch than capacity: the oldest lose).
+        """
+        ks = check_keys(keys)
+        check_batch(ks, values)
+        views = [byte_view(v) for v in values]
+        if checksums is not None:
+            check_batch(ks, checksums)
+        for view in views:
+            if view.nbytes > self.max_value_bytes or self.entry_cost(view.nbytes) > self.capacity_bytes:
+                raise ValueError(f"a {view.nbytes}-byte block cannot fit in SSD store {self.path} "
+                                 f"(capacity {self.capacity_bytes}, max value {self.max_value_bytes})")
+        env = self._env_or_raise()
+        latest: dict[BlockKey, tuple[memoryview, int]] = {}  # a repeated key: the last value wins
+        bad: set[int] = set()
+        for i, (key, view) in enumerate(zip(ks, views)):
+            checksum = block_checksum(view)
+            if checksums is not None and int(checksums[i]) != checksum:
+                bad.add(i)
+                continue
+            latest.pop(key, None)
+            latest[key] = (view, checksum)
+        with self._wlock:
+            try:
+                stored = self._write(env, latest)
+            except lmdb.MapFullError:
+                need = sum(self.entry_cost(v.nbytes) for v, _ in latest.values())
+                try:
+                    victims = self._pick_victims(need, frozenset(latest))
+                    with env.begin(write=True) as txn:
+                        for key in victims:
+                            txn.delete(key)
+                    self._forget(victims, evicted=True)
+                    # LMDB reuses pages freed by txn N only from txn N+2 on: commit one tiny txn.
+                    with env.begin(write=True) as txn:
+                        txn.put(_MARK, self._seq.to_bytes(8, "little"))
+                    stored = self._write(env, latest)
+                except lmdb.MapFullError:
+                    log.warning("SSD store %s: LMDB map full after evicting; dropping %d blocks",
+                                self.path, len(latest))
+                    stored = set()
+        with self._lock:
+            self._counts["corrupt"] += len(bad)
+        return [i not in bad and k in stored for i, k in enumerate(ks)]
+
+    def _write(self, env: lmdb.Environment, items: dict[BlockKey, tuple[memoryview, int]]) -> set[BlockKey]:
+        """One write txn for ``items`` (caller holds the writer lock); returns the keys now stored."""
+        order: list[tuple[BlockKey, int | None]] = []  # (key, new cost) or (key, None) = refresh only
+        with env.begin(write=True, buffers=True) as txn:
+            for key, (view, checksum) in items.items():
+                old = txn.get(key)
+                header = _parse_header(old) if old is not None else None
+                same = header is not None and header[0] == view.nbytes and header[1] == checksum
+                order.append((key, None if same else self.entry_cost(view.nbytes)))
+            refreshed = frozenset(k for k, c in order if c is None)
+            writes = [(k, c) for k, c in order if c is not None]
+            start, victims = 0, []
+            with self._lock:
+                used = self._used
+                replaced = {k: self._lru.get(k, 0) for k, _ in writes}
+            total = sum(c for _, c in writes)
+            while start < len(writes) and total > self.capacity_bytes:  # more than fits: oldest lose
+                total -= writes[start][1]
+                start += 1
+            while start < len(writes):  # drop the oldest new blocks until the rest can fit
+                live = writes[start:]
+                need = used - sum(replaced[k] for k, _ in live) + sum(c for _, c in live)
+                need -= self.capacity_bytes
+                victims = self._pick_victims(need, refreshed | {k for k, _ in live})
+                with self._lock:
+                    freed = sum(self._lru[k] for k in victims)
+                if freed >= need:
+                    break
+                start += 1
+            if start == len(writes):
+                victims = []
+            dropped = {k for k, _ in writes[:start]}
+            order = [(k, c) for k, c in order if k not in dropped]
+            for key in victims:
+                txn.delete(key)
+            for key, cost in order:
+                if cost is not None:
+                    view, checksum = items[key]
+                    txn.put(key, self._pack(view, checksum))
+        self._forget(victims, evicted=True)
+        with self._lock:
+            for key, cost in order:
+                if cost is None:
+                    if key in self._lru:
+                        self._lru.move_to_end(key)
+                    continue
+                self._used += cost - self._lru.pop(key, 0)
+                self._lru[key] = cost
+                self._counts["puts"] += 1
+                self._counts["bytes_in"] += items[key][0].nbytes
+            if self._used > self.capacity_bytes:
+                raise AssertionError(f"SsdStore: used {self._used} > capacity {self.capacity_bytes}")
+        return {k for k, _ in order}
+
+    def _pack(self, view: memoryview, checksum: int) -> memoryview:
+        """Header + payload in a reused staging buffer (LMDB copies it at put)."""
+        total = HEADER_BYTES + view.nbytes
+        if len(self._scratch) < total:
+            self._scratch = bytearray(total)
+        _HEADER.pack_into(self._scratch, 0, MAGIC, FORMAT_VERSION, 0, view.nbytes, checksum, self._seq)
+        self._seq += 1
+        self._scratch[HEADER_BYTES:total] = view
+        return memoryview(self._scratch)[:total]
+
+    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[BufferLike]) -> list[bool]:
+        """Copy stored blocks into ``outs`` (one copy, verified); hits become most recently used.
+
+        A stored block whose size differs from its output buffer is a ValueError
+        (raised before any output is written). A value failing its header or
+        checksum check is False, counted corrupt, and deleted.
+        """
+        ks = check_keys(keys)
+        check_batch(ks, outs)
+        arrs = [np.frombuffer(byte_view(o, writable=True), dtype=np.uint8) for o in outs]
+        env = self._env_or_raise()
+        hits = [False] * len(ks)
+        corrupt: list[tuple[BlockKey, bytes]] = []
+        nbytes = 0
+        with env.begin(buffers=True) as txn:
+            values = [txn.get(k) for k in ks]
+            headers = [_parse_header(v) if v is not None else None for v in values]
+            for key, header, arr in zip(ks, headers, arrs):
+                if header is not None and header[0] != arr.nbytes:
+                    raise ValueError(f"output buffer is {arr.nbytes} bytes but block {key.hex()[:16]} "
+                                     f"is {header[0]}")
+            for i, (value, header, arr) in enumerate(zip(values, headers, arrs)):
+                if value is None:
+                    continue
+                if header is not None:
+                    stored = np.frombuffer(value, dtype=np.uint8, count=header[0], offset=HEADER_BYTES)
+                    if copy_with_checksum(arr, stored) == header[1]:
+                        hits[i] = True
+                        nbytes += arr.nbytes
+                        continue
+                corrupt.append((ks[i], bytes(value[:HEADER_BYTES])))
+        with self._lock:
+            for key, hit in zip(ks, hits):
+                if hit and key in self._lru:
+                    self._lru.move_to_end(key)
+            self._counts["hits"] += sum(hits)
+            self._counts["misses"] += len(ks) - sum(hits)
+            self._counts["bytes_out"] += nbytes
+            self._counts["corrupt"] += len(corrupt)
+        if corrupt:
+            log.warning("SSD store %s: %d corrupt blocks, deleting them", self.path, len(corrupt))
+            self._delete(env, corrupt)
+        return hits
+
+    def _delete(self, env: lmdb.Environment, items: Sequence[tuple[BlockKey, bytes | None]]) -> int:
+        """Delete keys (only if their header still equals the given bytes, when given)."""
+        gone: list[BlockKey] = []
+        with self._wlock:
+            try:
+                with env.begin(write=True, buffers=True) as txn:
+                    for key, header in items:
+                        value = txn.get(key)
+                        if value is None or (header is not None and bytes(value[:HEADER_BYTES]) != header):
+                            continue
+                        txn.delete(key)
+                        gone.append(key)
+            except lmdb.MapFullError:
+                log.warning("SSD store %s: LMDB map full while deleting %d blocks", self.path, len(items))
+                return 0
+            self._forget(gone, evicted=False)
+        return len(gone)
+
+    def remove(self, keys: Sequence[BlockKey]) -> int:
+        """Delete keys; returns how many were stored."""
+        ks = check_keys(keys)
+        return self._delete(self._env_or_raise(), [(k, None) for k in dict.fromkeys(ks)])
+
+    def stats(self) -> TierStats:
+        """A snapshot; ``puts``/``bytes_in`` count blocks actually written, ``used_bytes`` is accounted."""
+        with self._lock:
+            return TierStats(tier=self.tier, capacity_bytes=self.capacity_bytes, used_bytes=self._used,
+                             blocks=len(self._lru), **self._counts)
+
+    def keys(self) -> list[BlockKey]:
+        """Stored keys, least recently used first."""
+        with self._lock:
+            return list(self._lru)
+
+    def file_bytes(self) -> int:
+        """Size of ``data.mdb`` on disk."""
+        return os.path.getsize(self.path / "data.mdb")
+
+    def sync_now(self) -> None:
+        """fsync everything committed so far."""
+        self._env_or_raise().sync(True)
+
+    def close(self) -> None:
+        """Close the environment and release the directory; idempotent. No calls may be in flight."""
+        with self._wlock:
+            if self._env is None:
+                return
+            self._env.close()
+            self._env = None
+            os.close(self._lock_fd)
+
+    def __enter__(self) -> SsdStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

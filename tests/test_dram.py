@@ -1,0 +1,117 @@
+"""DRAM tier: LRU order, watermarks, demotion hand-off, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvpool.keys import BlockKey
+from kvpool.tiers.dram import DramStore
+
+SLOT = 4096
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey(i.to_bytes(4, "big") * 8)
+
+
+def block(i: int, size: int = SLOT) -> bytes:
+    return bytes([i % 251]) * size
+
+
+class Sink:
+    """Records what the DRAM tier demotes, in order, copying the bytes it is shown."""
+
+    def __init__(self) -> None:
+        self.keys: list[BlockKey] = []
+        self.data: dict[BlockKey, bytes] = {}
+
+    def __call__(self, keys, views, checksums):
+        for k, v in zip(keys, views):
+            self.keys.append(k)
+            self.data[k] = bytes(v)
+
+
+@pytest.fixture
+def store(arena_name):
+    sink = Sink()
+    s = DramStore.create(arena_name, 10 * SLOT, SLOT, high_watermark=0.8, low_watermark=0.5, on_evict=sink)
+    s.sink = sink
+    yield s
+    s.close()
+
+
+def test_put_get_byte_exact_with_short_blocks(store):
+    values = [np.random.default_rng(i).integers(0, 256, SLOT - i * 7, dtype=np.uint8) for i in range(4)]
+    assert store.put([key(i) for i in range(4)], values) == [True] * 4
+    outs = [np.empty_like(v) for v in values]
+    assert store.get_into([key(i) for i in range(4)], outs) == [True] * 4
+    assert all((o == v).all() for o, v in zip(outs, values))
+    assert store.stats().bytes_in == sum(v.size for v in values)
+
+
+def test_crossing_the_high_watermark_demotes_lru_first_down_to_the_low_one(store):
+    store.put([key(i) for i in range(8)], [block(i) for i in range(8)])  # 8 = high watermark
+    assert store.sink.keys == []
+    store.get_into([key(0)], [bytearray(SLOT)])  # touch 0: now most recently used
+    assert store.contains([key(1)]) == [True]  # looking does not refresh
+    store.put([key(8)], [block(8)])
+    assert store.sink.keys == [key(1), key(2), key(3), key(4)]  # 9 - 4 = 5 = low watermark
+    assert all(store.sink.data[key(i)] == block(i) for i in range(1, 5))
+    assert store.keys() == [key(5), key(6), key(7), key(0), key(8)]
+    assert store.contains([key(i) for i in range(9)]) == [True, False, False, False, False, True, True, True, True]
+    assert store.stats().evictions == 4
+
+
+def test_a_batch_larger_than_capacity_stores_what_fits(store):
+    ok = store.put([key(i) for i in range(12)], [block(i) for i in range(12)])
+    assert ok.count(True) == 10 and ok[:10] == [True] * 10
+    assert store.stats().blocks == 10
+
+
+def test_present_keys_and_repeats_in_a_batch_are_not_written_twice(store):
+    store.put([key(1)], [block(1)])
+    assert store.put([key(1), key(2), key(2)], [block(9), block(2), block(2)]) == [True, True, True]
+    out = bytearray(SLOT)
+    store.get_into([key(1)], [out])
+    assert bytes(out) == block(1)  # first write wins: a key names its bytes
+    assert store.stats().puts == 2
+
+
+def test_a_failing_demotion_sink_drops_blocks_and_keeps_serving(arena_name):
+    def broken(keys, views, sums):
+        raise OSError("disk gone")
+
+    s = DramStore.create(arena_name, 2 * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0, on_evict=broken)
+    try:
+        assert s.put([key(0), key(1)], [block(0), block(1)]) == [True, True]
+        assert s.put([key(2)], [block(2)]) == [True]
+        assert s.contains([key(0), key(1), key(2)]) == [False, True, True]
+    finally:
+        s.close()
+
+
+def test_remove_frees_slots(store):
+    store.put([key(i) for i in range(3)], [block(i) for i in range(3)])
+    assert store.remove([key(0), key(0), key(7)]) == 1
+    assert store.contains([key(0), key(1)]) == [False, True]
+    assert store.get_into([key(0)], [bytearray(SLOT)]) == [False]
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.put([key(5)], [b"x" * (SLOT + 1)]),  # larger than a slot
+        lambda s: s.put([b"short"], [block(5)]),  # malformed key
+        lambda s: s.put([key(5), key(6)], [block(5)]),  # length mismatch
+        lambda s: s.put([key(5)], [42]),  # not a buffer
+        lambda s: s.get_into([key(1)], [bytes(SLOT)]),  # read-only output
+        lambda s: s.put([key(5)], [np.zeros((64, 64), np.float32)[:, ::2]]),  # non-contiguous
+    ],
+)
+def test_bad_input_is_a_value_error_and_changes_nothing(store, call):
+    store.put([key(1)], [block(1)])
+    before = (store.keys(), store.stats())
+    with pytest.raises(ValueError):
+        call(store)
+    assert (store.keys(), store.stats()) == before

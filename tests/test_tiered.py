@@ -1,0 +1,122 @@
+"""A node's DRAM + SSD together: demotion on eviction and promotion on hit, in LRU order."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvpool.keys import BlockKey
+from kvpool.tiers.base import Tier
+from kvpool.tiers.dram import DramStore
+from kvpool.tiers.ssd import SsdStore
+from kvpool.tiers.tiered import TieredStore
+
+SLOT = 64 << 10
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey(i.to_bytes(4, "big") * 8)
+
+
+def block(i: int) -> bytes:
+    return bytes([i % 251]) * SLOT
+
+
+def make(arena_name, tmp_path, *, write_through=False, slots=4) -> TieredStore:
+    dram = DramStore.create(arena_name, slots * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0)
+    ssd = SsdStore(tmp_path / "ssd", 64 * SLOT)
+    return TieredStore(dram, ssd, write_through=write_through)
+
+
+def test_dram_eviction_demotes_to_ssd_in_lru_order(arena_name, tmp_path):
+    node = make(arena_name, tmp_path)
+    try:
+        node.put([key(i) for i in range(4)], [block(i) for i in range(4)])
+        assert node.ssd.keys() == []  # write-back: nothing on SSD until DRAM evicts
+        node.get_into([key(0)], [bytearray(SLOT)])  # 0 is now the most recently used
+        node.put([key(4), key(5)], [block(4), block(5)])
+        assert node.ssd.keys() == [key(1), key(2)]  # demoted in LRU order
+        assert node.dram.keys() == [key(3), key(0), key(4), key(5)]
+        assert node.where([key(i) for i in range(7)]) == [
+            Tier.DRAM, Tier.SSD, Tier.SSD, Tier.DRAM, Tier.DRAM, Tier.DRAM, None,
+        ]
+    finally:
+        node.close()
+
+
+def test_an_ssd_hit_is_served_byte_exact_and_promoted_back_to_dram(arena_name, tmp_path):
+    node = make(arena_name, tmp_path)
+    try:
+        node.put([key(i) for i in range(4)], [block(i) for i in range(4)])
+        node.put([key(4), key(5)], [block(4), block(5)])  # 0, 1 demoted
+        out = bytearray(SLOT)
+        assert node.get_into([key(0)], [out]) == [Tier.SSD]
+        assert bytes(out) == block(0)
+        assert node.where([key(0)]) == [Tier.DRAM]  # promoted...
+        assert node.dram.keys()[-1] == key(0)  # ...as the most recently used,
+        assert node.where([key(2)]) == [Tier.SSD]  # pushing DRAM's LRU block down
+        assert node.get_into([key(0)], [out]) == [Tier.DRAM] and bytes(out) == block(0)
+        assert node.ssd.stats().hits == 1 and node.dram.stats().hits == 1
+    finally:
+        node.close()
+
+
+def test_write_through_puts_every_block_on_ssd_at_once(arena_name, tmp_path):
+    node = make(arena_name, tmp_path, write_through=True)
+    try:
+        node.put([key(i) for i in range(3)], [block(i) for i in range(3)])
+        assert node.ssd.keys() == [key(0), key(1), key(2)]
+        node.put([key(i) for i in range(3, 6)], [block(i) for i in range(3, 6)])
+        out = bytearray(SLOT)
+        assert node.get_into([key(0)], [out]) == [Tier.SSD] and bytes(out) == block(0)
+    finally:
+        node.close()
+
+
+def test_demoted_blocks_survive_a_node_restart_on_ssd(arena_name, tmp_path):
+    node = make(arena_name, tmp_path)
+    node.put([key(i) for i in range(4)], [block(i) for i in range(4)])
+    node.put([key(4), key(5)], [block(4), block(5)])  # 0, 1 demoted
+    node.close()  # DRAM is gone with the arena; SSD keeps what was demoted
+    node = make(arena_name, tmp_path)
+    try:
+        assert node.where([key(0), key(1), key(5)]) == [Tier.SSD, Tier.SSD, None]
+        out = bytearray(SLOT)
+        assert node.get_into([key(1)], [out]) == [Tier.SSD] and bytes(out) == block(1)
+    finally:
+        node.close()
+
+
+def test_a_batch_larger_than_dram_overflows_to_ssd(arena_name, tmp_path):
+    node = make(arena_name, tmp_path)
+    try:
+        assert node.put([key(i) for i in range(6)], [block(i) for i in range(6)]) == [True] * 6
+        assert node.where([key(i) for i in range(6)]) == [Tier.DRAM] * 4 + [Tier.SSD] * 2
+    finally:
+        node.close()
+
+
+def test_bad_input_changes_nothing(arena_name, tmp_path):
+    node = make(arena_name, tmp_path)
+    try:
+        node.put([key(1)], [block(1)])
+        with pytest.raises(ValueError):
+            node.put([key(2), b"bad"], [block(2), block(3)])
+        with pytest.raises(ValueError):
+            node.get_into([key(1)], [bytearray(SLOT), bytearray(SLOT)])
+        assert node.where([key(1), key(2)]) == [Tier.DRAM, None]
+    finally:
+        node.close()
+
+
+def test_service_side_imports_without_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import kvpool.keys, kvpool.layout, kvpool.tiers.tiered, kvpool.cli, kvpool.master\n"
+        "print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
