@@ -1,0 +1,238 @@
+"""One typed, frozen config per component, read from one JSON file, the environment and flags.
+
+Precedence, highest first: command-line flags, environment variables
+``KVPOOL_<SECTION>_<FIELD>`` (e.g. ``KVPOOL_NODE_DRAM_BYTES=8G``), the JSON
+file (sections ``"master"``, ``"node"``, ``"client"``; engines pass its path,
+like MindIE's ``configPath``), then the defaults below. The environment is read
+once, by :func:`load_config`; constructors never look at it.
+
+Sizes may be written ``"4G"``, ``"512M"``, ``"64K"`` or as plain byte counts.
+Unknown sections or fields and badly typed values are a ValueError naming them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.layout import KVLayout
+
+DEFAULT_MASTER_PORT = 7600
+DEFAULT_NODE_PORT = 7610
+_GIB = 1 << 30
+_SIZE_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(value: object) -> int:
+    """Bytes from ``4096``, ``"64K"``, ``"512M"``, ``"4G"`` or ``"4GiB"``; ValueError otherwise."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a size: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must not be negative: {value}")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if not isinstance(value, str):
+        raise ValueError(f"not a size: {value!r}")
+    text = value.strip().upper().removesuffix("B").removesuffix("I")
+    scale = _SIZE_SUFFIX.get(text[-1:], 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        amount = float(number)
+    except ValueError:
+        raise ValueError(f"not a size: {value!r} (use e.g. 4096, 64K, 512M, 4G)") from None
+    if amount < 0:
+        raise ValueError(f"size must not be negative: {value!r}")
+    return int(amount * scale)
+
+
+def _size_field(default: int) -> Any:
+    return field(default=default, metadata={"size": True})
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    """The Master Service."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_MASTER_PORT
+    metrics_port: int = DEFAULT_MASTER_PORT + 1  # 0: no metrics endpoint
+    node_timeout_s: float = 3.0  # a node silent this long is dropped with all its entries
+    heartbeat_interval_s: float = 1.0  # told to nodes when they register
+    worker_timeout_s: float = 60.0  # a worker silent this long loses its HBM entries
+    max_keys_per_call: int = 65536
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """A pool node: the DRAM arena and SSD store of one host."""
+
+    master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}"
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_NODE_PORT
+    metrics_port: int = DEFAULT_NODE_PORT + 1  # 0: no metrics endpoint
+    advertise: str = ""  # host:port clients dial; default host:port
+    node_id: str = ""  # default: <hostname>:<port>
+    arena: str = ""  # /dev/shm name of the DRAM arena; default: kvpool-<port>
+    dram_bytes: int = _size_field(0)  # 0: a quarter of available memory, at most 8 GiB
+    slot_bytes: int = _size_field(2 << 20)  # largest block the DRAM tier takes; set >= your block size
+    ssd_dir: str = "./kvpool-data"
+    ssd_bytes: int = _size_field(0)  # 0: half the free disk at ssd_dir, at most 64 GiB
+    ssd_enabled: bool = True
+    ssd_sync: bool = False
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    write_through: bool = False
+    max_message_bytes: int = _size_field(256 << 20)
+
+    def resolved_node_id(self) -> str:
+        return self.node_id or f"{socket.gethostname()}:{self.port}"
+
+    def resolved_advertise(self) -> str:
+        return self.advertise or f"{self.host}:{self.port}"
+
+    def resolved_arena(self) -> str:
+        return self.arena or f"kvpool-{self.port}"
+
+    def resolved_dram_bytes(self) -> int:
+        """The configured DRAM size, or a quarter of available memory capped at 8 GiB."""
+        if self.dram_bytes:
+            return self.dram_bytes
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return max(self.slot_bytes, min(available // 4, 8 * _GIB) // self.slot_bytes * self.slot_bytes)
+
+    def resolved_ssd_bytes(self) -> int:
+        """The configured SSD size, or half the free disk at ssd_dir capped at 64 GiB."""
+        if self.ssd_bytes:
+            return self.ssd_bytes
+        probe = self.ssd_dir
+        while not os.path.exists(probe):
+            probe = os.path.dirname(os.path.abspath(probe))
+        return max(64 << 20, min(shutil.disk_usage(probe).free // 2, 64 * _GIB))
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """The client library inside an inference worker."""
+
+    master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}"
+    worker_id: str = ""  # default: <hostname>-<pid>
+    model: str = "default"
+    tenant: str = ""  # salt: tenants never share keys
+    layout: KVLayout | None = None  # the engine's KV layout (needed for the HBM tier and adapters)
+    hbm_blocks: int = 0  # HBM tier size in blocks; 0: no HBM tier in the client
+    device: str = "cpu"  # HBM tier device: cpu, cuda:N, npu:N
+    lookup_timeout_s: float = 0.5
+    io_timeout_s: float = 5.0
+    put_queue_blocks: int = 256  # write-behind bound; a full queue drops new puts (counted)
+    shared_memory: bool = True  # read same-host nodes' DRAM arena directly
+    strict: bool = False  # tests: raise pool faults instead of counting them as misses
+    metrics_port: int = 0  # 0: no endpoint (the registry is still available)
+
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Everything one JSON file can say."""
+
+    master: MasterConfig = field(default_factory=MasterConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+
+
+_SECTIONS: dict[str, type] = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}
+
+
+def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
+    where = f"{section}.{f.name}"
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if f.metadata.get("size"):
+            return parse_size(value)
+        if kind == "KVLayout | None":
+            if value is None or isinstance(value, KVLayout):
+                return value
+            if isinstance(value, str):
+                value = json.loads(value)
+            if not isinstance(value, Mapping):
+                raise ValueError("expected an object with dtype, num_layers, num_kv_heads, head_dim, block_size")
+            return KVLayout.from_dict(value)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                return value.strip().lower() in ("1", "true", "yes", "on")
+            raise ValueError("expected true or false")
+        if kind == "int":
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise ValueError("expected an integer")
+            return int(value)
+        if kind == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+                raise ValueError("expected a number")
+            return float(value)
+        if kind == "str":
+            if not isinstance(value, str):
+                raise ValueError("expected a string")
+            return value
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise ValueError(f"config {where}: {exc} (got {value!r})") from None
+    raise AssertionError(f"config: no coercion for field type {kind} of {where}")
+
+
+def make_section(section: str, values: Mapping[str, Any], base: Any = None) -> Any:
+    """A section's config from ``values`` over ``base`` (or the defaults); ValueError on unknown fields."""
+    cls = _SECTIONS.get(section)
+    if cls is None:
+        raise ValueError(f"unknown config section {section!r}; known: {', '.join(_SECTIONS)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown {section} config field(s): {', '.join(unknown)}; known: {', '.join(fields)}")
+    coerced = {name: _coerce(section, fields[name], v) for name, v in values.items()}
+    return dataclasses.replace(base if base is not None else cls(), **coerced)
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> PoolConfig:
+    """Defaults, then the JSON file at ``path``, then ``KVPOOL_*`` variables, then ``overrides``."""
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    if path:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ValueError(f"cannot read config file {path}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"config file {path} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a JSON object")
+        for name, values in data.items():
+            if name not in _SECTIONS:
+                raise ValueError(f"unknown config section {name!r} in {path}; known: {', '.join(_SECTIONS)}")
+            if not isinstance(values, dict):
+                raise ValueError(f"config section {name!r} in {path} must be an object")
+            sections[name].update(values)
+    for var, value in (os.environ if env is None else env).items():
+        if not var.startswith("KVPOOL_"):
+            continue
+        parts = var[len("KVPOOL_"):].lower().split("_", 1)
+        if len(parts) == 2 and parts[0] in _SECTIONS:
+            sections[parts[0]][parts[1]] = value
+    for name, values in (overrides or {}).items():
+        sections.setdefault(name, {}).update({k: v for k, v in values.items() if v is not None})
+    built = {name: make_section(name, values) for name, values in sections.items()}
+    return PoolConfig(**built)

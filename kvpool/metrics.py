@@ -1,0 +1,122 @@
+"""Prometheus metrics: one class per component, each on its own registry.
+
+Naming follows Prometheus conventions: ``kvpool_`` prefix, ``_total`` for
+counters, ``_bytes`` / ``_seconds`` units, a ``tier`` label with values
+``hbm`` / ``dram`` / ``ssd``. Hit rate per tier is
+``rate(kvpool_hit_blocks_total{tier=T}) / rate(kvpool_lookup_blocks_total)``
+(or the ``_tokens_`` pair).
+
+Gauges of tier usage are read from the stores at scrape time
+(:class:`TierCollector`), so they never drift from the stores themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvpool.tiers.base import TierStats
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+TIER_LABELS = ("hbm", "dram", "ssd")
+
+
+class LookupMetrics:
+    """Lookup and hit accounting, shared by the master (cluster-wide) and the client (its own traffic)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.lookups = Counter("kvpool_lookups_total", "Prefix lookups (one per request)", registry=registry)
+        self.lookup_blocks = Counter(
+            "kvpool_lookup_blocks", "Full blocks asked for in lookups (HBM part included)", registry=registry
+        )
+        self.lookup_tokens = Counter("kvpool_lookup_tokens", "Tokens in the full blocks asked for", registry=registry)
+        self.hit_blocks = Counter(
+            "kvpool_hit_blocks", "Blocks of the leading hit run, by serving tier", ["tier"], registry=registry
+        )
+        self.hit_tokens = Counter("kvpool_hit_tokens", "Tokens of the leading hit run, by tier", ["tier"], registry=registry)
+        self.miss_blocks = Counter("kvpool_miss_blocks", "Blocks after the leading hit run", registry=registry)
+        for tier in TIER_LABELS:  # export zeros from the start: rates need both ends
+            self.hit_blocks.labels(tier)
+            self.hit_tokens.labels(tier)
+
+    def record(self, hits_by_tier: dict[str, int], requested: int, block_tokens: int) -> None:
+        """Count one lookup of ``requested`` blocks whose leading run was served as ``hits_by_tier``."""
+        self.lookups.inc()
+        self.lookup_blocks.inc(requested)
+        self.lookup_tokens.inc(requested * block_tokens)
+        hit = 0
+        for tier, n in hits_by_tier.items():
+            if n:
+                self.hit_blocks.labels(tier).inc(n)
+                self.hit_tokens.labels(tier).inc(n * block_tokens)
+                hit += n
+        self.miss_blocks.inc(requested - hit)
+
+
+class ErrorMetrics:
+    """Errors by kind (``timeout``, ``unavailable``, ``checksum``, ``invalid_argument``, ...)."""
+
+    def __init__(self, registry: CollectorRegistry, help_text: str = "Errors by kind"):
+        self.errors = Counter("kvpool_errors", help_text, ["kind"], registry=registry)
+
+    def count(self, kind: str, n: int = 1) -> None:
+        self.errors.labels(kind).inc(n)
+
+
+def latency_histogram(registry: CollectorRegistry, op: str, help_text: str) -> Histogram:
+    """``kvpool_<op>_seconds``: the latency of one call (lookup, get, put)."""
+    return Histogram(f"kvpool_{op}_seconds", help_text, buckets=LATENCY_BUCKETS, registry=registry)
+
+
+class TierCollector(Collector):
+    """Exports usage gauges and movement counters of tier stores, read at scrape time.
+
+    ``source`` returns ``(labels, stats)`` pairs, where labels carry e.g. the node id.
+    """
+
+    def __init__(self, source: Callable[[], Iterable[tuple[dict[str, str], TierStats]]], label_names: tuple[str, ...] = ("node",)):
+        self._source = source
+        self._label_names = label_names
+
+    def collect(self):  # type: ignore[override]
+        names = [*self._label_names, "tier"]
+        families = {
+            "capacity": GaugeMetricFamily("kvpool_tier_capacity_bytes", "Capacity of a tier", labels=names),
+            "used": GaugeMetricFamily("kvpool_tier_used_bytes", "Bytes held in a tier", labels=names),
+            "blocks": GaugeMetricFamily("kvpool_tier_blocks", "Blocks held in a tier", labels=names),
+        }
+        counters = {
+            "bytes_in": ("kvpool_tier_bytes_in_total", "Bytes written into a tier"),
+            "bytes_out": ("kvpool_tier_bytes_out_total", "Bytes read out of a tier"),
+            "evictions": ("kvpool_tier_evictions_total", "Blocks evicted from a tier (DRAM: demotions to SSD)"),
+            "corrupt": ("kvpool_tier_corrupt_blocks_total", "Blocks that failed their checksum and were dropped"),
+            "hits": ("kvpool_tier_hits_total", "Reads a tier served"),
+            "misses": ("kvpool_tier_misses_total", "Reads a tier could not serve"),
+        }
+        counter_families = {k: CounterMetricFamily(n.removesuffix("_total"), h, labels=names) for k, (n, h) in counters.items()}
+        for labels, stats in self._source():
+            values = [labels.get(n, "") for n in self._label_names] + [stats.tier.label]
+            families["capacity"].add_metric(values, stats.capacity_bytes)
+            families["used"].add_metric(values, stats.used_bytes)
+            families["blocks"].add_metric(values, stats.blocks)
+            for key, family in counter_families.items():
+                family.add_metric(values, getattr(stats, key))
+        yield from families.values()
+        yield from counter_families.values()
+
+
+class MetricsServer:
+    """An HTTP ``/metrics`` endpoint for one registry, on 127.0.0.1 unless told otherwise."""
+
+    def __init__(self, registry: CollectorRegistry, port: int, host: str = "127.0.0.1"):
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.port = self._server.server_port
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+

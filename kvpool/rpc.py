@@ -1,0 +1,116 @@
+"""gRPC plumbing shared by the master, the node and the client: one place for each decision.
+
+- :class:`ErrorInterceptor` maps domain errors to status codes for every
+  servicer: ValueError -> INVALID_ARGUMENT (with the message), anything else
+  unexpected -> INTERNAL (logged with its traceback). Servicers just raise.
+- :func:`make_server` builds a server with the standard health service.
+- Per-block flags and tiers travel as one byte per block (:func:`tier_bytes`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvpool.tiers.base import Tier, TierStats
+from kvpool.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+MISS = 255  # the tier byte of a block no tier holds
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Options for both ends of a channel that carries up to ``max_message_bytes`` per message."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Turns exceptions raised by servicers into gRPC statuses (see module docstring)."""
+
+    def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+        method = handler_call_details.method
+
+        def guarded(request, context):  # type: ignore[no-untyped-def]
+            try:
+                return inner(request, context)
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except Exception as exc:  # noqa: BLE001 - the one place that turns bugs into INTERNAL
+                if context.code() is not None:  # the servicer aborted with a status of its own
+                    raise
+                log.exception("%s failed", method)
+                context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+
+def make_server(
+    address: str,
+    register: Sequence[Callable[[grpc.Server], str]],
+    *,
+    max_message_bytes: int,
+    workers: int = 16,
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A started-ready (not yet started) server on ``address`` with the health service.
+
+    Each ``register`` callable adds one servicer and returns its full service
+    name, which the health service reports SERVING once started. Returns the
+    server, the bound port (``address`` may say port 0) and the health servicer.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers),
+        interceptors=[ErrorInterceptor()],
+        options=channel_options(max_message_bytes),
+    )
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [add(server) for add in register]
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise ValueError(f"cannot listen on {address}")
+    for name in ["", *names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+
+
+def tier_bytes(tiers: Sequence[Tier | None]) -> bytes:
+    """One byte per block: the tier value, or MISS."""
+    return bytes(MISS if t is None else int(t) for t in tiers)
+
+
+def tiers_from_bytes(data: bytes) -> list[Tier | None]:
+    """Inverse of :func:`tier_bytes`; ValueError for a byte that is no tier."""
+    try:
+        return [None if b == MISS else Tier(b) for b in data]
+    except ValueError:
+        raise ValueError("tier bytes hold a value that is no tier") from None
+
+
+def flag_bytes(flags: Sequence[bool]) -> bytes:
+    return bytes(1 if f else 0 for f in flags)
+
+
+def flags_from_bytes(data: bytes) -> list[bool]:
+    return [b != 0 for b in data]
+
+
+def tier_usage(stats: TierStats) -> common_pb2.TierUsage:
+    return common_pb2.TierUsage(
+        tier=int(stats.tier), capacity_bytes=stats.capacity_bytes, used_bytes=stats.used_bytes, blocks=stats.blocks
+    )

@@ -1,0 +1,200 @@
+from kvpool.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("node", "tiers", "slot_bytes")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node: _common_pb2.NodeRef
+    tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
+    slot_bytes: int
+    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+
+class RegisterNodeResponse(_message.Message):
+    __slots__ = ("incarnation", "heartbeat_interval_s", "node_timeout_s")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    NODE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    incarnation: int
+    heartbeat_interval_s: float
+    node_timeout_s: float
+    def __init__(self, incarnation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., node_timeout_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "incarnation", "tiers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: int
+    tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class ReportBlocksRequest(_message.Message):
+    __slots__ = ("node_id", "incarnation", "tier", "full_sync", "added_keys", "added_sizes", "added_checksums", "removed_keys")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    FULL_SYNC_FIELD_NUMBER: _ClassVar[int]
+    ADDED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ADDED_SIZES_FIELD_NUMBER: _ClassVar[int]
+    ADDED_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: int
+    tier: _common_pb2.Tier
+    full_sync: bool
+    added_keys: bytes
+    added_sizes: _containers.RepeatedScalarFieldContainer[int]
+    added_checksums: _containers.RepeatedScalarFieldContainer[int]
+    removed_keys: bytes
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., full_sync: _Optional[bool] = ..., added_keys: _Optional[bytes] = ..., added_sizes: _Optional[_Iterable[int]] = ..., added_checksums: _Optional[_Iterable[int]] = ..., removed_keys: _Optional[bytes] = ...) -> None: ...
+
+class ReportBlocksResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class UnregisterNodeRequest(_message.Message):
+    __slots__ = ("node_id", "incarnation")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    incarnation: int
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class UnregisterNodeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("keys", "worker_id", "hbm_prefix_blocks", "block_tokens")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HBM_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    worker_id: str
+    hbm_prefix_blocks: int
+    block_tokens: int
+    def __init__(self, keys: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., hbm_prefix_blocks: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("tiers", "node_indexes", "sizes", "checksums", "nodes", "dram_blocks", "ssd_blocks")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NODE_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SSD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tiers: bytes
+    node_indexes: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeRef]
+    dram_blocks: int
+    ssd_blocks: int
+    def __init__(self, tiers: _Optional[bytes] = ..., node_indexes: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeRef, _Mapping]]] = ..., dram_blocks: _Optional[int] = ..., ssd_blocks: _Optional[int] = ...) -> None: ...
+
+class ExistsRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    def __init__(self, keys: _Optional[bytes] = ...) -> None: ...
+
+class ExistsResponse(_message.Message):
+    __slots__ = ("present",)
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    present: bytes
+    def __init__(self, present: _Optional[bytes] = ...) -> None: ...
+
+class PlaceBlocksRequest(_message.Message):
+    __slots__ = ("keys", "sizes")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PlaceBlocksResponse(_message.Message):
+    __slots__ = ("node_indexes", "present", "nodes")
+    NODE_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    node_indexes: _containers.RepeatedScalarFieldContainer[int]
+    present: bytes
+    nodes: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeRef]
+    def __init__(self, node_indexes: _Optional[_Iterable[int]] = ..., present: _Optional[bytes] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeRef, _Mapping]]] = ...) -> None: ...
+
+class ReportHbmRequest(_message.Message):
+    __slots__ = ("worker_id", "added_keys", "removed_keys", "full_sync", "capacity_bytes", "used_bytes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    FULL_SYNC_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    added_keys: bytes
+    removed_keys: bytes
+    full_sync: bool
+    capacity_bytes: int
+    used_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., added_keys: _Optional[bytes] = ..., removed_keys: _Optional[bytes] = ..., full_sync: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ...) -> None: ...
+
+class ReportHbmResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("node", "tiers", "seconds_since_heartbeat", "incarnation")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    node: _common_pb2.NodeRef
+    tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
+    seconds_since_heartbeat: float
+    incarnation: int
+    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., seconds_since_heartbeat: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class ClusterStatusResponse(_message.Message):
+    __slots__ = ("nodes", "indexed_blocks", "workers", "hbm_blocks", "lookups", "requested_blocks", "hit_blocks_hbm", "hit_blocks_dram", "hit_blocks_ssd")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    HBM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_HBM_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_DRAM_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_SSD_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    indexed_blocks: int
+    workers: int
+    hbm_blocks: int
+    lookups: int
+    requested_blocks: int
+    hit_blocks_hbm: int
+    hit_blocks_dram: int
+    hit_blocks_ssd: int
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., indexed_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., hbm_blocks: _Optional[int] = ..., lookups: _Optional[int] = ..., requested_blocks: _Optional[int] = ..., hit_blocks_hbm: _Optional[int] = ..., hit_blocks_dram: _Optional[int] = ..., hit_blocks_ssd: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,104 @@
+from kvpool.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PutRequest(_message.Message):
+    __slots__ = ("keys", "sizes", "data", "checksums")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: bytes
+    def __init__(self, stored: _Optional[bytes] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    def __init__(self, keys: _Optional[bytes] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("tiers", "sizes", "checksums", "data")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    tiers: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, tiers: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class NodeExistsRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    def __init__(self, keys: _Optional[bytes] = ...) -> None: ...
+
+class NodeExistsResponse(_message.Message):
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: bytes
+    def __init__(self, tiers: _Optional[bytes] = ...) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    def __init__(self, keys: _Optional[bytes] = ...) -> None: ...
+
+class RemoveResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class LocateRequest(_message.Message):
+    __slots__ = ("keys", "promote")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTE_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    promote: bool
+    def __init__(self, keys: _Optional[bytes] = ..., promote: _Optional[bool] = ...) -> None: ...
+
+class LocateResponse(_message.Message):
+    __slots__ = ("arena", "slots", "slot_gens", "sizes", "checksums")
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_GENS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    arena: str
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    slot_gens: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, arena: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., slot_gens: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("node", "tiers", "slot_bytes")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node: _common_pb2.NodeRef
+    tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
+    slot_bytes: int
+    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
