@@ -114,3 +114,15 @@ def tier_usage(stats: TierStats) -> common_pb2.TierUsage:
     return common_pb2.TierUsage(
         tier=int(stats.tier), capacity_bytes=stats.capacity_bytes, used_bytes=stats.used_bytes, blocks=stats.blocks
     )
+
+
+def local_host_id() -> str:
+    """Hostname plus boot id: two processes share /dev/shm iff their host ids are equal."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
