@@ -1,18 +1,102 @@
-"""The ``kvpool`` command line: one subcommand per job; ``kvpool <cmd> --help`` documents each."""
+"""The ``kvpool`` command line: one subcommand per job; ``kvpool <cmd> --help`` documents each.
+
+Every config field is also a flag (``--dram-bytes 4G``), generated from the
+config dataclasses so that flags, JSON and ``KVPOOL_*`` variables can never
+disagree. Flags beat variables, which beat the ``--config`` JSON file.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kvpool import __version__
+from kvpool.config import ClientConfig, MasterConfig, NodeConfig, PoolConfig, load_config
+
+_SECTIONS = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}
+
+
+def _add_section_flags(parser: argparse.ArgumentParser, section: str, prefix: str = "", skip: Sequence[str] = ()) -> None:
+    group = parser.add_argument_group(f"{section} settings (JSON section \"{section}\", env KVPOOL_{section.upper()}_*)")
+    for f in dataclasses.fields(_SECTIONS[section]):
+        if f.name in skip:
+            continue
+        flag = "--" + prefix + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = f.metadata.get("help", "")
+        group.add_argument(flag, dest=f"{section}.{f.name}", default=None, metavar=f.name.upper(),
+                           help=f"{help_text} (default: {default!r})".replace("%", "%%"))
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for dest, value in vars(args).items():
+        if "." in dest and value is not None:
+            section, name = dest.split(".", 1)
+            out.setdefault(section, {})[name] = value
+    return out
+
+
+def _config(args: argparse.Namespace) -> PoolConfig:
+    return load_config(args.config, overrides=_overrides(args))
+
+
+def _run_master(args: argparse.Namespace) -> int:
+    from kvpool.master.server import run_master
+
+    run_master(_config(args).master)
+    return 0
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    from kvpool.node.daemon import run_node
+
+    run_node(_config(args).node)
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kvpool.serve import run_serve
+
+    run_serve(_config(args))
+    return 0
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from kvpool.status import run_status
+
+    return run_status(args.master or _config(args).client.master, timeout=args.timeout)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description="A tiered (HBM / DRAM / SSD) KV-cache pool.")
     parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, help_text: str, run: Any) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--config", help="kvpool JSON config file (sections master, node, client)")
+        sub.set_defaults(run=run)
+        return sub
+
+    serve = command("serve", "run a whole pool on this machine: the master and one node, in one process", _run_serve)
+    _add_section_flags(serve, "node", skip=("master",))
+    _add_section_flags(serve, "master", prefix="master-")
+
+    master = command("master", "run the Master Service (start it before engines and nodes)", _run_master)
+    _add_section_flags(master, "master")
+
+    node = command("node", "run a pool node: this host's DRAM arena and SSD store", _run_node)
+    _add_section_flags(node, "node")
+
+    status = command("status", "show nodes, tier usage and capacity, and hit rates", _run_status)
+    status.add_argument("--master", help="the master's host:port (default: the client config's)")
+    status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the master (default: 3)")
 
     bench = commands.add_parser("bench", help="measure the pool against this machine's limits")
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
@@ -27,11 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run = getattr(args, "run", None)
     if run is None:
         parser.print_help()
         return 2
-    return int(run(args) or 0)
+    try:
+        return int(run(args) or 0)
+    except ValueError as exc:  # bad config or flags: say what, change nothing
+        print(f"kvpool {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -53,44 +53,45 @@ def parse_size(value: object) -> int:
     return int(amount * scale)
 
 
-def _size_field(default: int) -> Any:
-    return field(default=default, metadata={"size": True})
+def opt(default: Any, help: str, *, size: bool = False) -> Any:
+    """A config field with the help text ``--help`` shows (and ``size`` parsing for byte sizes)."""
+    return field(default=default, metadata={"help": help, "size": size})
 
 
 @dataclass(frozen=True)
 class MasterConfig:
     """The Master Service."""
 
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_MASTER_PORT
-    metrics_port: int = DEFAULT_MASTER_PORT + 1  # 0: no metrics endpoint
-    node_timeout_s: float = 3.0  # a node silent this long is dropped with all its entries
-    heartbeat_interval_s: float = 1.0  # told to nodes when they register
-    worker_timeout_s: float = 60.0  # a worker silent this long loses its HBM entries
-    max_keys_per_call: int = 65536
+    host: str = opt("127.0.0.1", "address the master listens on (0.0.0.0: all interfaces)")
+    port: int = opt(DEFAULT_MASTER_PORT, "gRPC port of the Master Service")
+    metrics_port: int = opt(DEFAULT_MASTER_PORT + 1, "0: no metrics endpoint")
+    node_timeout_s: float = opt(3.0, "a node silent this long is dropped with all its entries")
+    heartbeat_interval_s: float = opt(1.0, "told to nodes when they register")
+    worker_timeout_s: float = opt(60.0, "a worker silent this long loses its HBM entries")
+    max_keys_per_call: int = opt(65536, "largest key batch one call may carry")
 
 
 @dataclass(frozen=True)
 class NodeConfig:
     """A pool node: the DRAM arena and SSD store of one host."""
 
-    master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}"
-    host: str = "127.0.0.1"
-    port: int = DEFAULT_NODE_PORT
-    metrics_port: int = DEFAULT_NODE_PORT + 1  # 0: no metrics endpoint
-    advertise: str = ""  # host:port clients dial; default host:port
-    node_id: str = ""  # default: <hostname>:<port>
-    arena: str = ""  # /dev/shm name of the DRAM arena; default: kvpool-<port>
-    dram_bytes: int = _size_field(0)  # 0: a quarter of available memory, at most 8 GiB
-    slot_bytes: int = _size_field(2 << 20)  # largest block the DRAM tier takes; set >= your block size
-    ssd_dir: str = "./kvpool-data"
-    ssd_bytes: int = _size_field(0)  # 0: half the free disk at ssd_dir, at most 64 GiB
-    ssd_enabled: bool = True
-    ssd_sync: bool = False
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    write_through: bool = False
-    max_message_bytes: int = _size_field(256 << 20)
+    master: str = opt(f"127.0.0.1:{DEFAULT_MASTER_PORT}", "the master's host:port")
+    host: str = opt("127.0.0.1", "address the node listens on (0.0.0.0: all interfaces)")
+    port: int = opt(DEFAULT_NODE_PORT, "gRPC port of the node's data service")
+    metrics_port: int = opt(DEFAULT_NODE_PORT + 1, "0: no metrics endpoint")
+    advertise: str = opt("", "host:port clients dial; default host:port")
+    node_id: str = opt("", "default: <hostname>:<port>")
+    arena: str = opt("", "/dev/shm name of the DRAM arena; default: kvpool-<port>")
+    dram_bytes: int = opt(0, "0: a quarter of available memory, at most 8 GiB", size=True)
+    slot_bytes: int = opt(2 << 20, "largest block the DRAM tier takes; set >= your block size", size=True)
+    ssd_dir: str = opt("./kvpool-data", "directory of the SSD tier (LMDB)")
+    ssd_bytes: int = opt(0, "0: half the free disk at ssd_dir, at most 64 GiB", size=True)
+    ssd_enabled: bool = opt(True, "false: DRAM only")
+    ssd_sync: bool = opt(False, "fsync every SSD commit (default: a cache; see docs/architecture.md)")
+    high_watermark: float = opt(0.95, "DRAM usage fraction that starts eviction (demotion to SSD)")
+    low_watermark: float = opt(0.85, "DRAM usage fraction eviction brings usage down to")
+    write_through: bool = opt(False, "write every block to SSD at once, not only on eviction")
+    max_message_bytes: int = opt(256 << 20, "largest gRPC message the node accepts", size=True)
 
     def resolved_node_id(self) -> str:
         return self.node_id or f"{socket.gethostname()}:{self.port}"
@@ -122,19 +123,19 @@ class NodeConfig:
 class ClientConfig:
     """The client library inside an inference worker."""
 
-    master: str = f"127.0.0.1:{DEFAULT_MASTER_PORT}"
-    worker_id: str = ""  # default: <hostname>-<pid>
-    model: str = "default"
-    tenant: str = ""  # salt: tenants never share keys
-    layout: KVLayout | None = None  # the engine's KV layout (needed for the HBM tier and adapters)
-    hbm_blocks: int = 0  # HBM tier size in blocks; 0: no HBM tier in the client
-    device: str = "cpu"  # HBM tier device: cpu, cuda:N, npu:N
-    lookup_timeout_s: float = 0.5
-    io_timeout_s: float = 5.0
-    put_queue_blocks: int = 256  # write-behind bound; a full queue drops new puts (counted)
-    shared_memory: bool = True  # read same-host nodes' DRAM arena directly
-    strict: bool = False  # tests: raise pool faults instead of counting them as misses
-    metrics_port: int = 0  # 0: no endpoint (the registry is still available)
+    master: str = opt(f"127.0.0.1:{DEFAULT_MASTER_PORT}", "the master's host:port")
+    worker_id: str = opt("", "default: <hostname>-<pid>")
+    model: str = opt("default", "model id: part of every block key's namespace")
+    tenant: str = opt("", "salt: tenants never share keys")
+    layout: KVLayout | None = opt(None, "the engine's KV layout (needed for the HBM tier and adapters)")
+    hbm_blocks: int = opt(0, "HBM tier size in blocks; 0: no HBM tier in the client")
+    device: str = opt("cpu", "HBM tier device: cpu, cuda:N, npu:N")
+    lookup_timeout_s: float = opt(0.5, "deadline of a master call; past it the lookup is a miss")
+    io_timeout_s: float = opt(5.0, "deadline of a node data call; past it the blocks are misses")
+    put_queue_blocks: int = opt(256, "write-behind bound; a full queue drops new puts (counted)")
+    shared_memory: bool = opt(True, "read same-host nodes' DRAM arena directly")
+    strict: bool = opt(False, "tests: raise pool faults instead of counting them as misses")
+    metrics_port: int = opt(0, "0: no endpoint (the registry is still available)")
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"

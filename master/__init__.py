@@ -3,3 +3,7 @@
 Imported as ``kvpool.master`` (code in the top-level ``master/`` folder); it
 never imports torch.
 """
+
+from kvpool.master.server import MasterServer, run_master
+
+__all__ = ["MasterServer", "run_master"]

@@ -19,3 +19,4 @@ def arena_name():
         os.unlink(shm_path(name))
     except FileNotFoundError:
         pass
+

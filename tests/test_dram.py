@@ -115,3 +115,56 @@ def test_bad_input_is_a_value_error_and_changes_nothing(store, call):
     with pytest.raises(ValueError):
         call(store)
     assert (store.keys(), store.stats()) == before
+
+
+class Changes:
+    """Records on_change calls; fails the test if the store's lock is held during one."""
+
+    def __init__(self) -> None:
+        self.store: DramStore | None = None
+        self.calls: list[tuple[list, list]] = []
+
+    def __call__(self, added, removed):
+        assert self.store is not None
+        free = self.store._lock.acquire(blocking=False)  # called outside the lock
+        assert free, "on_change called under the DRAM lock"
+        self.store._lock.release()
+        self.calls.append((list(added), list(removed)))
+
+
+def test_on_change_reports_puts_evictions_and_removes(arena_name):
+    from kvpool.checksum import block_checksum
+    from kvpool.tiers.base import BlockMeta
+
+    changes, sink = Changes(), Sink()
+    s = DramStore.create(arena_name, 4 * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0,
+                         on_evict=sink, on_change=changes)
+    changes.store = s
+    try:
+        s.put([key(0), key(1)], [block(0), block(1, 100)])
+        assert changes.calls == [([BlockMeta(key(0), SLOT, block_checksum(block(0))),
+                                   BlockMeta(key(1), 100, block_checksum(block(1, 100)))], [])]
+        s.put([key(0)], [block(0)])  # already held: the key set did not change, no call
+        assert len(changes.calls) == 1
+        s.put([key(i) for i in range(2, 5)], [block(i) for i in range(2, 5)])  # one over: key(1) is LRU
+        added, removed = changes.calls[-1]
+        assert [m.key for m in added] == [key(2), key(3), key(4)] and removed == [key(1)]
+        assert sink.keys == [key(1)]
+        assert s.remove([key(3), key(9)]) == 1
+        assert changes.calls[-1] == ([], [key(3)])
+        assert sorted(s.inventory(), key=lambda m: m.key) == sorted(
+            [BlockMeta(key(i), SLOT, block_checksum(block(i))) for i in (0, 2, 4)], key=lambda m: m.key)
+    finally:
+        s.close()
+
+
+def test_a_failing_listener_does_not_fail_the_put(arena_name):
+    def broken(added, removed):
+        raise RuntimeError("listener bug")
+
+    s = DramStore.create(arena_name, 2 * SLOT, SLOT, on_change=broken)
+    try:
+        assert s.put([key(0)], [block(0)]) == [True]
+        assert s.contains([key(0)]) == [True]
+    finally:
+        s.close()

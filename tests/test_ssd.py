@@ -357,3 +357,52 @@ def test_concurrent_puts_and_gets_stay_consistent(tmp_path: Path) -> None:
     store.close()
     with SsdStore(tmp_path / "s", 3 * MIB) as again:  # the file agrees with the in-memory LRU
         assert sorted(again.keys()) == sorted(store.keys())
+
+
+def test_on_change_reports_writes_evictions_removes_and_corrupt_deletions(tmp_path: Path) -> None:
+    from kvpool.tiers.base import BlockMeta
+
+    calls: list[tuple[list, list]] = []
+    path = tmp_path / "s"
+    store = SsdStore(path, 8 * MIB, on_change=lambda a, r: calls.append((list(a), list(r))))
+    try:
+        assert store.put([key(0), key(1)], [block(0), block(1, 5000)]) == [True, True]
+        assert calls == [([BlockMeta(key(0), MIB, block_checksum(block(0))),
+                           BlockMeta(key(1), 5000, block_checksum(block(1, 5000)))], [])]
+        assert store.put([key(0)], [block(0)]) == [True]  # identical re-put: refresh only, no call
+        assert len(calls) == 1
+        assert store.meta([key(1), key(9)]) == [BlockMeta(key(1), 5000, block_checksum(block(1, 5000))), None]
+        per = 8 * MIB // store.entry_cost(MIB)
+        store.put([key(i) for i in range(2, 2 + per)], [block(i) for i in range(2, 2 + per)])
+        added, removed = calls[-1]
+        assert [m.key for m in added] == [key(i) for i in range(2, 2 + per)]
+        assert removed and set(removed) <= {key(0), key(1)}
+        assert store.contains(removed) == [False] * len(removed)
+        assert store.remove([key(per + 1), key(99)]) == 1
+        assert calls[-1] == ([], [key(per + 1)])
+        before = store.inventory()
+        assert [m.key for m in before] == store.keys()
+    finally:
+        store.close()
+    with SsdStore(path, 8 * MIB) as again:  # size and checksum come back from the headers
+        assert again.inventory() == before
+
+
+def test_corrupt_deletion_is_reported_as_removed(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    victim = block(10)
+    with SsdStore(path, 16 * MIB) as store:
+        assert store.put([key(10)], [victim]) == [True]
+    needle = victim[MIB // 2 : MIB // 2 + 64].tobytes()
+    with open(path / "data.mdb", "r+b") as f:
+        data = f.read()
+        pos = data.index(needle) + 17
+        f.seek(pos)
+        f.write(bytes([data[pos] ^ 0x01]))
+    calls: list[tuple[list, list]] = []
+    with SsdStore(path, 16 * MIB, on_change=lambda a, r: calls.append((list(a), list(r)))) as store:
+        assert calls == []  # what is found at open is in inventory(), not reported
+        assert [m.key for m in store.inventory()] == [key(10)]
+        assert store.get_into([key(10)], [np.empty(MIB, dtype=np.uint8)]) == [False]
+        assert calls == [([], [key(10)])]
+        assert store.inventory() == []

@@ -120,3 +120,43 @@ def test_service_side_imports_without_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_demotion_and_promotion_are_counted_and_reported_per_tier(arena_name, tmp_path):
+    moves = {"demote": 0, "promote": 0}
+    dram_calls, ssd_calls = [], []
+    dram = DramStore.create(arena_name, 4 * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0,
+                            on_change=lambda a, r: dram_calls.append(([m.key for m in a], list(r))))
+    ssd = SsdStore(tmp_path / "ssd", 64 * SLOT, on_change=lambda a, r: ssd_calls.append(([m.key for m in a], list(r))))
+    node = TieredStore(dram, ssd, on_demote=lambda n: moves.__setitem__("demote", moves["demote"] + n),
+                       on_promote=lambda n: moves.__setitem__("promote", moves["promote"] + n))
+    try:
+        node.put([key(i) for i in range(4)], [block(i) for i in range(4)])
+        node.put([key(4)], [block(4)])  # DRAM is full: its LRU block, key(0), moves down
+        assert moves == {"demote": 1, "promote": 0}
+        assert ssd_calls == [([key(0)], [])]
+        assert dram_calls[-1] == ([key(4)], [key(0)])
+        out = bytearray(SLOT)
+        assert node.get_into([key(0)], [out]) == [Tier.SSD] and bytes(out) == block(0)
+        assert moves == {"demote": 2, "promote": 1}  # promoting 0 pushed DRAM's LRU block (1) down
+        assert dram_calls[-1] == ([key(0)], [key(1)])
+    finally:
+        node.close()
+
+
+def test_a_block_larger_than_a_slot_lives_on_ssd_only(arena_name, tmp_path):
+    promoted = []
+    node = make(arena_name, tmp_path)
+    node.on_promote = promoted.append
+    try:
+        big = bytes(range(256)) * (SLOT // 128)  # two slots' worth
+        assert node.put([key(1), key(2)], [big, block(2)]) == [True, True]
+        assert node.where([key(1), key(2)]) == [Tier.SSD, Tier.DRAM]
+        out = bytearray(len(big))
+        assert node.get_into([key(1)], [out]) == [Tier.SSD] and bytes(out) == big
+        assert node.where([key(1)]) == [Tier.SSD] and promoted == []  # never promoted
+        with pytest.raises(ValueError):  # fits nowhere: nothing stored
+            node.put([key(3), key(4)], [block(3), bytes(128 * SLOT)])
+        assert node.where([key(3), key(4)]) == [None, None]
+    finally:
+        node.close()

@@ -11,6 +11,7 @@ Failure vocabulary (the same in every tier):
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -71,6 +72,35 @@ class TierStore(Protocol, Generic[Buf]):
     def stats(self) -> TierStats: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What an index needs to know about one stored block: its key, size and checksum."""
+
+    key: BlockKey
+    size: int
+    checksum: int
+
+
+# Called by a store after each batch that changed its key set, with the blocks
+# it gained (committed puts, promotions) and the keys it lost (evictions,
+# demotions, removes, corrupt deletions). Called outside the store's locks, in
+# the thread that made the change, after the change is visible; listeners must
+# be quick and must not raise. Two batches from different threads may arrive in
+# either order, so a listener that needs the current truth re-checks
+# ``contains`` (see kvpool.node.master_link).
+ChangeListener = Callable[[Sequence[BlockMeta], Sequence[BlockKey]], None]
+
+
+def notify(listener: ChangeListener | None, added: Sequence[BlockMeta], removed: Sequence[BlockKey], who: str) -> None:
+    """Call ``listener`` if there is one and anything changed; a failing listener is logged, not raised."""
+    if listener is None or not (added or removed):
+        return
+    try:
+        listener(added, removed)
+    except Exception:  # noqa: BLE001 - bookkeeping must never fail a store operation
+        logging.getLogger(__name__).exception("%s: on_change listener failed", who)
 
 
 # Called with (keys, byte views of their data, their checksums) when a tier

@@ -13,6 +13,9 @@ Invariants:
   (in LRU order, inline, by the putting thread) until usage is at the low
   watermark with room for the new blocks.
 - ``_lock`` guards the index only; data copies and the sink run outside it.
+- ``on_change`` hears of every change to the key set (committed puts as
+  added, released victims and removes as removed), after the change and
+  outside the lock.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from kvpool.buffers import BufferLike, as_array
 from kvpool.checksum import block_checksum
 from kvpool.keys import BlockKey, check_keys
 from kvpool.tiers.arena import SharedArena, SlotRef
-from kvpool.tiers.base import EvictionSink, Tier, TierStats, check_batch
+from kvpool.tiers.base import BlockMeta, ChangeListener, EvictionSink, Tier, TierStats, check_batch, notify
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class DramStore:
         high_watermark: float = 0.95,
         low_watermark: float = 0.85,
         on_evict: EvictionSink | None = None,
+        on_change: ChangeListener | None = None,
         verify_reads: bool = True,
     ):
         if not arena.owner:
@@ -53,6 +57,7 @@ class DramStore:
             raise ValueError(f"need 0 < low <= high <= 1, got low={low_watermark} high={high_watermark}")
         self.arena = arena
         self.on_evict = on_evict
+        self.on_change = on_change
         self.verify_reads = verify_reads
         self._high = max(1, int(arena.num_slots * high_watermark))
         self._low = min(self._high, max(0, int(arena.num_slots * low_watermark)))
@@ -148,10 +153,13 @@ class DramStore:
                     seen.add(k)
                     todo.append(i)
             slots, victims = self._reserve(len(todo))
+        released: list[BlockKey] = []
         if victims:
-            slots += self._demote(victims, need=len(todo) - len(slots))
+            more, released = self._demote(victims, need=len(todo) - len(slots))
+            slots += more
 
         stored: set[BlockKey] = set()
+        added: list[BlockMeta] = []
         written = 0
         for i, slot in zip(todo, slots):
             np.copyto(self.arena.data[slot, : srcs[i].size], srcs[i])
@@ -164,9 +172,11 @@ class DramStore:
                     self.arena.commit(slot, key, srcs[i].size, sums[i])
                     self._lru[key] = slot
                     stored.add(key)
+                    added.append(BlockMeta(key, srcs[i].size, sums[i]))
                     written += srcs[i].size
             self._stats.puts += len(stored)
             self._stats.bytes_in += written
+        notify(self.on_change, added, released, "DRAM")
         # Keys that found no slot stay False (no room); repeats of a key in the batch share its fate.
         return [r or k in stored for r, k in zip(result, keys)]
 
@@ -190,8 +200,8 @@ class DramStore:
         slots = [self._free.pop() for _ in range(take)]
         return slots, victims
 
-    def _demote(self, victims: list[tuple[BlockKey, int]], need: int) -> list[int]:
-        """Hand victims to the sink, then release them; returns up to ``need`` freed slots."""
+    def _demote(self, victims: list[tuple[BlockKey, int]], need: int) -> tuple[list[int], list[BlockKey]]:
+        """Hand victims to the sink, then release them; returns up to ``need`` freed slots and the released keys."""
         if self.on_evict is not None:
             keys = [k for k, _ in victims]
             views = [self.arena.slot_view(s, int(self.arena.table["length"][s])) for _, s in victims]
@@ -203,26 +213,29 @@ class DramStore:
             del views
         with self._lock:
             freed = []
+            released = []
             for key, slot in victims:
                 if self._demoting.pop(key, None) == slot:
                     self.arena.release(slot)
                     freed.append(slot)
+                    released.append(key)
             self._stats.evictions += len(victims)
             mine, spare = freed[:need], freed[need:]
             self._free.extend(spare)
-        return mine
+        return mine, released
 
     def remove(self, keys: Sequence[BlockKey]) -> int:
         keys = check_keys(keys)
-        removed = 0
+        gone: list[BlockKey] = []
         with self._lock:
             for k in keys:
                 slot = self._lru.pop(k, None)
                 if slot is not None:
                     self.arena.release(slot)
                     self._free.append(slot)
-                    removed += 1
-        return removed
+                    gone.append(k)
+        notify(self.on_change, (), gone, "DRAM")
+        return len(gone)
 
     # -- introspection -------------------------------------------------------------
 
@@ -230,6 +243,15 @@ class DramStore:
         """Committed keys, least recently used first."""
         with self._lock:
             return list(self._lru)
+
+    def inventory(self) -> list[BlockMeta]:
+        """Every block held (being-demoted ones included, as ``contains`` counts them), LRU first."""
+        with self._lock:
+            held = [*self._demoting.items(), *self._lru.items()]
+            slots = np.fromiter((s for _, s in held), dtype=np.int64, count=len(held))
+            lengths = self.arena.table["length"][slots].tolist()
+            sums = self.arena.table["checksum"][slots].tolist()
+        return [BlockMeta(k, n, c) for (k, _), n, c in zip(held, lengths, sums)]
 
     def stats(self) -> TierStats:
         with self._lock:

@@ -13,7 +13,13 @@ Invariants:
   that fails its header or checksum check is a miss, counted in ``corrupt`` and
   deleted.
 - One process owns a store directory (an ``flock`` on ``kvpool.lock``): the
-  in-memory LRU must mirror the file.
+  in-memory LRU must mirror the file. It maps each key to its
+  :class:`BlockMeta` (size and checksum, rebuilt from the headers at open), so
+  :meth:`SsdStore.inventory` and :meth:`SsdStore.meta` never touch the disk.
+- ``on_change`` hears of every change to the key set after it is committed,
+  outside both locks: new entries as added; evictions, removes and corrupt
+  deletions as removed. Entries found or dropped while opening are not
+  reported (nobody has an inventory yet; :meth:`SsdStore.inventory` has them).
 
 Sync policy: this is a cache, so by default commits are not fsynced. A process
 killed with SIGKILL loses nothing (committed pages are already in the OS page
@@ -41,7 +47,7 @@ import numpy as np
 from kvpool.buffers import BufferLike, byte_view
 from kvpool.checksum import block_checksum, copy_with_checksum
 from kvpool.keys import KEY_BYTES, BlockKey, check_keys
-from kvpool.tiers.base import Tier, TierStats, check_batch
+from kvpool.tiers.base import BlockMeta, ChangeListener, Tier, TierStats, check_batch, notify
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +88,7 @@ class SsdStore:
         *,
         sync: bool = False,
         max_value_bytes: int = 64 << 20,
+        on_change: ChangeListener | None = None,
     ) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
@@ -91,13 +98,14 @@ class SsdStore:
         self.path.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.max_value_bytes = max_value_bytes
+        self.on_change = on_change
         # Far above capacity: LMDB reuses pages freed by txn N only from txn N+2 on (and once
         # no reader holds an older snapshot), and an overflow value needs a run of free pages.
         self.map_size = max(2 * capacity_bytes, capacity_bytes + 256 * _MIB)
         self._sync = sync
         self._lock = threading.Lock()  # guards _lru, _used and counters; never held across LMDB I/O
         self._wlock = threading.Lock()  # serialises write transactions (and close)
-        self._lru: collections.OrderedDict[BlockKey, int] = collections.OrderedDict()  # LRU first
+        self._lru: collections.OrderedDict[BlockKey, BlockMeta] = collections.OrderedDict()  # LRU first
         self._used = 0
         self._seq = 0
         self._scratch = bytearray()
@@ -156,7 +164,7 @@ class SsdStore:
     def _load(self) -> None:
         """Rebuild the LRU from the headers (write order); drop bad entries and any excess."""
         assert self._env is not None
-        entries: list[tuple[int, BlockKey, int]] = []
+        entries: list[tuple[int, BlockKey, int, int]] = []  # (sequence, key, size, checksum)
         bad: list[bytes] = []
         with self._env.begin(buffers=True) as txn:
             for key, value in txn.cursor():
@@ -166,11 +174,11 @@ class SsdStore:
                 if header is None or len(key) != KEY_BYTES:
                     bad.append(bytes(key))
                 else:
-                    entries.append((header[2], BlockKey(bytes(key)), self.entry_cost(header[0])))
+                    entries.append((header[2], BlockKey(bytes(key)), header[0], header[1]))
         entries.sort()
-        for _seq, key, cost in entries:
-            self._lru[key] = cost
-            self._used += cost
+        for _seq, key, size, checksum in entries:
+            self._lru[key] = BlockMeta(key, size, checksum)
+            self._used += self.entry_cost(size)
         self._seq = entries[-1][0] + 1 if entries else 0
         victims = self._pick_victims(self._used - self.capacity_bytes, frozenset())
         if bad or victims:
@@ -189,25 +197,38 @@ class SsdStore:
         pages = -(-(HEADER_BYTES + payload_bytes) // self.page_size)
         return (pages + 1) * self.page_size
 
+    def fits(self, payload_bytes: int) -> bool:
+        """Whether a block of this size can be stored at all (within max value size and capacity)."""
+        return payload_bytes <= self.max_value_bytes and self.entry_cost(payload_bytes) <= self.capacity_bytes
+
     def _pick_victims(self, need: int, pinned: frozenset[BlockKey]) -> list[BlockKey]:
         """LRU-first unpinned keys whose costs sum to >= need (fewer if there are not enough)."""
         victims: list[BlockKey] = []
         with self._lock:
-            for key, cost in self._lru.items():
+            for key, meta in self._lru.items():
                 if need <= 0:
                     break
                 if key not in pinned:
                     victims.append(key)
-                    need -= cost
+                    need -= self.entry_cost(meta.size)
         return victims
 
-    def _forget(self, keys: Sequence[BlockKey], *, evicted: bool) -> None:
+    def _cost_of(self, key: BlockKey) -> int:
+        """Accounted bytes of a stored key, 0 if absent (caller holds ``_lock``)."""
+        meta = self._lru.get(key)
+        return 0 if meta is None else self.entry_cost(meta.size)
+
+    def _forget(self, keys: Sequence[BlockKey], *, evicted: bool) -> list[BlockKey]:
+        """Drop keys from the in-memory map; returns those that were there."""
+        gone = []
         with self._lock:
             for key in keys:
-                cost = self._lru.pop(key, None)
-                if cost is not None:
-                    self._used -= cost
+                meta = self._lru.pop(key, None)
+                if meta is not None:
+                    self._used -= self.entry_cost(meta.size)
                     self._counts["evictions"] += evicted
+                    gone.append(key)
+        return gone
 
     def _env_or_raise(self) -> lmdb.Environment:
         if self._env is None:
@@ -237,7 +258,7 @@ class SsdStore:
         if checksums is not None:
             check_batch(ks, checksums)
         for view in views:
-            if view.nbytes > self.max_value_bytes or self.entry_cost(view.nbytes) > self.capacity_bytes:
+            if not self.fits(view.nbytes):
                 raise ValueError(f"a {view.nbytes}-byte block cannot fit in SSD store {self.path} "
                                  f"(capacity {self.capacity_bytes}, max value {self.max_value_bytes})")
         env = self._env_or_raise()
@@ -250,9 +271,11 @@ class SsdStore:
                 continue
             latest.pop(key, None)
             latest[key] = (view, checksum)
+        added: list[BlockMeta] = []
+        removed: list[BlockKey] = []
         with self._wlock:
             try:
-                stored = self._write(env, latest)
+                stored = self._write(env, latest, added, removed)
             except lmdb.MapFullError:
                 need = sum(self.entry_cost(v.nbytes) for v, _ in latest.values())
                 try:
@@ -260,21 +283,26 @@ class SsdStore:
                     with env.begin(write=True) as txn:
                         for key in victims:
                             txn.delete(key)
-                    self._forget(victims, evicted=True)
+                    removed += self._forget(victims, evicted=True)
                     # LMDB reuses pages freed by txn N only from txn N+2 on: commit one tiny txn.
                     with env.begin(write=True) as txn:
                         txn.put(_MARK, self._seq.to_bytes(8, "little"))
-                    stored = self._write(env, latest)
+                    stored = self._write(env, latest, added, removed)
                 except lmdb.MapFullError:
                     log.warning("SSD store %s: LMDB map full after evicting; dropping %d blocks",
                                 self.path, len(latest))
                     stored = set()
         with self._lock:
             self._counts["corrupt"] += len(bad)
+        notify(self.on_change, added, removed, "SSD")
         return [i not in bad and k in stored for i, k in enumerate(ks)]
 
-    def _write(self, env: lmdb.Environment, items: dict[BlockKey, tuple[memoryview, int]]) -> set[BlockKey]:
-        """One write txn for ``items`` (caller holds the writer lock); returns the keys now stored."""
+    def _write(self, env: lmdb.Environment, items: dict[BlockKey, tuple[memoryview, int]],
+               added: list[BlockMeta], removed: list[BlockKey]) -> set[BlockKey]:
+        """One write txn for ``items`` (caller holds the writer lock); returns the keys now stored.
+
+        Appends the entries it wrote to ``added`` and the keys it evicted to ``removed``.
+        """
         order: list[tuple[BlockKey, int | None]] = []  # (key, new cost) or (key, None) = refresh only
         with env.begin(write=True, buffers=True) as txn:
             for key, (view, checksum) in items.items():
@@ -287,7 +315,7 @@ class SsdStore:
             start, victims = 0, []
             with self._lock:
                 used = self._used
-                replaced = {k: self._lru.get(k, 0) for k, _ in writes}
+                replaced = {k: self._cost_of(k) for k, _ in writes}
             total = sum(c for _, c in writes)
             while start < len(writes) and total > self.capacity_bytes:  # more than fits: oldest lose
                 total -= writes[start][1]
@@ -298,7 +326,7 @@ class SsdStore:
                 need -= self.capacity_bytes
                 victims = self._pick_victims(need, refreshed | {k for k, _ in live})
                 with self._lock:
-                    freed = sum(self._lru[k] for k in victims)
+                    freed = sum(self._cost_of(k) for k in victims)
                 if freed >= need:
                     break
                 start += 1
@@ -312,15 +340,18 @@ class SsdStore:
                 if cost is not None:
                     view, checksum = items[key]
                     txn.put(key, self._pack(view, checksum))
-        self._forget(victims, evicted=True)
+        removed += self._forget(victims, evicted=True)
         with self._lock:
             for key, cost in order:
                 if cost is None:
                     if key in self._lru:
                         self._lru.move_to_end(key)
                     continue
-                self._used += cost - self._lru.pop(key, 0)
-                self._lru[key] = cost
+                self._used += cost - self._cost_of(key)
+                self._lru.pop(key, None)
+                meta = BlockMeta(key, items[key][0].nbytes, items[key][1])
+                self._lru[key] = meta
+                added.append(meta)
                 self._counts["puts"] += 1
                 self._counts["bytes_in"] += items[key][0].nbytes
             if self._used > self.capacity_bytes:
@@ -397,6 +428,7 @@ class SsdStore:
                 log.warning("SSD store %s: LMDB map full while deleting %d blocks", self.path, len(items))
                 return 0
             self._forget(gone, evicted=False)
+        notify(self.on_change, (), gone, "SSD")
         return len(gone)
 
     def remove(self, keys: Sequence[BlockKey]) -> int:
@@ -414,6 +446,17 @@ class SsdStore:
         """Stored keys, least recently used first."""
         with self._lock:
             return list(self._lru)
+
+    def inventory(self) -> list[BlockMeta]:
+        """Every stored block, least recently used first (from memory; no disk I/O)."""
+        with self._lock:
+            return list(self._lru.values())
+
+    def meta(self, keys: Sequence[BlockKey]) -> list[BlockMeta | None]:
+        """Size and checksum of each stored key, None if absent; does not change recency."""
+        ks = check_keys(keys)
+        with self._lock:
+            return [self._lru.get(k) for k in ks]
 
     def file_bytes(self) -> int:
         """Size of ``data.mdb`` on disk."""

@@ -9,13 +9,18 @@ Invariants:
   drop (SSD already has the block, unless SSD's own LRU evicted it).
 - The tiers are inclusive after a promotion: the SSD copy stays until SSD's
   LRU evicts it, so demoting that block again costs no write.
+- A block larger than DRAM's slot size lives on SSD only: puts send it
+  straight there and SSD hits on it are not promoted. Without an SSD tier it
+  is a ValueError, as in DramStore.
+- ``on_demote(n)`` / ``on_promote(n)`` (optional) count blocks that actually
+  moved: demoted blocks SSD stored, promoted blocks DRAM stored.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from kvpool.buffers import BufferLike
+from kvpool.buffers import BufferLike, byte_view
 from kvpool.keys import BlockKey, check_keys
 from kvpool.tiers.base import Tier, TierStats, check_batch
 from kvpool.tiers.dram import DramStore
@@ -25,17 +30,34 @@ from kvpool.tiers.ssd import SsdStore
 class TieredStore:
     """DRAM + optional SSD of one node, with demotion and promotion between them."""
 
-    def __init__(self, dram: DramStore, ssd: SsdStore | None = None, *, write_through: bool = False, promote: bool = True):
+    def __init__(
+        self,
+        dram: DramStore,
+        ssd: SsdStore | None = None,
+        *,
+        write_through: bool = False,
+        promote: bool = True,
+        on_demote: Callable[[int], None] | None = None,
+        on_promote: Callable[[int], None] | None = None,
+    ):
         self.dram = dram
         self.ssd = ssd
         self.write_through = write_through and ssd is not None
         self.promote = promote
+        self.on_demote = on_demote
+        self.on_promote = on_promote
         if ssd is not None and not self.write_through:
             dram.on_evict = self._demote
 
     def _demote(self, keys: Sequence[BlockKey], views: Sequence[memoryview], checksums: Sequence[int]) -> None:
         assert self.ssd is not None, "tiered: demotion without an SSD tier"
-        self.ssd.put(keys, views, checksums)
+        moved = sum(self.ssd.put(keys, views, checksums))
+        if self.on_demote is not None and moved:
+            self.on_demote(moved)
+
+    def fits_dram(self, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` can live in DRAM (else it lives on SSD only)."""
+        return nbytes <= self.dram.slot_bytes
 
     def where(self, keys: Sequence[BlockKey]) -> list[Tier | None]:
         """The fastest tier holding each key (no recency change)."""
@@ -63,19 +85,30 @@ class TieredStore:
         for i, key, out, hit in zip(missing, miss_keys, miss_outs, ssd_hits):
             if hit:
                 served[i] = Tier.SSD
-                promote_keys.append(key)
-                promote_vals.append(out)
+                if self.fits_dram(byte_view(out).nbytes):
+                    promote_keys.append(key)
+                    promote_vals.append(out)
         if self.promote and promote_keys:
-            self.dram.put(promote_keys, promote_vals)
+            moved = sum(self.dram.put(promote_keys, promote_vals))
+            if self.on_promote is not None and moved:
+                self.on_promote(moved)
         return served
 
     def put(self, keys: Sequence[BlockKey], values: Sequence[BufferLike]) -> list[bool]:
         """Store blocks in DRAM (and SSD with write-through); a block DRAM has no room for goes to SSD."""
         keys = check_keys(keys)
         check_batch(keys, values)
-        stored = self.dram.put(keys, values)
         if self.ssd is None:
-            return stored
+            return self.dram.put(keys, values)
+        views = [byte_view(v) for v in values]
+        for v in views:  # checked before any write: bad input changes nothing
+            if not self.fits_dram(v.nbytes) and not self.ssd.fits(v.nbytes):
+                raise ValueError(f"a {v.nbytes}-byte block fits neither a DRAM slot ({self.dram.slot_bytes} B) "
+                                 f"nor SSD store {self.ssd.path}")
+        small = [i for i, v in enumerate(views) if self.fits_dram(v.nbytes)]  # the rest go to SSD only
+        stored = [False] * len(keys)
+        for i, ok in zip(small, self.dram.put([keys[i] for i in small], [views[i] for i in small])):
+            stored[i] = ok
         if self.write_through:
             on_ssd = self.ssd.put(keys, values)
             return [a or b for a, b in zip(stored, on_ssd)]

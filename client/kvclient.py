@@ -1,0 +1,162 @@
+"""KVCacheClient: what an inference worker holds. HBM first, then one pool lookup for the rest.
+
+Invariants:
+- A lookup matches the leading run in this worker's HBM tier, then asks the
+  master once (packed keys) about the blocks after it; only a leading run
+  of hits is ever used.
+- ``get`` fills the caller's tensors/buffers for that run and returns how many
+  leading blocks are now loaded; a block that fails ends the run (the engine
+  recomputes from there). Pool blocks it loads are kept in HBM too.
+- ``put`` stores in HBM at once and queues the pool write (write-behind): the
+  engine never waits on the pool. ``flush`` waits for the queue.
+- Pool faults are counted misses, never exceptions (see :mod:`kvpool.client.pool`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from kvpool.client.lookup import LookupResult
+from kvpool.client.pool import PoolClient
+from kvpool.client.tensors import as_tensor, read_target, write_source
+from kvpool.config import ClientConfig, load_config
+from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys, check_keys, leading_hits
+
+_HBM_REPORT_BATCH = 1024
+
+
+class KVCacheClient:
+    """HBM tier + pool, built from one :class:`~kvpool.config.ClientConfig`."""
+
+    def __init__(self, config: ClientConfig, *, registry: CollectorRegistry | None = None):
+        self.config = config
+        self.layout = config.layout
+        self.pool = PoolClient(config, registry)
+        self.registry = self.pool.registry
+        self._hbm_lock = threading.Lock()
+        self._hbm_added: list[BlockKey] = []
+        self._hbm_removed: list[BlockKey] = []
+        self.hbm = None
+        if config.hbm_blocks > 0:
+            if self.layout is None:
+                raise ValueError("an HBM tier (hbm_blocks > 0) needs client.layout")
+            from kvpool.client.hbm import HbmStore
+
+            self.hbm = HbmStore(self.layout, config.hbm_blocks, config.device, on_change=self._hbm_changed)
+
+    @classmethod
+    def from_file(cls, path: str) -> "KVCacheClient":
+        """Build from a kvpool JSON config (its ``client`` section) plus ``KVPOOL_CLIENT_*`` variables."""
+        return cls(load_config(path).client)
+
+    @property
+    def block_tokens(self) -> int:
+        return self.layout.block_size if self.layout is not None else 0
+
+    def namespace(self, tp_rank: int = 0, tp_size: int = 1) -> KeyNamespace:
+        if self.layout is None:
+            raise ValueError("block keys need client.layout")
+        return KeyNamespace(self.config.model, self.layout.fingerprint(), tp_rank, tp_size, self.config.tenant)
+
+    def block_keys(self, tokens: Sequence[int], tp_rank: int = 0, tp_size: int = 1) -> list[BlockKey]:
+        """Keys of the full blocks of ``tokens`` in this client's namespace."""
+        return chain_block_keys(tokens, self.block_tokens, self.namespace(tp_rank, tp_size))
+
+    # -- HBM reporting (stats at the master) -------------------------------------------
+
+    def _hbm_changed(self, added: list[BlockKey], removed: list[BlockKey]) -> None:
+        with self._hbm_lock:
+            self._hbm_added += added
+            self._hbm_removed += removed
+            due = len(self._hbm_added) + len(self._hbm_removed) >= _HBM_REPORT_BATCH
+        if due:
+            self._report_hbm()
+
+    def _report_hbm(self) -> None:
+        with self._hbm_lock:
+            added, removed = self._hbm_added, self._hbm_removed
+            self._hbm_added, self._hbm_removed = [], []
+        if added or removed:
+            self.pool.report_hbm(added, removed)
+
+    # -- the engine's calls --------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+        """HBM's leading run, then the pool's leading run after it (one master call)."""
+        keys = check_keys(keys)
+        hbm = leading_hits(self.hbm.contains(keys)) if self.hbm is not None else 0
+        pool = ()
+        if hbm < len(keys):
+            pool = self.pool.lookup(keys[hbm:], hbm_prefix_blocks=hbm, block_tokens=self.block_tokens)
+        result = LookupResult(len(keys), hbm, pool)
+        self.pool.lookup_metrics.record(result.by_tier(), len(keys), self.block_tokens)
+        return result
+
+    def get(self, keys: Sequence[BlockKey], outs: Sequence[Any], result: LookupResult | None = None) -> int:
+        """Load the leading hit run into ``outs``; returns how many leading blocks are loaded."""
+        keys = check_keys(keys)
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} outputs")
+        result = result if result is not None else self.lookup(keys)
+        loaded = 0
+        if result.hbm_blocks:
+            assert self.hbm is not None, "client: HBM hits without an HBM tier"
+            hits = self.hbm.get_into(keys[: result.hbm_blocks], [as_tensor(o) for o in outs[: result.hbm_blocks]])
+            loaded = leading_hits(hits)
+            if loaded < result.hbm_blocks:
+                return loaded
+        if not result.pool:
+            return loaded
+        span = slice(loaded, loaded + len(result.pool))
+        targets = [read_target(o) for o in outs[span]]
+        ok = self.pool.get_into(result.pool, [t for t, _ in targets])
+        run = leading_hits(ok)
+        for _, finish in targets[:run]:
+            if finish is not None:
+                finish()
+        if self.hbm is not None and run:
+            self.hbm.put(keys[loaded : loaded + run], [as_tensor(o) for o in outs[loaded : loaded + run]])
+        return loaded + run
+
+    def put(self, keys: Sequence[BlockKey], values: Sequence[Any]) -> list[bool]:
+        """Keep blocks in HBM now and queue them for the pool; per block, whether the pool accepted it."""
+        keys = check_keys(keys)
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        sources = [write_source(v) for v in values]
+        if self.layout is not None:
+            for src in sources:
+                if src.size != self.layout.block_bytes:
+                    raise ValueError(f"block is {src.size} bytes; the layout's blocks are {self.layout.block_bytes}")
+        if self.hbm is not None:
+            self.hbm.put(keys, [as_tensor(v) for v in values])
+        return self.pool.put(keys, sources)
+
+    def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key: in this worker's HBM or in the pool."""
+        keys = check_keys(keys)
+        in_hbm = self.hbm.contains(keys) if self.hbm is not None else [False] * len(keys)
+        rest = [k for k, h in zip(keys, in_hbm) if not h]
+        in_pool = iter(self.pool.exists(rest) if rest else [])
+        return [h or next(in_pool) for h in in_hbm]
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued pool writes; also sends pending HBM reports."""
+        self._report_hbm()
+        return self.pool.flush(timeout)
+
+    def close(self) -> None:
+        self._report_hbm()
+        self.pool.close()
+        if self.hbm is not None:
+            self.hbm.close()
+
+    def __enter__(self) -> "KVCacheClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,62 @@
+"""Host byte views of engine tensors, so the pool (numpy, buffers) never needs to know about devices.
+
+- A CPU tensor or any buffer: a flat uint8 view of its own memory (no copy).
+- A device tensor (cuda, npu): a host staging buffer; for reads, ``finish``
+  copies the staging bytes into the device tensor.
+torch is imported only if the caller already uses it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvpool.buffers import as_array
+
+
+def is_tensor(obj: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _check_contiguous(tensor: Any) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+
+
+def read_target(obj: Any) -> tuple[np.ndarray, Callable[[], None] | None]:
+    """A writable host view to fill, and a ``finish`` to call after filling it (None: nothing to do)."""
+    if not is_tensor(obj):
+        return as_array(obj, writable=True), None
+    import torch
+
+    _check_contiguous(obj)
+    flat = obj.view(-1).view(torch.uint8)
+    if obj.device.type == "cpu":
+        return flat.numpy(), None
+    staging = torch.empty(flat.numel(), dtype=torch.uint8)
+    return staging.numpy(), lambda: flat.copy_(staging)
+
+
+def write_source(obj: Any) -> np.ndarray:
+    """A host uint8 view (or copy, for device tensors) of the bytes to store."""
+    if not is_tensor(obj):
+        return as_array(obj)
+    import torch
+
+    _check_contiguous(obj)
+    flat = obj.detach().view(-1).view(torch.uint8)
+    return (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
+
+
+def as_tensor(obj: Any) -> Any:
+    """A torch view of a buffer or tensor (for the HBM tier), sharing memory where it can."""
+    if is_tensor(obj):
+        return obj
+    import torch
+
+    arr = as_array(obj)
+    return torch.from_numpy(arr if arr.flags.writeable else arr.copy())

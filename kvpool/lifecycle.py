@@ -1,0 +1,28 @@
+"""Running until told to stop: the one signal-handling helper every daemon command uses."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+
+def wait_for_shutdown(stop: threading.Event | None = None) -> int:
+    """Block until SIGINT or SIGTERM (or ``stop`` is set); returns the signal number (0 for ``stop``).
+
+    Must be called from the main thread (Python delivers signals there).
+    """
+    stop = stop or threading.Event()
+    received: list[int] = []
+
+    def handler(signum: int, _frame: object) -> None:
+        received.append(signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    return received[0] if received else 0

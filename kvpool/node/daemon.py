@@ -1,0 +1,202 @@
+"""The pool node daemon: one host's DRAM arena + SSD store behind the Node gRPC service.
+
+:class:`PoolNode` owns, and builds in this order: the DRAM tier (a fresh
+shared-memory arena), the SSD tier (LMDB, survives restarts), the
+:class:`~kvpool.tiers.tiered.TieredStore` over both, the link to the master,
+the gRPC server (Node + health) and the metrics registry. ``start()`` starts
+serving, the metrics endpoint and the master link; ``stop(grace)`` undoes it
+in reverse: leave the master's index first (so clients stop being sent here),
+drain in-flight calls, then flush and close the tiers (the arena is unlinked,
+LMDB closed). :func:`run_node` is the process entry point.
+
+An arena left in /dev/shm under our name is taken as stale (a node killed
+with SIGKILL never unlinks its arena): it is unlinked and recreated, with a
+warning. Nothing checks whether another live process maps it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter
+
+from kvpool.config import NodeConfig
+from kvpool.lifecycle import wait_for_shutdown
+from kvpool.metrics import ErrorMetrics, MetricsServer, TierCollector, latency_histogram
+from kvpool.node.master_link import MasterLink
+from kvpool.node.servicer import NodeServicer
+from kvpool.rpc import local_host_id, make_server
+from kvpool.tiers.arena import shm_path
+from kvpool.tiers.base import Tier, TierStats
+from kvpool.tiers.dram import DramStore
+from kvpool.tiers.ssd import SsdStore
+from kvpool.tiers.tiered import TieredStore
+from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SSD_SYNC_INTERVAL_S = 30.0  # fsync period when ssd_sync is off (a power loss loses at most this much)
+MAX_KEYS_PER_CALL = 65536  # NodeConfig has no such field (yet); the master's default
+_NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
+
+
+def arena_name_for(config: NodeConfig) -> str:
+    """The configured arena name; with port 0 and none configured, a name unique to this process."""
+    if config.arena or config.port:
+        return config.resolved_arena()
+    return f"kvpool-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _clear_stale_arena(name: str) -> None:
+    path = shm_path(name)
+    if os.path.exists(path):
+        log.warning("arena %s already exists (left by a node that did not stop cleanly?); replacing it", path)
+        os.unlink(path)
+
+
+class PoolNode:
+    """A pool node (see the module docstring). Use as a context manager or call start()/stop()."""
+
+    def __init__(self, config: NodeConfig):
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.errors = ErrorMetrics(self.registry)
+        self.get_seconds = latency_histogram(self.registry, "get", "Node Get call latency")
+        self.put_seconds = latency_histogram(self.registry, "put", "Node Put call latency")
+        self.demotions = Counter("kvpool_demotions", "Blocks demoted from DRAM to SSD", registry=self.registry)
+        self.promotions = Counter("kvpool_promotions", "SSD hits promoted back into DRAM", registry=self.registry)
+        self.metrics_port = 0
+        self._metrics: MetricsServer | None = None
+        self._started = False
+        self._stopped = False
+        self._stop_sync = threading.Event()
+        self._sync_thread: threading.Thread | None = None
+
+        arena = arena_name_for(config)
+        _clear_stale_arena(arena)
+        dram = DramStore.create(arena, config.resolved_dram_bytes(), config.slot_bytes,
+                                high_watermark=config.high_watermark, low_watermark=config.low_watermark)
+        ssd: SsdStore | None = None
+        link: MasterLink | None = None
+        try:
+            if config.ssd_enabled:
+                ssd = SsdStore(config.ssd_dir, config.resolved_ssd_bytes(), sync=config.ssd_sync)
+            self.store = TieredStore(dram, ssd, write_through=config.write_through,
+                                     on_demote=self.demotions.inc, on_promote=self.promotions.inc)
+            # node_id and address are completed once the server has its port (config.port may be 0).
+            self.node_ref = common_pb2.NodeRef(node_id=config.node_id, host_id=local_host_id(), arena=arena)
+            stores: dict[Tier, Any] = {Tier.DRAM: dram}
+            if ssd is not None:
+                stores[Tier.SSD] = ssd
+            link = self.link = MasterLink(config.master, self.node_ref, stores, slot_bytes=config.slot_bytes,
+                                          max_message_bytes=config.max_message_bytes)
+            dram.on_change = link.listener(Tier.DRAM)
+            if ssd is not None:
+                ssd.on_change = link.listener(Tier.SSD)
+            self.servicer = NodeServicer(
+                self.store, node_ref=self.node_ref, max_keys_per_call=MAX_KEYS_PER_CALL,
+                max_message_bytes=config.max_message_bytes, errors=self.errors,
+                get_seconds=self.get_seconds, put_seconds=self.put_seconds, after_change=link.flush,
+            )
+            self.server, self.port, self.health = make_server(
+                f"{config.host}:{config.port}", [self._add_servicer], max_message_bytes=config.max_message_bytes
+            )
+        except BaseException:
+            if link is not None:
+                link.stop(unregister=False)
+            if ssd is not None:
+                ssd.close()
+            dram.close()
+            raise
+        self.node_ref.node_id = config.node_id or f"{socket.gethostname()}:{self.port}"
+        wildcard = config.host in ("", "0.0.0.0", "::", "[::]")  # listening everywhere: advertise our name
+        self.node_ref.address = config.advertise or f"{socket.gethostname() if wildcard else config.host}:{self.port}"
+        self.registry.register(TierCollector(self._tier_stats))
+
+    def _tier_stats(self) -> list[tuple[dict[str, str], TierStats]]:
+        labels = {"node": self.node_ref.node_id}
+        return [(labels, s) for s in self.store.stats()]
+
+    def _add_servicer(self, server: grpc.Server) -> str:
+        node_pb2_grpc.add_NodeServicer_to_server(self.servicer, server)
+        return _NODE_SERVICE
+
+    @property
+    def address(self) -> str:
+        """Where clients reach this node's gRPC service (the advertised address)."""
+        return self.node_ref.address
+
+    def start(self) -> "PoolNode":
+        if self._started:
+            raise RuntimeError("pool node already started")
+        self._started = True
+        self.server.start()
+        port = self.config.metrics_port
+        if port != 0:
+            self._metrics = MetricsServer(self.registry, 0 if port < 0 else port, host=self.config.host)
+            self.metrics_port = self._metrics.port
+        self.link.start()
+        if self.store.ssd is not None and not self.config.ssd_sync:
+            self._sync_thread = threading.Thread(target=self._sync_loop, name="kvpool-ssd-sync", daemon=True)
+            self._sync_thread.start()
+        return self
+
+    def _sync_loop(self) -> None:
+        assert self.store.ssd is not None, "node: SSD sync loop without an SSD tier"
+        while not self._stop_sync.wait(SSD_SYNC_INTERVAL_S):
+            try:
+                self.store.ssd.sync_now()
+            except Exception:  # noqa: BLE001 - a failed fsync is logged; the cache keeps serving
+                log.exception("node: periodic SSD sync failed")
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Leave the master, drain calls for up to ``grace`` seconds, close the tiers; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self.health.enter_graceful_shutdown()
+        self.link.stop()
+        if self._started:
+            self.server.stop(grace).wait()
+        else:
+            self.server.stop(None)
+        if self._metrics is not None:
+            self._metrics.close()
+        self._stop_sync.set()
+        if self._sync_thread is not None:
+            self._sync_thread.join(timeout=10)
+        if self.store.ssd is not None:
+            self.store.ssd.sync_now()
+        self.store.close()
+
+    def __enter__(self) -> "PoolNode":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_node(config: NodeConfig) -> int:
+    """Run a pool node until SIGINT or SIGTERM, then stop it cleanly. Call from the main thread."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    node = PoolNode(config)
+    try:
+        node.start()
+        ssd = node.store.ssd
+        log.info("kvpool node %s serving on %s: DRAM %d MiB in /dev/shm/%s (%d B slots), SSD %s; "
+                 "master %s; metrics %s", node.node_ref.node_id, node.address,
+                 node.store.dram.stats().capacity_bytes >> 20, node.node_ref.arena, config.slot_bytes,
+                 f"{ssd.capacity_bytes >> 20} MiB at {ssd.path}" if ssd is not None else "off",
+                 config.master, f":{node.metrics_port}" if node.metrics_port else "off")
+        wait_for_shutdown()
+        log.info("kvpool node %s stopping", node.node_ref.node_id)
+    finally:
+        node.stop()
+    return 0

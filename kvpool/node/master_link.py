@@ -1,0 +1,317 @@
+"""The pool node's link to the master: registration, heartbeats, inventory reports.
+
+The master holds soft state only, so the node is the source of truth and the
+link's job is to keep the master's picture of this node whole:
+
+- Register (NodeRef, tier usage, slot size), then report everything held with
+  ``ReportBlocks(full_sync=True)`` per tier (chunks of at most ``chunk_keys``
+  keys: the first chunk replaces, later ones add). Only then is the link
+  ``registered``.
+- A background thread heartbeats at the interval the master returned and
+  sends queued inventory changes promptly. :meth:`MasterLink.flush` sends them
+  synchronously (the Put handler calls it before replying).
+- Stores report changes through ``on_change`` after commit, outside their
+  locks, so two batches may arrive out of order. The link therefore queues
+  only *which* keys changed (with the size and checksum of the latest add
+  event, if any) and, when sending, re-checks ``contains``: a key held now is
+  reported added, a key not held is reported removed. A key held now whose
+  queue entry has no add event was reported added earlier (its add event
+  follows the change that made it present, so an earlier send saw it held).
+  Whatever order events arrive in, the last send after the last change tells
+  the truth.
+- Any failed call, or ``known = false`` from the master (it restarted, or
+  timed us out), drops the registration; the thread registers again with
+  backoff (capped at ``retry_cap_s``) and re-syncs everything. While
+  unregistered, changes are not queued (the re-sync's snapshot, taken after
+  queueing resumes, covers them), so an outage costs no memory. The master
+  being down never raises into the node: flush just returns False.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+import grpc
+
+from kvpool.keys import BlockKey
+from kvpool.rpc import channel_options, tier_usage
+from kvpool.tiers.base import BlockMeta, ChangeListener, Tier, TierStats
+from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+CHUNK_KEYS = 50_000
+# Reconnect quickly after a master restart (gRPC's default backoff grows to minutes).
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class InventoryStore(Protocol):
+    """What the link needs of a tier store."""
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]: ...
+
+    def inventory(self) -> list[BlockMeta]: ...
+
+    def stats(self) -> TierStats: ...
+
+
+class _NotKnown(Exception):
+    """The master answered known = false: register again."""
+
+
+class MasterLink:
+    """Keeps the master's index of one node whole (see the module docstring)."""
+
+    def __init__(
+        self,
+        master: str,
+        node_ref: common_pb2.NodeRef,
+        stores: Mapping[Tier, InventoryStore],
+        *,
+        slot_bytes: int,
+        max_message_bytes: int = 64 << 20,
+        rpc_timeout_s: float = 2.0,
+        retry_cap_s: float = 1.0,
+        chunk_keys: int = CHUNK_KEYS,
+    ):
+        self.master = master
+        self.node_ref = node_ref  # may be completed (bound address) until start()
+        self._stores = dict(stores)
+        self._slot_bytes = slot_bytes
+        self._timeout = rpc_timeout_s
+        self._retry_cap = retry_cap_s
+        self._chunk = chunk_keys
+        self._channel = grpc.insecure_channel(master, options=channel_options(max_message_bytes) + _RECONNECT_OPTIONS)
+        self._stub = master_pb2_grpc.MasterStub(self._channel)
+        self._pending_lock = threading.Lock()
+        self._pending: dict[Tier, dict[BlockKey, BlockMeta | None]] = {t: {} for t in self._stores}
+        self._send_lock = threading.Lock()  # one conversation with the master at a time, in order
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._registered = False
+        self._collect = False  # queue changes? From the start of a registration until the link is lost
+        self._incarnation = 0
+        self._interval = 1.0
+        self._warned = False
+        self.registrations = 0  # successful (re-)registrations, for tests and logs
+
+    # -- what the stores call ------------------------------------------------------------
+
+    def listener(self, tier: Tier) -> ChangeListener:
+        """The ``on_change`` callback for the store of ``tier``: queue, wake the thread, return."""
+        if tier not in self._stores:
+            raise ValueError(f"master link has no {tier.label} store")
+
+        def on_change(added: Sequence[BlockMeta], removed: Sequence[BlockKey]) -> None:
+            with self._pending_lock:
+                if not self._collect:  # not registered: the next registration's snapshot covers this
+                    return
+                pending = self._pending[tier]
+                for key in removed:
+                    pending.setdefault(key, None)  # keep a meta heard of before: events may be out of order
+                for meta in added:
+                    pending[meta.key] = meta
+            self._wake.set()
+
+        return on_change
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def registered(self) -> bool:
+        return self._registered
+
+    @property
+    def incarnation(self) -> int:
+        return self._incarnation
+
+    def start(self) -> None:
+        """Start the background thread; it registers (retrying until the master answers)."""
+        if self._thread is not None:
+            raise RuntimeError("master link already started")
+        self._thread = threading.Thread(target=self._run, name="kvpool-master-link", daemon=True)
+        self._thread.start()
+
+    def stop(self, unregister: bool = True) -> None:
+        """Stop the thread, then tell the master we are leaving (best effort); idempotent."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._send_lock:  # after this, flush() returns False without touching the channel
+            if unregister and self._registered:
+                try:
+                    self._stub.UnregisterNode(
+                        master_pb2.UnregisterNodeRequest(node_id=self.node_ref.node_id, incarnation=self._incarnation),
+                        timeout=min(self._timeout, 1.0),
+                    )
+                except grpc.RpcError as exc:
+                    log.info("node %s: unregister failed (%s); the master will time us out",
+                             self.node_ref.node_id, _status(exc))
+            self._drop_registration()
+            self._channel.close()
+
+    def flush(self) -> bool:
+        """Send queued inventory changes now; True if the master has them all.
+
+        Returns False at once while not registered (registration re-syncs everything).
+        """
+        if not self._registered:
+            return False
+        with self._send_lock:
+            if not self._registered:
+                return False
+            return self._send_pending()
+
+    # -- the thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = 0.05
+        next_beat = 0.0
+        while not self._stop.is_set():
+            if not self._registered:
+                if not self._register():
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, self._retry_cap)
+                    continue
+                backoff = 0.05
+                next_beat = time.monotonic() + self._interval
+            self._wake.clear()
+            self.flush()
+            if self._registered and time.monotonic() >= next_beat:
+                self._heartbeat()
+                next_beat = time.monotonic() + self._interval
+            if self._registered:
+                self._wake.wait(max(0.0, next_beat - time.monotonic()))
+
+    def _usage(self) -> list[common_pb2.TierUsage]:
+        return [tier_usage(store.stats()) for store in self._stores.values()]
+
+    def _register(self) -> bool:
+        with self._send_lock:
+            try:
+                reply = self._stub.RegisterNode(
+                    master_pb2.RegisterNodeRequest(node=self.node_ref, tiers=self._usage(),
+                                                   slot_bytes=self._slot_bytes),
+                    timeout=self._timeout,
+                )
+                self._incarnation = reply.incarnation
+                if reply.heartbeat_interval_s > 0:
+                    self._interval = reply.heartbeat_interval_s
+                with self._pending_lock:  # the snapshots below cover everything changed so far
+                    self._collect = True
+                    for pending in self._pending.values():
+                        pending.clear()
+                blocks = 0
+                for tier, store in self._stores.items():
+                    held = store.inventory()
+                    self._report(tier, held, (), full_sync=True)
+                    blocks += len(held)
+            except (grpc.RpcError, _NotKnown) as exc:
+                self._drop_registration()
+                level = logging.DEBUG if self._warned else logging.WARNING  # once per outage
+                self._warned = True
+                log.log(level, "node %s: cannot register with master %s (%s); retrying",
+                        self.node_ref.node_id, self.master, _status(exc))
+                return False
+            self._registered = True
+            self._warned = False
+            self.registrations += 1
+        log.info("node %s: registered with master %s (incarnation %d, %d blocks reported)",
+                 self.node_ref.node_id, self.master, self._incarnation, blocks)
+        return True
+
+    def _heartbeat(self) -> None:
+        try:
+            reply = self._stub.Heartbeat(
+                master_pb2.HeartbeatRequest(node_id=self.node_ref.node_id, incarnation=self._incarnation,
+                                            tiers=self._usage()),
+                timeout=self._timeout,
+            )
+        except grpc.RpcError as exc:
+            self._lost(f"heartbeat failed ({_status(exc)})")
+            return
+        if not reply.known:
+            self._lost("master does not know us (restarted?)")
+
+    def _lost(self, why: str) -> None:
+        if self._registered:
+            log.warning("node %s: lost master %s: %s; registering again", self.node_ref.node_id, self.master, why)
+        self._drop_registration()
+        self._wake.set()
+
+    def _drop_registration(self) -> None:
+        """Not registered any more: queued changes are moot (registration re-syncs everything)."""
+        self._registered = False
+        with self._pending_lock:
+            self._collect = False
+            for pending in self._pending.values():
+                pending.clear()
+
+    # -- reports (caller holds _send_lock) -----------------------------------------------
+
+    def _send_pending(self) -> bool:
+        with self._pending_lock:
+            batch = {t: p for t, p in self._pending.items() if p}
+            for tier in batch:
+                self._pending[tier] = {}
+        try:
+            for tier, changes in batch.items():
+                keys = list(changes)
+                now = self._stores[tier].contains(keys)
+                added = [changes[k] for k, held in zip(keys, now) if held and changes[k] is not None]
+                removed = [k for k, held in zip(keys, now) if not held]
+                # held but with no add event queued: an earlier send reported it (see the module docstring)
+                self._report(tier, added, removed, full_sync=False)
+        except (grpc.RpcError, _NotKnown) as exc:
+            self._lost(f"report failed ({_status(exc)})")  # the re-sync at registration covers this batch
+            return False
+        return True
+
+    def _report(self, tier: Tier, added: Sequence[BlockMeta], removed: Sequence[BlockKey], *, full_sync: bool) -> None:
+        """ReportBlocks in chunks; with ``full_sync`` the first chunk (maybe empty) replaces the master's set."""
+        first = True
+        for start in range(0, max(len(added), 1 if full_sync else 0), self._chunk):
+            part = added[start : start + self._chunk]
+            self._call_report(tier, full_sync and first, part, ())
+            first = False
+        for start in range(0, len(removed), self._chunk):
+            self._call_report(tier, False, (), removed[start : start + self._chunk])
+
+    def _call_report(
+        self, tier: Tier, full_sync: bool, added: Sequence[BlockMeta], removed: Sequence[BlockKey]
+    ) -> None:
+        reply = self._stub.ReportBlocks(
+            master_pb2.ReportBlocksRequest(
+                node_id=self.node_ref.node_id,
+                incarnation=self._incarnation,
+                tier=int(tier),
+                full_sync=full_sync,
+                added_keys=b"".join(m.key for m in added),
+                added_sizes=[m.size for m in added],
+                added_checksums=[m.checksum for m in added],
+                removed_keys=b"".join(removed),
+            ),
+            timeout=self._timeout,
+        )
+        if not reply.known:
+            raise _NotKnown()
+
+
+def _status(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError):
+        code: Callable[[], grpc.StatusCode] | None = getattr(exc, "code", None)
+        if code is not None:
+            return code().name
+    if isinstance(exc, _NotKnown):
+        return "unknown node"
+    return type(exc).__name__

@@ -1,0 +1,243 @@
+"""The Node gRPC service: validate, translate proto <-> store calls, delegate to a TieredStore.
+
+Rules every handler follows:
+- Bad input (packed keys of the wrong length, sizes that do not match the
+  keys or the data, too many keys, a reply that would exceed the message
+  limit) raises ValueError before anything changes; the ErrorInterceptor
+  (kvpool.rpc) turns it into INVALID_ARGUMENT.
+- Pool faults are misses, not errors: a Put block whose checksum does not
+  match its bytes is refused (stored byte 0, counted as error kind
+  ``checksum``); a block evicted between the size look-up and the copy is a
+  Get miss.
+- Put replies only after ``after_change`` (the master link's flush) ran, so
+  a stored block is in the master's index when Put returns.
+- Get builds its reply in one preallocated buffer that the tiers copy into
+  directly; the only other copy is the one protobuf needs (its bytes field
+  takes ``bytes``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpool.checksum import block_checksum
+from kvpool.keys import BlockKey, unpack_keys
+from kvpool.metrics import ErrorMetrics
+from kvpool.rpc import tier_bytes, tier_usage
+from kvpool.tiers.base import Tier
+from kvpool.tiers.tiered import TieredStore
+from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
+
+# Room for everything in a GetResponse besides the data: tier byte, size and checksum per key, framing.
+_PER_KEY_OVERHEAD = 32
+_FIXED_OVERHEAD = 4096
+
+
+def _counted(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Count a handler's ValueErrors as ``invalid_argument`` errors, then let the interceptor map them."""
+
+    @functools.wraps(method)
+    def wrapper(self: "NodeServicer", request: Any, context: Any) -> Any:
+        try:
+            return method(self, request, context)
+        except ValueError:
+            if self.errors is not None:
+                self.errors.count("invalid_argument")
+            raise
+
+    return wrapper
+
+
+class NodeServicer(node_pb2_grpc.NodeServicer):
+    """kvpool.v1.Node over one node's :class:`TieredStore` (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        *,
+        node_ref: common_pb2.NodeRef,
+        max_keys_per_call: int,
+        max_message_bytes: int,
+        errors: ErrorMetrics | None = None,
+        get_seconds: Any = None,
+        put_seconds: Any = None,
+        after_change: Callable[[], object] | None = None,
+    ):
+        self.store = store
+        self.node_ref = node_ref  # the daemon fills in the bound address once the server listens
+        self.max_keys_per_call = max_keys_per_call
+        self.max_message_bytes = max_message_bytes
+        self.errors = errors
+        self.get_seconds = get_seconds
+        self.put_seconds = put_seconds
+        self.after_change = after_change
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _keys(self, packed: bytes) -> list[BlockKey]:
+        keys = unpack_keys(packed)
+        if len(keys) > self.max_keys_per_call:
+            raise ValueError(f"{len(keys)} keys in one call; the limit is {self.max_keys_per_call}")
+        return keys
+
+    def _dram_meta(self, keys: Sequence[BlockKey]) -> list[tuple[int, int, int, int] | None]:
+        """Per key (slot, gen, size, checksum) of its DRAM copy now, or None (no recency change).
+
+        The checksum is read between two looks at the slot's gen (the arena's
+        seqlock), so it belongs to the block that (slot, gen) names.
+        """
+        arena = self.store.dram.arena
+        out: list[tuple[int, int, int, int] | None] = []
+        for ref in self.store.dram.locate(keys):
+            if ref is None:
+                out.append(None)
+                continue
+            checksum = int(arena.table["checksum"][ref.slot])
+            out.append((ref.slot, ref.gen, ref.length, checksum) if int(arena.gens[ref.slot]) == ref.gen else None)
+        return out
+
+    def _sizes(self, keys: Sequence[BlockKey]) -> list[tuple[int, int] | None]:
+        """Per key (size, checksum) from whichever tier holds it, or None (no recency change)."""
+        found: list[tuple[int, int] | None] = [None if m is None else (m[2], m[3]) for m in self._dram_meta(keys)]
+        missing = [i for i, f in enumerate(found) if f is None]
+        if missing and self.store.ssd is not None:
+            for i, meta in zip(missing, self.store.ssd.meta([keys[i] for i in missing])):
+                if meta is not None:
+                    found[i] = (meta.size, meta.checksum)
+        return found
+
+    def _changed(self) -> None:
+        if self.after_change is not None:
+            self.after_change()
+
+    # -- the service -----------------------------------------------------------------
+
+    @_counted
+    def Put(self, request: node_pb2.PutRequest, context: Any) -> node_pb2.PutResponse:
+        start = time.perf_counter()
+        keys = self._keys(request.keys)
+        sizes = list(request.sizes)
+        sums = list(request.checksums)
+        if len(sizes) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+        if sums and len(sums) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(sums)} checksums (send one per key or none)")
+        if sum(sizes) != len(request.data):
+            raise ValueError(f"sizes sum to {sum(sizes)} bytes but data holds {len(request.data)}")
+        if len(request.data) > self.max_message_bytes:
+            raise ValueError(f"{len(request.data)} bytes of data exceed the limit of {self.max_message_bytes}")
+        if any(s == 0 for s in sizes):
+            raise ValueError(f"block {sizes.index(0)} is empty")
+        data = memoryview(request.data)
+        views: list[memoryview] = []
+        offset = 0
+        for size in sizes:
+            views.append(data[offset : offset + size])
+            offset += size
+        good = list(range(len(keys)))
+        if sums:
+            good = [i for i in good if block_checksum(views[i]) == sums[i]]
+            if len(good) < len(keys) and self.errors is not None:
+                self.errors.count("checksum", len(keys) - len(good))
+        stored = [False] * len(keys)
+        if good:
+            for i, ok in zip(good, self.store.put([keys[i] for i in good], [views[i] for i in good])):
+                stored[i] = ok
+        self._changed()
+        if self.put_seconds is not None:
+            self.put_seconds.observe(time.perf_counter() - start)
+        return node_pb2.PutResponse(stored=bytes(1 if s else 0 for s in stored))
+
+    @_counted
+    def Get(self, request: node_pb2.GetRequest, context: Any) -> node_pb2.GetResponse:
+        start = time.perf_counter()
+        keys = self._keys(request.keys)
+        found = self._sizes(keys)
+        total = sum(f[0] for f in found if f is not None)
+        if total + _PER_KEY_OVERHEAD * len(keys) + _FIXED_OVERHEAD > self.max_message_bytes:
+            raise ValueError(f"the {len(keys)} blocks asked for hold {total} bytes, more than one reply "
+                             f"may carry ({self.max_message_bytes}); ask for fewer keys per call")
+        buf = np.empty(total, dtype=np.uint8)
+        want = [i for i, f in enumerate(found) if f is not None]
+        spans: list[tuple[int, int]] = []  # (offset, size) in buf, per wanted key
+        offset = 0
+        for i in want:
+            size = found[i][0]  # type: ignore[index]
+            spans.append((offset, size))
+            offset += size
+        served = self.store.get_into([keys[i] for i in want], [buf[o : o + n] for o, n in spans]) if want else []
+        tiers: list[Tier | None] = [None] * len(keys)
+        sizes = [0] * len(keys)
+        sums = [0] * len(keys)
+        end = 0
+        for i, (o, n), tier in zip(want, spans, served):
+            if tier is None:
+                continue  # evicted since we looked: a miss, its span is dropped below
+            if o != end:  # close the gap a miss left (rare: only after a race with eviction)
+                buf[end : end + n] = buf[o : o + n]
+            tiers[i], sizes[i], sums[i] = tier, n, found[i][1]  # type: ignore[index]
+            end += n
+        reply = node_pb2.GetResponse(tiers=tier_bytes(tiers), sizes=sizes, checksums=sums, data=buf[:end].tobytes())
+        if self.get_seconds is not None:
+            self.get_seconds.observe(time.perf_counter() - start)
+        return reply
+
+    @_counted
+    def Exists(self, request: node_pb2.NodeExistsRequest, context: Any) -> node_pb2.NodeExistsResponse:
+        keys = self._keys(request.keys)
+        return node_pb2.NodeExistsResponse(tiers=tier_bytes(self.store.where(keys)))
+
+    @_counted
+    def Remove(self, request: node_pb2.RemoveRequest, context: Any) -> node_pb2.RemoveResponse:
+        """Drop keys from every tier; ``removed`` counts the given keys the node held (in any tier)."""
+        keys = list(dict.fromkeys(self._keys(request.keys)))
+        held = sum(t is not None for t in self.store.where(keys))
+        self.store.remove(keys)
+        self._changed()
+        return node_pb2.RemoveResponse(removed=held)
+
+    @_counted
+    def Locate(self, request: node_pb2.LocateRequest, context: Any) -> node_pb2.LocateResponse:
+        keys = self._keys(request.keys)
+        if request.promote and self.store.ssd is not None:
+            self._promote(keys)
+        slots, gens, sizes, sums = [], [], [], []
+        for meta in self._dram_meta(keys):
+            slot, gen, size, checksum = meta if meta is not None else (0, 0, 0, 0)
+            slots.append(slot)
+            gens.append(gen)
+            sizes.append(size)
+            sums.append(checksum)
+        return node_pb2.LocateResponse(arena=self.store.dram.arena.name, slots=slots, slot_gens=gens, sizes=sizes,
+                                       checksums=sums)
+
+    def _promote(self, keys: Sequence[BlockKey]) -> None:
+        """Bring SSD-only keys that fit a slot into DRAM by reading them through the TieredStore."""
+        assert self.store.ssd is not None, "node servicer: promote without an SSD tier"
+        unique = list(dict.fromkeys(keys))
+        on_ssd = [k for k, t in zip(unique, self.store.where(unique)) if t is Tier.SSD]
+        if not on_ssd:
+            return
+        todo = [(k, m.size) for k, m in zip(on_ssd, self.store.ssd.meta(on_ssd))
+                if m is not None and self.store.fits_dram(m.size)]
+        if not todo:
+            return
+        scratch = np.empty(sum(n for _, n in todo), dtype=np.uint8)
+        outs, offset = [], 0
+        for _, n in todo:
+            outs.append(scratch[offset : offset + n])
+            offset += n
+        self.store.get_into([k for k, _ in todo], outs)
+
+    @_counted
+    def Info(self, request: node_pb2.InfoRequest, context: Any) -> node_pb2.InfoResponse:
+        return node_pb2.InfoResponse(
+            node=self.node_ref,
+            tiers=[tier_usage(s) for s in self.store.stats()],
+            slot_bytes=self.store.dram.slot_bytes,
+        )

@@ -1,0 +1,204 @@
+"""Who is in the pool: registered nodes (with liveness and tier usage) and recently seen workers.
+
+Invariants:
+
+- A live node has exactly one :class:`NodeInfo`, keyed by node id, with a
+  node slot that the :class:`~kvpool.master.index.BlockIndex` has open.
+  Slots count up from 0 and are never reused within one master process, so
+  an index entry can never be mistaken for another node's.
+- Every registration gets a fresh incarnation, strictly greater than any this
+  process handed out and derived from ``time.time_ns()``, so incarnations
+  from before a master restart are (practically) never accepted after it.
+  Heartbeats and reports carry the incarnation; a mismatch answers "unknown"
+  and the node registers again.
+- Dropping a node (re-register, unregister, expiry) removes it from the
+  membership table first, under the lock, and then drops its index entries
+  outside the lock. Between the two, lookups may still see entries on its slot;
+  :meth:`Membership.refs` no longer resolves the slot, and the caller treats
+  that as a miss. Reports still in flight are refused by the closed slot.
+- A node silent (no heartbeat or report) for longer than ``node_timeout_s``
+  is dropped by :meth:`Membership.expire`; a worker silent for longer than
+  ``worker_timeout_s`` loses its HBM entries.
+
+The lock is taken only with ``with``; the only calls made under it are the
+constant-time :meth:`BlockIndex.open_node` and :meth:`HbmIndex.drop_worker`
+(lock order: membership, then index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvpool.tiers.base import Tier, TierStats
+
+from kvpool.master.index import BlockIndex, HbmIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeAddress:
+    """Where a pool node can be reached (the fields of ``kvpool.v1.NodeRef``)."""
+
+    node_id: str
+    address: str
+    host_id: str = ""
+    arena: str = ""
+
+
+@dataclass(slots=True)
+class NodeInfo:
+    """One registered node. Copies handed out by :class:`Membership` are snapshots."""
+
+    ref: NodeAddress
+    slot: int
+    incarnation: int
+    tiers: dict[Tier, TierStats]
+    slot_bytes: int
+    last_heartbeat: float  # time.monotonic()
+
+    def snapshot(self) -> NodeInfo:
+        return dataclasses.replace(self, tiers={t: dataclasses.replace(s) for t, s in self.tiers.items()})
+
+
+class Membership:
+    """Node and worker liveness; owns the node-slot namespace of a :class:`BlockIndex`. Thread-safe."""
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        hbm: HbmIndex,
+        *,
+        node_timeout_s: float,
+        worker_timeout_s: float,
+        clock=time.monotonic,  # type: ignore[no-untyped-def]
+    ) -> None:
+        if node_timeout_s <= 0 or worker_timeout_s <= 0:
+            raise ValueError("node_timeout_s and worker_timeout_s must be positive")
+        self._index = index
+        self._hbm = hbm
+        self.node_timeout_s = node_timeout_s
+        self.worker_timeout_s = worker_timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._nodes: dict[str, NodeInfo] = {}
+        self._by_slot: dict[int, NodeInfo] = {}
+        self._workers: dict[str, float] = {}  # worker id -> last seen (monotonic)
+        self._next_slot = 0
+        self._last_incarnation = 0
+
+    def now(self) -> float:
+        """The clock that heartbeat times are measured on."""
+        return self._clock()
+
+    # -- nodes --------------------------------------------------------------------------
+
+    def register(self, ref: NodeAddress, tiers: Iterable[TierStats], slot_bytes: int) -> NodeInfo:
+        """Add (or re-add) a node; its previous incarnation's index entries are dropped first.
+
+        Returns a snapshot of the new entry (its ``incarnation`` goes back to the node).
+        """
+        with self._lock:
+            old = self._nodes.pop(ref.node_id, None)
+            if old is not None:
+                del self._by_slot[old.slot]
+            self._last_incarnation = max(time.time_ns(), self._last_incarnation + 1)
+            info = NodeInfo(
+                ref=ref,
+                slot=self._next_slot,
+                incarnation=self._last_incarnation,
+                tiers={s.tier: s for s in tiers},
+                slot_bytes=slot_bytes,
+                last_heartbeat=self._clock(),
+            )
+            self._next_slot += 1
+            self._index.open_node(info.slot)
+            self._nodes[ref.node_id] = info
+            self._by_slot[info.slot] = info
+            snapshot = info.snapshot()
+        if old is not None:
+            dropped = self._index.drop_node(old.slot)
+            log.info("node %s re-registered: dropped %d entries of its previous incarnation", ref.node_id, dropped)
+        return snapshot
+
+    def heartbeat(self, node_id: str, incarnation: int, tiers: Iterable[TierStats] = ()) -> bool:
+        """Mark a node alive and update its tier usage; False if no such node/incarnation is registered.
+
+        An empty ``tiers`` keeps the usage last reported.
+        """
+        return self.touch(node_id, incarnation, tiers) is not None
+
+    def touch(self, node_id: str, incarnation: int, tiers: Iterable[TierStats] = ()) -> int | None:
+        """Like :meth:`heartbeat`, returning the node's slot (None: unknown node or stale incarnation)."""
+        usage = {s.tier: s for s in tiers}
+        with self._lock:
+            info = self._nodes.get(node_id)
+            if info is None or info.incarnation != incarnation:
+                return None
+            info.last_heartbeat = self._clock()
+            if usage:
+                info.tiers = usage
+            return info.slot
+
+    def unregister(self, node_id: str, incarnation: int) -> bool:
+        """Remove a node and its entries now; False (nothing changes) for an unknown node or stale incarnation."""
+        with self._lock:
+            info = self._nodes.get(node_id)
+            if info is None or info.incarnation != incarnation:
+                return False
+            del self._nodes[node_id]
+            del self._by_slot[info.slot]
+        self._index.drop_node(info.slot)
+        return True
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Drop nodes silent longer than ``node_timeout_s`` and forget workers silent longer than
+        ``worker_timeout_s``; returns the dropped node ids."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            dead = [info for info in self._nodes.values() if now - info.last_heartbeat > self.node_timeout_s]
+            for info in dead:
+                del self._nodes[info.ref.node_id]
+                del self._by_slot[info.slot]
+            gone_workers = [w for w, seen in self._workers.items() if now - seen > self.worker_timeout_s]
+            for worker in gone_workers:
+                del self._workers[worker]
+                self._hbm.drop_worker(worker)  # under the lock: a worker seen again cannot lose a fresh report
+        for info in dead:
+            dropped = self._index.drop_node(info.slot)
+            log.warning(
+                "node %s (%s) silent for %.1fs: dropped with %d index entries",
+                info.ref.node_id, info.ref.address, now - info.last_heartbeat, dropped,
+            )
+        return [info.ref.node_id for info in dead]
+
+    def live_nodes(self) -> list[NodeInfo]:
+        """Snapshots of all registered nodes, in registration order."""
+        with self._lock:
+            return [info.snapshot() for info in self._nodes.values()]
+
+    def refs(self, slots: Iterable[int]) -> dict[int, NodeAddress]:
+        """Addresses of the given node slots; slots of dropped nodes are absent."""
+        with self._lock:
+            return {slot: self._by_slot[slot].ref for slot in set(slots) if slot in self._by_slot}
+
+    def node_count(self) -> int:
+        with self._lock:
+            return len(self._nodes)
+
+    # -- workers ------------------------------------------------------------------------
+
+    def worker_seen(self, worker_id: str) -> None:
+        """Note that a worker is alive (it reported its HBM or looked something up)."""
+        now = self._clock()
+        with self._lock:
+            self._workers[worker_id] = now
+
+    def worker_count(self) -> int:
+        with self._lock:
+            return len(self._workers)

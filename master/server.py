@@ -1,0 +1,156 @@
+"""The Master Service process: lifecycle of the gRPC server, the metrics endpoint and the sweeper.
+
+Invariants:
+
+- Everything :meth:`MasterServer.start` starts, :meth:`MasterServer.stop`
+  stops (gRPC server, metrics HTTP endpoint, sweeper thread), and ``stop`` is
+  idempotent; after it returns no thread of this server is running.
+- Each MasterServer has its own index, membership and Prometheus registry
+  (never the global one), so a fresh instance is a restarted master: it knows
+  no node and answers their heartbeats with ``known = false``.
+- The sweeper drops silent nodes every ``node_timeout_s / 4``, so a node is
+  gone at most ``1.25 * node_timeout_s`` after its last heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health
+from prometheus_client import CollectorRegistry
+
+from kvpool.config import MasterConfig
+from kvpool.keys import KEY_BYTES
+from kvpool.lifecycle import wait_for_shutdown
+from kvpool.metrics import MetricsServer
+from kvpool.rpc import make_server
+from kvpool.v1 import master_pb2, master_pb2_grpc
+
+from kvpool.master.index import BlockIndex, HbmIndex
+from kvpool.master.membership import Membership
+from kvpool.master.servicer import MasterServicer
+from kvpool.master.stats import MasterMetrics
+
+log = logging.getLogger(__name__)
+
+EPHEMERAL_METRICS_PORT = -1  # MasterConfig.metrics_port: pick any free port (tests)
+
+
+def max_message_bytes(config: MasterConfig) -> int:
+    """Largest message the master takes: a ReportBlocks with ``max_keys_per_call`` keys in each list.
+
+    Per key at most: 32 added + 10 size varint + 8 checksum + 32 removed bytes; round up to 128.
+    """
+    assert KEY_BYTES + 10 + 8 + KEY_BYTES <= 128
+    return max(4 << 20, config.max_keys_per_call * 128 + (1 << 20))
+
+
+class MasterServer:
+    """One master: ``start()``, then ``stop()`` (or use it as a context manager)."""
+
+    def __init__(self, config: MasterConfig):
+        if config.node_timeout_s <= 0 or config.worker_timeout_s <= 0:
+            raise ValueError("master node_timeout_s and worker_timeout_s must be positive")
+        if config.max_keys_per_call < 1:
+            raise ValueError("master max_keys_per_call must be positive")
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.index = BlockIndex()
+        self.hbm = HbmIndex()
+        self.membership = Membership(
+            self.index, self.hbm, node_timeout_s=config.node_timeout_s, worker_timeout_s=config.worker_timeout_s
+        )
+        self.metrics = MasterMetrics(self.registry, self.index, self.hbm, self.membership)
+        self.servicer = MasterServicer(config, self.index, self.hbm, self.membership, self.metrics)
+        self.port: int = 0  # the bound gRPC port, once started
+        self.metrics_port: int = 0  # the bound metrics port, once started (0: no endpoint)
+        self._server: grpc.Server | None = None
+        self._health: health.HealthServicer | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._sweeper: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._lifecycle = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def start(self) -> MasterServer:
+        with self._lifecycle:
+            if self._server is not None or self._stopping.is_set():
+                raise RuntimeError("MasterServer.start: already started (a stopped server cannot restart)")
+            servicer = self.servicer
+
+            def add_master(server: grpc.Server) -> str:
+                master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
+                return master_pb2.DESCRIPTOR.services_by_name["Master"].full_name
+
+            self._server, self.port, self._health = make_server(
+                f"{self.config.host}:{self.config.port}", [add_master], max_message_bytes=max_message_bytes(self.config)
+            )
+            try:
+                if self.config.metrics_port != 0:
+                    port = 0 if self.config.metrics_port == EPHEMERAL_METRICS_PORT else self.config.metrics_port
+                    self._metrics_server = MetricsServer(self.registry, port, host=self.config.host)
+                    self.metrics_port = self._metrics_server.port
+                self._server.start()
+            except BaseException:
+                self._server.stop(None)
+                self._server = None
+                if self._metrics_server is not None:
+                    self._metrics_server.close()
+                    self._metrics_server = None
+                self.metrics_port = 0
+                raise
+            self._sweeper = threading.Thread(target=self._sweep, name="kvpool-master-sweeper", daemon=True)
+            self._sweeper.start()
+            return self
+
+    def _sweep(self) -> None:
+        interval = min(self.config.node_timeout_s, self.config.worker_timeout_s) / 4
+        while not self._stopping.wait(interval):
+            try:
+                self.membership.expire()
+            except Exception:  # noqa: BLE001 - a sweeper bug must be loud but not kill liveness checks
+                log.exception("master sweeper failed")
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop serving (in-flight calls get ``grace`` seconds), the metrics endpoint and the sweeper."""
+        with self._lifecycle:
+            if self._stopping.is_set():
+                return
+            self._stopping.set()
+            if self._server is not None:
+                assert self._health is not None, "MasterServer: a server without its health service"
+                self._health.enter_graceful_shutdown()
+                self._server.stop(grace).wait()
+            if self._metrics_server is not None:
+                self._metrics_server.close()
+            if self._sweeper is not None:
+                self._sweeper.join()
+            self._stopped.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until stopped (or ``timeout``); True if stopped."""
+        return self._stopped.wait(timeout)
+
+    def __enter__(self) -> MasterServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def run_master(config: MasterConfig) -> None:
+    """Run a master until SIGINT or SIGTERM, then stop it cleanly. Call from the main thread."""
+    with MasterServer(config) as server:
+        metrics = f":{server.metrics_port}" if server.metrics_port else "off"
+        log.info("kvpool master listening on %s (metrics %s)", server.address, metrics)
+        wait_for_shutdown()
+        log.info("kvpool master stopping")

@@ -1,0 +1,234 @@
+"""The Master gRPC service: validate, translate proto <-> domain, delegate.
+
+Invariants:
+
+- Every request is validated in full before anything changes: malformed
+  packed keys, parallel fields whose lengths differ from the key count, more
+  than ``max_keys_per_call`` keys, unknown tiers, an empty node or worker id
+  are a ValueError, which :class:`kvpool.rpc.ErrorInterceptor` answers with
+  INVALID_ARGUMENT and the message.
+- An unknown node id or stale incarnation in Heartbeat / ReportBlocks is not
+  an error: the answer is ``known = false`` and the node registers again.
+  UnregisterNode of an unknown node is a no-op.
+- No live node for PlaceBlocks is UNAVAILABLE ("no pool nodes").
+- Lookup returns only blocks whose node still resolves: a run entry on a node
+  dropped mid-call ends the run there (a miss, never a dangling reference).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import grpc
+
+from kvpool.config import MasterConfig
+from kvpool.keys import BlockKey, unpack_keys
+from kvpool.rpc import flag_bytes, tier_bytes, tier_usage
+from kvpool.tiers.base import Tier, TierStats
+from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
+
+from kvpool.master.index import BlockIndex, HbmIndex
+from kvpool.master.membership import Membership, NodeAddress
+from kvpool.master.placement import Candidate, NoPoolNodes, place
+from kvpool.master.stats import MasterMetrics
+
+_NODE_TIERS = (Tier.DRAM, Tier.SSD)
+
+
+class MasterServicer(master_pb2_grpc.MasterServicer):
+    """The ``kvpool.v1.Master`` service over an index, a membership table and metrics."""
+
+    def __init__(
+        self, config: MasterConfig, index: BlockIndex, hbm: HbmIndex, membership: Membership, metrics: MasterMetrics
+    ):
+        self._config = config
+        self._index = index
+        self._hbm = hbm
+        self._membership = membership
+        self._metrics = metrics
+
+    # -- validation helpers -------------------------------------------------------------
+
+    def _keys(self, packed: bytes, what: str = "keys") -> list[BlockKey]:
+        keys = unpack_keys(packed)
+        if len(keys) > self._config.max_keys_per_call:
+            raise ValueError(f"too many keys in {what}: {len(keys)} > max_keys_per_call {self._config.max_keys_per_call}")
+        return keys
+
+    @staticmethod
+    def _same_length(keys: Sequence[BlockKey], field: str, values: Sequence[int]) -> None:
+        if len(values) != len(keys):
+            raise ValueError(f"{field}: {len(values)} values for {len(keys)} keys")
+
+    @staticmethod
+    def _tier(value: int, allowed: Iterable[Tier] = _NODE_TIERS) -> Tier:
+        allowed = tuple(allowed)
+        if value not in [int(t) for t in allowed]:
+            names = ", ".join(f"TIER_{t.name}" for t in allowed)
+            raise ValueError(f"tier {value} is not one of {names}")
+        return Tier(value)
+
+    def _tier_stats(self, usage: Iterable[common_pb2.TierUsage]) -> list[TierStats]:
+        stats: list[TierStats] = []
+        for u in usage:
+            tier = self._tier(u.tier)
+            if any(s.tier == tier for s in stats):
+                raise ValueError(f"tier TIER_{tier.name} reported twice")
+            stats.append(TierStats(tier, capacity_bytes=u.capacity_bytes, used_bytes=u.used_bytes, blocks=u.blocks))
+        return stats
+
+    @staticmethod
+    def _node_ref(ref: NodeAddress) -> common_pb2.NodeRef:
+        return common_pb2.NodeRef(node_id=ref.node_id, address=ref.address, host_id=ref.host_id, arena=ref.arena)
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    def RegisterNode(self, request, context):  # type: ignore[no-untyped-def]
+        ref = request.node
+        if not ref.node_id:
+            raise ValueError("RegisterNode: node.node_id must not be empty")
+        if not ref.address:
+            raise ValueError(f"RegisterNode: node {ref.node_id!r} has no address")
+        tiers = self._tier_stats(request.tiers)
+        info = self._membership.register(
+            NodeAddress(ref.node_id, ref.address, ref.host_id, ref.arena), tiers, request.slot_bytes
+        )
+        return master_pb2.RegisterNodeResponse(
+            incarnation=info.incarnation,
+            heartbeat_interval_s=self._config.heartbeat_interval_s,
+            node_timeout_s=self._config.node_timeout_s,
+        )
+
+    def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
+        tiers = self._tier_stats(request.tiers)
+        known = self._membership.heartbeat(request.node_id, request.incarnation, tiers)
+        return master_pb2.HeartbeatResponse(known=known)
+
+    def ReportBlocks(self, request, context):  # type: ignore[no-untyped-def]
+        tier = self._tier(request.tier)
+        added = self._keys(request.added_keys, "added_keys")
+        removed = self._keys(request.removed_keys, "removed_keys")
+        self._same_length(added, "added_sizes", request.added_sizes)
+        self._same_length(added, "added_checksums", request.added_checksums)
+        slot = self._membership.touch(request.node_id, request.incarnation)
+        if slot is None:
+            return master_pb2.ReportBlocksResponse(known=False)
+        sizes, checksums = list(request.added_sizes), list(request.added_checksums)
+        if request.full_sync:
+            known = self._index.replace_node_tier(slot, tier, added, sizes, checksums)
+        else:
+            known = self._index.add(slot, tier, added, sizes, checksums) if added else True
+        if removed:  # after the additions: a key in both lists ends up absent
+            known = self._index.remove(slot, tier, removed) and known
+        return master_pb2.ReportBlocksResponse(known=known)
+
+    def UnregisterNode(self, request, context):  # type: ignore[no-untyped-def]
+        self._membership.unregister(request.node_id, request.incarnation)
+        return master_pb2.UnregisterNodeResponse()
+
+    # -- clients --------------------------------------------------------------------------
+
+    def Lookup(self, request, context):  # type: ignore[no-untyped-def]
+        started = time.perf_counter()
+        keys = self._keys(request.keys)
+        if request.worker_id:
+            self._membership.worker_seen(request.worker_id)
+        run = self._index.leading_run(keys)
+        refs = self._membership.refs(hit.node for hit in run)
+        node_index: dict[int, int] = {}  # node slot -> index into response.nodes
+        response = master_pb2.LookupResponse()
+        tiers: list[Tier] = []
+        indexes: list[int] = []
+        for hit in run:
+            if hit.node not in node_index:
+                ref = refs.get(hit.node)
+                if ref is None:  # dropped while we looked: the run ends here
+                    break
+                node_index[hit.node] = len(node_index)
+                response.nodes.append(self._node_ref(ref))
+            tiers.append(hit.tier)
+            indexes.append(node_index[hit.node])
+        run = run[: len(tiers)]
+        response.tiers = tier_bytes(tiers)
+        response.node_indexes.extend(indexes)
+        response.sizes.extend(hit.size for hit in run)
+        response.checksums.extend(hit.checksum for hit in run)
+        response.dram_blocks = tiers.count(Tier.DRAM)
+        response.ssd_blocks = tiers.count(Tier.SSD)
+        self._metrics.record_lookup(
+            hbm=request.hbm_prefix_blocks,
+            dram=response.dram_blocks,
+            ssd=response.ssd_blocks,
+            requested=request.hbm_prefix_blocks + len(keys),
+            block_tokens=request.block_tokens,
+        )
+        self._metrics.lookup_seconds.observe(time.perf_counter() - started)
+        return response
+
+    def Exists(self, request, context):  # type: ignore[no-untyped-def]
+        keys = self._keys(request.keys)
+        return master_pb2.ExistsResponse(present=flag_bytes(self._index.exists(keys)))
+
+    def PlaceBlocks(self, request, context):  # type: ignore[no-untyped-def]
+        keys = self._keys(request.keys)
+        self._same_length(keys, "sizes", request.sizes)
+        if any(size == 0 for size in request.sizes):
+            raise ValueError("sizes: a block must have at least one byte")
+        nodes = self._membership.live_nodes()
+        candidates = [
+            Candidate(
+                info.ref.node_id,
+                info.tiers[Tier.DRAM].capacity_bytes if Tier.DRAM in info.tiers else 0,
+                info.tiers[Tier.DRAM].used_bytes if Tier.DRAM in info.tiers else 0,
+                info.slot_bytes,
+            )
+            for info in nodes
+        ]
+        try:
+            choice = place(keys, list(request.sizes), candidates)
+        except NoPoolNodes as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        present = self._index.exists(keys)
+        used: dict[int, int] = {}  # candidate index -> index into response.nodes
+        response = master_pb2.PlaceBlocksResponse(present=flag_bytes(present))
+        for c in choice:
+            if c not in used:
+                used[c] = len(used)
+                response.nodes.append(self._node_ref(nodes[c].ref))
+            response.node_indexes.append(used[c])
+        return response
+
+    def ReportHbm(self, request, context):  # type: ignore[no-untyped-def]
+        if not request.worker_id:
+            raise ValueError("ReportHbm: worker_id must not be empty")
+        added = self._keys(request.added_keys, "added_keys")
+        removed = self._keys(request.removed_keys, "removed_keys")
+        self._membership.worker_seen(request.worker_id)
+        self._hbm.report(request.worker_id, added, removed, full_sync=request.full_sync)
+        return master_pb2.ReportHbmResponse()
+
+    # -- status ---------------------------------------------------------------------------
+
+    def ClusterStatus(self, request, context):  # type: ignore[no-untyped-def]
+        now = self._membership.now()
+        response = master_pb2.ClusterStatusResponse()
+        for info in self._membership.live_nodes():
+            response.nodes.append(
+                master_pb2.NodeStatus(
+                    node=self._node_ref(info.ref),
+                    tiers=[tier_usage(s) for s in sorted(info.tiers.values(), key=lambda s: s.tier)],
+                    seconds_since_heartbeat=max(0.0, now - info.last_heartbeat),
+                    incarnation=info.incarnation,
+                )
+            )
+        totals = self._metrics.lookup_totals()
+        response.indexed_blocks = len(self._index)
+        response.workers = self._membership.worker_count()
+        response.hbm_blocks = self._hbm.blocks()
+        response.lookups = totals.lookups
+        response.requested_blocks = totals.requested_blocks
+        response.hit_blocks_hbm = totals.hit_blocks_hbm
+        response.hit_blocks_dram = totals.hit_blocks_dram
+        response.hit_blocks_ssd = totals.hit_blocks_ssd
+        return response

@@ -1,0 +1,91 @@
+"""The master's metrics, all on one registry the server owns (never the global one).
+
+- Lookup accounting through :class:`kvpool.metrics.LookupMetrics`, plus plain
+  running totals for ``ClusterStatus``. Invariant: both are updated together
+  under one lock, so ClusterStatus's counters always equal what Prometheus
+  counted.
+- ``kvpool_lookup_seconds``: master-side latency of a Lookup call.
+- Gauges read at scrape time, so they never drift from the state they
+  describe: ``kvpool_nodes``, ``kvpool_index_blocks``, ``kvpool_workers``,
+  ``kvpool_hbm_blocks``, and per-node tier usage (``kvpool_tier_capacity_bytes``,
+  ``kvpool_tier_used_bytes``, ``kvpool_tier_blocks`` with ``node=<node id>``)
+  from each node's last heartbeat. The nodes export their own movement
+  counters; the master exports only these usage gauges, not zeros in their place.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.registry import Collector
+
+from kvpool.metrics import LookupMetrics, TierCollector, latency_histogram
+from kvpool.tiers.base import TierStats
+
+from kvpool.master.index import BlockIndex, HbmIndex
+from kvpool.master.membership import Membership
+
+
+@dataclass(frozen=True, slots=True)
+class LookupTotals:
+    """Lookup counters since the master started (blocks)."""
+
+    lookups: int = 0
+    requested_blocks: int = 0
+    hit_blocks_hbm: int = 0
+    hit_blocks_dram: int = 0
+    hit_blocks_ssd: int = 0
+
+
+class _UsageGauges(Collector):
+    """Only the gauge families of a :class:`TierCollector` (heartbeats carry usage, not movement)."""
+
+    def __init__(self, membership: Membership):
+        self._tiers = TierCollector(self._source)
+        self._membership = membership
+
+    def _source(self) -> Iterator[tuple[dict[str, str], TierStats]]:
+        for info in self._membership.live_nodes():
+            for stats in info.tiers.values():
+                yield {"node": info.ref.node_id}, stats
+
+    def collect(self):  # type: ignore[override]
+        return (family for family in self._tiers.collect() if family.type == "gauge")
+
+
+class MasterMetrics:
+    """Everything the master exports, registered on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry, index: BlockIndex, hbm: HbmIndex, membership: Membership):
+        self.registry = registry
+        self._lookup = LookupMetrics(registry)
+        self.lookup_seconds = latency_histogram(registry, "lookup", "Master-side latency of a Lookup call")
+        self._lock = threading.Lock()
+        self._totals = LookupTotals()
+        Gauge("kvpool_nodes", "Live pool nodes", registry=registry).set_function(membership.node_count)
+        Gauge("kvpool_index_blocks", "Distinct blocks in the master's index", registry=registry).set_function(
+            lambda: len(index)
+        )
+        Gauge("kvpool_workers", "Workers seen recently", registry=registry).set_function(membership.worker_count)
+        Gauge("kvpool_hbm_blocks", "Blocks in workers' HBM tiers (copies)", registry=registry).set_function(hbm.blocks)
+        registry.register(_UsageGauges(membership))
+
+    def record_lookup(self, hbm: int, dram: int, ssd: int, requested: int, block_tokens: int) -> None:
+        """Count one lookup: ``requested`` blocks (HBM prefix included), the run served as given."""
+        with self._lock:
+            self._lookup.record({"hbm": hbm, "dram": dram, "ssd": ssd}, requested, block_tokens)
+            t = self._totals
+            self._totals = LookupTotals(
+                t.lookups + 1,
+                t.requested_blocks + requested,
+                t.hit_blocks_hbm + hbm,
+                t.hit_blocks_dram + dram,
+                t.hit_blocks_ssd + ssd,
+            )
+
+    def lookup_totals(self) -> LookupTotals:
+        with self._lock:
+            return self._totals
