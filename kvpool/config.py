@@ -64,7 +64,7 @@ class MasterConfig:
 
     host: str = opt("127.0.0.1", "address the master listens on (0.0.0.0: all interfaces)")
     port: int = opt(DEFAULT_MASTER_PORT, "gRPC port of the Master Service")
-    metrics_port: int = opt(DEFAULT_MASTER_PORT + 1, "0: no metrics endpoint")
+    metrics_port: int = opt(DEFAULT_MASTER_PORT + 1, "HTTP /metrics port; 0: none, -1: any free port")
     node_timeout_s: float = opt(3.0, "a node silent this long is dropped with all its entries")
     heartbeat_interval_s: float = opt(1.0, "told to nodes when they register")
     worker_timeout_s: float = opt(60.0, "a worker silent this long loses its HBM entries")
@@ -78,11 +78,11 @@ class NodeConfig:
     master: str = opt(f"127.0.0.1:{DEFAULT_MASTER_PORT}", "the master's host:port")
     host: str = opt("127.0.0.1", "address the node listens on (0.0.0.0: all interfaces)")
     port: int = opt(DEFAULT_NODE_PORT, "gRPC port of the node's data service")
-    metrics_port: int = opt(DEFAULT_NODE_PORT + 1, "0: no metrics endpoint")
+    metrics_port: int = opt(DEFAULT_NODE_PORT + 1, "HTTP /metrics port; 0: none, -1: any free port")
     advertise: str = opt("", "host:port clients dial; default host:port")
     node_id: str = opt("", "default: <hostname>:<port>")
     arena: str = opt("", "/dev/shm name of the DRAM arena; default: kvpool-<port>")
-    dram_bytes: int = opt(0, "0: a quarter of available memory, at most 8 GiB", size=True)
+    dram_bytes: int = opt(0, "0: a quarter of available memory, at most 8 GiB and half of /dev/shm", size=True)
     slot_bytes: int = opt(2 << 20, "largest block the DRAM tier takes; set >= your block size", size=True)
     ssd_dir: str = opt("./kvpool-data", "directory of the SSD tier (LMDB)")
     ssd_bytes: int = opt(0, "0: half the free disk at ssd_dir, at most 64 GiB", size=True)
@@ -103,11 +103,13 @@ class NodeConfig:
         return self.arena or f"kvpool-{self.port}"
 
     def resolved_dram_bytes(self) -> int:
-        """The configured DRAM size, or a quarter of available memory capped at 8 GiB."""
+        """The configured DRAM size, or a quarter of available memory (at most 8 GiB, half of /dev/shm's free space)."""
         if self.dram_bytes:
             return self.dram_bytes
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return max(self.slot_bytes, min(available // 4, 8 * _GIB) // self.slot_bytes * self.slot_bytes)
+        shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else available
+        auto = min(available // 4, 8 * _GIB, shm_free // 2)
+        return max(self.slot_bytes, auto // self.slot_bytes * self.slot_bytes)
 
     def resolved_ssd_bytes(self) -> int:
         """The configured SSD size, or half the free disk at ssd_dir capped at 64 GiB."""

@@ -67,3 +67,109 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int:
             proc.kill()
             proc.wait(timeout)
     return proc.returncode
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """GET /metrics on 127.0.0.1:``port``, parsed into {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    """One sample's value (0.0 if absent): ``metric(s, "kvpool_hit_blocks_total", tier="dram")``."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+class PoolProcesses:
+    """Real kvpool processes on loopback for one test: `kvpool serve`, or `kvpool master` + nodes.
+
+    Ports are picked free; each node gets its own arena name and SSD directory
+    under ``tmp``. ``close()`` stops everything and removes the arenas.
+    """
+
+    def __init__(self, tmp, **node_flags: str):
+        import uuid
+
+        self.tmp = tmp
+        self.tag = uuid.uuid4().hex[:8]
+        self.node_flags = {"dram-bytes": "8M", "slot-bytes": "1M", "ssd-bytes": "64M", **node_flags}
+        self.procs: list[subprocess.Popen] = []
+        self.master_port = free_port()
+        self.master_metrics_port = free_port()
+        self.nodes: dict[str, dict] = {}
+
+    @property
+    def master(self) -> str:
+        return f"127.0.0.1:{self.master_port}"
+
+    def _flags(self, flags: dict) -> list[str]:
+        return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+
+    def _node_flags(self, name: str) -> dict:
+        node = self.nodes.setdefault(name, {"port": free_port(), "metrics": free_port()})
+        return {
+            "port": node["port"], "metrics-port": node["metrics"], "node-id": name,
+            "arena": f"kvpool-test-{self.tag}-{name}", "ssd-dir": str(self.tmp / f"ssd-{name}"), **self.node_flags,
+        }
+
+    def serve(self, **master_flags: str) -> subprocess.Popen:
+        """`kvpool serve` with one node named n0."""
+        flags = {**self._node_flags("n0"), "master-port": self.master_port,
+                 "master-metrics-port": self.master_metrics_port, **master_flags}
+        proc = kvpool_process("serve", *self._flags(flags), log_path=self.tmp / f"serve-{len(self.procs)}.log")
+        self.procs.append(proc)
+        wait_serving(self.master, proc=proc)
+        wait_serving(self.node_address("n0"), proc=proc)
+        self.wait_nodes(1)
+        return proc
+
+    def start_master(self, **flags: str) -> subprocess.Popen:
+        flags = {"port": self.master_port, "metrics-port": self.master_metrics_port, **flags}
+        proc = kvpool_process("master", *self._flags(flags), log_path=self.tmp / f"master-{len(self.procs)}.log")
+        self.procs.append(proc)
+        wait_serving(self.master, proc=proc)
+        return proc
+
+    def start_node(self, name: str, **flags: str) -> subprocess.Popen:
+        flags = {**self._node_flags(name), "master": self.master, **flags}
+        proc = kvpool_process("node", *self._flags(flags), log_path=self.tmp / f"node-{name}-{len(self.procs)}.log")
+        self.procs.append(proc)
+        wait_serving(self.node_address(name), proc=proc)
+        return proc
+
+    def node_address(self, name: str) -> str:
+        return f"127.0.0.1:{self.nodes[name]['port']}"
+
+    def node_metrics_port(self, name: str) -> int:
+        return self.nodes[name]["metrics"]
+
+    def status(self):
+        from kvpool.v1 import master_pb2, master_pb2_grpc
+
+        with grpc.insecure_channel(self.master) as channel:
+            return master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=5)
+
+    def wait_nodes(self, n: int, timeout: float = 20.0) -> None:
+        wait_until(lambda: len(self.status().nodes) == n, timeout)
+
+    def close(self) -> None:
+        import os
+
+        from kvpool.tiers.arena import shm_path
+
+        codes = [stop_process(p) for p in self.procs]
+        for name in self.nodes:
+            try:
+                os.unlink(shm_path(f"kvpool-test-{self.tag}-{name}"))
+            except FileNotFoundError:
+                pass
+        self.exit_codes = codes
