@@ -9,12 +9,16 @@ Invariants:
   recomputes from there). Pool blocks it loads are kept in HBM too.
 - ``put`` stores in HBM at once and queues the pool write (write-behind): the
   engine never waits on the pool. ``flush`` waits for the queue.
+- Lookups answered by HBM alone make no master call; their counts reach the
+  master with the next HBM report (within ~1 s, or at ``flush``), so its
+  cluster-wide hit rates include them.
 - Pool faults are counted misses, never exceptions (see :mod:`kvpool.client.pool`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +30,8 @@ from kvpool.client.tensors import as_tensor, read_target, write_source
 from kvpool.config import ClientConfig, load_config
 from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys, check_keys, leading_hits
 
-_HBM_REPORT_BATCH = 1024
+_HBM_REPORT_BATCH = 1024  # HBM key changes that trigger a report
+_HBM_REPORT_INTERVAL_S = 1.0  # at most this stale: HBM-only lookups the master has not counted yet
 
 
 class KVCacheClient:
@@ -38,8 +43,10 @@ class KVCacheClient:
         self.pool = PoolClient(config, registry)
         self.registry = self.pool.registry
         self._hbm_lock = threading.Lock()
-        self._hbm_added: list[BlockKey] = []
-        self._hbm_removed: list[BlockKey] = []
+        self._hbm_changed_keys: set[BlockKey] = set()  # reported as what HBM holds at report time
+        self._hbm_only_lookups = 0
+        self._hbm_only_blocks = 0
+        self._last_report = time.monotonic()
         self.hbm = None
         if config.hbm_blocks > 0:
             if self.layout is None:
@@ -70,18 +77,27 @@ class KVCacheClient:
 
     def _hbm_changed(self, added: list[BlockKey], removed: list[BlockKey]) -> None:
         with self._hbm_lock:
-            self._hbm_added += added
-            self._hbm_removed += removed
-            due = len(self._hbm_added) + len(self._hbm_removed) >= _HBM_REPORT_BATCH
+            self._hbm_changed_keys.update(added)
+            self._hbm_changed_keys.update(removed)
+            due = len(self._hbm_changed_keys) >= _HBM_REPORT_BATCH
         if due:
-            self._report_hbm()
+            self._report_hbm(wait=False)
 
-    def _report_hbm(self) -> None:
+    def _report_hbm(self, *, wait: bool) -> None:
+        """Send HBM changes and HBM-only lookup counts the master has not seen (stats only)."""
         with self._hbm_lock:
-            added, removed = self._hbm_added, self._hbm_removed
-            self._hbm_added, self._hbm_removed = [], []
-        if added or removed:
-            self.pool.report_hbm(added, removed)
+            changed = list(self._hbm_changed_keys)
+            lookups, blocks = self._hbm_only_lookups, self._hbm_only_blocks
+            self._hbm_changed_keys = set()
+            self._hbm_only_lookups = self._hbm_only_blocks = 0
+            self._last_report = time.monotonic()
+        # What HBM holds now, not the order events arrived in, decides added vs removed.
+        held = self.hbm.contains(changed) if self.hbm is not None else [False] * len(changed)
+        added = [k for k, h in zip(changed, held) if h]
+        removed = [k for k, h in zip(changed, held) if not h]
+        if added or removed or lookups:
+            self.pool.report_hbm(added, removed, hbm_only_lookups=lookups, hbm_only_blocks=blocks,
+                                 block_tokens=self.block_tokens, wait=wait)
 
     # -- the engine's calls --------------------------------------------------------------
 
@@ -92,6 +108,13 @@ class KVCacheClient:
         pool = ()
         if hbm < len(keys):
             pool = self.pool.lookup(keys[hbm:], hbm_prefix_blocks=hbm, block_tokens=self.block_tokens)
+        elif keys:  # HBM answered alone: the master hears of it with the next report
+            with self._hbm_lock:
+                self._hbm_only_lookups += 1
+                self._hbm_only_blocks += hbm
+                due = time.monotonic() - self._last_report >= _HBM_REPORT_INTERVAL_S
+            if due:
+                self._report_hbm(wait=False)
         result = LookupResult(len(keys), hbm, pool)
         self.pool.lookup_metrics.record(result.by_tier(), len(keys), self.block_tokens)
         return result
@@ -146,14 +169,16 @@ class KVCacheClient:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued pool writes; also sends pending HBM reports."""
-        self._report_hbm()
+        self._report_hbm(wait=True)
         return self.pool.flush(timeout)
 
     def close(self) -> None:
-        self._report_hbm()
-        self.pool.close()
+        """Tell the master this worker's HBM is gone, drain queued writes, release everything."""
         if self.hbm is not None:
-            self.hbm.close()
+            hbm, self.hbm = self.hbm, None
+            hbm.close()  # reports every key it held as removed
+        self._report_hbm(wait=True)
+        self.pool.close()
 
     def __enter__(self) -> "KVCacheClient":
         return self

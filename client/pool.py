@@ -143,11 +143,22 @@ class PoolClient:
             return [False] * len(keys)
         return flags_from_bytes(reply.present)
 
-    def report_hbm(self, added: Sequence[BlockKey], removed: Sequence[BlockKey], *, full_sync: bool = False) -> None:
-        """Tell the master what this worker's HBM tier gained and lost (stats only; best effort)."""
+    def report_hbm(
+        self, added: Sequence[BlockKey], removed: Sequence[BlockKey], *,
+        hbm_only_lookups: int = 0, hbm_only_blocks: int = 0, block_tokens: int = 0, wait: bool = True,
+    ) -> None:
+        """Tell the master what this worker's HBM tier gained and lost, and the lookups HBM answered alone.
+
+        Stats only, best effort; with ``wait=False`` the call does not block.
+        """
         request = master_pb2.ReportHbmRequest(
-            worker_id=self.worker_id, added_keys=pack_keys(added), removed_keys=pack_keys(removed), full_sync=full_sync
+            worker_id=self.worker_id, added_keys=pack_keys(added), removed_keys=pack_keys(removed),
+            hbm_only_lookups=hbm_only_lookups, hbm_only_blocks=hbm_only_blocks, block_tokens=block_tokens,
         )
+        if not wait:
+            future = self._master.ReportHbm.future(request, timeout=self.config.lookup_timeout_s)
+            future.add_done_callback(lambda f: f.exception() and self.errors.count(_error_kind(f.exception())))
+            return
         try:
             self._master.ReportHbm(request, timeout=self.config.lookup_timeout_s)
         except grpc.RpcError as exc:

@@ -42,9 +42,9 @@ class LookupMetrics:
             self.hit_blocks.labels(tier)
             self.hit_tokens.labels(tier)
 
-    def record(self, hits_by_tier: dict[str, int], requested: int, block_tokens: int) -> None:
-        """Count one lookup of ``requested`` blocks whose leading run was served as ``hits_by_tier``."""
-        self.lookups.inc()
+    def record(self, hits_by_tier: dict[str, int], requested: int, block_tokens: int, lookups: int = 1) -> None:
+        """Count ``lookups`` lookups of ``requested`` blocks in all, whose leading runs were served as ``hits_by_tier``."""
+        self.lookups.inc(lookups)
         self.lookup_blocks.inc(requested)
         self.lookup_tokens.inc(requested * block_tokens)
         hit = 0

@@ -206,6 +206,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         removed = self._keys(request.removed_keys, "removed_keys")
         self._membership.worker_seen(request.worker_id)
         self._hbm.report(request.worker_id, added, removed, full_sync=request.full_sync)
+        if request.hbm_only_lookups:
+            blocks = request.hbm_only_blocks
+            self._metrics.record_lookup(blocks, 0, 0, blocks, request.block_tokens, lookups=request.hbm_only_lookups)
         return master_pb2.ReportHbmResponse()
 
     # -- status ---------------------------------------------------------------------------

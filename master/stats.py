@@ -73,13 +73,13 @@ class MasterMetrics:
         Gauge("kvpool_hbm_blocks", "Blocks in workers' HBM tiers (copies)", registry=registry).set_function(hbm.blocks)
         registry.register(_UsageGauges(membership))
 
-    def record_lookup(self, hbm: int, dram: int, ssd: int, requested: int, block_tokens: int) -> None:
-        """Count one lookup: ``requested`` blocks (HBM prefix included), the run served as given."""
+    def record_lookup(self, hbm: int, dram: int, ssd: int, requested: int, block_tokens: int, lookups: int = 1) -> None:
+        """Count ``lookups`` lookups: ``requested`` blocks (HBM prefix included), the runs served as given."""
         with self._lock:
-            self._lookup.record({"hbm": hbm, "dram": dram, "ssd": ssd}, requested, block_tokens)
+            self._lookup.record({"hbm": hbm, "dram": dram, "ssd": ssd}, requested, block_tokens, lookups)
             t = self._totals
             self._totals = LookupTotals(
-                t.lookups + 1,
+                t.lookups + lookups,
                 t.requested_blocks + requested,
                 t.hit_blocks_hbm + hbm,
                 t.hit_blocks_dram + dram,

@@ -22,7 +22,7 @@ from kvpool.node.daemon import PoolNode
 from kvpool.node.master_link import MasterLink
 from kvpool.rpc import MISS, channel_options
 from kvpool.tiers.arena import SharedArena, SlotRef, shm_path
-from kvpool.tiers.base import BlockMeta, Tier, TierStats
+from kvpool.tiers.base import BlockMeta, Tier
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
 
 SLOT = 64 << 10
@@ -386,44 +386,29 @@ def test_demotions_reach_the_master_and_a_restarted_master_is_refilled(tmp_path,
         master.stop()
 
 
-class FakeTier:
-    """Just what MasterLink needs of a store, with its contents set by the test."""
-
-    def __init__(self, tier: Tier):
-        self.tier = tier
-        self.held: dict[BlockKey, BlockMeta] = {}
-
-    def contains(self, keys):
-        return [k in self.held for k in keys]
-
-    def inventory(self):
-        return list(self.held.values())
-
-    def stats(self):
-        return TierStats(self.tier, capacity_bytes=1 << 20, used_bytes=sum(m.size for m in self.held.values()),
-                         blocks=len(self.held))
-
-
 @needs_master
-def test_master_link_chunks_its_full_sync_and_trusts_contains_over_event_order():
+def test_master_link_chunks_its_full_sync_and_trusts_contains_over_event_order(arena_name):
+    from kvpool.tiers.dram import DramStore
+
     master = start_master()
-    dram = FakeTier(Tier.DRAM)
-    for i in range(10):
-        dram.held[key(i)] = BlockMeta(key(i), 100 + i, i)
-    ref = common_pb2.NodeRef(node_id="fake-node", address="127.0.0.1:1", host_id="fake-host", arena="fake-arena")
-    link = MasterLink(master.address, ref, {Tier.DRAM: dram}, slot_bytes=SLOT, chunk_keys=3)
-    on_change = link.listener(Tier.DRAM)
+    dram = DramStore.create(arena_name, 32 * 1024, 1024)
+    sizes = [100 + i for i in range(10)]
+    dram.put([key(i) for i in range(10)], [bytes([i]) * sizes[i] for i in range(10)])
+    ref = common_pb2.NodeRef(node_id="link-node", address="127.0.0.1:1", host_id="link-host", arena=arena_name)
+    link = MasterLink(master.address, ref, {Tier.DRAM: dram}, slot_bytes=1024, chunk_keys=3)
+    on_change = link.listener(Tier.DRAM)  # events are fed by hand below, to reorder them
     link.start()
     try:
         wait_until(lambda: link.registered)
-        assert list(lookup(master.address, list(range(10))).sizes) == [100 + i for i in range(10)]  # 4 chunks
-        added = BlockMeta(key(20), 20, 20)
-        dram.held[key(20)] = added
+        assert list(lookup(master.address, list(range(10))).sizes) == sizes  # synced in 4 chunks
+        dram.put([key(20)], [b"x" * 20])
+        added = BlockMeta(key(20), 20, block_checksum(b"x" * 20))
         on_change([added], [])
         on_change([], [key(20)])  # a stale removal arriving late: the key is still held
         assert link.flush()
         assert list(lookup(master.address, [20]).tiers) == [Tier.DRAM]
-        gone = dram.held.pop(key(0))
+        gone = dram.inventory()[0]
+        assert gone.key == key(0) and dram.remove([key(0)]) == 1
         on_change([], [key(0)])
         on_change([gone], [])  # a stale add arriving late: the key is gone
         assert link.flush()
@@ -432,6 +417,7 @@ def test_master_link_chunks_its_full_sync_and_trusts_contains_over_event_order()
     finally:
         link.stop()
         master.stop()
+        dram.close()
     assert not link.registered and not link.flush()
 
 

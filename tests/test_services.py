@@ -231,3 +231,33 @@ def test_serve_with_no_arguments_runs_on_the_default_ports(tmp_path):
     finally:
         assert stop_process(proc) == 0
     assert not os.path.exists("/dev/shm/kvpool-7610")
+
+
+def test_hbm_is_checked_first_and_reported_to_the_master(procs):
+    torch = pytest.importorskip("torch")  # the client extra; CI installs it
+    from kvpool.layout import KVLayout
+
+    procs.serve()
+    layout = KVLayout("float32", num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+    tensors = [torch.randn(layout.block_bytes // 4) for _ in range(6)]
+    ks = [k for k in keys("hbm", 6)]
+    with client(procs, layout=layout, hbm_blocks=4) as c:
+        c.put(ks[:4], tensors[:4])
+        c.put(ks[4:], tensors[4:])  # HBM (4 blocks) drops 0 and 1; the pool keeps all six
+        assert c.flush(timeout=10)
+        tail = c.lookup(ks[2:])
+        assert (tail.hbm_blocks, len(tail.pool)) == (4, 0)  # all in HBM: the pool is not even asked
+        head = c.lookup(ks)
+        assert (head.hbm_blocks, head.dram_blocks) == (0, 6)  # block 0 is not in HBM: the pool serves the run
+        outs = [torch.zeros_like(t) for t in tensors]
+        assert c.get(ks, outs, head) == 6
+        assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
+        again = c.lookup(ks)  # the loaded run was kept in HBM; it keeps the leading blocks first
+        assert (again.hbm_blocks, again.dram_blocks) == (4, 2)
+        assert c.flush(timeout=10)
+        status = procs.status()
+        assert status.workers == 1 and status.hbm_blocks == 4
+        assert status.lookups == 3  # the HBM-only lookup arrived with the flushed HBM report
+        assert (status.hit_blocks_hbm, status.hit_blocks_dram, status.requested_blocks) == (4 + 4, 6 + 2, 4 + 6 + 6)
+        c.close()
+        assert procs.status().hbm_blocks == 0  # a closing worker takes its HBM entries with it
