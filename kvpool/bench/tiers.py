@@ -69,44 +69,36 @@ def bench_size(size: int, total: int, rounds: int, batch: int, ssd_dir: str) -> 
 
     memcpy_gbps = _best_gbps(nbytes, rounds, memcpy)
 
+    def put_get(store: object, name: str) -> tuple[float, float]:
+        """(put, get) GB/s of one tier store over the working set, bytes checked."""
+
+        def put() -> None:
+            store.remove(keys)  # type: ignore[attr-defined]
+            for s in slices:
+                store.put(keys[s], list(src[s]))  # type: ignore[attr-defined]
+
+        def get() -> None:
+            for s in slices:
+                if not all(store.get_into(keys[s], list(dst[s]))):  # type: ignore[attr-defined]
+                    raise AssertionError(f"bench: {name} lost a block it was sized for")
+
+        result = _best_gbps(nbytes, rounds, put), _best_gbps(nbytes, rounds, get)
+        if not np.array_equal(dst, src):
+            raise AssertionError(f"bench: {name} returned different bytes")
+        return result
+
     dram = DramStore.create(f"kvpool-bench-{uuid.uuid4().hex[:8]}", n * size, size, high_watermark=1.0, low_watermark=1.0)
     try:
-        def dram_put() -> None:
-            dram.remove(keys)
-            for s in slices:
-                dram.put(keys[s], list(src[s]))
-
-        def dram_get() -> None:
-            for s in slices:
-                if not all(dram.get_into(keys[s], list(dst[s]))):
-                    raise AssertionError("bench: DRAM lost a block it was sized for")
-
-        dram_put_gbps = _best_gbps(nbytes, rounds, dram_put)
-        dram_get_gbps = _best_gbps(nbytes, rounds, dram_get)
+        dram_put_gbps, dram_get_gbps = put_get(dram, "DRAM")
     finally:
         dram.close()
-    if not np.array_equal(dst, src):
-        raise AssertionError("bench: DRAM returned different bytes")
-
+    dst[:] = 0
     with tempfile.TemporaryDirectory(dir=ssd_dir) as path:
         ssd = SsdStore(path, capacity_bytes=2 * nbytes + (64 << 20))
         try:
-            def ssd_put() -> None:
-                ssd.remove(keys)
-                for s in slices:
-                    ssd.put(keys[s], list(src[s]))
-
-            def ssd_get() -> None:
-                for s in slices:
-                    if not all(ssd.get_into(keys[s], list(dst[s]))):
-                        raise AssertionError("bench: SSD lost a block it was sized for")
-
-            ssd_put_gbps = _best_gbps(nbytes, rounds, ssd_put)
-            ssd_get_gbps = _best_gbps(nbytes, rounds, ssd_get)
+            ssd_put_gbps, ssd_get_gbps = put_get(ssd, "SSD")
         finally:
             ssd.close()
-    if not np.array_equal(dst, src):
-        raise AssertionError("bench: SSD returned different bytes")
     return Row(size, memcpy_gbps, dram_put_gbps, dram_get_gbps, ssd_put_gbps, ssd_get_gbps)
 
 
