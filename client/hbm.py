@@ -24,6 +24,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvpool.client.devices import resolve_device
@@ -32,6 +33,15 @@ from kvpool.layout import KVLayout
 from kvpool.tiers.base import Tier, TierStats, check_batch
 
 ChangeCallback = Callable[[list[BlockKey], list[BlockKey]], None]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy one flat uint8 block. Host to host goes through numpy: one plain memcpy, where
+    torch's copy_ would split it over its intra-op threads (erratic on a busy 2-core host)."""
+    if dst.device.type == "cpu" and src.device.type == "cpu":
+        np.copyto(dst.detach().numpy(), src.detach().numpy())
+    else:
+        dst.copy_(src)
 
 
 class HbmStore:
@@ -119,7 +129,7 @@ class HbmStore:
                     if slot is None:
                         results.append(False)
                         continue
-                    pool[slot].copy_(value.reshape(-1).view(torch.uint8))
+                    _copy(pool[slot], value.reshape(-1).view(torch.uint8))
                     self._index[key] = slot
                     batch.add(key)
                     added.append(key)
@@ -154,7 +164,7 @@ class HbmStore:
                     if slot is None:
                         results.append(False)
                         continue
-                    out.view(-1).view(torch.uint8).copy_(pool[slot])
+                    _copy(out.view(-1).view(torch.uint8), pool[slot])
                     self._index.move_to_end(key)
                     results.append(True)
             hits = sum(results)

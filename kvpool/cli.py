@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiers_parser = benches.add_parser("tiers", help="DRAM and SSD put/get GB/s next to memcpy")
     tiers.add_arguments(tiers_parser)
     tiers_parser.set_defaults(run=tiers.run)
+    from kvpool.bench import replay
+
+    replay_parser = benches.add_parser("replay", help="replay a Mooncake trace against a pool: hit ratio per tier")
+    replay.add_arguments(replay_parser)
+    replay_parser.set_defaults(run=replay.run)
     return parser
 
 
