@@ -79,6 +79,8 @@ class NodeConfig:
     host: str = opt("127.0.0.1", "address the node listens on (0.0.0.0: all interfaces)")
     port: int = opt(DEFAULT_NODE_PORT, "gRPC port of the node's data service")
     metrics_port: int = opt(DEFAULT_NODE_PORT + 1, "HTTP /metrics port; 0: none, -1: any free port")
+    data_port: int = opt(-1, "bulk TCP port for remote reads and writes; -1: port + 2 (any free port if that "
+                             "is taken or port is 0); 0: any free port")
     advertise: str = opt("", "host:port clients dial; default host:port")
     node_id: str = opt("", "default: <hostname>:<port>")
     arena: str = opt("", "/dev/shm name of the DRAM arena; default: kvpool-<port>")
@@ -92,6 +94,8 @@ class NodeConfig:
     low_watermark: float = opt(0.85, "DRAM usage fraction eviction brings usage down to")
     write_through: bool = opt(False, "write every block to SSD at once, not only on eviction")
     max_message_bytes: int = opt(256 << 20, "largest gRPC message the node accepts", size=True)
+    lease_timeout_s: float = opt(5.0, "a same-host writer's reserved DRAM slots return to the pool this long "
+                                      "after Reserve unless committed")
 
     def resolved_node_id(self) -> str:
         return self.node_id or f"{socket.gethostname()}:{self.port}"

@@ -49,6 +49,7 @@ class NodeAddress:
     address: str
     host_id: str = ""
     arena: str = ""
+    data_address: str = ""
 
 
 @dataclass(slots=True)

@@ -80,7 +80,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     @staticmethod
     def _node_ref(ref: NodeAddress) -> common_pb2.NodeRef:
-        return common_pb2.NodeRef(node_id=ref.node_id, address=ref.address, host_id=ref.host_id, arena=ref.arena)
+        return common_pb2.NodeRef(
+            node_id=ref.node_id, address=ref.address, host_id=ref.host_id, arena=ref.arena, data_address=ref.data_address
+        )
 
     # -- nodes ----------------------------------------------------------------------------
 
@@ -92,7 +94,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             raise ValueError(f"RegisterNode: node {ref.node_id!r} has no address")
         tiers = self._tier_stats(request.tiers)
         info = self._membership.register(
-            NodeAddress(ref.node_id, ref.address, ref.host_id, ref.arena), tiers, request.slot_bytes
+            NodeAddress(ref.node_id, ref.address, ref.host_id, ref.arena, ref.data_address), tiers, request.slot_bytes
         )
         return master_pb2.RegisterNodeResponse(
             incarnation=info.incarnation,

@@ -47,7 +47,7 @@ def client(procs: PoolProcesses, **over) -> KVCacheClient:
     return KVCacheClient(ClientConfig(**values))
 
 
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host-shm", "grpc"])
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host-shm", "remote-tcp"])
 def test_serve_then_put_and_get_byte_exact(procs, shared_memory):
     procs.serve()
     ks, vs = keys("exact", 5), blocks(5)
@@ -60,6 +60,28 @@ def test_serve_then_put_and_get_byte_exact(procs, shared_memory):
         assert c.get(ks, outs, result) == 5
         assert all(np.array_equal(o, v) for o, v in zip(outs, vs))
         assert c.exists(ks + keys("absent", 1)) == [True] * 5 + [False]
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host-arena", "remote-tcp"])
+def test_store_and_get_batches_of_blocks_up_to_8_mib_between_processes(procs, shared_memory):
+    procs.node_flags.update({"dram-bytes": "64M", "slot-bytes": "8M"})
+    procs.serve()
+    sizes = [1, 4095, MIB, 8 * MIB, 3 * MIB + 7, 8 * MIB]
+    ks = keys(f"big-{shared_memory}", len(sizes))
+    vs = [blocks(1, size=n, seed=i)[0] for i, n in enumerate(sizes)]
+    config = ClientConfig(master=procs.master, shared_memory=shared_memory, strict=True, io_timeout_s=10.0)
+    with PoolClient(config) as pool:
+        assert pool.store(ks, vs) == [True] * len(ks)  # synchronous: indexed when it returns
+        locations = pool.lookup(ks)
+        assert [loc.tier for loc in locations] == [Tier.DRAM] * len(ks)
+        outs = [np.zeros(n, np.uint8) for n in sizes]
+        assert pool.get_into(locations, outs) == [True] * len(ks)
+        assert all(np.array_equal(o, v) for o, v in zip(outs, vs))
+        assert pool.store(ks[:2], vs[:2]) == [True, True]  # already pooled
+        if not shared_memory:  # the node's bulk listener carried the bytes, no fallback to gRPC
+            assert pool._data_address(procs.node_address("n0"))
+        assert sum(s.value for m in pool.registry.collect() if m.name == "kvpool_errors" for s in m.samples
+                   if s.name == "kvpool_errors_total") == 0
 
 
 def test_dram_full_demotes_to_ssd_which_still_hits_and_promotes_back(procs):

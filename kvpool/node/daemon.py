@@ -3,11 +3,14 @@
 :class:`PoolNode` owns, and builds in this order: the DRAM tier (a fresh
 shared-memory arena), the SSD tier (LMDB, survives restarts), the
 :class:`~kvpool.tiers.tiered.TieredStore` over both, the link to the master,
-the gRPC server (Node + health) and the metrics registry. ``start()`` starts
-serving, the metrics endpoint and the master link; ``stop(grace)`` undoes it
-in reverse: leave the master's index first (so clients stop being sent here),
-drain in-flight calls, then flush and close the tiers (the arena is unlinked,
-LMDB closed). :func:`run_node` is the process entry point.
+the gRPC server (Node + health), the bulk TCP listener
+(:mod:`kvpool.node.bulk`) and the metrics registry. ``start()`` starts
+serving, the metrics endpoint, the master link and the lease reaper (which
+frees DRAM slots of same-host writers that did not commit in time);
+``stop(grace)`` undoes it in reverse: leave the master's index first (so
+clients stop being sent here), drain in-flight calls, then flush and close
+the tiers (the arena is unlinked, LMDB closed). :func:`run_node` is the
+process entry point.
 
 An arena left in /dev/shm under our name is taken as stale (a node killed
 with SIGKILL never unlinks its arena): it is unlinked and recreated, with a
@@ -29,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 from kvpool.config import NodeConfig
 from kvpool.lifecycle import wait_for_shutdown
 from kvpool.metrics import ErrorMetrics, MetricsServer, TierCollector, latency_histogram
+from kvpool.node.bulk import BulkServer
 from kvpool.node.master_link import MasterLink
 from kvpool.node.servicer import NodeServicer
 from kvpool.rpc import local_host_id, make_server
@@ -77,6 +81,10 @@ class PoolNode:
         self._stopped = False
         self._stop_sync = threading.Event()
         self._sync_thread: threading.Thread | None = None
+        self._reaper: threading.Thread | None = None
+        self._populate: threading.Thread | None = None
+        if not config.lease_timeout_s > 0:
+            raise ValueError(f"node.lease_timeout_s must be > 0, got {config.lease_timeout_s}")
 
         arena = arena_name_for(config)
         _clear_stale_arena(arena)
@@ -84,6 +92,7 @@ class PoolNode:
                                 high_watermark=config.high_watermark, low_watermark=config.low_watermark)
         ssd: SsdStore | None = None
         link: MasterLink | None = None
+        self.server = None
         try:
             if config.ssd_enabled:
                 ssd = SsdStore(config.ssd_dir, config.resolved_ssd_bytes(), sync=config.ssd_sync)
@@ -103,11 +112,22 @@ class PoolNode:
                 self.store, node_ref=self.node_ref, max_keys_per_call=MAX_KEYS_PER_CALL,
                 max_message_bytes=config.max_message_bytes, errors=self.errors,
                 get_seconds=self.get_seconds, put_seconds=self.put_seconds, after_change=link.flush,
+                lease_timeout_s=config.lease_timeout_s,
             )
             self.server, self.port, self.health = make_server(
                 f"{config.host}:{config.port}", [self._add_servicer], max_message_bytes=config.max_message_bytes
             )
+            data_port = config.data_port
+            if data_port < 0:  # the default: next to the gRPC port, or anywhere if that is taken
+                data_port = self.port + 2 if config.port else 0
+            self.bulk = BulkServer(
+                self.store, config.host, data_port, max_keys_per_call=MAX_KEYS_PER_CALL, errors=self.errors,
+                get_seconds=self.get_seconds, put_seconds=self.put_seconds, after_change=link.flush,
+                fallback_port=config.data_port < 0,
+            )
         except BaseException:
+            if self.server is not None:
+                self.server.stop(None)
             if link is not None:
                 link.stop(unregister=False)
             if ssd is not None:
@@ -117,6 +137,7 @@ class PoolNode:
         self.node_ref.node_id = config.node_id or f"{socket.gethostname()}:{self.port}"
         wildcard = config.host in ("", "0.0.0.0", "::", "[::]")  # listening everywhere: advertise our name
         self.node_ref.address = config.advertise or f"{socket.gethostname() if wildcard else config.host}:{self.port}"
+        self.node_ref.data_address = f"{self.node_ref.address.rsplit(':', 1)[0]}:{self.bulk.port}"
         self.registry.register(TierCollector(self._tier_stats))
 
     def _tier_stats(self) -> list[tuple[dict[str, str], TierStats]]:
@@ -132,11 +153,17 @@ class PoolNode:
         """Where clients reach this node's gRPC service (the advertised address)."""
         return self.node_ref.address
 
+    @property
+    def data_address(self) -> str:
+        """Where clients reach this node's bulk TCP listener (the advertised host, the bound port)."""
+        return self.node_ref.data_address
+
     def start(self) -> "PoolNode":
         if self._started:
             raise RuntimeError("pool node already started")
         self._started = True
         self.server.start()
+        self.bulk.start()
         port = self.config.metrics_port
         if port != 0:
             self._metrics = MetricsServer(self.registry, 0 if port < 0 else port, host=self.config.host)
@@ -145,7 +172,25 @@ class PoolNode:
         if self.store.ssd is not None and not self.config.ssd_sync:
             self._sync_thread = threading.Thread(target=self._sync_loop, name="kvpool-ssd-sync", daemon=True)
             self._sync_thread.start()
+        self._reaper = threading.Thread(target=self._reap_loop, name="kvpool-lease-reaper", daemon=True)
+        self._reaper.start()
+        # page faults on first touch are costly: map the whole arena now, off the data path
+        self._populate = threading.Thread(target=self.store.dram.arena.populate, args=(self._stop_sync,),
+                                          name="kvpool-arena-populate", daemon=True)
+        self._populate.start()
         return self
+
+    def _reap_loop(self) -> None:
+        """Free the slots of leases past their deadline, a few times per lease timeout."""
+        interval = min(1.0, max(0.02, self.config.lease_timeout_s / 4))
+        while not self._stop_sync.wait(interval):
+            try:
+                freed = self.store.dram.expire()
+            except Exception:  # noqa: BLE001 - keep reaping; a bug here is logged
+                log.exception("node: lease reaper failed")
+                continue
+            if freed:
+                log.info("node: released %d DRAM slots of lapsed write leases", freed)
 
     def _sync_loop(self) -> None:
         assert self.store.ssd is not None, "node: SSD sync loop without an SSD tier"
@@ -166,11 +211,15 @@ class PoolNode:
             self.server.stop(grace).wait()
         else:
             self.server.stop(None)
+        self.bulk.stop()
         if self._metrics is not None:
             self._metrics.close()
         self._stop_sync.set()
         if self._sync_thread is not None:
             self._sync_thread.join(timeout=10)
+        for thread in (self._reaper, self._populate):
+            if thread is not None:
+                thread.join(timeout=10)
         if self.store.ssd is not None:
             self.store.ssd.sync_now()
         self.store.close()
@@ -190,8 +239,8 @@ def run_node(config: NodeConfig) -> int:
     try:
         node.start()
         ssd = node.store.ssd
-        log.info("kvpool node %s serving on %s: DRAM %d MiB in /dev/shm/%s (%d B slots), SSD %s; "
-                 "master %s; metrics %s", node.node_ref.node_id, node.address,
+        log.info("kvpool node %s serving on %s (bulk %s): DRAM %d MiB in /dev/shm/%s (%d B slots), SSD %s; "
+                 "master %s; metrics %s", node.node_ref.node_id, node.address, node.data_address,
                  node.store.dram.stats().capacity_bytes >> 20, node.node_ref.arena, config.slot_bytes,
                  f"{ssd.capacity_bytes >> 20} MiB at {ssd.path}" if ssd is not None else "off",
                  config.master, f":{node.metrics_port}" if node.metrics_port else "off")

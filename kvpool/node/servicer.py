@@ -14,6 +14,10 @@ Rules every handler follows:
 - Get builds its reply in one preallocated buffer that the tiers copy into
   directly; the only other copy is the one protobuf needs (its bytes field
   takes ``bytes``).
+- Reserve leases free DRAM slots to a same-host writer for
+  ``lease_timeout_s`` (the daemon's reaper frees lapsed leases); Commit
+  publishes the slots whose bytes match their checksums and, like Put,
+  replies only after ``after_change`` ran.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import numpy as np
 from kvpool.checksum import block_checksum
 from kvpool.keys import BlockKey, unpack_keys
 from kvpool.metrics import ErrorMetrics
-from kvpool.rpc import tier_bytes, tier_usage
+from kvpool.rpc import flag_bytes, tier_bytes, tier_usage
 from kvpool.tiers.base import Tier
 from kvpool.tiers.tiered import TieredStore
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
@@ -67,8 +71,10 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         get_seconds: Any = None,
         put_seconds: Any = None,
         after_change: Callable[[], object] | None = None,
+        lease_timeout_s: float = 5.0,
     ):
         self.store = store
+        self.lease_timeout_s = lease_timeout_s
         self.node_ref = node_ref  # the daemon fills in the bound address once the server listens
         self.max_keys_per_call = max_keys_per_call
         self.max_message_bytes = max_message_bytes
@@ -233,6 +239,41 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             outs.append(scratch[offset : offset + n])
             offset += n
         self.store.get_into([k for k, _ in todo], outs)
+
+    @_counted
+    def Reserve(self, request: node_pb2.ReserveRequest, context: Any) -> node_pb2.ReserveResponse:
+        keys = self._keys(request.keys)
+        sizes = list(request.sizes)
+        if len(sizes) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+        if any(s == 0 for s in sizes):
+            raise ValueError(f"block {sizes.index(0)} is empty")
+        held = [t is not None for t in self.store.where(keys)]
+        fit = [i for i, n in enumerate(sizes) if not held[i] and self.store.fits_dram(n)]
+        res = self.store.dram.reserve([keys[i] for i in fit], [sizes[i] for i in fit], self.lease_timeout_s)
+        slots, gens = [0] * len(keys), [0] * len(keys)
+        for i, slot, gen, h in zip(fit, res.slots, res.gens, res.held):
+            slots[i], gens[i] = slot, gen
+            held[i] = held[i] or h
+        return node_pb2.ReserveResponse(arena=self.store.dram.arena.name, lease=res.lease, slots=slots,
+                                        slot_gens=gens, already_held=flag_bytes(held),
+                                        lease_timeout_s=self.lease_timeout_s)
+
+    @_counted
+    def Commit(self, request: node_pb2.CommitRequest, context: Any) -> node_pb2.CommitResponse:
+        start = time.perf_counter()
+        keys = self._keys(request.keys)
+        slots, sums = list(request.slots), list(request.checksums)
+        if not len(slots) == len(sums) == len(keys):
+            raise ValueError(f"{len(keys)} keys, {len(slots)} slots and {len(sums)} checksums: need one each per key")
+        stored = self.store.commit(request.lease, keys, slots, sums)
+        refused = stored.count(False)
+        if refused and self.errors is not None:
+            self.errors.count("commit_refused", refused)
+        self._changed()
+        if self.put_seconds is not None:
+            self.put_seconds.observe(time.perf_counter() - start)
+        return node_pb2.CommitResponse(stored=flag_bytes(stored))
 
     @_counted
     def Info(self, request: node_pb2.InfoRequest, context: Any) -> node_pb2.InfoResponse:

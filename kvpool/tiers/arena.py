@@ -15,6 +15,9 @@ Generation protocol (a seqlock per slot):
   :class:`kvpool.tiers.dram.DramStore`) changes ``gen``, ``length``,
   ``checksum`` and ``key``. Others may read any slot and may write the data of
   a slot the owner has handed them while it is odd.
+- Each hand-over of a free slot (:meth:`SharedArena.claim`) moves its gen to
+  a new odd value, so (slot, odd gen) names one writer's turn: a writer
+  checks it before writing, and a slot taken back and handed on has another.
 - A reader checks ``gen`` and ``key``, copies, verifies the checksum of what it
   copied and checks ``gen`` again: if the slot was reused under it, it sees a
   miss, never another block's bytes.
@@ -26,6 +29,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +44,7 @@ _VERSION = 1
 _HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sIIQQQQ")  # magic, version, pad, slot_bytes, num_slots, table_off, data_off
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 SLOT_DTYPE = np.dtype(
     [("gen", "<u8"), ("length", "<u8"), ("checksum", "<u8"), ("key", f"V{KEY_BYTES}"), ("_pad", "V8")]
@@ -75,6 +80,7 @@ class SharedArena:
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.owner = owner
+        self.file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the segment, for attached mappings
         self._mm = mm
         buf = np.frombuffer(mm, dtype=np.uint8)
         self.table = buf[table_off : table_off + num_slots * SLOT_DTYPE.itemsize].view(SLOT_DTYPE)
@@ -115,7 +121,8 @@ class SharedArena:
         path = shm_path(name)
         fd = os.open(path, os.O_RDWR)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             if size < _HEADER_BYTES:
                 raise ValueError(f"{path} is not a kvpool arena (too small)")
             mm = mmap.mmap(fd, size)
@@ -128,7 +135,40 @@ class SharedArena:
         if data_off + num_slots * slot_bytes > size:
             mm.close()
             raise ValueError(f"{path} is truncated")
-        return cls(name, mm, slot_bytes, num_slots, table_off, data_off, owner=False)
+        arena = cls(name, mm, slot_bytes, num_slots, table_off, data_off, owner=False)
+        arena.file_id = (st.st_dev, st.st_ino)
+        return arena
+
+    def is_current(self) -> bool:
+        """Whether ``/dev/shm/<name>`` is still the segment this mapping holds (a restarted node makes a new one)."""
+        try:
+            st = os.stat(shm_path(self.name))
+        except OSError:
+            return False
+        return self.file_id is None or (st.st_dev, st.st_ino) == self.file_id
+
+    def populate(self, stop: threading.Event | None = None, chunk_bytes: int = 64 << 20) -> bool:
+        """Map every page of the segment into this process now (in chunks; stops early once ``stop`` is set).
+
+        A page's first touch in each process costs a page fault (~0.75 ms per
+        MiB on some VMs, several times a memcpy), so owners and long-lived
+        readers/writers call this once, in a background thread, instead of
+        paying it on the data path. Returns True if it went through the whole
+        segment. Call :meth:`close` only after it returned.
+        """
+        mm = self._mm
+        size = len(mm)
+        for start in range(0, size, chunk_bytes):
+            if stop is not None and stop.is_set():
+                return False
+            length = min(chunk_bytes, size - start)
+            try:
+                mm.madvise(_MADV_POPULATE_WRITE, start, length)
+            except (OSError, ValueError):  # kernels before 5.14: touch one byte per page instead
+                view = np.frombuffer(mm, dtype=np.uint8, count=length, offset=start)
+                int(view[:: mmap.PAGESIZE].sum())
+                del view
+        return True
 
     def close(self) -> None:
         """Unmap; the owner also removes the segment. Views handed out must be dropped first."""
@@ -191,6 +231,14 @@ class SharedArena:
         return memoryview(self.data[slot, :n])
 
     # -- owner-only state changes ------------------------------------------------
+
+    def claim(self, slot: int) -> int:
+        """Hand free ``slot`` to one writer: returns the new odd gen naming this turn (owner only)."""
+        assert self.owner, "arena: only the owner hands out slots"
+        gen = int(self.gens[slot])
+        assert gen & 1, f"arena: claim of slot {slot} that is not free (gen {gen})"
+        self.gens[slot] = gen + 2
+        return gen + 2
 
     def commit(self, slot: int, key: BlockKey, length: int, checksum: int) -> SlotRef:
         """Publish the bytes already written into free ``slot`` as ``key`` (owner only)."""

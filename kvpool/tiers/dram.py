@@ -16,14 +16,28 @@ Invariants:
 - ``on_change`` hears of every change to the key set (committed puts as
   added, released victims and removes as removed), after the change and
   outside the lock.
+
+Leases (same-host writers, :meth:`DramStore.reserve` / :meth:`DramStore.commit`):
+- ``reserve`` takes free slots exactly as ``put`` does (evicting LRU blocks
+  past the high watermark) and hands each to the lease with a fresh odd gen
+  (:meth:`SharedArena.claim`): unreadable, owned by the lease, counted as used.
+- ``commit`` ends the lease: each named slot whose bytes match the claimed
+  checksum is published like a put (key visible only once bytes and checksum
+  are in place); the lease's other slots go back to the free list. A lease
+  past its deadline commits nothing.
+- ``expire`` (the node's reaper) and ``release`` free a lease's slots, so a
+  writer that dies halfway never leaves a slot stuck.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,6 +48,25 @@ from kvpool.tiers.arena import SharedArena, SlotRef
 from kvpool.tiers.base import BlockMeta, ChangeListener, EvictionSink, Tier, TierStats, check_batch, notify
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Lease:
+    """Free slots handed to one writer until ``deadline`` (``time.monotonic``; None: no deadline)."""
+
+    id: int
+    deadline: float | None
+    slots: dict[int, tuple[BlockKey, int]]  # slot -> (key, size) it was reserved for
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """What :meth:`DramStore.reserve` handed out, per key in request order."""
+
+    lease: int  # 0: no slot reserved
+    slots: list[int]  # the slot to write (0 where gens[i] == 0)
+    gens: list[int]  # its odd gen (the writer's turn); 0: no slot
+    held: list[bool]  # the store already holds the key (nothing to write)
 
 
 class DramStore:
@@ -65,6 +98,9 @@ class DramStore:
         self._lru: OrderedDict[BlockKey, int] = OrderedDict()
         self._demoting: dict[BlockKey, int] = {}
         self._free: list[int] = list(range(arena.num_slots - 1, -1, -1))
+        self._leases: dict[int, Lease] = {}
+        self._leased = 0  # slots held by leases
+        self._lease_ids = itertools.count(1)
         self._stats = TierStats(Tier.DRAM, capacity_bytes=arena.num_slots * arena.slot_bytes)
 
     @classmethod
@@ -158,6 +194,9 @@ class DramStore:
             more, released = self._demote(victims, need=len(todo) - len(slots))
             slots += more
 
+        with self._lock:
+            for slot in slots:
+                self.arena.claim(slot)
         stored: set[BlockKey] = set()
         added: list[BlockMeta] = []
         written = 0
@@ -185,7 +224,7 @@ class DramStore:
 
         Victims move from ``_lru`` to ``_demoting`` (still readable).
         """
-        used = len(self._lru) + len(self._demoting)
+        used = len(self._lru) + len(self._demoting) + self._leased
         evict = 0
         if used + n > self._high:
             evict = used + n - min(self._high, max(self._low, n))
@@ -223,6 +262,163 @@ class DramStore:
             mine, spare = freed[:need], freed[need:]
             self._free.extend(spare)
         return mine, released
+
+    # -- leases (same-host writers) -----------------------------------------------------
+
+    def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int], timeout_s: float | None) -> Reservation:
+        """Lease free slots for blocks of ``sizes`` (see the module docstring).
+
+        Per key: a slot and its odd gen, or gen 0 if the key is held already
+        (``held``), repeats an earlier key of the batch, or found no room.
+        ``timeout_s`` None: the lease lasts until committed or released.
+        """
+        keys = check_keys(keys)
+        check_batch(keys, sizes)
+        sizes = [int(n) for n in sizes]
+        for n in sizes:
+            if not 0 < n <= self.arena.slot_bytes:
+                raise ValueError(f"cannot reserve a {n}-byte block: DRAM slots hold 1..{self.arena.slot_bytes} B")
+        held = [False] * len(keys)
+        todo: list[int] = []
+        with self._lock:
+            seen: set[BlockKey] = set()
+            for i, k in enumerate(keys):
+                if self._slot_of(k) is not None:
+                    held[i] = True
+                elif k not in seen:
+                    seen.add(k)
+                    todo.append(i)
+            slots, victims = self._reserve(len(todo))
+            self._leased += len(slots)  # used from now on, so concurrent puts evict for them
+        released: list[BlockKey] = []
+        more: list[int] = []
+        if victims:
+            more, released = self._demote(victims, need=len(todo) - len(slots))
+            slots += more
+        out_slots, gens = [0] * len(keys), [0] * len(keys)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        lease = Lease(0, deadline, {})
+        with self._lock:
+            self._leased += len(more)
+            for i, slot in zip(todo, slots):
+                gens[i] = self.arena.claim(slot)
+                out_slots[i] = slot
+                lease.slots[slot] = (keys[i], sizes[i])
+            if lease.slots:
+                lease.id = next(self._lease_ids)
+                self._leases[lease.id] = lease
+        notify(self.on_change, (), released, "DRAM")
+        return Reservation(lease.id, out_slots, gens, held)
+
+    def commit(
+        self, lease_id: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int]
+    ) -> list[bool]:
+        """End a lease: publish the named slots whose bytes match ``checksums``; free the rest.
+
+        Per key: True if stored now (or already held); False if the lease is
+        unknown or lapsed, the slot is not the lease's slot for that key, or
+        the bytes do not match the checksum.
+        """
+        keys = check_keys(keys)
+        check_batch(keys, slots)
+        check_batch(keys, checksums)
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+        result = [False] * len(keys)
+        if lease is None:
+            return result
+        if lease.deadline is not None and time.monotonic() > lease.deadline:
+            self._free_lease(lease)
+            return result
+        todo: list[tuple[int, int, int, int]] = []  # (index, slot, size, checksum)
+        for i, (k, slot, checksum) in enumerate(zip(keys, slots, checksums)):
+            entry = lease.slots.get(int(slot))
+            if entry is None or entry[0] != k:
+                continue
+            del lease.slots[int(slot)]  # each slot commits once
+            todo.append((i, int(slot), entry[1], int(checksum)))
+        good: list[tuple[int, int, int, int]] = []
+        for item in todo:  # verify outside the lock: the slots are ours until published
+            i, slot, size, checksum = item
+            if block_checksum(self.arena.data[slot, :size]) == checksum:
+                good.append(item)
+            else:
+                lease.slots[slot] = (keys[i], size)  # refused: freed with the rest below
+        added: list[BlockMeta] = []
+        with self._lock:
+            for i, slot, size, checksum in good:
+                key = keys[i]
+                if self._slot_of(key) is not None:  # another writer stored it meanwhile
+                    self._free.append(slot)
+                else:
+                    self.arena.commit(slot, key, size, checksum)
+                    self._lru[key] = slot
+                    added.append(BlockMeta(key, size, checksum))
+            self._leased -= len(good)
+            self._stats.puts += len(added)
+            self._stats.bytes_in += sum(m.size for m in added)
+        self._free_lease(lease)
+        notify(self.on_change, added, (), "DRAM")
+        stored = {keys[i] for i, *_ in good}
+        return [k in stored for k in keys]  # a key named twice shares the fate of its slot
+
+    def release(self, lease_id: int) -> int:
+        """Give a lease's slots back without publishing anything; returns how many."""
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+        return 0 if lease is None else self._free_lease(lease)
+
+    def expire(self, now: float | None = None) -> int:
+        """Release every lease past its deadline (the node's reaper calls this); returns slots freed."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            lapsed = [lid for lid, lease in self._leases.items() if lease.deadline is not None and lease.deadline < now]
+            leases = [self._leases.pop(lid) for lid in lapsed]
+        return sum(self._free_lease(lease) for lease in leases)
+
+    def _free_lease(self, lease: Lease) -> int:
+        """Return the slots still in ``lease`` (already out of ``_leases``) to the free list."""
+        with self._lock:
+            n = len(lease.slots)
+            self._free.extend(lease.slots)
+            self._leased -= n
+            lease.slots.clear()
+        return n
+
+    @property
+    def leased_slots(self) -> int:
+        """Slots held by leases now."""
+        with self._lock:
+            return self._leased
+
+    # -- reads for a sender (the bulk listener) ----------------------------------------
+
+    def refs_for_read(self, keys: Sequence[BlockKey]) -> list[tuple[SlotRef, int] | None]:
+        """Per key (ref, checksum) of its DRAM copy now, refreshing recency like a read; None if absent.
+
+        The caller sends the slot's bytes itself, re-checks the gen afterwards
+        and reports what it sent with :meth:`record_reads`.
+        """
+        keys = check_keys(keys)
+        out: list[tuple[SlotRef, int] | None] = []
+        with self._lock:
+            for k in keys:
+                slot = self._slot_of(k)
+                ref = None if slot is None else self.arena.ref(slot)
+                if ref is None:
+                    out.append(None)
+                    continue
+                if k in self._lru:
+                    self._lru.move_to_end(k)
+                out.append((ref, int(self.arena.table["checksum"][slot])))
+        return out
+
+    def record_reads(self, hits: int, misses: int, bytes_out: int) -> None:
+        """Count reads served outside :meth:`get_into` (see :meth:`refs_for_read`)."""
+        with self._lock:
+            self._stats.hits += hits
+            self._stats.misses += misses
+            self._stats.bytes_out += bytes_out
 
     def remove(self, keys: Sequence[BlockKey]) -> int:
         keys = check_keys(keys)
@@ -267,4 +463,5 @@ class DramStore:
         with self._lock:
             self._lru.clear()
             self._demoting.clear()
+            self._leases.clear()
         self.arena.close()

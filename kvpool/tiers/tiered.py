@@ -118,6 +118,21 @@ class TieredStore:
                 stored[i] = ok
         return stored
 
+    def commit(
+        self, lease: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int]
+    ) -> list[bool]:
+        """Publish a DRAM lease (:meth:`DramStore.commit`); with write-through, SSD gets the stored blocks too."""
+        stored = self.dram.commit(lease, keys, slots, checksums)
+        if self.write_through and any(stored):
+            assert self.ssd is not None, "tiered: write-through without an SSD tier"
+            picked = [(k, ref, int(c)) for k, ref, c, ok in zip(keys, self.dram.locate(keys), checksums, stored)
+                      if ok and ref is not None]
+            views = [self.dram.arena.slot_view(ref.slot, ref.length) for _, ref, _ in picked]
+            # the checksums make SSD refuse bytes of a slot evicted and reused meanwhile
+            self.ssd.put([k for k, _, _ in picked], views, [c for _, _, c in picked])
+            del views
+        return stored
+
     def remove(self, keys: Sequence[BlockKey]) -> int:
         """Drop keys from every tier; returns how many (key, tier) copies went."""
         keys = check_keys(keys)

@@ -27,13 +27,15 @@ class TierUsage(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class NodeRef(_message.Message):
-    __slots__ = ("node_id", "address", "host_id", "arena")
+    __slots__ = ("node_id", "address", "host_id", "arena", "data_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     host_id: str
     arena: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., host_id: _Optional[str] = ..., arena: _Optional[str] = ...) -> None: ...
+    data_address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., host_id: _Optional[str] = ..., arena: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...

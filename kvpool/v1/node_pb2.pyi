@@ -102,3 +102,45 @@ class InfoResponse(_message.Message):
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
     slot_bytes: int
     def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("keys", "sizes")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("arena", "lease", "slots", "slot_gens", "already_held", "lease_timeout_s")
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_GENS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_HELD_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    arena: str
+    lease: int
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    slot_gens: _containers.RepeatedScalarFieldContainer[int]
+    already_held: bytes
+    lease_timeout_s: float
+    def __init__(self, arena: _Optional[str] = ..., lease: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., slot_gens: _Optional[_Iterable[int]] = ..., already_held: _Optional[bytes] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("lease", "keys", "slots", "checksums")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    lease: int
+    keys: bytes
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease: _Optional[int] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("stored",)
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    stored: bytes
+    def __init__(self, stored: _Optional[bytes] = ...) -> None: ...

@@ -64,6 +64,16 @@ class NodeStub:
                 request_serializer=kvpool_dot_v1_dot_node__pb2.InfoRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_node__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/kvpool.v1.Node/Reserve',
+                request_serializer=kvpool_dot_v1_dot_node__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_node__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/kvpool.v1.Node/Commit',
+                request_serializer=kvpool_dot_v1_dot_node__pb2.CommitRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_node__pb2.CommitResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -105,6 +115,21 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reserve(self, request, context):
+        """Same-host writes: lease free arena slots, write them, then Commit. A
+        lease not committed within lease_timeout_s is released by the node (its
+        slots are reused); a Commit after that stores nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +162,16 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=kvpool_dot_v1_dot_node__pb2.InfoRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_node__pb2.InfoResponse.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=kvpool_dot_v1_dot_node__pb2.ReserveRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_node__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=kvpool_dot_v1_dot_node__pb2.CommitRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_node__pb2.CommitResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +336,60 @@ class Node:
             '/kvpool.v1.Node/Info',
             kvpool_dot_v1_dot_node__pb2.InfoRequest.SerializeToString,
             kvpool_dot_v1_dot_node__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Node/Reserve',
+            kvpool_dot_v1_dot_node__pb2.ReserveRequest.SerializeToString,
+            kvpool_dot_v1_dot_node__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Node/Commit',
+            kvpool_dot_v1_dot_node__pb2.CommitRequest.SerializeToString,
+            kvpool_dot_v1_dot_node__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,541 @@
+"""The node's bulk listener: block bytes over plain TCP, straight between the arena and the socket.
+
+gRPC costs a copy into a ``bytes`` message at each end and tops out well
+below what a socket carries, so remote reads and writes use this small
+binary protocol instead (gRPC ``Get``/``Put`` stay as the fallback). The
+listener's address is ``NodeRef.data_address``.
+
+Protocol, version 1. All integers little-endian; a key is 32 bytes. A
+connection carries any number of request/reply exchanges, one at a time.
+
+Request::
+
+    header   16 B  magic b"KVPB" | version u16 = 1 | op u8 | flags u8 = 0 | count u32 | reserved u32 = 0
+    GET (op 1)     keys       count x 32 B
+    PUT (op 2)     keys       count x 32 B
+                   sizes      count x u64   (each > 0)
+                   checksums  count x u64   (xxh3-64 of each block)
+                   data       sum(sizes) B  (the blocks, in key order)
+
+Reply::
+
+    header   16 B  magic b"KVPB" | version u16 = 1 | status u8 | op u8 | count u32 | reserved u32 = 0
+    status 1 (ERROR): length u32 | UTF-8 message. The node closes the connection after it.
+    GET, status 0  sizes      count x u64   (0: the node does not hold the key)
+                   checksums  count x u64
+                   tiers      count x u8    (the Tier that served it; 255: miss)
+                   data       sum(sizes) B  (the hits, in key order)
+                   valid      count x u8    (1: the bytes sent are the block's; 0: its slot was
+                                             reused while it was sent, or its SSD copy vanished: a miss)
+    PUT, status 0  stored     count x u8    (1: stored or already held; 0: no room, or the bytes
+                                             did not match their checksum)
+
+Invariants:
+- GET sends DRAM blocks from their arena slot (``sendmsg`` of the slot's
+  memory: no copy in Python) and re-checks each slot's gen after sending:
+  a slot reused mid-send is reported invalid. The client verifies every
+  block's checksum anyway, so a torn send is a miss, never wrong bytes.
+  SSD-resident blocks are read (and promoted into DRAM) through
+  ``TieredStore.get_into`` into a scratch buffer of at most ``SCRATCH_BYTES``
+  at a time, then sent.
+- PUT receives each block that fits a DRAM slot straight into a slot the
+  node reserved for it (``recvmsg_into``), then commits the lease: the key
+  becomes visible only after its bytes match its checksum. The listener's
+  own leases have no deadline; they are released in a ``finally`` if the
+  request fails, so a client that disconnects mid-request leaves nothing
+  behind. Blocks with no DRAM slot (larger than a slot, or no room) go
+  through a scratch buffer to ``TieredStore.put`` (SSD). PUT replies only
+  after the master link flushed, as gRPC ``Put`` does.
+- Bad input (bad magic or version, unknown op, too many keys, a size of 0 or
+  one no tier takes) gets an ERROR reply naming the problem, counted as
+  ``invalid_argument``; the node then half-closes, drops what the peer still
+  sends (for up to ``ERROR_DRAIN_S``) and closes. Nothing a peer sends stops
+  the listener.
+- One thread per connection, at most ``max_connections``; a connection
+  beyond that gets an ERROR reply and is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpool.checksum import block_checksum
+from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
+from kvpool.metrics import ErrorMetrics
+from kvpool.rpc import MISS
+from kvpool.tiers.base import Tier
+from kvpool.tiers.tiered import TieredStore
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVPB"
+VERSION = 1
+OP_GET = 1
+OP_PUT = 2
+STATUS_OK = 0
+STATUS_ERROR = 1
+HEADER = struct.Struct("<4sHBBII")  # magic, version, op|status, flags|op, count, reserved
+assert HEADER.size == 16, "bulk: the header must stay 16 bytes"
+_ERROR_LEN = struct.Struct("<I")
+MAX_ERROR_BYTES = 64 << 10
+IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into call (Linux's UIO_MAXIOV)
+SCRATCH_BYTES = 64 << 20  # most bytes a request holds in scratch buffers at once (SSD reads, no-slot puts)
+IDLE_TIMEOUT_S = 300.0  # a pooled connection with no request this long is closed
+IO_TIMEOUT_S = 30.0  # a request stalled this long mid-frame is dropped (its leases released)
+ERROR_DRAIN_S = 2.0  # after an ERROR reply, how long the node reads (and drops) what the peer still sends
+
+
+class ProtocolError(ValueError):
+    """The peer sent something this protocol does not allow (the message says what)."""
+
+
+# -- framing shared by the node and the client (kvpool.client.bulk) -----------------------------
+
+
+def _byte_views(buffers: Sequence[Any]) -> list[memoryview]:
+    views = []
+    for b in buffers:
+        v = memoryview(b)
+        if v.format != "B" or v.ndim != 1:
+            v = v.cast("B")
+        if v.nbytes:
+            views.append(v)
+    return views
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Send every buffer, in order, with gathered writes (``sendmsg``): no joining copy."""
+    views = _byte_views(buffers)
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + IOV_MAX])
+        while sent:
+            n = views[i].nbytes
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+
+
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Blocking socket with kernel-side timeouts (SO_RCVTIMEO / SO_SNDTIMEO).
+
+    Unlike ``settimeout`` (which polls before every call), a blocking socket
+    lets one ``MSG_WAITALL`` read fill many buffers in a single system call.
+    A timeout then surfaces as ``BlockingIOError`` (see :func:`is_timeout`).
+    """
+    sock.settimeout(None)
+    sec = int(seconds)
+    timeval = struct.pack("ll", sec, int((seconds - sec) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def is_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, (TimeoutError, BlockingIOError))
+
+
+def recv_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Fill every buffer, in order, with scattered reads (``recvmsg_into``); ConnectionError at EOF."""
+    views = _byte_views(buffers)
+    flags = socket.MSG_WAITALL if sock.gettimeout() is None else 0
+    i = 0
+    while i < len(views):
+        if len(views) - i == 1:
+            got = sock.recv_into(views[i], views[i].nbytes, socket.MSG_WAITALL)
+        else:
+            got = sock.recvmsg_into(views[i : i + IOV_MAX], 0, flags)[0]
+        if got == 0:
+            raise ConnectionError("peer closed the connection mid-frame")
+        while got:
+            n = views[i].nbytes
+            if got >= n:
+                got -= n
+                i += 1
+            else:
+                views[i] = views[i][got:]
+                got = 0
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    recv_buffers(sock, [buf])
+    return buf
+
+
+def error_frame(op: int, message: str) -> bytes:
+    text = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
+    return HEADER.pack(MAGIC, VERSION, STATUS_ERROR, op, 0, 0) + _ERROR_LEN.pack(len(text)) + text
+
+
+def read_reply_header(sock: socket.socket, op: int, count: int) -> None:
+    """Read a reply header; raises ProtocolError with the node's message for an ERROR reply."""
+    header = recv_exact(sock, HEADER.size)
+    magic, version, status, reply_op, reply_count, _ = HEADER.unpack(header)
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError(f"not a kvpool bulk reply (magic {bytes(magic)!r}, version {version})")
+    if status == STATUS_ERROR:
+        (length,) = _ERROR_LEN.unpack(recv_exact(sock, _ERROR_LEN.size))
+        if length > MAX_ERROR_BYTES:
+            raise ProtocolError("error reply too long")
+        raise ProtocolError(recv_exact(sock, length).decode("utf-8", "replace"))
+    if status != STATUS_OK or reply_op != op or reply_count != count:
+        raise ProtocolError(f"unexpected reply (status {status}, op {reply_op}, count {reply_count})")
+
+
+def request_header(op: int, count: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, op, 0, count, 0)
+
+
+# -- the listener ----------------------------------------------------------------------------------
+
+
+class BulkServer:
+    """The node's bulk TCP listener over one :class:`TieredStore` (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        host: str,
+        port: int,
+        *,
+        max_keys_per_call: int,
+        max_connections: int = 64,
+        errors: ErrorMetrics | None = None,
+        get_seconds: Any = None,
+        put_seconds: Any = None,
+        after_change: Callable[[], object] | None = None,
+        fallback_port: bool = False,
+    ):
+        self.store = store
+        self.max_keys_per_call = max_keys_per_call
+        self.max_connections = max_connections
+        self.errors = errors
+        self.get_seconds = get_seconds
+        self.put_seconds = put_seconds
+        self.after_change = after_change
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._listener = self._bind(host, port, fallback_port)
+        self.port: int = self._listener.getsockname()[1]
+
+    @staticmethod
+    def _bind(host: str, port: int, fallback_port: bool) -> socket.socket:
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host.strip("[]"), port))
+            except OSError as exc:
+                if not fallback_port or port == 0:
+                    raise ValueError(f"bulk listener cannot bind {host}:{port}: {exc.strerror}") from exc
+                log.warning("bulk listener: port %d is taken (%s); using any free port", port, exc.strerror)
+                sock.bind((host.strip("[]"), 0))
+            sock.listen(128)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> "BulkServer":
+        self._thread = threading.Thread(target=self._accept_loop, name="kvpool-bulk-accept", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop accepting, cut every connection, wait for their threads (they release their leases)."""
+        self._stopping.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        except OSError:
+            pass
+        self._listener.close()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._lock:
+            conns = list(self._conns.items())
+        for sock, _ in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv or send
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for _, thread in conns:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                log.exception("bulk listener: accept failed")
+                time.sleep(0.1)  # e.g. out of file descriptors: do not spin
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    thread = threading.Thread(target=self._serve, args=(sock,), name="kvpool-bulk-conn", daemon=True)
+                    self._conns[sock] = thread
+            if full:
+                self._refuse(sock, f"too many bulk connections (limit {self.max_connections}); use gRPC or retry")
+            else:
+                thread.start()
+
+    @staticmethod
+    def _refuse(sock: socket.socket, message: str) -> None:
+        try:
+            sock.settimeout(1.0)
+            sock.sendall(error_frame(0, message))
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    # -- one connection ------------------------------------------------------------------------------
+
+    def _serve(self, sock: socket.socket) -> None:
+        op = 0
+        try:
+            while not self._stopping.is_set():
+                set_io_timeout(sock, IDLE_TIMEOUT_S)
+                first = sock.recv(HEADER.size)
+                if not first:
+                    return  # the client closed its (pooled) connection
+                set_io_timeout(sock, IO_TIMEOUT_S)
+                header = bytearray(first)
+                if len(header) < HEADER.size:
+                    header += recv_exact(sock, HEADER.size - len(header))
+                magic, version, op, flags, count, _ = HEADER.unpack(header)
+                if magic != MAGIC:
+                    raise ProtocolError(f"not a kvpool bulk request (magic {bytes(magic)!r}, want {MAGIC!r})")
+                if version != VERSION:
+                    raise ProtocolError(f"bulk protocol version {version} is not supported "
+                                        f"(this node speaks {VERSION})")
+                if count > self.max_keys_per_call:
+                    raise ProtocolError(f"{count} keys in one request; the limit is {self.max_keys_per_call}")
+                if op == OP_GET:
+                    self._get(sock, count)
+                elif op == OP_PUT:
+                    self._put(sock, count)
+                else:
+                    raise ProtocolError(f"unknown bulk op {op} (GET is {OP_GET}, PUT is {OP_PUT})")
+        except ProtocolError as exc:
+            if self.errors is not None:
+                self.errors.count("invalid_argument")
+            log.debug("bulk: refused a request: %s", exc)
+            self._send_error(sock, op, str(exc))
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            log.debug("bulk: connection dropped: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - a bug here must not take the node down
+            log.exception("bulk: request failed")
+            self._send_error(sock, op, f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                self._conns.pop(sock, None)
+            sock.close()
+
+    @staticmethod
+    def _send_error(sock: socket.socket, op: int, message: str) -> None:
+        """Send an ERROR reply, then read what the peer still sends (briefly) so that closing
+        does not reset the connection and destroy the reply before the peer reads it."""
+        try:
+            sock.settimeout(1.0)
+            sock.sendall(error_frame(op, message))
+            sock.shutdown(socket.SHUT_WR)
+            sink = bytearray(1 << 16)
+            deadline = time.monotonic() + ERROR_DRAIN_S
+            while (left := deadline - time.monotonic()) > 0:
+                sock.settimeout(left)
+                if not sock.recv_into(sink):
+                    break
+        except OSError:
+            pass
+
+    def _keys(self, sock: socket.socket, count: int) -> list[BlockKey]:
+        return unpack_keys(bytes(recv_exact(sock, count * KEY_BYTES)))
+
+    # -- GET -------------------------------------------------------------------------------------------
+
+    def _get(self, sock: socket.socket, count: int) -> None:
+        start = time.perf_counter()
+        keys = self._keys(sock, count)
+        dram = self.store.dram
+        arena = dram.arena
+        refs = dram.refs_for_read(keys)
+        sizes = np.zeros(count, dtype="<u8")
+        sums = np.zeros(count, dtype="<u8")
+        tiers = np.full(count, MISS, dtype=np.uint8)
+        valid = np.zeros(count, dtype=np.uint8)
+        lower: list[int] = []  # keys not in DRAM now
+        for i, found in enumerate(refs):
+            if found is None:
+                lower.append(i)
+            else:
+                ref, checksum = found
+                sizes[i], sums[i], tiers[i] = ref.length, checksum, Tier.DRAM
+        if lower and self.store.ssd is not None:
+            for i, meta in zip(lower, self.store.ssd.meta([keys[i] for i in lower])):
+                if meta is not None:
+                    sizes[i], sums[i], tiers[i] = meta.size, meta.checksum, Tier.SSD
+        send_buffers(sock, [HEADER.pack(MAGIC, VERSION, STATUS_OK, OP_GET, count, 0), sizes, sums, tiers])
+
+        pending: list[Any] = []  # buffers gathered for the next sendmsg
+        sent_dram: list[int] = []  # keys whose slot gens are checked once their bytes are out
+        ssd = [i for i in range(count) if tiers[i] == Tier.SSD]
+        loaded: dict[int, np.ndarray] = {}  # SSD key index -> scratch with its bytes
+        next_ssd = 0
+        for i in range(count):
+            if tiers[i] == Tier.DRAM:
+                ref = refs[i][0]  # type: ignore[index]
+                pending.append(arena.data[ref.slot, : ref.length])
+                sent_dram.append(i)
+            elif tiers[i] == Tier.SSD:
+                if i not in loaded:
+                    send_buffers(sock, pending)  # scratch is about to be replaced
+                    pending.clear()
+                    loaded.clear()
+                    next_ssd = self._load_ssd(keys, ssd, next_ssd, sizes, loaded, valid)
+                pending.append(loaded[i])
+        send_buffers(sock, pending)
+        pending.clear()
+        n_bytes = 0
+        for i in sent_dram:
+            ref = refs[i][0]  # type: ignore[index]
+            if int(arena.gens[ref.slot]) == ref.gen:
+                valid[i] = 1
+                n_bytes += ref.length
+        hits = len(sent_dram) and int(valid[sent_dram].sum())
+        dram.record_reads(hits, len(sent_dram) - hits, n_bytes)
+        send_buffers(sock, [valid])
+        if self.get_seconds is not None:
+            self.get_seconds.observe(time.perf_counter() - start)
+
+    def _load_ssd(self, keys: list[BlockKey], ssd: list[int], pos: int, sizes: np.ndarray,
+                  loaded: dict[int, np.ndarray], valid: np.ndarray) -> int:
+        """Read the next run of SSD-resident blocks (at most SCRATCH_BYTES, at least one) into scratch."""
+        run, total = [], 0
+        while pos < len(ssd) and (not run or total + int(sizes[ssd[pos]]) <= SCRATCH_BYTES):
+            run.append(ssd[pos])
+            total += int(sizes[ssd[pos]])
+            pos += 1
+        scratch = np.empty(total, dtype=np.uint8)
+        offset = 0
+        for i in run:
+            n = int(sizes[i])
+            loaded[i] = scratch[offset : offset + n]
+            offset += n
+        served = self.store.get_into([keys[i] for i in run], [loaded[i] for i in run])  # promotes into DRAM
+        for i, tier in zip(run, served):
+            valid[i] = tier is not None  # a miss: the (unspecified) scratch bytes go out flagged invalid
+        return pos
+
+    # -- PUT -------------------------------------------------------------------------------------------
+
+    def _put(self, sock: socket.socket, count: int) -> None:
+        start = time.perf_counter()
+        keys = self._keys(sock, count)
+        meta = recv_exact(sock, 16 * count)
+        sizes = np.frombuffer(meta, dtype="<u8", count=count).tolist()
+        sums = np.frombuffer(meta, dtype="<u8", count=count, offset=8 * count).tolist()
+        store = self.store
+        for n in sizes:
+            if n == 0:
+                raise ProtocolError("a block of 0 bytes")
+            if not store.fits_dram(n) and (store.ssd is None or not store.ssd.fits(n)):
+                raise ProtocolError(f"a {n}-byte block fits neither a DRAM slot ({store.dram.slot_bytes} B) "
+                                    "nor the SSD tier")
+        held = [t is not None for t in store.where(keys)]
+        fit = [i for i in range(count) if not held[i] and store.fits_dram(sizes[i])]
+        stored = held[:]
+        res = store.dram.reserve([keys[i] for i in fit], [sizes[i] for i in fit], None)  # ours: released below
+        slot_of = {i: s for i, s, g in zip(fit, res.slots, res.gens) if g}
+        for i, h in zip(fit, res.held):
+            stored[i] = stored[i] or h
+        committed = False
+        try:
+            self._receive(sock, keys, sizes, sums, slot_of, stored)
+            if slot_of:
+                idx = list(slot_of)
+                ok = store.commit(res.lease, [keys[i] for i in idx], [slot_of[i] for i in idx], [sums[i] for i in idx])
+                committed = True
+                bad = 0
+                for i, good in zip(idx, ok):
+                    stored[i] = good
+                    bad += not good
+                if bad and self.errors is not None:
+                    self.errors.count("checksum", bad)
+        finally:
+            if not committed and res.lease:
+                store.dram.release(res.lease)
+        if self.after_change is not None:
+            self.after_change()
+        reply = np.fromiter(stored, dtype=np.uint8, count=count)
+        send_buffers(sock, [HEADER.pack(MAGIC, VERSION, STATUS_OK, OP_PUT, count, 0), reply])
+        if self.put_seconds is not None:
+            self.put_seconds.observe(time.perf_counter() - start)
+
+    def _receive(self, sock: socket.socket, keys: list[BlockKey], sizes: list[int], sums: list[int],
+                 slot_of: dict[int, int], stored: list[bool]) -> None:
+        """Receive the data section: reserved blocks into their slots, held ones discarded, the rest via scratch."""
+        arena = self.store.dram.arena
+        plan: list[Any] = []
+        scratch: list[tuple[int, np.ndarray]] = []
+        scratch_bytes = 0
+        discard: np.ndarray | None = None
+
+        def flush() -> None:
+            nonlocal scratch_bytes
+            recv_buffers(sock, plan)
+            plan.clear()
+            if scratch:
+                self._store_scratch(keys, sums, scratch, stored)
+                scratch.clear()
+                scratch_bytes = 0
+
+        for i, n in enumerate(sizes):
+            if i in slot_of:
+                plan.append(arena.data[slot_of[i], :n])
+            elif stored[i]:  # held already: read past its bytes
+                if discard is None or discard.size < n:
+                    discard = np.empty(max(n, 1 << 20), dtype=np.uint8)
+                plan.append(discard[:n])
+            else:
+                if scratch and scratch_bytes + n > SCRATCH_BYTES:
+                    flush()
+                buf = np.empty(n, dtype=np.uint8)
+                scratch.append((i, buf))
+                scratch_bytes += n
+                plan.append(buf)
+        flush()
+
+    def _store_scratch(self, keys: list[BlockKey], sums: list[int], scratch: list[tuple[int, np.ndarray]],
+                       stored: list[bool]) -> None:
+        good = [(i, buf) for i, buf in scratch if block_checksum(buf) == sums[i]]
+        if len(good) < len(scratch) and self.errors is not None:
+            self.errors.count("checksum", len(scratch) - len(good))
+        if good:
+            for (i, _), ok in zip(good, self.store.put([keys[i] for i, _ in good], [b for _, b in good])):
+                stored[i] = ok

@@ -1,0 +1,313 @@
+"""The bulk TCP data path: protocol, node listener, client, fallback to gRPC (servers on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import struct
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import free_port, wait_until
+
+from kvpool.checksum import block_checksum
+from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
+from kvpool.config import NodeConfig
+from kvpool.keys import BlockKey, opaque_key
+from kvpool.node import bulk
+from kvpool.node.daemon import PoolNode
+from kvpool.tiers.base import Tier
+
+MIB = 1 << 20
+SLOT = 8 * MIB
+HAVE_MASTER = importlib.util.find_spec("kvpool.master.server") is not None
+
+
+def key(i: int) -> BlockKey:
+    return opaque_key(f"bulk-test-{i}")
+
+
+def block(i: int, size: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
+
+
+def node_config(tmp_path, arena: str, **over) -> NodeConfig:
+    values = dict(master=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, metrics_port=0, data_port=0,
+                  arena=arena, dram_bytes=6 * SLOT, slot_bytes=SLOT, high_watermark=1.0, low_watermark=1.0,
+                  ssd_dir=str(tmp_path / "ssd"), ssd_bytes=128 * MIB)
+    values.update(over)
+    return NodeConfig(**values)
+
+
+@pytest.fixture
+def node(tmp_path, arena_name):
+    n = PoolNode(node_config(tmp_path, arena_name)).start()
+    yield n
+    n.stop()
+
+
+@pytest.fixture
+def bulk_client():
+    c = BulkClient(timeout_s=10.0)
+    yield c
+    c.close()
+
+
+def put(c: BulkClient, n: PoolNode, ids: list[int], values: list[np.ndarray]) -> list[bool]:
+    return c.put(n.data_address, [key(i) for i in ids], values, [block_checksum(v) for v in values])
+
+
+def get(c: BulkClient, n: PoolNode, ids: list[int], sizes: list[int], sums: list[int]) -> tuple[list[int], list]:
+    outs = [np.zeros(s, np.uint8) for s in sizes]
+    return c.get_into(n.data_address, [key(i) for i in ids], outs, sums), outs
+
+
+# -- the listener and the client, directly --------------------------------------------------------------
+
+
+def test_the_node_advertises_its_bulk_address(node):
+    from kvpool.v1 import node_pb2, node_pb2_grpc
+
+    host, port = node.data_address.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) == node.bulk.port != node.port
+    with grpc.insecure_channel(node.address) as channel:
+        info = node_pb2_grpc.NodeStub(channel).Info(node_pb2.InfoRequest(), timeout=10)
+    assert info.node.data_address == node.data_address
+
+
+SIZES = [1, 4095, 64 << 10, MIB, SLOT]  # 8 MiB: a whole slot
+
+
+def test_put_then_get_is_byte_exact_for_several_sizes_in_one_batch(node, bulk_client):
+    values = [block(i, n) for i, n in enumerate(SIZES)]
+    ids = list(range(len(SIZES)))
+    assert put(bulk_client, node, ids, values) == [True] * len(ids)
+    assert node.store.where([key(i) for i in ids]) == [Tier.DRAM] * len(ids)
+    assert node.store.dram.leased_slots == 0
+    order = [4, 0, 3, 1, 2]
+    status, outs = get(bulk_client, node, order, [SIZES[i] for i in order], [block_checksum(values[i]) for i in order])
+    assert status == [OK] * 5
+    assert all(np.array_equal(o, values[i]) for o, i in zip(outs, order))
+    assert put(bulk_client, node, [0, 9], [values[0], block(9, 100)]) == [True, True]  # 0: already held
+
+
+def test_get_reports_misses_changed_blocks_and_corruption(node, bulk_client):
+    values = [block(1, 1000), block(2, 2000)]
+    put(bulk_client, node, [1, 2], values)
+    sums = [block_checksum(v) for v in values]
+    status, outs = get(bulk_client, node, [1, 77, 2, 1], [1000, 5, 2001, 1000], [sums[0], 0, sums[1], sums[0] ^ 1])
+    assert status == [OK, GONE, CHANGED, CHANGED]  # 2: another size; the last: another checksum
+    assert np.array_equal(outs[0], values[0])
+    slot = node.store.dram.locate([key(1)])[0].slot
+    node.store.dram.arena.data[slot, 10] ^= 0xFF  # bytes rotting under an unchanged checksum
+    status, _ = get(bulk_client, node, [1, 2], [1000, 2000], sums)
+    assert status == [CORRUPT, OK]
+
+
+def test_a_put_whose_bytes_do_not_match_their_checksum_is_refused(node, bulk_client):
+    values = [block(1, MIB), block(2, 3 * SLOT)]  # 2 is larger than a slot: it goes through scratch to SSD
+    sums = [block_checksum(v) ^ 1 for v in values]
+    assert bulk_client.put(node.data_address, [key(1), key(2)], values, sums) == [False, False]
+    assert node.store.where([key(1), key(2)]) == [None, None]
+    assert node.store.dram.leased_slots == 0
+    assert node.errors.errors.labels("checksum")._value.get() == 2
+
+
+def test_blocks_larger_than_a_slot_and_ssd_resident_blocks_travel_too(node, bulk_client):
+    big = block(100, 3 * SLOT)
+    assert put(bulk_client, node, [100], [big]) == [True]
+    assert node.store.where([key(100)]) == [Tier.SSD]
+    values = [block(i, SLOT) for i in range(8)]  # 6 DRAM slots: the first two are demoted to SSD
+    for i, v in enumerate(values):
+        assert put(bulk_client, node, [i], [v]) == [True]
+    assert node.store.where([key(0), key(7)]) == [Tier.SSD, Tier.DRAM]
+    ids = [0, 100, 7, 1]
+    all_values = {**dict(enumerate(values)), 100: big}
+    status, outs = get(bulk_client, node, ids, [all_values[i].size for i in ids],
+                       [block_checksum(all_values[i]) for i in ids])
+    assert status == [OK] * 4
+    assert all(np.array_equal(o, all_values[i]) for o, i in zip(outs, ids))
+    assert node.store.where([key(0)]) == [Tier.DRAM]  # promoted on the way out
+
+
+def read_error(sock: socket.socket) -> str:
+    with pytest.raises(bulk.ProtocolError) as err:
+        bulk.read_reply_header(sock, 0, 0)
+    assert sock.recv(1) == b""  # and the node closed the connection
+    return str(err.value)
+
+
+def raw(node: PoolNode) -> socket.socket:
+    host, port = node.data_address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return sock
+
+
+GARBAGE = {
+    "bad magic": (os.urandom(64), "magic"),
+    "bad version": (struct.pack("<4sHBBII", b"KVPB", 9, 1, 0, 1, 0) + b"k" * 32, "version"),
+    "unknown op": (struct.pack("<4sHBBII", b"KVPB", 1, 7, 0, 1, 0) + b"k" * 32, "unknown bulk op"),
+    "too many keys": (struct.pack("<4sHBBII", b"KVPB", 1, 1, 0, 1 << 30, 0), "limit"),
+    "an empty block": (struct.pack("<4sHBBII", b"KVPB", 1, 2, 0, 1, 0) + b"k" * 32 + struct.pack("<QQ", 0, 0),
+                       "0 bytes"),
+    "a block no tier takes": (struct.pack("<4sHBBII", b"KVPB", 1, 2, 0, 1, 0) + b"k" * 32
+                              + struct.pack("<QQ", 1 << 40, 0), "fits neither"),
+}
+
+
+@pytest.mark.parametrize("case", list(GARBAGE))
+def test_garbage_gets_an_error_and_the_node_keeps_serving(node, bulk_client, case):
+    payload, message = GARBAGE[case]
+    with raw(node) as sock:
+        sock.sendall(payload)
+        assert message in read_error(sock)
+    assert node.errors.errors.labels("invalid_argument")._value.get() == 1
+    values = [block(5, 5000)]
+    assert put(bulk_client, node, [5], values) == [True]  # the listener still serves ...
+    status, outs = get(bulk_client, node, [5], [5000], [block_checksum(values[0])])
+    assert status == [OK] and np.array_equal(outs[0], values[0])
+    with grpc.insecure_channel(node.address) as channel:  # ... and so does the gRPC service
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_half_a_header_then_a_hang_up_is_dropped_quietly(node, bulk_client):
+    with raw(node) as sock:
+        sock.sendall(b"KVPB\x01")
+    wait_until(lambda: node.bulk.connections == 0)
+    assert put(bulk_client, node, [3], [block(3, 10)]) == [True]
+
+
+def test_a_client_that_disconnects_mid_put_leaves_no_slot_leased(node, bulk_client):
+    with raw(node) as sock:
+        sock.sendall(bulk.request_header(bulk.OP_PUT, 2) + key(1) + key(2) + struct.pack("<QQQQ", MIB, MIB, 0, 0))
+        sock.sendall(b"x" * (MIB // 2))  # half of the first block, then hang up
+        wait_until(lambda: node.store.dram.leased_slots == 2)
+    wait_until(lambda: node.store.dram.leased_slots == 0 and node.bulk.connections == 0)
+    assert node.store.where([key(1), key(2)]) == [None, None]
+    assert put(bulk_client, node, [1], [block(1, MIB)]) == [True]
+
+
+def test_connections_are_pooled_and_a_dropped_one_is_replaced(node, bulk_client):
+    values = [block(1, 100)]
+    for _ in range(5):
+        assert put(bulk_client, node, [1], values) == [True]
+    assert node.bulk.connections == 1
+    for sock in list(node.bulk._conns):  # the node drops it (as after its idle timeout)
+        sock.shutdown(socket.SHUT_RDWR)
+    wait_until(lambda: node.bulk.connections == 0)
+    status, outs = get(bulk_client, node, [1], [100], [block_checksum(values[0])])
+    assert status == [OK] and np.array_equal(outs[0], values[0])
+
+
+def test_too_many_connections_get_an_error(tmp_path, arena_name):
+    with PoolNode(node_config(tmp_path, arena_name)) as n:
+        n.bulk.max_connections = 1
+        with raw(n) as first:
+            wait_until(lambda: n.bulk.connections == 1)
+            with raw(n) as second:
+                assert "too many" in read_error(second)
+            first.sendall(bulk.request_header(bulk.OP_GET, 1) + key(1))
+            bulk.read_reply_header(first, bulk.OP_GET, 1)  # the first one is still served
+
+
+def test_an_unreachable_listener_is_bulk_unavailable(bulk_client):
+    with pytest.raises(BulkUnavailable):
+        bulk_client.get_into(f"127.0.0.1:{free_port()}", [key(1)], [np.zeros(1, np.uint8)], [0])
+
+
+def test_an_error_reply_is_bulk_failed(node, bulk_client):
+    with pytest.raises(BulkFailed) as err:
+        bulk_client.put(node.data_address, [key(1)], [np.zeros(SLOT * 1000, np.uint8)[:0]], [0])  # an empty block
+    assert err.value.kind == "bulk_error" and "0 bytes" in str(err.value)
+
+
+def test_the_default_data_port_is_next_to_the_grpc_port_or_any_if_taken(tmp_path, arena_name):
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 2))  # someone else has port + 2
+        with PoolNode(node_config(tmp_path, arena_name, port=port, data_port=-1)) as n:
+            assert n.bulk.port not in (0, port + 2)
+    with PoolNode(node_config(tmp_path, arena_name, port=port, data_port=-1)) as n:
+        assert n.bulk.port == port + 2
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 2))
+        with pytest.raises(ValueError, match="cannot bind"):
+            PoolNode(node_config(tmp_path, arena_name, port=port, data_port=port + 2))
+
+
+# -- PoolClient over the bulk path (master + node in this process) -----------------------------------
+
+needs_master = pytest.mark.skipif(not HAVE_MASTER, reason="kvpool.master.server is not available")
+
+
+@pytest.fixture
+def cluster(tmp_path, arena_name):
+    from kvpool.config import MasterConfig
+    from kvpool.master.server import MasterServer
+
+    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
+    try:
+        n = PoolNode(node_config(tmp_path, arena_name, master=master.address, dram_bytes=16 * SLOT)).start()
+        try:
+            wait_until(lambda: n.link.registered)
+            yield master, n
+        finally:
+            n.stop()
+    finally:
+        master.stop()
+
+
+def pool_client(master, **over):
+    from kvpool.client.pool import PoolClient
+    from kvpool.config import ClientConfig
+
+    values = dict(master=master.address, shared_memory=False, strict=True, io_timeout_s=10.0, lookup_timeout_s=5.0)
+    values.update(over)
+    return PoolClient(ClientConfig(**values))
+
+
+def forbid(monkeypatch, pool, *names: str) -> None:
+    def fail(*args, **kwargs):
+        raise AssertionError("this path must not be used here")
+
+    for name in names:
+        monkeypatch.setattr(pool, name, fail)
+
+
+@needs_master
+@pytest.mark.parametrize("batch", [1, 7])
+def test_remote_store_and_get_are_byte_exact_over_tcp(cluster, monkeypatch, batch):
+    master, _ = cluster
+    sizes = [1, 4095, 64 << 10, MIB, SLOT, 3 * MIB, 100, SLOT]
+    values = [block(i, n) for i, n in enumerate(sizes)]
+    keys = [key(i) for i in range(len(sizes))]
+    with pool_client(master) as pool:
+        forbid(monkeypatch, pool, "_put_grpc", "_get_remote", "_put_shared", "_get_shared")
+        for s in range(0, len(keys), batch):
+            assert pool.store(keys[s : s + batch], values[s : s + batch]) == [True] * len(keys[s : s + batch])
+        locations = pool.lookup(keys)
+        assert len(locations) == len(keys)
+        outs = [np.zeros(n, np.uint8) for n in sizes]
+        for s in range(0, len(keys), batch):
+            assert pool.get_into(locations[s : s + batch], outs[s : s + batch]) == [True] * len(keys[s : s + batch])
+        assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+
+
+@needs_master
+def test_client_falls_back_to_grpc_when_the_bulk_port_is_closed(cluster):
+    master, n = cluster
+    values = [block(i, MIB) for i in range(3)]
+    keys = [key(i) for i in range(3)]
+    n.bulk.stop()  # the port is closed now; gRPC still serves
+    with pool_client(master) as pool:
+        assert pool.store(keys, values) == [True] * 3
+        locations = pool.lookup(keys)
+        outs = [np.zeros(MIB, np.uint8) for _ in keys]
+        assert pool.get_into(locations, outs) == [True] * 3
+        assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+        assert pool.errors.errors.labels("unavailable")._value.get() == 0
+    assert n.put_seconds._sum.get() > 0 and n.get_seconds._sum.get() > 0  # the gRPC handlers did the work

@@ -1,0 +1,402 @@
+"""Same-host writes through leased arena slots: DramStore.reserve/commit, the node's Reserve/Commit and reaper."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import grpc
+import numpy as np
+import pytest
+from support import free_port, wait_until
+
+from kvpool.checksum import block_checksum, copy_with_checksum
+from kvpool.config import NodeConfig
+from kvpool.keys import BlockKey, opaque_key, pack_keys
+from kvpool.node.daemon import PoolNode
+from kvpool.rpc import MISS, channel_options
+from kvpool.tiers.arena import SharedArena
+from kvpool.tiers.base import Tier
+from kvpool.tiers.dram import DramStore
+from kvpool.v1 import node_pb2, node_pb2_grpc
+
+SLOT = 4096
+HAVE_MASTER = importlib.util.find_spec("kvpool.master.server") is not None
+
+
+def key(i: int) -> BlockKey:
+    return opaque_key(f"lease-test-{i}")
+
+
+def block(i: int, size: int = SLOT) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
+
+
+class Changes:
+    def __init__(self) -> None:
+        self.added: list[BlockKey] = []
+        self.removed: list[BlockKey] = []
+
+    def __call__(self, added, removed) -> None:
+        self.added += [m.key for m in added]
+        self.removed += list(removed)
+
+
+@pytest.fixture
+def dram(arena_name):
+    changes = Changes()
+    store = DramStore.create(arena_name, 4 * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0, on_change=changes)
+    store.changes = changes
+    yield store
+    store.close()
+
+
+def write(store: DramStore, slot: int, value: np.ndarray) -> int:
+    return copy_with_checksum(store.arena.data[slot, : value.size], value)
+
+
+# -- DramStore ---------------------------------------------------------------------------------------
+
+
+def test_reserved_slots_are_unreadable_until_committed_then_hold_exactly_the_bytes(dram):
+    values = [block(1), block(2, 100)]
+    res = dram.reserve([key(1), key(2)], [SLOT, 100], timeout_s=5.0)
+    assert res.lease and res.held == [False, False]
+    assert all(g % 2 == 1 for g in res.gens) and len(set(res.slots)) == 2
+    assert dram.leased_slots == 2
+    assert dram.contains([key(1), key(2)]) == [False, False] and dram.locate([key(1)]) == [None]
+    sums = [write(dram, s, v) for s, v in zip(res.slots, values)]
+    assert dram.changes.added == []
+    assert dram.commit(res.lease, [key(1), key(2)], res.slots, sums) == [True, True]
+    assert dram.leased_slots == 0 and dram.changes.added == [key(1), key(2)]
+    outs = [np.empty_like(v) for v in values]
+    assert dram.get_into([key(1), key(2)], outs) == [True, True]
+    assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+    assert dram.commit(res.lease, [key(1)], res.slots[:1], sums[:1]) == [False]  # a lease commits once
+
+
+def test_a_commit_whose_bytes_do_not_match_the_checksum_is_refused_and_its_slot_freed(dram):
+    res = dram.reserve([key(1), key(2)], [SLOT, SLOT], timeout_s=5.0)
+    good = write(dram, res.slots[0], block(1))
+    bad = write(dram, res.slots[1], block(2)) ^ 1
+    assert dram.commit(res.lease, [key(1), key(2)], res.slots, [good, bad]) == [True, False]
+    assert dram.contains([key(1), key(2)]) == [True, False]
+    assert dram.leased_slots == 0
+    assert dram.put([key(i) for i in range(10, 13)], [block(i) for i in range(10, 13)]) == [True] * 3  # all 4 slots
+
+
+def test_slots_the_commit_does_not_name_or_names_wrongly_are_released(dram):
+    res = dram.reserve([key(1), key(2), key(3)], [SLOT] * 3, timeout_s=5.0)
+    sums = [write(dram, s, block(i + 1)) for i, s in enumerate(res.slots)]
+    # key 2 claims key 1's slot: not the lease's slot for that key
+    assert dram.commit(res.lease, [key(1), key(2)], [res.slots[0], res.slots[0]], sums[:2]) == [True, False]
+    assert dram.contains([key(1), key(2), key(3)]) == [True, False, False]
+    assert dram.leased_slots == 0
+
+
+def test_held_keys_repeats_and_no_room(dram):
+    dram.put([key(1)], [block(1)])
+    res = dram.reserve([key(1), key(2), key(2), key(3), key(4), key(5)], [SLOT] * 6, timeout_s=5.0)
+    assert res.held == [True, False, False, False, False, False]
+    assert res.gens[0] == 0 and res.gens[2] == 0  # held; a repeat
+    # 4 slots: key 1 holds one; 2, 3, 4 get the others by evicting nothing ... and 5 evicts key 1 (LRU)
+    assert [g != 0 for g in res.gens] == [False, True, False, True, True, True]
+    assert dram.contains([key(1)]) == [False] and dram.changes.removed == [key(1)]
+    more = dram.reserve([key(6)], [SLOT], timeout_s=5.0)  # every slot is leased: no room, no victim
+    assert more.lease == 0 and more.gens == [0]
+    assert dram.put([key(7)], [block(7)]) == [False]
+    with pytest.raises(ValueError):
+        dram.reserve([key(8)], [SLOT + 1], timeout_s=5.0)
+    with pytest.raises(ValueError):
+        dram.reserve([key(8)], [0], timeout_s=5.0)
+
+
+def test_expired_leases_give_their_slots_back_and_a_late_commit_stores_nothing(dram):
+    res = dram.reserve([key(i) for i in range(4)], [SLOT] * 4, timeout_s=0.001)
+    sums = [write(dram, s, block(i)) for i, s in enumerate(res.slots)]
+    assert dram.put([key(9)], [block(9)]) == [False]  # all four slots are leased
+    assert dram.expire(now=time.monotonic() + 1.0) == 4  # a second later: past its deadline
+    assert dram.leased_slots == 0
+    assert dram.put([key(i) for i in range(10, 14)], [block(i) for i in range(10, 14)]) == [True] * 4
+    assert dram.commit(res.lease, [key(i) for i in range(4)], res.slots, sums) == [False] * 4
+    assert dram.contains([key(i) for i in range(4)]) == [False] * 4
+    out = np.empty(SLOT, np.uint8)
+    assert dram.get_into([key(10)], [out]) == [True] and np.array_equal(out, block(10))
+
+
+def test_a_commit_after_the_deadline_but_before_the_reaper_stores_nothing(dram):
+    res = dram.reserve([key(1)], [SLOT], timeout_s=0.0)
+    sums = [write(dram, res.slots[0], block(1))]
+    assert dram.commit(res.lease, [key(1)], res.slots, sums) == [False]
+    assert dram.leased_slots == 0 and dram.contains([key(1)]) == [False]
+
+
+def test_reserve_demotes_lru_blocks_like_put(arena_name):
+    demoted: list[BlockKey] = []
+    store = DramStore.create(arena_name, 4 * SLOT, SLOT, high_watermark=1.0, low_watermark=0.5,
+                             on_evict=lambda keys, views, sums: demoted.extend(keys))
+    try:
+        store.put([key(i) for i in range(4)], [block(i) for i in range(4)])
+        res = store.reserve([key(9)], [SLOT], timeout_s=5.0)
+        assert res.gens[0] != 0
+        assert demoted == [key(0), key(1), key(2)]  # LRU first, down to the low watermark counting the new one
+        assert store.release(res.lease) == 1 and store.leased_slots == 0
+    finally:
+        store.close()
+
+
+def test_a_committed_lease_reaches_ssd_too_with_write_through(tmp_path, arena_name):
+    from kvpool.tiers.ssd import SsdStore
+    from kvpool.tiers.tiered import TieredStore
+
+    store = TieredStore(DramStore.create(arena_name, 4 * SLOT, SLOT), SsdStore(str(tmp_path / "ssd"), 1 << 20),
+                        write_through=True)
+    try:
+        res = store.dram.reserve([key(1)], [SLOT], timeout_s=5.0)
+        sums = [write(store.dram, res.slots[0], block(1))]
+        assert store.commit(res.lease, [key(1)], res.slots, sums) == [True]
+        out = np.empty(SLOT, np.uint8)
+        assert store.ssd.get_into([key(1)], [out]) == [True] and np.array_equal(out, block(1))
+    finally:
+        store.close()
+
+
+def test_a_late_writer_sees_its_slot_was_handed_on(dram):
+    res = dram.reserve([key(1)], [SLOT], timeout_s=0.0)
+    assert dram.expire(now=time.monotonic() + 1.0) == 1
+    again = dram.reserve([key(2)], [SLOT], timeout_s=5.0)
+    assert again.slots == res.slots and again.gens[0] != res.gens[0]  # same slot, another writer's turn
+    assert int(dram.arena.gens[res.slots[0]]) != res.gens[0]
+
+
+# -- the node: Reserve, Commit, the reaper ----------------------------------------------------------
+
+NODE_SLOT = 64 << 10
+NODE_SLOTS = 4
+
+
+@pytest.fixture
+def node(tmp_path, arena_name):
+    cfg = NodeConfig(master=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, metrics_port=0, data_port=0,
+                     arena=arena_name, dram_bytes=NODE_SLOTS * NODE_SLOT, slot_bytes=NODE_SLOT,
+                     high_watermark=1.0, low_watermark=1.0, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"),
+                     lease_timeout_s=0.3)
+    n = PoolNode(cfg).start()
+    yield n
+    n.stop()
+
+
+@pytest.fixture
+def stub(node):
+    channel = grpc.insecure_channel(node.address, options=channel_options(16 << 20))
+    yield node_pb2_grpc.NodeStub(channel)
+    channel.close()
+
+
+def put(stub, ids: list[int]) -> list[int]:
+    values = [block(i, NODE_SLOT).tobytes() for i in ids]
+    return list(stub.Put(node_pb2.PutRequest(keys=pack_keys([key(i) for i in ids]), sizes=[NODE_SLOT] * len(ids),
+                                             data=b"".join(values)), timeout=10).stored)
+
+
+def test_node_reserve_write_commit_through_the_mapped_arena(node, stub):
+    put(stub, [1])
+    ids = [1, 2, 3]
+    reply = stub.Reserve(node_pb2.ReserveRequest(keys=pack_keys([key(i) for i in ids]),
+                                                 sizes=[NODE_SLOT, NODE_SLOT, 8 * NODE_SLOT]), timeout=10)
+    assert reply.arena == node.node_ref.arena and reply.lease_timeout_s == pytest.approx(0.3)
+    assert list(reply.already_held) == [1, 0, 0]
+    assert reply.slot_gens[0] == 0 and reply.slot_gens[1] % 2 == 1 and reply.slot_gens[2] == 0  # 3: larger than a slot
+    arena = SharedArena.attach(reply.arena)
+    try:
+        assert int(arena.gens[reply.slots[1]]) == reply.slot_gens[1]
+        checksum = copy_with_checksum(arena.data[reply.slots[1], :NODE_SLOT], block(2, NODE_SLOT))
+    finally:
+        arena.close()
+    done = stub.Commit(node_pb2.CommitRequest(lease=reply.lease, keys=pack_keys([key(2)]), slots=[reply.slots[1]],
+                                              checksums=[checksum]), timeout=10)
+    assert list(done.stored) == [1]
+    got = stub.Get(node_pb2.GetRequest(keys=pack_keys([key(2)])), timeout=10)
+    assert list(got.tiers) == [Tier.DRAM] and got.data == block(2, NODE_SLOT).tobytes()
+    assert got.checksums[0] == checksum == block_checksum(block(2, NODE_SLOT))
+
+
+def test_node_refuses_a_commit_whose_bytes_do_not_match(node, stub):
+    reply = stub.Reserve(node_pb2.ReserveRequest(keys=pack_keys([key(1)]), sizes=[NODE_SLOT]), timeout=10)
+    arena = SharedArena.attach(reply.arena)
+    try:
+        checksum = copy_with_checksum(arena.data[reply.slots[0], :NODE_SLOT], block(1, NODE_SLOT))
+    finally:
+        arena.close()
+    done = stub.Commit(node_pb2.CommitRequest(lease=reply.lease, keys=pack_keys([key(1)]), slots=list(reply.slots),
+                                              checksums=[checksum ^ 0xFF]), timeout=10)
+    assert list(done.stored) == [0]
+    assert list(stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys([key(1)])), timeout=10).tiers) == [MISS]
+    assert node.store.dram.leased_slots == 0
+    assert node.errors.errors.labels("commit_refused")._value.get() == 1
+
+
+def test_an_abandoned_lease_is_reaped_after_its_deadline_and_a_late_commit_stores_nothing(node, stub):
+    ids = list(range(NODE_SLOTS))
+    reply = stub.Reserve(node_pb2.ReserveRequest(keys=pack_keys([key(i) for i in ids]), sizes=[NODE_SLOT] * NODE_SLOTS),
+                         timeout=10)
+    assert all(g != 0 for g in reply.slot_gens)  # every DRAM slot is now leased to a writer that never commits
+    assert put(stub, [50]) == [0]  # no room: nothing to evict, and no SSD tier
+    wait_until(lambda: node.store.dram.leased_slots == 0, timeout=10)  # the reaper, not this test, freed them
+    assert put(stub, [50, 51, 52, 53]) == [1, 1, 1, 1]
+    late = stub.Commit(node_pb2.CommitRequest(lease=reply.lease, keys=pack_keys([key(i) for i in ids]),
+                                              slots=list(reply.slots), checksums=[0] * NODE_SLOTS), timeout=10)
+    assert list(late.stored) == [0] * NODE_SLOTS
+    tiers = stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys([key(i) for i in ids + [50, 53]])), timeout=10).tiers
+    assert list(tiers) == [MISS] * NODE_SLOTS + [Tier.DRAM, Tier.DRAM]
+
+
+def test_bad_reserve_and_commit_requests_are_invalid_argument(stub):
+    bad = [
+        (stub.Reserve, node_pb2.ReserveRequest(keys=pack_keys([key(1)]), sizes=[])),
+        (stub.Reserve, node_pb2.ReserveRequest(keys=pack_keys([key(1)]), sizes=[0])),
+        (stub.Reserve, node_pb2.ReserveRequest(keys=b"x" * 33, sizes=[1])),
+        (stub.Commit, node_pb2.CommitRequest(lease=1, keys=pack_keys([key(1)]), slots=[0], checksums=[])),
+    ]
+    for call, request in bad:
+        with pytest.raises(grpc.RpcError) as err:
+            call(request, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    unknown = stub.Commit(node_pb2.CommitRequest(lease=12345, keys=pack_keys([key(1)]), slots=[0], checksums=[0]),
+                          timeout=10)
+    assert list(unknown.stored) == [0]
+
+
+# -- the client: same-host put through the arena ------------------------------------------------------
+
+needs_master = pytest.mark.skipif(not HAVE_MASTER, reason="kvpool.master.server is not available")
+
+
+@needs_master
+def test_client_store_on_the_same_host_goes_through_the_arena(tmp_path, arena_name, monkeypatch):
+    from kvpool.client.pool import PoolClient
+    from kvpool.config import ClientConfig, MasterConfig
+    from kvpool.master.server import MasterServer
+
+    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
+    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+                     dram_bytes=16 << 20, slot_bytes=1 << 20, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 << 20)
+    try:
+        with PoolNode(cfg) as n:
+            wait_until(lambda: n.link.registered)
+            with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+                def no_network(*args, **kwargs):
+                    raise AssertionError("a same-host put went over the network")
+
+                monkeypatch.setattr(pool, "_put_bulk", no_network)
+                monkeypatch.setattr(pool, "_put_grpc", no_network)
+                keys = [key(i) for i in range(6)]
+                values = [block(i, n) for i, n in enumerate([1, 4096, 12345, 1 << 20, 1 << 20, 999])]
+                stored = pool.store(keys + keys[:1], values + values[:1])  # a repeated key shares its fate
+                assert stored == [True] * 7
+                assert n.store.dram.leased_slots == 0
+                locations = pool.lookup(keys)  # in the master's index when store returned
+                assert [loc.tier for loc in locations] == [Tier.DRAM] * 6
+                outs = [np.empty_like(v) for v in values]
+                assert pool.get_into(locations, outs) == [True] * 6
+                assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+                assert pool.store(keys[:2], values[:2]) == [True, True]  # already pooled: nothing written
+    finally:
+        master.stop()
+
+
+@needs_master
+def test_a_restarted_node_gets_its_new_arena_mapped_by_the_client(tmp_path, arena_name, monkeypatch):
+    from kvpool.client.pool import PoolClient
+    from kvpool.config import ClientConfig, MasterConfig
+    from kvpool.master.server import MasterServer
+
+    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
+    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+                     dram_bytes=8 << 20, slot_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
+    try:
+        with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+            monkeypatch.setattr(pool, "_put_bulk", lambda *args: pytest.fail("a same-host put went over the network"))
+            for run in range(2):  # the second node reuses the arena name: a new segment under the same name
+                with PoolNode(cfg) as n:
+                    wait_until(lambda: n.link.registered and len(pool.lookup([key(999)])) == 0)
+                    keys = [key(100 * run + i) for i in range(3)]
+                    values = [block(100 * run + i, 1 << 20) for i in range(3)]
+                    assert pool.store(keys, values) == [True] * 3
+                    outs = [np.empty_like(v) for v in values]
+                    assert pool.get_into(pool.lookup(keys), outs) == [True] * 3
+                    assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+                wait_until(lambda: not any(pool.exists(keys)))  # the master dropped the stopped node
+    finally:
+        master.stop()
+
+
+@needs_master
+def test_slot_hints_save_the_locate_call_and_a_stale_hint_is_never_trusted(tmp_path, arena_name):
+    from kvpool.client.pool import PoolClient
+    from kvpool.config import ClientConfig, MasterConfig
+    from kvpool.master.server import MasterServer
+
+    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
+    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+                     dram_bytes=8 << 20, slot_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
+    try:
+        with PoolNode(cfg) as n, PoolClient(ClientConfig(master=master.address, strict=True)) as writer, \
+                PoolClient(ClientConfig(master=master.address, strict=True)) as reader:
+            wait_until(lambda: n.link.registered)
+            calls: list[int] = []
+            for pool in (writer, reader):
+                real = pool._locate
+                pool._locate = lambda node, arena, packed, count, real=real: calls.append(count) or real(
+                    node, arena, packed, count)
+            keys = [key(i) for i in range(3)]
+            values = [block(i, 1 << 20) for i in range(3)]
+            assert writer.store(keys, values) == [True] * 3
+            outs = [np.empty_like(v) for v in values]
+            assert writer.get_into(writer.lookup(keys), outs) == [True] * 3 and calls == []  # it wrote them
+            assert reader.get_into(reader.lookup(keys), outs) == [True] * 3 and calls == [3]  # it had to ask
+            assert reader.get_into(reader.lookup(keys), outs) == [True] * 3 and calls == [3]  # now it knows
+            assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+            # move block 0: its old slot now holds another block of the same size
+            old_slot = n.store.dram.locate([keys[0]])[0].slot
+            n.store.dram.remove([keys[0]])
+            assert n.store.dram.put([key(9)], [block(9, 1 << 20)]) == [True]
+            assert n.store.dram.locate([key(9)])[0].slot == old_slot
+            assert n.store.dram.put([keys[0]], [values[0]]) == [True]
+            wait_until(lambda: len(writer.lookup(keys)) == 3)
+            out = np.zeros(1 << 20, np.uint8)
+            assert writer.get_into(writer.lookup(keys[:1]), [out]) == [True]
+            assert np.array_equal(out, values[0]) and calls == [3, 1]  # the stale hint cost one Locate
+    finally:
+        master.stop()
+
+
+@needs_master
+def test_a_slot_reused_while_the_client_copies_is_a_miss_not_other_bytes(tmp_path, arena_name, monkeypatch):
+    import kvpool.client.pool as pool_module
+    from kvpool.client.pool import PoolClient
+    from kvpool.config import ClientConfig, MasterConfig
+    from kvpool.master.server import MasterServer
+
+    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
+    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+                     dram_bytes=8 << 20, slot_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
+    try:
+        with PoolNode(cfg) as n, PoolClient(ClientConfig(master=master.address)) as pool:
+            wait_until(lambda: n.link.registered)
+            assert pool.store([key(1)], [block(1, 1 << 20)]) == [True]
+            locations = pool.lookup([key(1)])
+            real = pool_module.copy_with_checksum
+
+            def copy_while_the_node_reuses_the_slot(dst, src):
+                n.store.dram.remove([key(1)])
+                n.store.dram.put([key(2)], [block(1, 1 << 20)])  # same bytes, another block: same slot
+                return real(dst, src)
+
+            monkeypatch.setattr(pool_module, "copy_with_checksum", copy_while_the_node_reuses_the_slot)
+            out = np.zeros(1 << 20, np.uint8)
+            assert pool.get_into(locations, [out]) == [False]
+            assert pool.errors.errors.labels("slot_reused")._value.get() == 1
+            assert pool.errors.errors.labels("block_gone")._value.get() == 1  # the remote retry: it is gone
+    finally:
+        master.stop()
