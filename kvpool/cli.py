@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay_parser = benches.add_parser("replay", help="replay a Mooncake trace against a pool: hit ratio per tier")
     replay.add_arguments(replay_parser)
     replay_parser.set_defaults(run=replay.run)
+    from kvpool.bench import index_scale
+
+    index_parser = benches.add_parser("index", help="master index: lookup cost and bytes per block, 1K to 10M blocks")
+    index_scale.add_arguments(index_parser)
+    index_parser.set_defaults(run=index_scale.run)
     return parser
 
 

@@ -1,0 +1,392 @@
+"""BlockIndex and its KeyTable: growth, deletes, multi-location keys, full syncs, node drops, memory per block.
+
+Every test checks the index against a plain-Python reference model (:class:`Reference`), and its
+invariants with ``check_invariants``. ``tests/test_master.py`` covers the index through the gRPC service.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from kvpool.keys import BlockKey
+from kvpool.master import keytable
+from kvpool.master.index import BlockIndex, Hit
+from kvpool.master.keytable import KeyTable
+from kvpool.tiers.base import Tier
+
+DRAM, SSD = Tier.DRAM, Tier.SSD
+
+
+def make_keys(n: int, tag: str = "k") -> list[BlockKey]:
+    return [BlockKey(hashlib.sha256(f"{tag}-{i}".encode()).digest()) for i in range(n)]
+
+
+def random_keys(n: int, rng: np.random.Generator) -> list[BlockKey]:
+    raw = rng.bytes(32 * n)
+    return [BlockKey(raw[i : i + 32]) for i in range(0, len(raw), 32)]
+
+
+class Reference:
+    """What the index should say: key -> (size, checksum, {(tier, node)})."""
+
+    def __init__(self) -> None:
+        self.entries: dict[bytes, tuple[int, int, set[tuple[int, int]]]] = {}
+
+    def add(self, node: int, tier: Tier, keys: list[BlockKey], sizes: list[int], checksums: list[int]) -> None:
+        for key, size, checksum in zip(keys, sizes, checksums):
+            locs = self.entries[key][2] if key in self.entries else set()
+            locs.add((int(tier), node))
+            self.entries[key] = (size, checksum, locs)
+
+    def remove(self, node: int, tier: Tier, keys: list[BlockKey]) -> None:
+        for key in keys:
+            if key in self.entries:
+                self.entries[key][2].discard((int(tier), node))
+                if not self.entries[key][2]:
+                    del self.entries[key]
+
+    def replace(self, node: int, tier: Tier, keys: list[BlockKey], sizes: list[int], checksums: list[int]) -> None:
+        self.remove(node, tier, list(self.entries))
+        self.add(node, tier, keys, sizes, checksums)
+
+    def drop(self, node: int) -> int:
+        removed = 0
+        for key in list(self.entries):
+            locs = self.entries[key][2]
+            gone = {loc for loc in locs if loc[1] == node}
+            removed += len(gone)
+            locs -= gone
+            if not locs:
+                del self.entries[key]
+        return removed
+
+    def hit(self, key: bytes) -> Hit:
+        size, checksum, locs = self.entries[key]
+        tier, node = min(locs)  # DRAM before SSD, then the lowest node slot
+        return Hit(Tier(tier), node, size, checksum)
+
+    def copies(self) -> int:
+        return sum(len(locs) for _, _, locs in self.entries.values())
+
+
+def assert_agrees(index: BlockIndex, ref: Reference, keys: list[BlockKey]) -> None:
+    """Index and reference agree on every key in ``keys``, on counts, and the invariants hold."""
+    index.check_invariants()
+    assert index.exists(keys) == [key in ref.entries for key in keys]
+    present = [key for key in keys if key in ref.entries]
+    assert index.leading_run(present) == [ref.hit(key) for key in present]
+    counts = index.counts()
+    assert (counts.blocks, counts.copies, len(index)) == (len(ref.entries), ref.copies(), len(ref.entries))
+
+
+def sizes_for(keys: list[BlockKey], salt: int = 0) -> tuple[list[int], list[int]]:
+    return [4096 + key[0] + salt for key in keys], [int.from_bytes(key[:8], "little") ^ salt for key in keys]
+
+
+def opened(*nodes: int) -> BlockIndex:
+    index = BlockIndex(min_capacity=64)
+    for node in nodes:
+        index.open_node(node)
+    return index
+
+
+# -- growth, deletes ---------------------------------------------------------------------
+
+
+def test_growth_with_deletes_and_reinserts_matches_the_reference():
+    index, ref = opened(0, 1), Reference()
+    keys = make_keys(6000, "grow")
+    start_bytes = index.nbytes()
+    for lo in range(0, 4000, 500):  # grows from 64 slots, many times
+        node = lo // 500 % 2
+        sizes, sums = sizes_for(keys[lo : lo + 500])
+        assert index.add(node, DRAM, keys[lo : lo + 500], sizes, sums)
+        ref.add(node, DRAM, keys[lo : lo + 500], sizes, sums)
+    assert index.nbytes() > 50 * start_bytes
+    assert_agrees(index, ref, keys)
+
+    gone = keys[0:4000:2]  # delete half, through both nodes (each holds only its own batches)
+    for node in (0, 1):
+        assert index.remove(node, DRAM, gone)
+        ref.remove(node, DRAM, gone)
+    assert len(index) == 2000
+    assert_agrees(index, ref, keys)
+
+    for lo in range(0, 6000, 700):  # re-insert the deleted ones and more, in other sizes and tiers
+        batch = keys[lo : lo + 700]
+        sizes, sums = sizes_for(batch, salt=1)
+        assert index.add(1, SSD, batch, sizes, sums)
+        ref.add(1, SSD, batch, sizes, sums)
+    assert_agrees(index, ref, keys)
+
+
+def test_shrinks_after_most_keys_go_and_stays_correct():
+    index, ref = opened(0, 1), Reference()
+    keys = make_keys(20000, "shrink")
+    sizes, sums = sizes_for(keys)
+    index.add(0, DRAM, keys[:19000], sizes[:19000], sums[:19000])
+    ref.add(0, DRAM, keys[:19000], sizes[:19000], sums[:19000])
+    index.add(1, SSD, keys[19000:], sizes[19000:], sums[19000:])
+    ref.add(1, SSD, keys[19000:], sizes[19000:], sums[19000:])
+    full = index.nbytes()
+
+    assert index.drop_node(0) == ref.drop(0) == 19000
+
+    assert index.nbytes() < full / 4  # 1,000 keys left in a table sized for 19,000: compacted
+    assert_agrees(index, ref, keys)
+
+
+def test_randomised_reports_match_the_reference():
+    rng = random.Random(7)
+    keys = make_keys(1500, "fuzz")
+    index, ref = opened(0, 1, 2), Reference()
+    open_nodes, next_node = [0, 1, 2], 3
+    for step in range(300):
+        node = rng.choice(open_nodes)
+        tier = rng.choice([DRAM, SSD])
+        batch = [rng.choice(keys) for _ in range(rng.randint(0, 200))]  # repeats included
+        sizes = [rng.randrange(1, 1 << 64) for _ in batch]
+        sums = [rng.randrange(0, 1 << 64) for _ in batch]
+        roll = rng.random()
+        if roll < 0.5:
+            assert index.add(node, tier, batch, sizes, sums)
+            ref.add(node, tier, batch, sizes, sums)
+        elif roll < 0.8:
+            assert index.remove(node, tier, batch)
+            ref.remove(node, tier, batch)
+        elif roll < 0.95:
+            assert index.replace_node_tier(node, tier, batch, sizes, sums)
+            ref.replace(node, tier, batch, sizes, sums)
+        else:
+            assert index.drop_node(node) == ref.drop(node)
+            open_nodes.remove(node)
+            index.open_node(next_node)
+            open_nodes.append(next_node)
+            next_node += 1
+        if step % 25 == 0:
+            assert_agrees(index, ref, keys)
+    assert_agrees(index, ref, keys)
+
+
+# -- locations ---------------------------------------------------------------------------
+
+
+def test_a_key_on_many_locations_is_served_best_first_and_falls_back():
+    index, ref = opened(3, 5, 9), Reference()
+    k = make_keys(3, "multi")
+    sizes, sums = sizes_for(k)
+    for node, tier in [(9, SSD), (5, SSD), (9, DRAM), (3, SSD), (5, DRAM)]:  # k[0] ends on five locations
+        assert index.add(node, tier, k[:1], sizes[:1], sums[:1])
+        ref.add(node, tier, k[:1], sizes[:1], sums[:1])
+    assert index.add(3, SSD, k[1:], sizes[1:], sums[1:])
+    ref.add(3, SSD, k[1:], sizes[1:], sums[1:])
+    assert index.leading_run(k[:1]) == [Hit(DRAM, 5, sizes[0], sums[0])]
+    assert index.counts().copies == 7
+    assert_agrees(index, ref, k)
+
+    steps = [
+        lambda: (index.remove(5, DRAM, k[:1]), ref.remove(5, DRAM, k[:1])),  # best goes: DRAM on 9 next
+        lambda: (index.drop_node(9), ref.drop(9)),  # two of its locations at once: 3 SSD, 5 SSD left
+        lambda: (index.remove(3, SSD, k), ref.remove(3, SSD, k)),  # k[1], k[2] gone; k[0] on 5 SSD only
+    ]
+    expected = [Hit(DRAM, 9, sizes[0], sums[0]), Hit(SSD, 3, sizes[0], sums[0]), Hit(SSD, 5, sizes[0], sums[0])]
+    for step, hit in zip(steps, expected):
+        step()
+        assert index.leading_run(k[:1]) == [hit]
+        assert_agrees(index, ref, k)
+    assert index.exists(k) == [True, False, False]
+    assert index.remove(5, SSD, k[:1])
+    assert len(index) == 0 and index.counts().copies == 0
+    index.check_invariants()
+
+
+def test_latest_report_sets_size_and_checksum_and_the_last_repeat_wins():
+    index = opened(0, 1)
+    k = make_keys(2, "latest")
+    assert index.add(0, DRAM, [k[0], k[1], k[0]], [10, 20, 30], [1, 2, 3])
+    assert index.leading_run(k) == [Hit(DRAM, 0, 30, 3), Hit(DRAM, 0, 20, 2)]
+    assert index.add(1, SSD, k[1:], [21], [22])  # a copy elsewhere: one size and checksum per key
+    assert index.leading_run(k) == [Hit(DRAM, 0, 30, 3), Hit(DRAM, 0, 21, 22)]
+    assert index.counts().copies == 3
+    index.check_invariants()
+
+
+def test_full_sync_removes_stale_keys_of_that_node_tier_only():
+    index, ref = opened(0, 1, 2), Reference()
+    keys = make_keys(3000, "sync")
+    sizes, sums = sizes_for(keys)
+
+    def add(node: int, tier: Tier, lo: int, hi: int) -> None:
+        assert index.add(node, tier, keys[lo:hi], sizes[lo:hi], sums[lo:hi])
+        ref.add(node, tier, keys[lo:hi], sizes[lo:hi], sums[lo:hi])
+
+    add(0, DRAM, 0, 2000)
+    add(0, SSD, 1000, 2500)  # 1000..2000 on both tiers of node 0
+    add(1, DRAM, 1500, 2200)
+    for node in (1, 2):  # keys 0..10 on four locations: the multi-location path
+        add(node, SSD, 0, 10)
+    add(2, DRAM, 0, 10)
+
+    new = list(range(500, 1200)) + list(range(2500, 3000))  # keeps 500..1200, drops the rest, adds 2500..3000
+    batch = [keys[i] for i in new]
+    assert index.replace_node_tier(0, DRAM, batch, [sizes[i] for i in new], [sums[i] for i in new])
+    ref.replace(0, DRAM, batch, [sizes[i] for i in new], [sums[i] for i in new])
+
+    assert_agrees(index, ref, keys)
+    assert index.leading_run(keys[:1]) == [Hit(DRAM, 2, sizes[0], sums[0])]  # its node-0 DRAM copy went
+    assert index.leading_run(keys[1500:1501]) == [Hit(DRAM, 1, sizes[1500], sums[1500])]
+    assert index.leading_run(keys[2300:2301]) == [Hit(SSD, 0, sizes[2300], sums[2300])]
+    assert index.exists(keys[200:210]) == [False] * 10
+
+    assert index.replace_node_tier(0, DRAM, [], [], [])  # an empty full sync: nothing left there
+    ref.replace(0, DRAM, [], [], [])
+    assert_agrees(index, ref, keys)
+
+
+def test_drop_node_after_growth_leaves_other_nodes_intact():
+    rng = np.random.default_rng(3)
+    index, ref = opened(0, 1, 2), Reference()
+    keys = random_keys(60000, rng)
+    for node, lo, hi, tier in [(0, 0, 30000, DRAM), (1, 20000, 50000, DRAM), (2, 25000, 60000, SSD), (0, 40000, 45000, SSD)]:
+        sizes, sums = sizes_for(keys[lo:hi])
+        assert index.add(node, tier, keys[lo:hi], sizes, sums)
+        ref.add(node, tier, keys[lo:hi], sizes, sums)
+
+    assert index.drop_node(0) == ref.drop(0) == 35000
+
+    assert not index.add(0, DRAM, keys[:1], [1], [1])  # closed slot: refused, nothing changes
+    assert not index.remove(0, DRAM, keys[20000:20001])
+    assert not index.replace_node_tier(0, DRAM, [], [], [])
+    assert_agrees(index, ref, keys[::7])
+    assert len(index) == 40000
+    assert index.drop_node(0) == 0  # twice: nothing left
+
+
+# -- the table underneath ----------------------------------------------------------------
+
+
+def test_keytable_makes_room_by_hopping_and_by_growing(monkeypatch):
+    hops = 0
+    displace = KeyTable._displace
+
+    def counting(self, *args):  # type: ignore[no-untyped-def]
+        nonlocal hops
+        hops += 1
+        return displace(self, *args)
+
+    monkeypatch.setattr(KeyTable, "_displace", counting)
+    rng = np.random.default_rng(11)
+    table = KeyTable({"v": np.uint32}, min_capacity=1 << 14)
+    k = rng.integers(0, 1 << 63, (int(table.capacity * keytable.MAX_LOAD), 2), dtype=np.uint64) * 2 + 1
+    for lo in range(0, len(k), 2000):  # up to the load limit of the first capacity
+        part = k[lo : lo + 2000]
+        assert table.insert(part[:, 0], part[:, 1], {"v": np.arange(lo, lo + len(part), dtype=np.uint32)}) == len(part)
+    assert table.capacity == 1 << 14 and hops > 0  # full neighbourhoods were made room in, not grown for
+    table.check()
+    rows = table.find(k[:, 0], k[:, 1])
+    assert (rows >= 0).all() and np.array_equal(table.rec["v"][rows], np.arange(len(k)))
+
+    table.delete(rows[::2])
+    assert (table.find(k[::2, 0], k[::2, 1]) == -1).all()
+    monkeypatch.setattr(keytable, "REACH", 0)  # no hopping: every full neighbourhood grows the table
+    more = rng.integers(0, 1 << 63, (20000, 2), dtype=np.uint64) * 2
+    assert table.insert(more[:, 0], more[:, 1], {"v": np.zeros(len(more), np.uint32)}) == len(more)
+    table.check()
+    assert (table.find(more[:, 0], more[:, 1]) >= 0).all()
+    assert np.array_equal(table.rec["v"][table.find(k[1::2, 0], k[1::2, 1])], np.arange(1, len(k), 2))
+
+
+def test_keys_sharing_a_first_word_are_told_apart_by_the_second():
+    index = opened(0)
+    head = os.urandom(8)
+    keys = [BlockKey(head + os.urandom(24)) for _ in range(20)]  # one home, one fingerprint
+    assert index.add(0, DRAM, keys[:10], list(range(10)), list(range(10)))
+    assert index.exists(keys) == [True] * 10 + [False] * 10
+    assert [hit.size for hit in index.leading_run(keys[:10])] == list(range(10))
+    assert index.remove(0, DRAM, keys[3:5])
+    assert index.exists(keys[:10]) == [True] * 3 + [False] * 2 + [True] * 5
+    index.check_invariants()
+
+
+def test_keys_equal_in_their_first_16_bytes_are_one_entry():
+    """Documented: the index keys by 128-bit prefixes (the node checks the full key: a miss, never wrong bytes)."""
+    index = opened(0)
+    a, b = BlockKey(bytes(16) + b"a" * 16), BlockKey(bytes(16) + b"b" * 16)
+    assert index.add(0, DRAM, [a], [1], [2])
+    assert index.exists([b]) == [True] and len(index) == 1
+
+
+def test_a_flood_of_keys_on_one_home_is_refused_not_grown_for(caplog):
+    index = opened(0)
+    head = bytes(8)
+    keys = [BlockKey(head + i.to_bytes(24, "little")) for i in range(100)]  # all on one home: not sha256 keys
+    with caplog.at_level(logging.WARNING, logger="kvpool.master.index"):
+        assert index.add(0, DRAM, keys, [1] * 100, [2] * 100)
+    held = sum(index.exists(keys))
+    assert held == keytable.H  # one neighbourhood's worth; the rest are misses
+    assert "not indexed" in caplog.text
+    assert index.nbytes() < 1 << 20  # the table did not double itself trying
+    assert index.counts().copies == held
+    index.check_invariants()
+
+
+def test_bad_input_raises_before_anything_changes():
+    index = opened(0)
+    k = make_keys(2)
+    with pytest.raises(ValueError, match="32 bytes"):
+        index.add(0, DRAM, [k[0], b"short"], [1, 1], [1, 1])
+    with pytest.raises(ValueError, match="2 keys but 1 sizes"):
+        index.add(0, DRAM, k, [1], [1, 1])
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*64\)"):
+        index.add(0, DRAM, k, [1, -1], [1, 1])
+    with pytest.raises(ValueError, match="32 bytes"):
+        index.exists([b"x" * 31])
+    with pytest.raises(ValueError, match="node slot"):
+        index.open_node(1 << 30)
+    assert len(index) == 0
+    index.check_invariants()
+
+
+# -- scale -------------------------------------------------------------------------------
+
+
+def test_memory_per_block_at_200k_blocks_is_under_200_bytes():
+    rng = np.random.default_rng(5)
+    index = BlockIndex()
+    index.open_node(0)
+    index.open_node(1)
+    batches = [random_keys(50000, rng) for _ in range(4)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i, keys in enumerate(batches):
+            assert index.add(i % 2, DRAM, keys, [1 << 20] * len(keys), [7] * len(keys))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(index) == 200000
+    per_block = grown / 200000
+    assert per_block < 200, f"{per_block:.0f} bytes per indexed block"
+    assert index.exists([batches[3][-1], bytes(32)]) == [True, False]
+
+
+def test_drop_node_of_100k_blocks_is_one_vectorised_scan():
+    rng = np.random.default_rng(6)
+    index = opened(0, 1)
+    keys = random_keys(200000, rng)
+    assert index.add(0, DRAM, keys[:100000], [1] * 100000, [2] * 100000)
+    assert index.add(1, SSD, keys[50000:], [1] * 150000, [2] * 150000)
+    start = time.perf_counter()
+    assert index.drop_node(1) == 150000
+    assert time.perf_counter() - start < 1.0  # ~10 ms here; a per-key Python loop would take far longer
+    assert len(index) == 100000
+    assert index.leading_run(keys[49999:50001]) == [Hit(DRAM, 0, 1, 2), Hit(DRAM, 0, 1, 2)]
+    index.check_invariants()
