@@ -129,6 +129,13 @@ def run_kvpool(args: argparse.Namespace, labels: list[str]) -> tuple[dict, dict]
     return shm, net
 
 
+def segment_mib(args: argparse.Namespace, labels: list[str]) -> int:
+    """Room for every round of every size at once: Mooncake refuses to remove a key for 10 s
+    after a get (its read lease), so earlier rounds' blocks are still there when later ones land."""
+    total = sum((args.rounds + 1) * blocks_for(SIZES[x], args.total_mib << 20) * SIZES[x] for x in labels)
+    return total // (1 << 20) + 512
+
+
 def run_mooncake(args: argparse.Namespace, python: Path, labels: list[str]) -> dict:
     rpc, http, metrics = free_port(), free_port(), free_port()
     master = subprocess.Popen(
@@ -141,8 +148,7 @@ def run_mooncake(args: argparse.Namespace, python: Path, labels: list[str]) -> d
         wait_port(http, master)
         ports = ["--master-port", str(rpc), "--metadata-port", str(http)]
         owner = subprocess.Popen([str(python), str(HERE / "mooncake_side.py"), "owner", *ports,
-                                  "--segment-mib", str(3 * max(blocks_for(SIZES[x], args.total_mib << 20) * SIZES[x]
-                                                                  for x in labels) // (1 << 20) + 512)],
+                                  "--segment-mib", str(segment_mib(args, labels))],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         if owner.stdout.readline().strip() != "ready":
             raise RuntimeError("mooncake owner did not start")

@@ -37,6 +37,7 @@ class MooncakeClient:
     def __init__(self, store: MooncakeDistributedStore):
         self.store = store
         self._registered: set[int] = set()
+        self._keep: list[np.ndarray] = []  # registered memory must never be freed and reused
 
     def _register(self, arrays: list[np.ndarray]) -> None:
         for a in arrays:
@@ -48,6 +49,7 @@ class MooncakeClient:
                 if self.store.register_buffer(addr, base.nbytes) != 0:
                     raise RuntimeError("register_buffer failed")
                 self._registered.add(addr)
+                self._keep.append(base)
 
     def put(self, keys: list[str], values: list[np.ndarray]) -> list[bool]:
         self._register(values)
