@@ -1,6 +1,6 @@
 """The one block checksum used everywhere in kvpool.
 
-xxh3-64 runs at ~30 GB/s on one core here (sha256 ~1.5, crc32 ~2.6), so
+xxh3-64 runs at ~10-30 GB/s on one core here (memory vs cache; sha256 ~1.5, crc32 ~2.6), so
 verifying every read costs a few percent of a memcpy instead of most of it.
 It detects corruption and torn reads; it is not a defence against an adversary
 (keys are sha256, and tenants are kept apart by namespaces, not checksums).
