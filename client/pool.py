@@ -59,6 +59,9 @@ MAX_KEYS = 65536  # keys per node call (the node's limit)
 BULK_RETRY_S = 5.0  # a node whose bulk listener could not be reached is sent gRPC calls this long
 
 
+_TIERS = {int(t): t for t in Tier}
+
+
 class PoolFault(RuntimeError):
     """A pool failure, raised only in strict mode (otherwise it is a counted miss)."""
 
@@ -145,10 +148,9 @@ class PoolClient:
 
     def lookup(self, keys: Sequence[BlockKey], *, hbm_prefix_blocks: int = 0, block_tokens: int = 0) -> tuple[BlockLocation, ...]:
         """The leading run of ``keys`` the pool holds, with locations; () if the master fails."""
-        packed = pack_keys(keys)
         keys = check_keys(keys)
         request = master_pb2.LookupRequest(
-            keys=packed, worker_id=self.worker_id, hbm_prefix_blocks=hbm_prefix_blocks, block_tokens=block_tokens
+            keys=b"".join(keys), worker_id=self.worker_id, hbm_prefix_blocks=hbm_prefix_blocks, block_tokens=block_tokens
         )
         start = time.perf_counter()
         try:
@@ -164,10 +166,13 @@ class PoolClient:
         if not (len(reply.node_indexes) == len(reply.sizes) == len(reply.checksums) == run <= len(keys)):
             self._fault("bad_reply", "lookup reply fields disagree", len(keys))
             return ()
-        return tuple(
-            BlockLocation(keys[i], Tier(reply.tiers[i]), nodes[reply.node_indexes[i]], reply.sizes[i], reply.checksums[i])
-            for i in range(run)
-        )
+        try:
+            tiers = [_TIERS[t] for t in reply.tiers]
+            placed = [nodes[i] for i in reply.node_indexes]
+        except (KeyError, IndexError):
+            self._fault("bad_reply", "lookup reply names an unknown tier or node", len(keys))
+            return ()
+        return tuple(map(BlockLocation, keys[:run], tiers, placed, reply.sizes, reply.checksums))
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Whether the pool holds each key; all False if the master cannot be asked."""

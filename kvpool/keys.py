@@ -123,6 +123,8 @@ def opaque_key(name: str | bytes, namespace: KeyNamespace | None = None) -> Bloc
 
 def check_key(key: object) -> BlockKey:
     """Return ``key`` as a BlockKey, or raise ValueError saying what is wrong with it."""
+    if type(key) is bytes and len(key) == KEY_BYTES:  # the common case, first (hot path)
+        return BlockKey(key)
     if isinstance(key, (bytearray, memoryview)):
         key = bytes(key)
     if not isinstance(key, bytes):
@@ -134,6 +136,9 @@ def check_key(key: object) -> BlockKey:
 
 def check_keys(keys: Iterable[object]) -> list[BlockKey]:
     """Validate a batch of keys (all or nothing)."""
+    keys = list(keys)
+    if all(type(k) is bytes and len(k) == KEY_BYTES for k in keys):
+        return keys  # type: ignore[return-value]
     return [check_key(k) for k in keys]
 
 

@@ -51,10 +51,10 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
         time.sleep(interval)
 
 
-def kvpool_process(*args: str, log_path=None) -> subprocess.Popen:
+def kvpool_process(*args: str, log_path=None, cwd=None) -> subprocess.Popen:
     """Start ``python -m kvpool.cli ARGS`` (the same code as the ``kvpool`` script)."""
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, "-m", "kvpool.cli", *args], stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen([sys.executable, "-m", "kvpool.cli", *args], stdout=out, stderr=subprocess.STDOUT, cwd=cwd)
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int:

@@ -243,15 +243,16 @@ def test_bad_flags_are_refused_with_a_clear_message(tmp_path):
 
 
 def test_serve_with_no_arguments_runs_on_the_default_ports(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "serve"], cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "serve.log"
+    proc = kvpool_process("serve", log_path=log, cwd=tmp_path)
     try:
         wait_serving("127.0.0.1:7600", timeout=60, proc=proc)
         wait_serving("127.0.0.1:7610", timeout=60, proc=proc)
         assert (tmp_path / "kvpool-data").is_dir()
-        assert metric(scrape(7601), "kvpool_nodes") == 1 or wait_until(lambda: metric(scrape(7601), "kvpool_nodes") == 1)
+        wait_until(lambda: metric(scrape(7601), "kvpool_nodes") == 1)
     finally:
-        assert stop_process(proc) == 0
+        code = stop_process(proc, timeout=30)
+        assert code == 0, log.read_text()[-3000:]
     assert not os.path.exists("/dev/shm/kvpool-7610")
 
 
