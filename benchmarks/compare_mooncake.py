@@ -24,7 +24,6 @@ import argparse
 import ctypes.util
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess

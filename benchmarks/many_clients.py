@@ -105,7 +105,7 @@ def main() -> int:
     errors = sum(sum(r["errors"].values()) for r in results)
     wrong = sum(r["wrong_blocks"] for r in results)
     path = "network (bulk TCP)" if args.no_shared_memory else "same host (shared memory)"
-    print(f"| clients | path | aggregate put GB/s | aggregate get GB/s | per-client put GB/s (min-max) | errors | wrong blocks |")
+    print("| clients | path | aggregate put GB/s | aggregate get GB/s | per-client put GB/s (min-max) | errors | wrong blocks |")
     print("|---|---|---|---|---|---|---|")
     print(f"| {args.clients} | {path} | {moved / put_wall / 1e9:.2f} | {moved / get_wall / 1e9:.2f} "
           f"| {min(r['put_gbps'] for r in results):.2f}-{max(r['put_gbps'] for r in results):.2f} "

@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 
-from kvpool.checksum import block_checksum
 from kvpool.keys import BlockKey
 from kvpool.tiers.arena import SharedArena, shm_path
 from kvpool.tiers.dram import DramStore

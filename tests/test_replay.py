@@ -9,7 +9,9 @@ import json
 import numpy as np
 import pytest
 
+from kvpool.bench import progress as pg
 from kvpool.bench import replay as rp
+from kvpool.bench import trace as tr
 from kvpool.keys import KeyNamespace, chain_block_keys
 
 BB = 4 << 10  # small blocks keep the embedded pools tiny and fast
@@ -30,7 +32,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def keys_of(requests: list[list[int]], tenant: str = "") -> list[list[bytes]]:
-    maker = rp.KeyMaker(KeyNamespace(rp.MODEL, rp.block_layout(BB).fingerprint(), tenant=tenant))
+    maker = tr.KeyMaker(KeyNamespace(tr.MODEL, rp.block_layout(BB).fingerprint(), tenant=tenant))
     return [maker.keys(ids) for ids in requests]
 
 
@@ -104,38 +106,38 @@ def test_layout_is_exactly_the_block_bytes() -> None:
 
 def test_trace_loading_and_limit(tmp_path) -> None:
     path = write_trace(tmp_path / "t.jsonl", [[1, 2], [1, 3], [4]])
-    assert [r.hash_ids for r in rp.load_trace(path)] == [(1, 2), (1, 3), (4,)]
-    assert [r.hash_ids for r in rp.load_trace(path, limit=2)] == [(1, 2), (1, 3)]
+    assert [r.hash_ids for r in tr.load_trace(path)] == [(1, 2), (1, 3), (4,)]
+    assert [r.hash_ids for r in tr.load_trace(path, limit=2)] == [(1, 2), (1, 3)]
     (tmp_path / "bad.jsonl").write_text('{"hash_ids": [1]}\n{"hash_ids": "x"}\n')
     with pytest.raises(ValueError, match="line 2"):
-        rp.load_trace(str(tmp_path / "bad.jsonl"))
+        tr.load_trace(str(tmp_path / "bad.jsonl"))
     with pytest.raises(ValueError, match="cannot read trace"):
-        rp.load_trace(str(tmp_path / "missing.jsonl"))
+        tr.load_trace(str(tmp_path / "missing.jsonl"))
 
 
 def test_keys_are_kvpools_chain_over_the_concatenated_tokens() -> None:
-    ns = KeyNamespace(rp.MODEL, rp.block_layout(BB).fingerprint())
-    maker = rp.KeyMaker(ns)
+    ns = KeyNamespace(tr.MODEL, rp.block_layout(BB).fingerprint())
+    maker = tr.KeyMaker(ns)
     a, b, c = maker.keys([7, 8, 9]), maker.keys([7, 8, 10]), maker.keys([6, 8, 9])
-    tokens = np.concatenate([rp.block_tokens(h) for h in (7, 8, 10)])
+    tokens = np.concatenate([tr.block_tokens(h) for h in (7, 8, 10)])
     assert b == chain_block_keys(tokens, 512, ns)  # memoised prefix + chained rest = one chain
     assert a[:2] == b[:2] and a[2] != b[2]  # identical prefixes, identical keys
     assert not set(a) & set(c)  # another first block: every later key differs
-    assert np.array_equal(rp.block_tokens(7), rp.block_tokens(7)) and rp.block_tokens(7).max() < rp.VOCAB
+    assert np.array_equal(tr.block_tokens(7), tr.block_tokens(7)) and tr.block_tokens(7).max() < tr.VOCAB
 
 
 def test_unbounded_bound_leading_run_and_per_block() -> None:
     ids = [[1, 2, 3], [1, 2, 4], [9, 2, 3], [1, 2, 3]]
-    bound = rp.unbounded_bound(ids)
+    bound = tr.unbounded_bound(ids)
     # leading: 0 + 2 + 0 + 3 = 5; any block: 0 + 2 + 2 + 3 = 7; of 12 lookups
     assert (bound.lookups, bound.leading_hits, bound.block_hits) == (12, 5, 7)
     # Chained keys: [9, 2, 3] shares no key with [1, 2, 3], so per-block equals leading run.
-    keyed = rp.unbounded_bound(keys_of(ids))
+    keyed = tr.unbounded_bound(keys_of(ids))
     assert (keyed.lookups, keyed.leading_hits, keyed.block_hits) == (12, 5, 5)
 
 
 def test_payloads_catch_other_and_shifted_bytes() -> None:
-    pay = rp.Payloads(BB)
+    pay = tr.Payloads(BB)
     keys = keys_of([[1, 2, 3]])[0]
     blocks = pay.make(keys)
     assert pay.wrong(keys, blocks) == 0
@@ -146,7 +148,7 @@ def test_payloads_catch_other_and_shifted_bytes() -> None:
 
 def test_progress_bar_one_line_rate_limited() -> None:
     out = io.StringIO()
-    bar = rp.Progress(100, "replay", out)
+    bar = pg.Progress(100, "replay", out)
     for i in range(1, 101):
         bar.update(i)
     bar.close(100)

@@ -177,8 +177,8 @@ def _count(n: int) -> str:
 def render(rows: list[Row], width: int) -> str:
     """A markdown table, with whether the memory aim is met and how far the p50s moved across the sizes."""
     lines = [
-        f"| blocks | B/block | peak B/block | RSS B/block | leading_run p50 / p99 µs | exists p50 / p99 µs "
-        f"| gRPC Lookup p50 / p99 µs | fill s | drop node ms |",
+        "| blocks | B/block | peak B/block | RSS B/block | leading_run p50 / p99 µs | exists p50 / p99 µs "
+        "| gRPC Lookup p50 / p99 µs | fill s | drop node ms |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
