@@ -104,6 +104,15 @@ class Hit(NamedTuple):
     checksum: int
 
 
+class RunArrays(NamedTuple):
+    """A leading run as columns: per block its best tier, node slot, size and checksum."""
+
+    tiers: np.ndarray  # uint8 Tier values
+    nodes: np.ndarray  # uint32 node slots
+    sizes: np.ndarray  # uint64
+    checksums: np.ndarray  # uint64
+
+
 _new_hit = functools.partial(tuple.__new__, Hit)  # Hit from one (tier, node, size, checksum) tuple, in C
 
 
@@ -202,19 +211,25 @@ class BlockIndex:
 
         Best = lowest tier (DRAM before SSD), then lowest node slot.
         """
-        q0, q1 = _prefixes(keys)
+        run = self.leading_run_arrays(b"".join(keys) if len(keys) else b"")
+        tiers, nodes = run.tiers.tolist(), run.nodes.tolist()
+        return list(map(_new_hit, zip(map(_TIERS.__getitem__, tiers), nodes, run.sizes.tolist(), run.checksums.tolist())))
+
+    def leading_run_arrays(self, packed: bytes) -> "RunArrays":
+        """:meth:`leading_run` of packed keys, as numpy columns (no Python object per block)."""
+        if len(packed) % KEY_BYTES:
+            raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
+        words = np.frombuffer(packed, np.uint64).reshape(-1, KEY_BYTES // 8)
         with self._lock:
             t = self._table
-            rows = t.find(q0, q1)
+            rows = t.find(words[:, 0], words[:, 1])
             misses = np.flatnonzero(rows < 0)
             if misses.size:
                 rows = rows[: misses[0]]
             best = t.rec["loc1"][rows]  # field by field: gathering whole records is slower
-            sizes = t.rec["size"][rows].tolist()
-            checksums = t.rec["checksum"][rows].tolist()
-        tiers = (best >> _NODE_BITS).tolist()
-        nodes = (best & _NODE_MASK).tolist()
-        return list(map(_new_hit, zip(map(_TIERS.__getitem__, tiers), nodes, sizes, checksums)))
+            sizes = t.rec["size"][rows]
+            checksums = t.rec["checksum"][rows]
+        return RunArrays((best >> _NODE_BITS).astype(np.uint8), best & _NODE_MASK, sizes, checksums)
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key: whether any node holds it in any tier."""

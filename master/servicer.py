@@ -21,10 +21,11 @@ import time
 from collections.abc import Iterable, Sequence
 
 import grpc
+import numpy as np
 
 from kvpool.config import MasterConfig
-from kvpool.keys import BlockKey, unpack_keys
-from kvpool.rpc import flag_bytes, tier_bytes, tier_usage
+from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
+from kvpool.rpc import flag_bytes, tier_usage
 from kvpool.tiers.base import Tier, TierStats
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 
@@ -50,11 +51,18 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     # -- validation helpers -------------------------------------------------------------
 
+    def _count_keys(self, packed: bytes, what: str = "keys") -> int:
+        """How many keys ``packed`` holds; ValueError if it is ragged or over max_keys_per_call."""
+        if len(packed) % KEY_BYTES:
+            raise ValueError(f"packed {what}: {len(packed)} bytes is not a multiple of {KEY_BYTES}")
+        n = len(packed) // KEY_BYTES
+        if n > self._config.max_keys_per_call:
+            raise ValueError(f"too many keys in {what}: {n} > max_keys_per_call {self._config.max_keys_per_call}")
+        return n
+
     def _keys(self, packed: bytes, what: str = "keys") -> list[BlockKey]:
-        keys = unpack_keys(packed)
-        if len(keys) > self._config.max_keys_per_call:
-            raise ValueError(f"too many keys in {what}: {len(keys)} > max_keys_per_call {self._config.max_keys_per_call}")
-        return keys
+        self._count_keys(packed, what)
+        return unpack_keys(packed)
 
     @staticmethod
     def _same_length(keys: Sequence[BlockKey], field: str, values: Sequence[int]) -> None:
@@ -133,36 +141,36 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     def Lookup(self, request, context):  # type: ignore[no-untyped-def]
         started = time.perf_counter()
-        keys = self._keys(request.keys)
+        n_keys = self._count_keys(request.keys)
         if request.worker_id:
             self._membership.worker_seen(request.worker_id)
-        run = self._index.leading_run(keys)
-        refs = self._membership.refs(hit.node for hit in run)
-        node_index: dict[int, int] = {}  # node slot -> index into response.nodes
-        response = master_pb2.LookupResponse()
-        tiers: list[Tier] = []
-        indexes: list[int] = []
-        for hit in run:
-            if hit.node not in node_index:
-                ref = refs.get(hit.node)
-                if ref is None:  # dropped while we looked: the run ends here
-                    break
-                node_index[hit.node] = len(node_index)
-                response.nodes.append(self._node_ref(ref))
-            tiers.append(hit.tier)
-            indexes.append(node_index[hit.node])
-        run = run[: len(tiers)]
-        response.tiers = tier_bytes(tiers)
-        response.node_indexes.extend(indexes)
-        response.sizes.extend(hit.size for hit in run)
-        response.checksums.extend(hit.checksum for hit in run)
-        response.dram_blocks = tiers.count(Tier.DRAM)
-        response.ssd_blocks = tiers.count(Tier.SSD)
+        run = self._index.leading_run_arrays(request.keys)  # columns: no Python object per block
+        slots, indexes = np.unique(run.nodes, return_inverse=True)
+        refs = self._membership.refs(slots.tolist())
+        alive = np.array([int(s) in refs for s in slots], dtype=bool)
+        end = len(run.nodes)
+        if not alive.all():  # a node dropped while we looked: the run ends at its first block
+            end = int(np.flatnonzero(~alive[indexes])[0])
+        # Renumber the nodes the run still uses, in order of first use.
+        used, first = np.unique(indexes[:end], return_index=True)
+        order = used[np.argsort(first)]
+        renumber = np.empty(len(slots), dtype=np.int64)
+        renumber[order] = np.arange(len(order))
+        tiers = run.tiers[:end]
+        response = master_pb2.LookupResponse(
+            tiers=tiers.tobytes(),
+            node_indexes=renumber[indexes[:end]].tolist(),
+            sizes=run.sizes[:end].tolist(),
+            checksums=run.checksums[:end].tolist(),
+            nodes=[self._node_ref(refs[int(slots[i])]) for i in order],
+            dram_blocks=int(np.count_nonzero(tiers == Tier.DRAM)),
+            ssd_blocks=int(np.count_nonzero(tiers == Tier.SSD)),
+        )
         self._metrics.record_lookup(
             hbm=request.hbm_prefix_blocks,
             dram=response.dram_blocks,
             ssd=response.ssd_blocks,
-            requested=request.hbm_prefix_blocks + len(keys),
+            requested=request.hbm_prefix_blocks + n_keys,
             block_tokens=request.block_tokens,
         )
         self._metrics.lookup_seconds.observe(time.perf_counter() - started)

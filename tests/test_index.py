@@ -390,3 +390,22 @@ def test_drop_node_of_100k_blocks_is_one_vectorised_scan():
     assert len(index) == 100000
     assert index.leading_run(keys[49999:50001]) == [Hit(DRAM, 0, 1, 2), Hit(DRAM, 0, 1, 2)]
     index.check_invariants()
+
+
+def test_leading_run_arrays_agree_with_leading_run():
+    from kvpool.keys import opaque_key
+
+    index = BlockIndex()
+    index.open_node(0)
+    index.open_node(1)
+    keys = [opaque_key(f"arrays-{i}") for i in range(10)]
+    index.add(0, Tier.DRAM, keys[:4], [10, 11, 12, 13], [1, 2, 3, 4])
+    index.add(1, Tier.SSD, keys[4:7], [14, 15, 16], [5, 6, 7])
+    run = index.leading_run_arrays(b"".join(keys))
+    hits = index.leading_run(keys)
+    assert len(hits) == 7 and run.tiers.tolist() == [int(h.tier) for h in hits]
+    assert run.nodes.tolist() == [h.node for h in hits] and run.sizes.tolist() == [h.size for h in hits]
+    assert run.checksums.tolist() == [h.checksum for h in hits]
+    assert len(index.leading_run_arrays(b"").tiers) == 0
+    with pytest.raises(ValueError):
+        index.leading_run_arrays(b"x" * 33)
