@@ -132,7 +132,7 @@ class PoolClient:
         self._bulk = BulkClient(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0))
         self._data_addresses: dict[str, str] = {}  # node gRPC address -> bulk address ("" : none)
         self._bulk_down: dict[str, float] = {}  # node gRPC address -> monotonic time to try bulk again
-        self._writer = WriteBehindQueue(self._put_now, config.put_queue_blocks)
+        self._writer = WriteBehindQueue(self._put_now, config.put_queue_bytes)
         self._metrics_server = MetricsServer(self.registry, config.metrics_port) if config.metrics_port > 0 else None
 
     # -- faults --------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 Invariants:
 - ``submit`` copies the caller's bytes before returning, so the caller may
-  reuse its buffers at once; it never blocks. When ``capacity_blocks`` are
-  already waiting, new blocks are refused (False) and counted by the caller.
+  reuse its buffers at once; it never blocks. A block that would take the
+  bytes waiting past ``capacity_bytes`` is refused (False) and counted by
+  the caller.
 - One background thread drains the queue in batches of at most
   ``batch_bytes`` and hands each batch to ``sink``; a sink exception is
   logged and the batch dropped (a pool fault is a lost cache entry, not an error).
@@ -31,11 +32,12 @@ Sink = Callable[[list[BlockKey], list[np.ndarray]], None]
 class WriteBehindQueue:
     """See module docstring."""
 
-    def __init__(self, sink: Sink, capacity_blocks: int, batch_bytes: int = 32 << 20, name: str = "kvpool-writer"):
-        if capacity_blocks < 1:
-            raise ValueError(f"write-behind capacity must be >= 1 block, got {capacity_blocks}")
+    def __init__(self, sink: Sink, capacity_bytes: int, batch_bytes: int = 32 << 20, name: str = "kvpool-writer"):
+        if capacity_bytes < 1:
+            raise ValueError(f"write-behind capacity must be >= 1 byte, got {capacity_bytes}")
         self._sink = sink
-        self._capacity = capacity_blocks
+        self._capacity = capacity_bytes
+        self._queued_bytes = 0
         self._batch_bytes = batch_bytes
         self._items: deque[tuple[BlockKey, np.ndarray]] = deque()
         self._cond = threading.Condition()
@@ -53,9 +55,10 @@ class WriteBehindQueue:
             if self._closed:
                 raise ValueError("write-behind queue is closed")
             for key, arr in zip(keys, arrays):
-                ok = len(self._items) < self._capacity
+                ok = self._queued_bytes + arr.size <= self._capacity
                 if ok:
                     self._items.append((key, arr.copy()))
+                    self._queued_bytes += arr.size
                     self._submitted += 1
                 accepted.append(ok)
             self._cond.notify_all()
@@ -89,6 +92,7 @@ class WriteBehindQueue:
                 item = self._items.popleft()
                 batch.append(item)
                 size += item[1].size
+            self._queued_bytes -= size
             return batch
 
     def _run(self) -> None:

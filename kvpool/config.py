@@ -138,7 +138,7 @@ class ClientConfig:
     device: str = opt("cpu", "HBM tier device: cpu, cuda:N, npu:N")
     lookup_timeout_s: float = opt(0.5, "deadline of a master call; past it the lookup is a miss")
     io_timeout_s: float = opt(5.0, "deadline of a node data call; past it the blocks are misses")
-    put_queue_blocks: int = opt(256, "write-behind bound; a full queue drops new puts (counted)")
+    put_queue_bytes: int = opt(1 << 30, "write-behind bound in bytes; a full queue drops new puts (counted)", size=True)
     shared_memory: bool = opt(True, "read same-host nodes' DRAM arena directly")
     strict: bool = opt(False, "tests: raise pool faults instead of counting them as misses")
     metrics_port: int = opt(0, "0: no endpoint (the registry is still available)")

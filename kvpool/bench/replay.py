@@ -407,11 +407,11 @@ def replay(
             from kvpool.config import ClientConfig
 
             # The write-behind queue must hold what one flush interval puts, or long prompts lose blocks.
-            queue = max(256, max_blocks * flush_every)
+            queue = max(1 << 30, max_blocks * flush_every * layout.block_bytes)
             client = KVCacheClient(ClientConfig(
                 master=master, worker_id=f"replay-{os.getpid()}-{uuid.uuid4().hex[:6]}", model=MODEL,
                 tenant=tenant, layout=layout, hbm_blocks=config.hbm_blocks, device="cpu",
-                put_queue_blocks=queue, metrics_port=0,
+                put_queue_bytes=queue, metrics_port=0,
             ))
         try:
             result = _replay_loop(client, request_keys, payloads, max_blocks, flush_every, result,
