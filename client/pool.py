@@ -31,7 +31,8 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -60,6 +61,7 @@ BULK_RETRY_S = 5.0  # a node whose bulk listener could not be reached is sent gR
 
 
 _TIERS = {int(t): t for t in Tier}
+T = TypeVar("T")
 
 
 class PoolFault(RuntimeError):
@@ -357,6 +359,18 @@ class PoolClient:
             hints.clear()
         return hints
 
+    def _bulk_call(self, node: NodeAddress, n: int, call: Callable[..., T], *args: Any) -> T | None:
+        """One bulk request; None (try gRPC for these ``n`` blocks) if the listener is down or the call failed."""
+        try:
+            return call(*args)
+        except BulkUnavailable as exc:
+            log.debug("bulk listener of %s unreachable (%s); using gRPC", node.address, exc)
+            self._bulk_unreachable(node.address)
+        except BulkFailed as exc:
+            log.debug("bulk %s with %s failed (%s); using gRPC", call.__name__, node.address, exc)
+            self.errors.count("bulk_fallback", n)
+        return None
+
     def _get_bulk(self, node: NodeAddress, idxs: list[int], locations: Sequence[BlockLocation],
                   dsts: list[np.ndarray], ok: list[bool]) -> list[int]:
         """Remote path over the node's bulk listener; returns the blocks to try over gRPC instead."""
@@ -365,16 +379,10 @@ class PoolClient:
             return idxs
         for start in range(0, len(idxs), MAX_KEYS):
             run = idxs[start : start + MAX_KEYS]
-            try:
-                status = self._bulk.get_into(data_address, [locations[i].key for i in run], [dsts[i] for i in run],
-                                             [locations[i].checksum for i in run])
-            except BulkUnavailable as exc:
-                log.debug("bulk listener of %s unreachable (%s); using gRPC", node.address, exc)
-                self._bulk_unreachable(node.address)
-                return idxs[start:]
-            except BulkFailed as exc:
-                log.debug("bulk get from %s failed (%s); using gRPC", node.address, exc)
-                self.errors.count("bulk_fallback", len(run))
+            status = self._bulk_call(node, len(run), self._bulk.get_into, data_address,
+                                     [locations[i].key for i in run], [dsts[i] for i in run],
+                                     [locations[i].checksum for i in run])
+            if status is None:
                 return idxs[start:]
             for i, st in zip(run, status):
                 if st == OK:
@@ -563,15 +571,9 @@ class PoolClient:
         done = 0
         for run in _chunks(idxs, sizes, BULK_CHUNK_BYTES):
             sums = [block_checksum(arrays[i]) for i in run]
-            try:
-                stored = self._bulk.put(data_address, [keys[i] for i in run], [arrays[i] for i in run], sums)
-            except BulkUnavailable as exc:
-                log.debug("bulk listener of %s unreachable (%s); using gRPC", node.address, exc)
-                self._bulk_unreachable(node.address)
-                return idxs[done:]
-            except BulkFailed as exc:
-                log.debug("bulk put to %s failed (%s); using gRPC", node.address, exc)
-                self.errors.count("bulk_fallback", len(run))
+            stored = self._bulk_call(node, len(run), self._bulk.put, data_address,
+                                     [keys[i] for i in run], [arrays[i] for i in run], sums)
+            if stored is None:
                 return idxs[done:]
             for i, flag in zip(run, stored):
                 result[i] = flag

@@ -116,15 +116,20 @@ def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
     views = _byte_views(buffers)
     i = 0
     while i < len(views):
-        sent = sock.sendmsg(views[i : i + IOV_MAX])
-        while sent:
-            n = views[i].nbytes
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
+        i = _advance(views, i, sock.sendmsg(views[i : i + IOV_MAX]))
+
+
+def _advance(views: list[memoryview], i: int, done: int) -> int:
+    """After ``done`` bytes went through ``views[i:]``: the first view not finished (trimmed to what is left)."""
+    while done:
+        n = views[i].nbytes
+        if done >= n:
+            done -= n
+            i += 1
+        else:
+            views[i] = views[i][done:]
+            done = 0
+    return i
 
 
 def set_io_timeout(sock: socket.socket, seconds: float) -> None:
@@ -157,14 +162,7 @@ def recv_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
             got = sock.recvmsg_into(views[i : i + IOV_MAX], 0, flags)[0]
         if got == 0:
             raise ConnectionError("peer closed the connection mid-frame")
-        while got:
-            n = views[i].nbytes
-            if got >= n:
-                got -= n
-                i += 1
-            else:
-                views[i] = views[i][got:]
-                got = 0
+        i = _advance(views, i, got)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
