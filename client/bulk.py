@@ -16,25 +16,23 @@
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvpool.checksum import block_checksum
 from kvpool.keys import BlockKey
-from kvpool.node.bulk import (
-    OP_GET,
-    OP_PUT,
-    ProtocolError,
+from kvpool.framing import (
+    ConnectFailed,
+    ConnectionPool,
+    Exchange,
     is_timeout,
-    read_reply_header,
     recv_buffers,
     recv_exact,
-    request_header,
     send_buffers,
     set_io_timeout,
 )
+from kvpool.node.bulk import OP_GET, OP_PUT, ProtocolError, read_reply_header, request_header
 
 # Per-block outcome of a GET.
 OK = 0
@@ -59,75 +57,25 @@ class BulkFailed(RuntimeError):
         self.kind = kind
 
 
-class _Exchange:
-    replied = False  # has any reply byte arrived? (until then a stale pooled connection may be retried)
-
-
 class BulkClient:
     """Pooled bulk connections to any number of nodes (thread-safe)."""
 
     def __init__(self, timeout_s: float, *, connect_timeout_s: float | None = None, max_idle_per_node: int = 4):
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
-        self.max_idle_per_node = max_idle_per_node
-        self._lock = threading.Lock()
-        self._idle: dict[str, list[socket.socket]] = {}
-        self._closed = False
-
-    # -- connections ------------------------------------------------------------------------------
-
-    def _acquire(self, address: str) -> tuple[socket.socket, bool]:
-        with self._lock:
-            if self._closed:
-                raise BulkUnavailable("bulk client is closed")
-            idle = self._idle.get(address)
-            if idle:
-                return idle.pop(), True
-        host, _, port = address.rpartition(":")
-        try:
-            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=self.connect_timeout_s)
-        except (OSError, ValueError) as exc:
-            raise BulkUnavailable(f"cannot connect to {address}: {exc}") from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_io_timeout(sock, self.timeout_s)
-        return sock, False
-
-    def _release(self, address: str, sock: socket.socket) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(address, [])
-            if not self._closed and len(idle) < self.max_idle_per_node:
-                idle.append(sock)
-                return
-        sock.close()
+        self._pool = ConnectionPool(timeout_s, connect_timeout_s=connect_timeout_s,
+                                    max_idle_per_address=max_idle_per_node)
 
     def _exchange(self, address: str, fn, *args):  # type: ignore[no-untyped-def]
-        for attempt in range(2):
-            sock, reused = self._acquire(address)
-            state = _Exchange()
-            try:
-                result = fn(sock, state, *args)
-            except ProtocolError as exc:
-                sock.close()
-                raise BulkFailed("bulk_error", str(exc)) from exc
-            except OSError as exc:  # includes timeouts and resets
-                sock.close()
-                if reused and not state.replied and attempt == 0:
-                    continue  # the node closed this idle connection: try a fresh one
-                raise BulkFailed("timeout" if is_timeout(exc) else "bulk_io", str(exc)) from exc
-            except BaseException:
-                sock.close()
-                raise
-            self._release(address, sock)
-            return result
-        raise AssertionError("bulk client: retry loop fell through")
+        try:
+            return self._pool.exchange(address, fn, *args)
+        except ConnectFailed as exc:
+            raise BulkUnavailable(str(exc)) from exc
+        except ProtocolError as exc:
+            raise BulkFailed("bulk_error", str(exc)) from exc
+        except OSError as exc:  # includes timeouts and resets
+            raise BulkFailed("timeout" if is_timeout(exc) else "bulk_io", str(exc)) from exc
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            socks = [s for idle in self._idle.values() for s in idle]
-            self._idle.clear()
-        for sock in socks:
-            sock.close()
+        self._pool.close()
 
     # -- GET ------------------------------------------------------------------------------------------
 
@@ -137,7 +85,7 @@ class BulkClient:
         return self._exchange(address, self._get, keys, outs, checksums)
 
     @staticmethod
-    def _get(sock: socket.socket, state: _Exchange, keys: Sequence[BlockKey], outs: Sequence[np.ndarray],
+    def _get(sock: socket.socket, state: Exchange, keys: Sequence[BlockKey], outs: Sequence[np.ndarray],
              checksums: Sequence[int]) -> list[int]:
         n = len(keys)
         send_buffers(sock, [request_header(OP_GET, n), b"".join(keys)])
@@ -178,7 +126,7 @@ class BulkClient:
         return self._exchange(address, self._put, keys, values, checksums)
 
     @staticmethod
-    def _put(sock: socket.socket, state: _Exchange, keys: Sequence[BlockKey], values: Sequence[np.ndarray],
+    def _put(sock: socket.socket, state: Exchange, keys: Sequence[BlockKey], values: Sequence[np.ndarray],
              checksums: Sequence[int]) -> list[bool]:
         n = len(keys)
         sizes = np.fromiter((v.size for v in values), dtype="<u8", count=n)

@@ -24,7 +24,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kvpool.client.lookup import LookupResult
+from kvpool.client.lookup import EMPTY_RUN, LookupResult
 from kvpool.client.pool import PoolClient
 from kvpool.client.tensors import as_tensor, read_target, write_source
 from kvpool.config import ClientConfig, load_config
@@ -105,7 +105,7 @@ class KVCacheClient:
         """HBM's leading run, then the pool's leading run after it (one master call)."""
         keys = check_keys(keys)
         hbm = leading_hits(self.hbm.contains(keys)) if self.hbm is not None else 0
-        pool = ()
+        pool = EMPTY_RUN
         if hbm < len(keys):
             pool = self.pool.lookup(keys[hbm:], hbm_prefix_blocks=hbm, block_tokens=self.block_tokens)
         elif keys:  # HBM answered alone: the master hears of it with the next report

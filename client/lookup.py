@@ -4,11 +4,17 @@ Invariant of :class:`LookupResult`: of the ``requested`` blocks (in prompt
 order), the first ``hbm_blocks`` are in this worker's HBM, the next
 ``len(pool)`` are in the pool at ``pool[i]``, and every block after those is a
 miss: only a leading run can be reused, so nothing past the first miss counts.
+
+The pooled run is kept as the master sent it, in columns (:class:`PoolRun`):
+a lookup of hundreds of blocks builds no Python object per block; a
+:class:`BlockLocation` is made only when one is indexed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 from kvpool.keys import BlockKey
 from kvpool.tiers.base import Tier
@@ -35,24 +41,74 @@ class BlockLocation:
     checksum: int
 
 
+class PoolRun(Sequence[BlockLocation]):
+    """The pooled blocks of a lookup, as columns (immutable; all columns have one entry per block).
+
+    ``tiers`` holds one :class:`Tier` value per block; ``node_indexes[i]``
+    indexes ``nodes``. The caller that builds it has checked both.
+    """
+
+    __slots__ = ("keys", "tiers", "node_indexes", "nodes", "sizes", "checksums")
+
+    def __init__(self, keys: Sequence[BlockKey], tiers: bytes, node_indexes: Sequence[int],
+                 nodes: Sequence[NodeAddress], sizes: Sequence[int], checksums: Sequence[int]):
+        if not len(keys) == len(tiers) == len(node_indexes) == len(sizes) == len(checksums):
+            raise ValueError("pool run: columns of different lengths")
+        self.keys = keys
+        self.tiers = tiers
+        self.node_indexes = node_indexes
+        self.nodes = nodes
+        self.sizes = sizes
+        self.checksums = checksums
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+    @overload
+    def __getitem__(self, i: int) -> BlockLocation: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> "PoolRun": ...
+
+    def __getitem__(self, i: int | slice) -> "BlockLocation | PoolRun":
+        if isinstance(i, slice):
+            return PoolRun(self.keys[i], self.tiers[i], self.node_indexes[i], self.nodes, self.sizes[i],
+                           self.checksums[i])
+        return BlockLocation(self.keys[i], Tier(self.tiers[i]), self.nodes[self.node_indexes[i]], self.sizes[i],
+                             self.checksums[i])
+
+    def __iter__(self) -> Iterator[BlockLocation]:
+        nodes = self.nodes
+        for key, tier, node, size, checksum in zip(self.keys, self.tiers, self.node_indexes, self.sizes,
+                                                   self.checksums):
+            yield BlockLocation(key, Tier(tier), nodes[node], size, checksum)
+
+    def count(self, tier: Tier) -> int:  # type: ignore[override]
+        """How many blocks of the run ``tier`` holds."""
+        return self.tiers.count(int(tier))
+
+
+EMPTY_RUN = PoolRun((), b"", (), (), (), ())
+
+
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     """Per-tier prefix lengths and locations of one request's blocks (see module docstring)."""
 
     requested: int
     hbm_blocks: int
-    pool: tuple[BlockLocation, ...] = ()
+    pool: PoolRun = EMPTY_RUN
 
     def __post_init__(self) -> None:
         assert 0 <= self.hbm_blocks + len(self.pool) <= self.requested, "lookup: run longer than the request"
 
     @property
     def dram_blocks(self) -> int:
-        return sum(1 for loc in self.pool if loc.tier == Tier.DRAM)
+        return self.pool.count(Tier.DRAM)
 
     @property
     def ssd_blocks(self) -> int:
-        return sum(1 for loc in self.pool if loc.tier == Tier.SSD)
+        return self.pool.count(Tier.SSD)
 
     @property
     def hit_blocks(self) -> int:

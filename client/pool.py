@@ -38,12 +38,14 @@ import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry
 
+from kvpool.calls import MASTER_CALLS, NODE_CALLS, FastStub, MasterCallAddress
 from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
-from kvpool.client.lookup import BlockLocation, NodeAddress
+from kvpool.client.lookup import EMPTY_RUN, BlockLocation, NodeAddress, PoolRun
 from kvpool.client.writer import WriteBehindQueue
 from kvpool.buffers import BufferLike, as_array, byte_view
 from kvpool.checksum import block_checksum, copy_with_checksum
 from kvpool.config import ClientConfig
+from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey, check_keys, pack_keys
 from kvpool.metrics import ErrorMetrics, LookupMetrics, MetricsServer, latency_histogram
 from kvpool.rpc import MISS, channel_options, flags_from_bytes, local_host_id
@@ -60,7 +62,9 @@ MAX_KEYS = 65536  # keys per node call (the node's limit)
 BULK_RETRY_S = 5.0  # a node whose bulk listener could not be reached is sent gRPC calls this long
 
 
-_TIERS = {int(t): t for t in Tier}
+_TIER_BYTES = frozenset(int(t) for t in Tier)
+_MASTER_SERVICE = master_pb2.DESCRIPTOR.services_by_name["Master"]
+_NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"]
 T = TypeVar("T")
 
 
@@ -123,10 +127,14 @@ class PoolClient:
         self._put_seconds = latency_histogram(self.registry, "put", "Pool put latency (one write-behind batch)")
         options = channel_options(MAX_MESSAGE_BYTES)
         self._master_channel = grpc.insecure_channel(config.master, options=options)
-        self._master = master_pb2_grpc.MasterStub(self._master_channel)
+        master_stub = master_pb2_grpc.MasterStub(self._master_channel)
+        self._calls = ConnectionPool(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0))
+        master_calls = MasterCallAddress(master_stub, config.master, config.lookup_timeout_s)
+        self._master = FastStub(master_stub, _MASTER_SERVICE, MASTER_CALLS, self._calls, master_calls,
+                                on_unreachable=master_calls.forget, max_reply_bytes=MAX_MESSAGE_BYTES)
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
-        self._nodes: dict[str, node_pb2_grpc.NodeStub] = {}
+        self._nodes: dict[str, FastStub] = {}
         self._arenas: dict[str, SharedArena | None] = {}
         self._slot_hints: dict[str, dict[BlockKey, int]] = {}  # arena -> key -> slot it was seen in
         self._closing = threading.Event()
@@ -148,8 +156,8 @@ class PoolClient:
 
     # -- master calls ----------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[BlockKey], *, hbm_prefix_blocks: int = 0, block_tokens: int = 0) -> tuple[BlockLocation, ...]:
-        """The leading run of ``keys`` the pool holds, with locations; () if the master fails."""
+    def lookup(self, keys: Sequence[BlockKey], *, hbm_prefix_blocks: int = 0, block_tokens: int = 0) -> PoolRun:
+        """The leading run of ``keys`` the pool holds, with locations; empty if the master fails."""
         keys = check_keys(keys)
         request = master_pb2.LookupRequest(
             keys=b"".join(keys), worker_id=self.worker_id, hbm_prefix_blocks=hbm_prefix_blocks, block_tokens=block_tokens
@@ -159,22 +167,20 @@ class PoolClient:
             reply = self._master.Lookup(request, timeout=self.config.lookup_timeout_s)
         except grpc.RpcError as exc:
             self._fault(_error_kind(exc), exc, len(keys))
-            return ()
+            return EMPTY_RUN
         finally:
             self._lookup_seconds.observe(time.perf_counter() - start)
-        self._learn(reply.nodes)
-        nodes = [NodeAddress(n.node_id, n.address, n.host_id, n.arena) for n in reply.nodes]
+        if reply.nodes:
+            self._learn(reply.nodes)
         run = len(reply.tiers)
+        nodes = [NodeAddress(n.node_id, n.address, n.host_id, n.arena) for n in reply.nodes]
         if not (len(reply.node_indexes) == len(reply.sizes) == len(reply.checksums) == run <= len(keys)):
             self._fault("bad_reply", "lookup reply fields disagree", len(keys))
-            return ()
-        try:
-            tiers = [_TIERS[t] for t in reply.tiers]
-            placed = [nodes[i] for i in reply.node_indexes]
-        except (KeyError, IndexError):
+            return EMPTY_RUN
+        if not set(reply.tiers) <= _TIER_BYTES or max(reply.node_indexes, default=-1) >= len(nodes):
             self._fault("bad_reply", "lookup reply names an unknown tier or node", len(keys))
-            return ()
-        return tuple(map(BlockLocation, keys[:run], tiers, placed, reply.sizes, reply.checksums))
+            return EMPTY_RUN
+        return PoolRun(keys[:run], reply.tiers, reply.node_indexes, nodes, reply.sizes, reply.checksums)
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Whether the pool holds each key; all False if the master cannot be asked."""
@@ -209,13 +215,18 @@ class PoolClient:
 
     # -- nodes ---------------------------------------------------------------------------
 
-    def _node(self, address: str) -> node_pb2_grpc.NodeStub:
+    def _node(self, address: str) -> FastStub:
+        """The node's stub: Locate, Reserve and Commit over fast calls on its bulk listener, the rest gRPC."""
         with self._lock:
             stub = self._nodes.get(address)
             if stub is None:
                 channel = grpc.insecure_channel(address, options=channel_options(MAX_MESSAGE_BYTES))
                 self._channels[address] = channel
-                stub = self._nodes[address] = node_pb2_grpc.NodeStub(channel)
+                stub = self._nodes[address] = FastStub(
+                    node_pb2_grpc.NodeStub(channel), _NODE_SERVICE, NODE_CALLS, self._calls,
+                    lambda: self._data_address(address), on_unreachable=lambda: self._bulk_unreachable(address),
+                    max_reply_bytes=MAX_MESSAGE_BYTES,
+                )
             return stub
 
     def _arena(self, node: NodeAddress) -> SharedArena | None:
@@ -610,6 +621,7 @@ class PoolClient:
         """Drain the write-behind queue (briefly), then close channels and connections, and unmap arenas."""
         self._writer.close()
         self._bulk.close()
+        self._calls.close()
         self._closing.set()
         for thread in self._populating:
             thread.join(timeout=10)

@@ -65,6 +65,8 @@ class MasterConfig:
     host: str = opt("127.0.0.1", "address the master listens on (0.0.0.0: all interfaces)")
     port: int = opt(DEFAULT_MASTER_PORT, "gRPC port of the Master Service")
     metrics_port: int = opt(DEFAULT_MASTER_PORT + 1, "HTTP /metrics port; 0: none, -1: any free port")
+    call_port: int = opt(-1, "TCP port of the fast-call listener (Lookup, PlaceBlocks, ... as framed TCP); "
+                             "-1: port + 2 (any free port if that is taken or port is 0); 0: any free port")
     node_timeout_s: float = opt(3.0, "a node silent this long is dropped with all its entries")
     heartbeat_interval_s: float = opt(1.0, "told to nodes when they register")
     worker_timeout_s: float = opt(60.0, "a worker silent this long loses its HBM entries")

@@ -137,7 +137,7 @@ def check_key(key: object) -> BlockKey:
 def check_keys(keys: Iterable[object]) -> list[BlockKey]:
     """Validate a batch of keys (all or nothing)."""
     keys = list(keys)
-    if all(type(k) is bytes and len(k) == KEY_BYTES for k in keys):
+    if not keys or (set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_BYTES}):
         return keys  # type: ignore[return-value]
     return [check_key(k) for k in keys]
 

@@ -3,7 +3,7 @@
 Invariants:
 
 - Everything :meth:`MasterServer.start` starts, :meth:`MasterServer.stop`
-  stops (gRPC server, metrics HTTP endpoint, sweeper thread), and ``stop`` is
+  stops (gRPC server, fast-call listener, metrics HTTP endpoint, sweeper thread), and ``stop`` is
   idempotent; after it returns no thread of this server is running.
 - Each MasterServer has its own index, membership and Prometheus registry
   (never the global one), so a fresh instance is a restarted master: it knows
@@ -22,7 +22,9 @@ import grpc
 from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
+from kvpool.calls import MASTER_CALLS, CallHandler
 from kvpool.config import MasterConfig
+from kvpool.framing import TcpListener
 from kvpool.keys import KEY_BYTES
 from kvpool.lifecycle import wait_for_shutdown
 from kvpool.metrics import MetricsServer
@@ -71,6 +73,7 @@ class MasterServer:
         self._health: health.HealthServicer | None = None
         self._metrics_server: MetricsServer | None = None
         self._sweeper: threading.Thread | None = None
+        self._calls: TcpListener | None = None
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._lifecycle = threading.Lock()
@@ -93,14 +96,20 @@ class MasterServer:
                 f"{self.config.host}:{self.config.port}", [add_master], max_message_bytes=max_message_bytes(self.config)
             )
             try:
+                self._calls = self._call_listener()
+                servicer.call_port = self._calls.port
                 if self.config.metrics_port != 0:
                     port = 0 if self.config.metrics_port == EPHEMERAL_METRICS_PORT else self.config.metrics_port
                     self._metrics_server = MetricsServer(self.registry, port, host=self.config.host)
                     self.metrics_port = self._metrics_server.port
                 self._server.start()
+                self._calls.start()
             except BaseException:
                 self._server.stop(None)
                 self._server = None
+                if self._calls is not None:
+                    self._calls.stop()
+                    self._calls = None
                 if self._metrics_server is not None:
                     self._metrics_server.close()
                     self._metrics_server = None
@@ -109,6 +118,16 @@ class MasterServer:
             self._sweeper = threading.Thread(target=self._sweep, name="kvpool-master-sweeper", daemon=True)
             self._sweeper.start()
             return self
+
+    def _call_listener(self) -> TcpListener:
+        """The fast-call listener (:mod:`kvpool.calls`) over the same servicer as gRPC."""
+        port = self.config.call_port
+        if port < 0:
+            port = self.port + 2 if self.config.port else 0
+        handler = CallHandler(self.servicer, master_pb2.DESCRIPTOR.services_by_name["Master"], MASTER_CALLS,
+                              max_body_bytes=max_message_bytes(self.config))
+        return TcpListener("master-calls", self.config.host, port, handler.serve,
+                           fallback_port=self.config.call_port < 0)
 
     def _sweep(self) -> None:
         interval = min(self.config.node_timeout_s, self.config.worker_timeout_s) / 4
@@ -128,6 +147,8 @@ class MasterServer:
                 assert self._health is not None, "MasterServer: a server without its health service"
                 self._health.enter_graceful_shutdown()
                 self._server.stop(grace).wait()
+            if self._calls is not None:
+                self._calls.stop()
             if self._metrics_server is not None:
                 self._metrics_server.close()
             if self._sweeper is not None:
@@ -151,6 +172,7 @@ def run_master(config: MasterConfig) -> None:
     """Run a master until SIGINT or SIGTERM, then stop it cleanly. Call from the main thread."""
     with MasterServer(config) as server:
         metrics = f":{server.metrics_port}" if server.metrics_port else "off"
-        log.info("kvpool master listening on %s (metrics %s)", server.address, metrics)
+        log.info("kvpool master listening on %s (fast calls :%d, metrics %s)", server.address,
+                 server.servicer.call_port, metrics)
         wait_for_shutdown()
         log.info("kvpool master stopping")

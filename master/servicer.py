@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 import grpc
 import numpy as np
 
+from kvpool import __version__
 from kvpool.config import MasterConfig
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.rpc import flag_bytes, tier_usage
@@ -48,6 +49,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self._hbm = hbm
         self._membership = membership
         self._metrics = metrics
+        self.call_port = 0  # the fast-call listener's port, once bound (0: none)
 
     # -- validation helpers -------------------------------------------------------------
 
@@ -145,24 +147,32 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if request.worker_id:
             self._membership.worker_seen(request.worker_id)
         run = self._index.leading_run_arrays(request.keys)  # columns: no Python object per block
-        slots, indexes = np.unique(run.nodes, return_inverse=True)
-        refs = self._membership.refs(slots.tolist())
-        alive = np.array([int(s) in refs for s in slots], dtype=bool)
         end = len(run.nodes)
-        if not alive.all():  # a node dropped while we looked: the run ends at its first block
-            end = int(np.flatnonzero(~alive[indexes])[0])
-        # Renumber the nodes the run still uses, in order of first use.
-        used, first = np.unique(indexes[:end], return_index=True)
-        order = used[np.argsort(first)]
-        renumber = np.empty(len(slots), dtype=np.int64)
-        renumber[order] = np.arange(len(order))
+        if end and (run.nodes == run.nodes[0]).all():  # the usual case: one node holds the whole run
+            refs = self._membership.refs([int(run.nodes[0])])
+            order = [int(run.nodes[0])] if refs else []
+            end = end if refs else 0
+            node_indexes: list[int] = [0] * end
+        else:
+            slots, indexes = np.unique(run.nodes, return_inverse=True)
+            refs = self._membership.refs(slots.tolist())
+            alive = np.array([int(s) in refs for s in slots], dtype=bool)
+            if not alive.all():  # a node dropped while we looked: the run ends at its first block
+                end = int(np.flatnonzero(~alive[indexes])[0])
+            # Renumber the nodes the run still uses, in order of first use.
+            used, first = np.unique(indexes[:end], return_index=True)
+            by_use = used[np.argsort(first)]
+            renumber = np.empty(len(slots), dtype=np.int64)
+            renumber[by_use] = np.arange(len(by_use))
+            node_indexes = renumber[indexes[:end]].tolist()
+            order = [int(slots[i]) for i in by_use]
         tiers = run.tiers[:end]
         response = master_pb2.LookupResponse(
             tiers=tiers.tobytes(),
-            node_indexes=renumber[indexes[:end]].tolist(),
+            node_indexes=node_indexes,
             sizes=run.sizes[:end].tolist(),
             checksums=run.checksums[:end].tolist(),
-            nodes=[self._node_ref(refs[int(slots[i])]) for i in order],
+            nodes=[self._node_ref(refs[slot]) for slot in order],
             dram_blocks=int(np.count_nonzero(tiers == Tier.DRAM)),
             ssd_blocks=int(np.count_nonzero(tiers == Tier.SSD)),
         )
@@ -222,6 +232,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return master_pb2.ReportHbmResponse()
 
     # -- status ---------------------------------------------------------------------------
+
+    def Info(self, request, context):  # type: ignore[no-untyped-def]
+        return master_pb2.MasterInfoResponse(call_port=self.call_port, version=__version__)
 
     def ClusterStatus(self, request, context):  # type: ignore[no-untyped-def]
         now = self._membership.now()

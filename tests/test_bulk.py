@@ -196,7 +196,7 @@ def test_connections_are_pooled_and_a_dropped_one_is_replaced(node, bulk_client)
     for _ in range(5):
         assert put(bulk_client, node, [1], values) == [True]
     assert node.bulk.connections == 1
-    for sock in list(node.bulk._conns):  # the node drops it (as after its idle timeout)
+    for sock in list(node.bulk._listener._conns):  # the node drops it (as after its idle timeout)
         sock.shutdown(socket.SHUT_RDWR)
     wait_until(lambda: node.bulk.connections == 0)
     status, outs = get(bulk_client, node, [1], [100], [block_checksum(values[0])])
@@ -205,7 +205,7 @@ def test_connections_are_pooled_and_a_dropped_one_is_replaced(node, bulk_client)
 
 def test_too_many_connections_get_an_error(tmp_path, arena_name):
     with PoolNode(node_config(tmp_path, arena_name)) as n:
-        n.bulk.max_connections = 1
+        n.bulk._listener.max_connections = 1
         with raw(n) as first:
             wait_until(lambda: n.bulk.connections == 1)
             with raw(n) as second:

@@ -222,7 +222,7 @@ class HbmOnly:
         from kvpool.client.lookup import LookupResult
 
         hbm = leading_hits(self.hbm.contains(keys)) if self.hbm is not None else 0
-        return LookupResult(len(keys), hbm, ())
+        return LookupResult(len(keys), hbm)
 
     def get(self, keys: Sequence[BlockKey], outs: Sequence[Any], result: Any) -> int:
         if self.hbm is None or not result.hbm_blocks:

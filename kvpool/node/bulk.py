@@ -68,7 +68,9 @@ from typing import Any
 import numpy as np
 
 from kvpool.checksum import block_checksum
+from kvpool.framing import IDLE_TIMEOUT_S, IO_TIMEOUT_S, TcpListener, send_final, recv_buffers, recv_exact, send_buffers, set_io_timeout
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
+from kvpool.calls import CALL_MAGIC, CallHandler
 from kvpool.metrics import ErrorMetrics
 from kvpool.rpc import MISS
 from kvpool.tiers.base import Tier
@@ -86,89 +88,14 @@ HEADER = struct.Struct("<4sHBBII")  # magic, version, op|status, flags|op, count
 assert HEADER.size == 16, "bulk: the header must stay 16 bytes"
 _ERROR_LEN = struct.Struct("<I")
 MAX_ERROR_BYTES = 64 << 10
-IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into call (Linux's UIO_MAXIOV)
 SCRATCH_BYTES = 64 << 20  # most bytes a request holds in scratch buffers at once (SSD reads, no-slot puts)
-IDLE_TIMEOUT_S = 300.0  # a pooled connection with no request this long is closed
-IO_TIMEOUT_S = 30.0  # a request stalled this long mid-frame is dropped (its leases released)
-ERROR_DRAIN_S = 2.0  # after an ERROR reply, how long the node reads (and drops) what the peer still sends
 
 
 class ProtocolError(ValueError):
     """The peer sent something this protocol does not allow (the message says what)."""
 
 
-# -- framing shared by the node and the client (kvpool.client.bulk) -----------------------------
-
-
-def _byte_views(buffers: Sequence[Any]) -> list[memoryview]:
-    views = []
-    for b in buffers:
-        v = memoryview(b)
-        if v.format != "B" or v.ndim != 1:
-            v = v.cast("B")
-        if v.nbytes:
-            views.append(v)
-    return views
-
-
-def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
-    """Send every buffer, in order, with gathered writes (``sendmsg``): no joining copy."""
-    views = _byte_views(buffers)
-    i = 0
-    while i < len(views):
-        i = _advance(views, i, sock.sendmsg(views[i : i + IOV_MAX]))
-
-
-def _advance(views: list[memoryview], i: int, done: int) -> int:
-    """After ``done`` bytes went through ``views[i:]``: the first view not finished (trimmed to what is left)."""
-    while done:
-        n = views[i].nbytes
-        if done >= n:
-            done -= n
-            i += 1
-        else:
-            views[i] = views[i][done:]
-            done = 0
-    return i
-
-
-def set_io_timeout(sock: socket.socket, seconds: float) -> None:
-    """Blocking socket with kernel-side timeouts (SO_RCVTIMEO / SO_SNDTIMEO).
-
-    Unlike ``settimeout`` (which polls before every call), a blocking socket
-    lets one ``MSG_WAITALL`` read fill many buffers in a single system call.
-    A timeout then surfaces as ``BlockingIOError`` (see :func:`is_timeout`).
-    """
-    sock.settimeout(None)
-    sec = int(seconds)
-    timeval = struct.pack("ll", sec, int((seconds - sec) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-
-
-def is_timeout(exc: BaseException) -> bool:
-    return isinstance(exc, (TimeoutError, BlockingIOError))
-
-
-def recv_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
-    """Fill every buffer, in order, with scattered reads (``recvmsg_into``); ConnectionError at EOF."""
-    views = _byte_views(buffers)
-    flags = socket.MSG_WAITALL if sock.gettimeout() is None else 0
-    i = 0
-    while i < len(views):
-        if len(views) - i == 1:
-            got = sock.recv_into(views[i], views[i].nbytes, socket.MSG_WAITALL)
-        else:
-            got = sock.recvmsg_into(views[i : i + IOV_MAX], 0, flags)[0]
-        if got == 0:
-            raise ConnectionError("peer closed the connection mid-frame")
-        i = _advance(views, i, got)
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    recv_buffers(sock, [buf])
-    return buf
+# -- frames -----------------------------------------------------------------------------------------
 
 
 def error_frame(op: int, message: str) -> bytes:
@@ -199,7 +126,11 @@ def request_header(op: int, count: int) -> bytes:
 
 
 class BulkServer:
-    """The node's bulk TCP listener over one :class:`TieredStore` (see the module docstring)."""
+    """The node's bulk TCP listener over one :class:`TieredStore` (see the module docstring).
+
+    Frames with the fast-call magic (:data:`kvpool.calls.CALL_MAGIC`) on the
+    same connections go to ``calls`` (the node's Locate / Reserve / Commit).
+    """
 
     def __init__(
         self,
@@ -214,110 +145,37 @@ class BulkServer:
         put_seconds: Any = None,
         after_change: Callable[[], object] | None = None,
         fallback_port: bool = False,
+        calls: CallHandler | None = None,
     ):
         self.store = store
         self.max_keys_per_call = max_keys_per_call
-        self.max_connections = max_connections
         self.errors = errors
         self.get_seconds = get_seconds
         self.put_seconds = put_seconds
         self.after_change = after_change
-        self._lock = threading.Lock()
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._listener = self._bind(host, port, fallback_port)
-        self.port: int = self._listener.getsockname()[1]
-
-    @staticmethod
-    def _bind(host: str, port: int, fallback_port: bool) -> socket.socket:
-        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host.strip("[]"), port))
-            except OSError as exc:
-                if not fallback_port or port == 0:
-                    raise ValueError(f"bulk listener cannot bind {host}:{port}: {exc.strerror}") from exc
-                log.warning("bulk listener: port %d is taken (%s); using any free port", port, exc.strerror)
-                sock.bind((host.strip("[]"), 0))
-            sock.listen(128)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
-
-    # -- lifecycle ---------------------------------------------------------------------------------
+        self.calls = calls
+        self._listener = TcpListener("bulk", host, port, self._serve, max_connections=max_connections,
+                                     refusal=lambda message: error_frame(0, message), fallback_port=fallback_port)
+        self.port: int = self._listener.port
 
     def start(self) -> "BulkServer":
-        self._thread = threading.Thread(target=self._accept_loop, name="kvpool-bulk-accept", daemon=True)
-        self._thread.start()
+        self._listener.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop accepting, cut every connection, wait for their threads (they release their leases)."""
-        self._stopping.set()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
-        except OSError:
-            pass
-        self._listener.close()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        with self._lock:
-            conns = list(self._conns.items())
-        for sock, _ in conns:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv or send
-            except OSError:
-                pass
-        deadline = time.monotonic() + timeout
-        for _, thread in conns:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        self._listener.stop(timeout)
 
     @property
     def connections(self) -> int:
-        with self._lock:
-            return len(self._conns)
-
-    def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                if self._stopping.is_set():
-                    return
-                log.exception("bulk listener: accept failed")
-                time.sleep(0.1)  # e.g. out of file descriptors: do not spin
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    thread = threading.Thread(target=self._serve, args=(sock,), name="kvpool-bulk-conn", daemon=True)
-                    self._conns[sock] = thread
-            if full:
-                self._refuse(sock, f"too many bulk connections (limit {self.max_connections}); use gRPC or retry")
-            else:
-                thread.start()
-
-    @staticmethod
-    def _refuse(sock: socket.socket, message: str) -> None:
-        try:
-            sock.settimeout(1.0)
-            sock.sendall(error_frame(0, message))
-        except OSError:
-            pass
-        finally:
-            sock.close()
+        return self._listener.connections
 
     # -- one connection ------------------------------------------------------------------------------
 
     def _serve(self, sock: socket.socket) -> None:
         op = 0
         try:
-            while not self._stopping.is_set():
+            while not self._listener.stopping:
                 set_io_timeout(sock, IDLE_TIMEOUT_S)
                 first = sock.recv(HEADER.size)
                 if not first:
@@ -327,6 +185,10 @@ class BulkServer:
                 if len(header) < HEADER.size:
                     header += recv_exact(sock, HEADER.size - len(header))
                 magic, version, op, flags, count, _ = HEADER.unpack(header)
+                if magic == CALL_MAGIC and self.calls is not None:
+                    if not self.calls.serve_frame(sock, header):
+                        return
+                    continue
                 if magic != MAGIC:
                     raise ProtocolError(f"not a kvpool bulk request (magic {bytes(magic)!r}, want {MAGIC!r})")
                 if version != VERSION:
@@ -350,27 +212,11 @@ class BulkServer:
         except Exception as exc:  # noqa: BLE001 - a bug here must not take the node down
             log.exception("bulk: request failed")
             self._send_error(sock, op, f"internal error: {type(exc).__name__}: {exc}")
-        finally:
-            with self._lock:
-                self._conns.pop(sock, None)
-            sock.close()
 
     @staticmethod
     def _send_error(sock: socket.socket, op: int, message: str) -> None:
-        """Send an ERROR reply, then read what the peer still sends (briefly) so that closing
-        does not reset the connection and destroy the reply before the peer reads it."""
-        try:
-            sock.settimeout(1.0)
-            sock.sendall(error_frame(op, message))
-            sock.shutdown(socket.SHUT_WR)
-            sink = bytearray(1 << 16)
-            deadline = time.monotonic() + ERROR_DRAIN_S
-            while (left := deadline - time.monotonic()) > 0:
-                sock.settimeout(left)
-                if not sock.recv_into(sink):
-                    break
-        except OSError:
-            pass
+        """Send an ERROR reply; the connection closes after it (see :func:`kvpool.framing.send_final`)."""
+        send_final(sock, error_frame(op, message))
 
     def _keys(self, sock: socket.socket, count: int) -> list[BlockKey]:
         return unpack_keys(bytes(recv_exact(sock, count * KEY_BYTES)))

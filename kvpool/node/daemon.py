@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter
 
+from kvpool.calls import NODE_CALLS, CallHandler
 from kvpool.config import NodeConfig
 from kvpool.lifecycle import wait_for_shutdown
 from kvpool.metrics import ErrorMetrics, MetricsServer, TierCollector, latency_histogram
@@ -124,6 +125,8 @@ class PoolNode:
                 self.store, config.host, data_port, max_keys_per_call=MAX_KEYS_PER_CALL, errors=self.errors,
                 get_seconds=self.get_seconds, put_seconds=self.put_seconds, after_change=link.flush,
                 fallback_port=config.data_port < 0,
+                calls=CallHandler(self.servicer, node_pb2.DESCRIPTOR.services_by_name["Node"], NODE_CALLS,
+                                  max_body_bytes=config.max_message_bytes),
             )
         except BaseException:
             if self.server is not None:

@@ -37,6 +37,8 @@ from typing import Protocol
 
 import grpc
 
+from kvpool.calls import MASTER_CALLS, FastStub, MasterCallAddress
+from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
 from kvpool.rpc import channel_options, tier_usage
 from kvpool.tiers.base import BlockMeta, ChangeListener, Tier, TierStats
@@ -90,7 +92,12 @@ class MasterLink:
         self._retry_cap = retry_cap_s
         self._chunk = chunk_keys
         self._channel = grpc.insecure_channel(master, options=channel_options(max_message_bytes) + _RECONNECT_OPTIONS)
-        self._stub = master_pb2_grpc.MasterStub(self._channel)
+        grpc_stub = master_pb2_grpc.MasterStub(self._channel)
+        self._calls = ConnectionPool(rpc_timeout_s)
+        call_address = MasterCallAddress(grpc_stub, master, rpc_timeout_s)
+        # ReportBlocks (before every put's reply) goes over fast calls; the rest over gRPC.
+        self._stub = FastStub(grpc_stub, master_pb2.DESCRIPTOR.services_by_name["Master"], MASTER_CALLS,
+                              self._calls, call_address, on_unreachable=call_address.forget)
         self._pending_lock = threading.Lock()
         self._pending: dict[Tier, dict[BlockKey, BlockMeta | None]] = {t: {} for t in self._stores}
         self._send_lock = threading.Lock()  # one conversation with the master at a time, in order
@@ -159,6 +166,7 @@ class MasterLink:
                              self.node_ref.node_id, _status(exc))
             self._drop_registration()
             self._channel.close()
+            self._calls.close()
 
     def flush(self) -> bool:
         """Send queued inventory changes now; True if the master has them all.

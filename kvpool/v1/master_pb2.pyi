@@ -204,3 +204,15 @@ class ClusterStatusResponse(_message.Message):
     hit_blocks_dram: int
     hit_blocks_ssd: int
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., indexed_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., hbm_blocks: _Optional[int] = ..., lookups: _Optional[int] = ..., requested_blocks: _Optional[int] = ..., hit_blocks_hbm: _Optional[int] = ..., hit_blocks_dram: _Optional[int] = ..., hit_blocks_ssd: _Optional[int] = ...) -> None: ...
+
+class MasterInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MasterInfoResponse(_message.Message):
+    __slots__ = ("call_port", "version")
+    CALL_PORT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    call_port: int
+    version: str
+    def __init__(self, call_port: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...

@@ -79,6 +79,11 @@ class MasterStub:
                 request_serializer=kvpool_dot_v1_dot_master__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_master__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/kvpool.v1.Master/Info',
+                request_serializer=kvpool_dot_v1_dot_master__pb2.MasterInfoRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_master__pb2.MasterInfoResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -150,6 +155,14 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """What this master offers besides gRPC: the port of its fast-call listener
+        (kvpool.calls: Lookup, Exists, PlaceBlocks, ReportBlocks as framed TCP).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -197,6 +210,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=kvpool_dot_v1_dot_master__pb2.ClusterStatusRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_master__pb2.ClusterStatusResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=kvpool_dot_v1_dot_master__pb2.MasterInfoRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_master__pb2.MasterInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -442,6 +460,33 @@ class Master:
             '/kvpool.v1.Master/ClusterStatus',
             kvpool_dot_v1_dot_master__pb2.ClusterStatusRequest.SerializeToString,
             kvpool_dot_v1_dot_master__pb2.ClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/Info',
+            kvpool_dot_v1_dot_master__pb2.MasterInfoRequest.SerializeToString,
+            kvpool_dot_v1_dot_master__pb2.MasterInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
