@@ -98,7 +98,7 @@ def run(pool: PoolClient, tag: str, values: list[np.ndarray], batch: int, rounds
             t = time.perf_counter()
             for s, locs in zip(range(0, len(keys), batch), locations):
                 if forget_slots:
-                    pool._slot_hints.clear()
+                    pool.nodes.forget_slots()
                 ok = pool.get_into(locs, outs[s : s + batch])
                 assert all(ok), f"{tag}: get missed {ok.count(False)} blocks"
             get_best = max(get_best, block * len(keys) / (time.perf_counter() - t))
@@ -137,10 +137,10 @@ def main() -> int:
                                              lookup_timeout_s=5)) as pool:
                     wait_ready(pool, proc)
                     if grpc_only:
-                        pool._data_address = lambda address: None  # type: ignore[method-assign]
+                        pool.nodes.data_address = lambda address: None  # type: ignore[method-assign]
                     if shm:  # map the arena into this process before measuring (a one-off cost per process)
                         pool.store([opaque_key("warm-up")], [values[0]])
-                        for thread in pool._populating:
+                        for thread in pool.nodes.populating:
                             thread.join()
                     put, get = run(pool, name, values, args.batch, args.rounds, forget)
                     rows.append((name, put, get))

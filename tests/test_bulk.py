@@ -271,11 +271,13 @@ def pool_client(master, **over):
 
 
 def forbid(monkeypatch, pool, *names: str) -> None:
+    """Make ``pool.<path>.<method>`` (names like ``grpc_path.put``) fail the test if called."""
     def fail(*args, **kwargs):
         raise AssertionError("this path must not be used here")
 
     for name in names:
-        monkeypatch.setattr(pool, name, fail)
+        path, method = name.split(".")
+        monkeypatch.setattr(getattr(pool, path), method, fail)
 
 
 @needs_master
@@ -286,7 +288,7 @@ def test_remote_store_and_get_are_byte_exact_over_tcp(cluster, monkeypatch, batc
     values = [block(i, n) for i, n in enumerate(sizes)]
     keys = [key(i) for i in range(len(sizes))]
     with pool_client(master) as pool:
-        forbid(monkeypatch, pool, "_put_grpc", "_get_remote", "_put_shared", "_get_shared")
+        forbid(monkeypatch, pool, "grpc_path.put", "grpc_path.get")  # shared memory is off for this client
         for s in range(0, len(keys), batch):
             assert pool.store(keys[s : s + batch], values[s : s + batch]) == [True] * len(keys[s : s + batch])
         locations = pool.lookup(keys)

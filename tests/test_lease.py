@@ -288,8 +288,8 @@ def test_client_store_on_the_same_host_goes_through_the_arena(tmp_path, arena_na
                 def no_network(*args, **kwargs):
                     raise AssertionError("a same-host put went over the network")
 
-                monkeypatch.setattr(pool, "_put_bulk", no_network)
-                monkeypatch.setattr(pool, "_put_grpc", no_network)
+                monkeypatch.setattr(pool.bulk_path, "put", no_network)
+                monkeypatch.setattr(pool.grpc_path, "put", no_network)
                 keys = [key(i) for i in range(6)]
                 values = [block(i, n) for i, n in enumerate([1, 4096, 12345, 1 << 20, 1 << 20, 999])]
                 stored = pool.store(keys + keys[:1], values + values[:1])  # a repeated key shares its fate
@@ -316,7 +316,7 @@ def test_a_restarted_node_gets_its_new_arena_mapped_by_the_client(tmp_path, aren
                      dram_bytes=8 << 20, slot_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
     try:
         with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
-            monkeypatch.setattr(pool, "_put_bulk", lambda *args: pytest.fail("a same-host put went over the network"))
+            monkeypatch.setattr(pool.bulk_path, "put", lambda *args: pytest.fail("a same-host put went over the network"))
             for run in range(2):  # the second node reuses the arena name: a new segment under the same name
                 with PoolNode(cfg) as n:
                     wait_until(lambda: n.link.registered and len(pool.lookup([key(999)])) == 0)
@@ -346,8 +346,8 @@ def test_slot_hints_save_the_locate_call_and_a_stale_hint_is_never_trusted(tmp_p
             wait_until(lambda: n.link.registered)
             calls: list[int] = []
             for pool in (writer, reader):
-                real = pool._locate
-                pool._locate = lambda node, arena, packed, count, real=real: calls.append(count) or real(
+                real = pool.shared_path.locate
+                pool.shared_path.locate = lambda node, arena, packed, count, real=real: calls.append(count) or real(
                     node, arena, packed, count)
             keys = [key(i) for i in range(3)]
             values = [block(i, 1 << 20) for i in range(3)]
@@ -373,7 +373,7 @@ def test_slot_hints_save_the_locate_call_and_a_stale_hint_is_never_trusted(tmp_p
 
 @needs_master
 def test_a_slot_reused_while_the_client_copies_is_a_miss_not_other_bytes(tmp_path, arena_name, monkeypatch):
-    import kvpool.client.pool as pool_module
+    import kvpool.client.shared_path as shared_path_module
     from kvpool.client.pool import PoolClient
     from kvpool.config import ClientConfig, MasterConfig
     from kvpool.master.server import MasterServer
@@ -386,14 +386,14 @@ def test_a_slot_reused_while_the_client_copies_is_a_miss_not_other_bytes(tmp_pat
             wait_until(lambda: n.link.registered)
             assert pool.store([key(1)], [block(1, 1 << 20)]) == [True]
             locations = pool.lookup([key(1)])
-            real = pool_module.copy_with_checksum
+            real = shared_path_module.copy_with_checksum
 
             def copy_while_the_node_reuses_the_slot(dst, src):
                 n.store.dram.remove([key(1)])
                 n.store.dram.put([key(2)], [block(1, 1 << 20)])  # same bytes, another block: same slot
                 return real(dst, src)
 
-            monkeypatch.setattr(pool_module, "copy_with_checksum", copy_while_the_node_reuses_the_slot)
+            monkeypatch.setattr(shared_path_module, "copy_with_checksum", copy_while_the_node_reuses_the_slot)
             out = np.zeros(1 << 20, np.uint8)
             assert pool.get_into(locations, [out]) == [False]
             assert pool.errors.errors.labels("slot_reused")._value.get() == 1

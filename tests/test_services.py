@@ -79,7 +79,7 @@ def test_store_and_get_batches_of_blocks_up_to_8_mib_between_processes(procs, sh
         assert all(np.array_equal(o, v) for o, v in zip(outs, vs))
         assert pool.store(ks[:2], vs[:2]) == [True, True]  # already pooled
         if not shared_memory:  # the node's bulk listener carried the bytes, no fallback to gRPC
-            assert pool._data_address(procs.node_address("n0"))
+            assert pool.nodes.data_address(procs.node_address("n0"))
         assert sum(s.value for m in pool.registry.collect() if m.name == "kvpool_errors" for s in m.samples
                    if s.name == "kvpool_errors_total") == 0
 

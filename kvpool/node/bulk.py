@@ -60,9 +60,8 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np

@@ -1,0 +1,94 @@
+"""Remote data path over a node's bulk TCP listener (protocol client: :mod:`kvpool.client.bulk`).
+
+Reads land straight in the caller's buffers and writes go straight from
+them. If the listener cannot be reached the blocks are handed to the next
+path (gRPC) and the listener is skipped for a while; an exchange that broke
+hands its blocks on too, counted as ``bulk_fallback``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvpool.checksum import block_checksum
+from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
+from kvpool.client.datapath import LEASE_CHUNK_BYTES, MAX_KEYS, chunks
+from kvpool.client.faults import Faults
+from kvpool.client.lookup import BlockLocation, NodeAddress
+from kvpool.client.nodes import NodeDirectory
+from kvpool.config import ClientConfig
+from kvpool.keys import BlockKey
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class BulkPath:
+    """The :class:`~kvpool.client.datapath.DataPath` over bulk TCP (see module docstring)."""
+
+    def __init__(self, config: ClientConfig, nodes: NodeDirectory, faults: Faults):
+        self.nodes = nodes
+        self.faults = faults
+        self.bulk = BulkClient(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0))
+
+    def _call(self, node: NodeAddress, n: int, call: Callable[..., T], *args: Any) -> T | None:
+        """One bulk request; None (hand these ``n`` blocks on) if the listener is down or the call failed."""
+        try:
+            return call(*args)
+        except BulkUnavailable as exc:
+            log.debug("bulk listener of %s unreachable (%s); using gRPC", node.address, exc)
+            self.nodes.bulk_unreachable(node.address)
+        except BulkFailed as exc:
+            log.debug("bulk %s with %s failed (%s); using gRPC", call.__name__, node.address, exc)
+            self.faults.count("bulk_fallback", n)
+        return None
+
+    def get(self, node: NodeAddress, idxs: list[int], locations: Sequence[BlockLocation],
+            dsts: list[np.ndarray], ok: list[bool]) -> list[int]:
+        data_address = self.nodes.data_address(node.address)
+        if data_address is None:
+            return idxs
+        for start in range(0, len(idxs), MAX_KEYS):
+            run = idxs[start : start + MAX_KEYS]
+            status = self._call(node, len(run), self.bulk.get_into, data_address,
+                                [locations[i].key for i in run], [dsts[i] for i in run],
+                                [locations[i].checksum for i in run])
+            if status is None:
+                return idxs[start:]
+            for i, st in zip(run, status):
+                if st == OK:
+                    ok[i] = True
+                elif st == GONE:
+                    self.faults.lost("block_gone", locations[i].key.hex()[:16])
+                elif st == CHANGED:
+                    self.faults.lost("block_changed", locations[i].key.hex()[:16])
+                elif st == CORRUPT:
+                    self.faults.lost("checksum", locations[i].key.hex()[:16])
+        return []
+
+    def put(self, node: NodeAddress, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
+            sizes: list[int], result: list[bool]) -> list[int]:
+        data_address = self.nodes.data_address(node.address)
+        if data_address is None:
+            return idxs
+        done = 0
+        for run in chunks(idxs, sizes, LEASE_CHUNK_BYTES):
+            sums = [block_checksum(arrays[i]) for i in run]
+            stored = self._call(node, len(run), self.bulk.put, data_address,
+                                [keys[i] for i in run], [arrays[i] for i in run], sums)
+            if stored is None:
+                return idxs[done:]
+            for i, flag in zip(run, stored):
+                result[i] = flag
+            refused = stored.count(False)
+            if refused:
+                self.faults.count("put_refused", refused)
+            done += len(run)
+        return []
+
+    def close(self) -> None:
+        self.bulk.close()

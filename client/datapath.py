@@ -1,0 +1,56 @@
+"""The one interface every way of moving block bytes between a client and a node implements.
+
+:class:`PoolClient <kvpool.client.pool.PoolClient>` groups a batch by node
+and offers each node's blocks to its paths in order (shared memory, bulk TCP,
+gRPC); a path moves what it can and hands back the rest for the next one:
+
+- ``get(node, idxs, locations, dsts, ok)``: copy ``locations[i]`` into
+  ``dsts[i]`` for ``i`` in ``idxs``, set ``ok[i]`` for each block that
+  arrived intact (its checksum is the one the master published), and return
+  the indexes another path should try. A block the node reports gone is a
+  counted miss, not handed on.
+- ``put(node, idxs, keys, arrays, sizes, result)``: store ``arrays[i]``
+  under ``keys[i]``, set ``result[i]`` for each block the node now holds, and
+  return the indexes another path should try.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from kvpool.client.lookup import BlockLocation, NodeAddress
+from kvpool.keys import BlockKey
+
+MAX_KEYS = 65536  # keys per node call (the node's limit)
+GRPC_CHUNK_BYTES = 32 << 20  # bytes per gRPC Get/Put call
+LEASE_CHUNK_BYTES = 256 << 20  # bytes per bulk PUT or Reserve/Commit lease (a lease must finish in time)
+
+
+class DataPath(Protocol):
+    """A way to move blocks to and from one node (see the module docstring)."""
+
+    def get(self, node: NodeAddress, idxs: list[int], locations: Sequence[BlockLocation],
+            dsts: list[np.ndarray], ok: list[bool]) -> list[int]: ...
+
+    def put(self, node: NodeAddress, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
+            sizes: list[int], result: list[bool]) -> list[int]: ...
+
+
+def chunks(indexes: Sequence[int], sizes: Sequence[int], limit: int, max_keys: int = MAX_KEYS) -> Iterator[list[int]]:
+    """Split ``indexes`` into runs of at most ``max_keys`` whose sizes add up to at most ``limit``.
+
+    Each run holds at least one index.
+    """
+    run: list[int] = []
+    total = 0
+    for i in indexes:
+        if run and (total + sizes[i] > limit or len(run) >= max_keys):
+            yield run
+            run, total = [], 0
+        run.append(i)
+        total += sizes[i]
+    if run:
+        yield run

@@ -1,0 +1,53 @@
+"""Pool faults: how a failure on the pool's side becomes a counted miss (or, in strict mode, an error).
+
+Every pool failure (timeout, dead node, block gone or reused, checksum
+mismatch, master down) is a miss counted in ``kvpool_errors_total{kind}``:
+never an exception on the engine's path. ``strict=True`` (tests) raises
+:class:`PoolFault` instead. Caller misuse (wrong sizes, malformed keys) is a
+ValueError either way, and is not counted here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from kvpool.metrics import ErrorMetrics
+
+log = logging.getLogger(__name__)
+
+
+class PoolFault(RuntimeError):
+    """A pool failure, raised only in strict mode (otherwise it is a counted miss)."""
+
+
+def error_kind(exc: BaseException) -> str:
+    """The ``kind`` label of an exception: a gRPC status name (``timeout``, ``unavailable``, ...) or its type."""
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code()
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return "timeout"
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return "unavailable"
+        return code.name.lower() if code is not None else "rpc"
+    return type(exc).__name__.lower()
+
+
+class Faults:
+    """Counts pool failures by kind; raises :class:`PoolFault` for blocks lost when ``strict``."""
+
+    def __init__(self, errors: ErrorMetrics, *, strict: bool):
+        self.errors = errors
+        self.strict = strict
+
+    def lost(self, kind: str, detail: object, n: int = 1) -> None:
+        """``n`` blocks lost to one failure: counted, and raised in strict mode."""
+        self.errors.count(kind, n)
+        log.debug("pool fault (%s): %s", kind, detail)
+        if self.strict:
+            raise PoolFault(f"{kind}: {detail}")
+
+    def count(self, kind: str, n: int = 1) -> None:
+        """A failure that lost nothing (another path serves the blocks): counted only."""
+        self.errors.count(kind, n)

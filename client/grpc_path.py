@@ -1,0 +1,82 @@
+"""The last-resort data path: the node's gRPC ``Get`` and ``Put`` (bytes copied into messages).
+
+Used only for blocks no faster path could move (no shared memory, bulk
+listener unreachable). It takes every block it is given: failures are
+counted misses (reads) or unstored blocks (writes), never handed on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+
+from kvpool.checksum import block_checksum, copy_with_checksum
+from kvpool.client.datapath import GRPC_CHUNK_BYTES, chunks
+from kvpool.client.faults import Faults, error_kind
+from kvpool.client.lookup import BlockLocation, NodeAddress
+from kvpool.client.nodes import NodeDirectory
+from kvpool.config import ClientConfig
+from kvpool.keys import BlockKey, pack_keys
+from kvpool.rpc import MISS, flags_from_bytes
+from kvpool.v1 import node_pb2
+
+
+class GrpcPath:
+    """The :class:`~kvpool.client.datapath.DataPath` over gRPC (see module docstring)."""
+
+    def __init__(self, config: ClientConfig, nodes: NodeDirectory, faults: Faults):
+        self.config = config
+        self.nodes = nodes
+        self.faults = faults
+
+    def get(self, node: NodeAddress, idxs: list[int], locations: Sequence[BlockLocation],
+            dsts: list[np.ndarray], ok: list[bool]) -> list[int]:
+        sizes = [loc.size for loc in locations]
+        for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES):
+            request = node_pb2.GetRequest(keys=pack_keys([locations[i].key for i in run]))
+            try:
+                reply = self.nodes.stub(node.address).Get(request, timeout=self.config.io_timeout_s)
+            except grpc.RpcError as exc:
+                self.faults.lost(error_kind(exc), exc, len(run))
+                continue
+            data = np.frombuffer(reply.data, dtype=np.uint8)
+            offset = 0
+            for j, i in enumerate(run):
+                if j >= len(reply.tiers) or reply.tiers[j] == MISS:
+                    self.faults.lost("block_gone", locations[i].key.hex()[:16])
+                    continue
+                size = reply.sizes[j]
+                piece = data[offset : offset + size]
+                offset += size
+                if size != locations[i].size or reply.checksums[j] != locations[i].checksum:
+                    self.faults.lost("block_changed", locations[i].key.hex()[:16])
+                    continue
+                if copy_with_checksum(dsts[i], piece) != locations[i].checksum:
+                    self.faults.lost("checksum", locations[i].key.hex()[:16])
+                    continue
+                ok[i] = True
+        return []
+
+    def put(self, node: NodeAddress, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
+            sizes: list[int], result: list[bool]) -> list[int]:
+        for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES):
+            request = node_pb2.PutRequest(
+                keys=pack_keys([keys[i] for i in run]),
+                sizes=[sizes[i] for i in run],
+                data=b"".join(arrays[i].data for i in run),
+                checksums=[block_checksum(arrays[i]) for i in run],
+            )
+            try:
+                reply = self.nodes.stub(node.address).Put(request, timeout=self.config.io_timeout_s)
+            except grpc.RpcError as exc:
+                self.faults.count(error_kind(exc), len(run))
+                continue
+            stored = flags_from_bytes(reply.stored)
+            for i, flag in zip(run, stored):
+                result[i] = flag
+            refused = stored.count(False)
+            if refused:
+                self.faults.count("put_refused", refused)
+        return []

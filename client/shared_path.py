@@ -1,0 +1,169 @@
+"""Same-host data path: block bytes straight between the node's shared-memory arena and the caller's buffers.
+
+Reads: which slot holds a block comes from this client's slot hints
+(blocks it wrote or located before) or, for the rest, from one ``Locate``
+call (which also promotes SSD blocks into DRAM). A slot is read only if its
+row (even gen, key, length, checksum) names exactly the block asked for, and
+a copy counts only if its checksum matches and the gen did not move
+meanwhile (the arena's seqlock): a stale hint costs a Locate, never wrong
+bytes. Blocks whose slot was reused meanwhile are handed to the next path.
+The checks run over the whole batch at once; only the copy-and-hash is per
+block.
+
+Writes: ``Reserve`` slots under a lease, copy the caller's bytes into them
+while checksumming (:func:`~kvpool.checksum.copy_with_checksum`),
+``Commit`` (the node verifies every block before publishing it). Blocks that
+got no slot (too large, no room) are handed to the next path; a writer that
+dies mid-put leaves slots the node reclaims when the lease lapses.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+
+from kvpool.checksum import copy_with_checksum
+from kvpool.client.datapath import LEASE_CHUNK_BYTES, chunks
+from kvpool.client.faults import Faults, error_kind
+from kvpool.client.lookup import BlockLocation, NodeAddress
+from kvpool.client.nodes import NodeDirectory
+from kvpool.config import ClientConfig
+from kvpool.keys import BlockKey, pack_keys
+from kvpool.tiers.arena import SharedArena
+from kvpool.v1 import node_pb2
+
+log = logging.getLogger(__name__)
+
+
+def _check_rows(arena: SharedArena, slots: np.ndarray, keys: np.ndarray, sizes: np.ndarray,
+                sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The gens of ``slots`` (read first: the seqlock's "before") and whether each row holds exactly that block."""
+    valid = (slots >= 0) & (slots < arena.num_slots)
+    safe = np.where(valid, slots, 0)
+    table = arena.table
+    gens = table["gen"][safe]
+    held = valid & (gens % 2 == 0) & (table["key"][safe] == keys)
+    held &= (table["length"][safe] == sizes) & (table["checksum"][safe] == sums)
+    return gens, held
+
+
+class SharedMemoryPath:
+    """The :class:`~kvpool.client.datapath.DataPath` through a same-host node's arena (see module docstring)."""
+
+    def __init__(self, config: ClientConfig, nodes: NodeDirectory, faults: Faults):
+        self.config = config
+        self.nodes = nodes
+        self.faults = faults
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def get(self, node: NodeAddress, idxs: list[int], locations: Sequence[BlockLocation],
+            dsts: list[np.ndarray], ok: list[bool]) -> list[int]:
+        arena = self.nodes.arena(node)
+        if arena is None:
+            return idxs
+        n = len(idxs)
+        packed = pack_keys([locations[i].key for i in idxs])
+        keys = np.frombuffer(packed, dtype=arena.table.dtype["key"])
+        sizes = np.fromiter((locations[i].size for i in idxs), dtype=np.uint64, count=n)
+        sums = np.fromiter((locations[i].checksum for i in idxs), dtype=np.uint64, count=n)
+        hints = self.nodes.slot_hints(arena)
+        slots = np.fromiter((hints.get(locations[i].key, -1) for i in idxs), dtype=np.int64, count=n)
+        gens, cand = _check_rows(arena, slots, keys, sizes, sums)
+        missing = np.flatnonzero(~cand)
+        if missing.size:
+            found = self.locate(node, arena, packed if missing.size == n else keys[missing].tobytes(), missing.size)
+            if found is not None:
+                slots[missing] = found
+                for j in missing[found >= 0].tolist():
+                    hints[locations[idxs[j]].key] = int(slots[j])
+                gens[missing], cand[missing] = _check_rows(arena, slots[missing], keys[missing], sizes[missing],
+                                                           sums[missing])
+        copied = np.zeros(n, dtype=bool)
+        data = arena.data
+        for j in np.flatnonzero(cand).tolist():
+            i = idxs[j]
+            copied[j] = copy_with_checksum(dsts[i], data[slots[j], : locations[i].size]) == locations[i].checksum
+        copied &= arena.gens[np.where(cand, slots, 0)] == gens  # not reused while we copied
+        reused = int(cand.sum() - copied.sum())
+        if reused:
+            self.faults.count("slot_reused", reused)
+        for j in np.flatnonzero(copied).tolist():
+            ok[idxs[j]] = True
+        return [i for i in idxs if not ok[i]]
+
+    def locate(self, node: NodeAddress, arena: SharedArena, packed: bytes, n: int) -> np.ndarray | None:
+        """Per key the node's slot for it (-1: not in DRAM), promoting SSD blocks; None if the call failed."""
+        request = node_pb2.LocateRequest(keys=packed, promote=True)
+        try:
+            reply = self.nodes.stub(node.address).Locate(request, timeout=self.config.io_timeout_s)
+        except grpc.RpcError as exc:
+            self.faults.count(error_kind(exc), n)
+            return None
+        if reply.arena != arena.name or not len(reply.slots) == len(reply.slot_gens) == n:
+            return None
+        slots = np.array(reply.slots, dtype=np.int64)
+        return np.where(np.array(reply.slot_gens, dtype=np.uint64) != 0, slots, -1)
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def put(self, node: NodeAddress, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
+            sizes: list[int], result: list[bool]) -> list[int]:
+        arena = self.nodes.arena(node)
+        if arena is None:
+            return idxs
+        stub = self.nodes.stub(node.address)
+        left: list[int] = []
+        for run in chunks(idxs, sizes, LEASE_CHUNK_BYTES):
+            request = node_pb2.ReserveRequest(keys=pack_keys([keys[i] for i in run]), sizes=[sizes[i] for i in run])
+            try:
+                reply = stub.Reserve(request, timeout=self.config.io_timeout_s)
+            except grpc.RpcError as exc:
+                log.debug("Reserve on %s failed (%s); sending the blocks another way", node.address, error_kind(exc))
+                left += run
+                continue
+            if reply.arena != arena.name or not len(reply.slots) == len(reply.slot_gens) == len(run) or \
+                    len(reply.already_held) != len(run):
+                self.faults.count("bad_reply")
+                left += run
+                continue
+            gens = np.array(reply.slot_gens, dtype=np.uint64)
+            slots = np.array(reply.slots, dtype=np.int64)
+            usable = (gens != 0) & (slots >= 0) & (slots < arena.num_slots)
+            usable &= arena.gens[np.where(usable, slots, 0)] == gens  # still our turn on the slot
+            held = np.frombuffer(reply.already_held, dtype=np.uint8) != 0
+            mine: list[int] = []
+            sums: list[int] = []
+            data = arena.data
+            for j in np.flatnonzero(usable).tolist():
+                i = run[j]
+                sums.append(copy_with_checksum(data[slots[j], : sizes[i]], arrays[i]))
+                mine.append(j)
+            for j in np.flatnonzero(held).tolist():
+                result[run[j]] = True
+            left += [run[j] for j in np.flatnonzero(~usable & ~held).tolist()]
+            if not reply.lease:
+                continue
+            commit = node_pb2.CommitRequest(lease=reply.lease, keys=pack_keys([keys[run[j]] for j in mine]),
+                                            slots=slots[mine].tolist(), checksums=sums)
+            try:
+                stored = stub.Commit(commit, timeout=self.config.io_timeout_s).stored
+            except grpc.RpcError as exc:
+                self.faults.count(error_kind(exc), len(mine))  # the node reclaims the slots when the lease lapses
+                continue
+            if len(stored) != len(mine):
+                self.faults.count("bad_reply", len(mine))
+                continue
+            refused = 0
+            hints = self.nodes.slot_hints(arena)
+            for j, flag in zip(mine, stored):
+                result[run[j]] = flag != 0
+                refused += flag == 0
+                if flag:
+                    hints[keys[run[j]]] = int(slots[j])
+            if refused:
+                self.faults.count("put_refused", refused)
+        return left
