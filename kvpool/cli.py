@@ -69,7 +69,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _run_status(args: argparse.Namespace) -> int:
     from kvpool.status import run_status
 
-    return run_status(args.master or _config(args).client.master, timeout=args.timeout)
+    return run_status(args.master or _config(args).client.master, timeout=args.timeout, prometheus=args.prometheus)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,9 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     node = command("node", "run a pool node: this host's DRAM arena and SSD store", _run_node)
     _add_section_flags(node, "node")
 
-    status = command("status", "show nodes, tier usage and capacity, and hit rates", _run_status)
+    status = command("status", "show node health, tier usage and capacity, and hit rates per tier", _run_status)
     status.add_argument("--master", help="the master's host:port (default: the client config's)")
     status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the master (default: 3)")
+    status.add_argument("--prometheus", metavar="URL",
+                        help="also show the dashboard's 5-minute hit rates and target health from this Prometheus")
 
     bench = commands.add_parser("bench", help="measure the pool against this machine's limits")
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")

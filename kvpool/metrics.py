@@ -8,6 +8,13 @@ counters, ``_bytes`` / ``_seconds`` units, a ``tier`` label with values
 
 Gauges of tier usage are read from the stores at scrape time
 (:class:`TierCollector`), so they never drift from the stores themselves.
+
+Sources: a node exports its own tiers as ``kvpool_tier_*``; the master its
+view of every node's tiers (from heartbeats) as ``kvpool_cluster_tier_*``, so
+a tier query never mixes the two. Lookup/hit counters and latency histograms
+are exported by each side for its own view (master: cluster-wide lookups; a
+client: its own; node and client: get and put) and told apart by ``job``
+(``deploy/prometheus``: ``kvpool-master``, ``kvpool-node``, ``kvpool-client``).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from kvpool.tiers.base import TierStats
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TIER_LABELS = ("hbm", "dram", "ssd")
+NODE_TIER_PREFIX = "kvpool_tier"  # a node's own tiers, with movement counters
+CLUSTER_TIER_PREFIX = "kvpool_cluster_tier"  # the master's view of each node's tiers: usage gauges only
 
 
 class LookupMetrics:
@@ -75,28 +84,40 @@ class TierCollector(Collector):
     """Exports usage gauges and movement counters of tier stores, read at scrape time.
 
     ``source`` returns ``(labels, stats)`` pairs, where labels carry e.g. the node id.
+    Names are ``<prefix>_capacity_bytes`` etc.; ``gauges_only`` leaves out the
+    movement counters (for a view that knows usage but not movement).
     """
 
-    def __init__(self, source: Callable[[], Iterable[tuple[dict[str, str], TierStats]]], label_names: tuple[str, ...] = ("node",)):
+    def __init__(
+        self,
+        source: Callable[[], Iterable[tuple[dict[str, str], TierStats]]],
+        label_names: tuple[str, ...] = ("node",),
+        *,
+        prefix: str = NODE_TIER_PREFIX,
+        gauges_only: bool = False,
+    ):
         self._source = source
         self._label_names = label_names
+        self._prefix = prefix
+        self._gauges_only = gauges_only
 
     def collect(self):  # type: ignore[override]
         names = [*self._label_names, "tier"]
+        p = self._prefix
         families = {
-            "capacity": GaugeMetricFamily("kvpool_tier_capacity_bytes", "Capacity of a tier", labels=names),
-            "used": GaugeMetricFamily("kvpool_tier_used_bytes", "Bytes held in a tier", labels=names),
-            "blocks": GaugeMetricFamily("kvpool_tier_blocks", "Blocks held in a tier", labels=names),
+            "capacity": GaugeMetricFamily(f"{p}_capacity_bytes", "Capacity of a tier", labels=names),
+            "used": GaugeMetricFamily(f"{p}_used_bytes", "Bytes held in a tier", labels=names),
+            "blocks": GaugeMetricFamily(f"{p}_blocks", "Blocks held in a tier", labels=names),
         }
-        counters = {
-            "bytes_in": ("kvpool_tier_bytes_in_total", "Bytes written into a tier"),
-            "bytes_out": ("kvpool_tier_bytes_out_total", "Bytes read out of a tier"),
-            "evictions": ("kvpool_tier_evictions_total", "Blocks evicted from a tier (DRAM: demotions to SSD)"),
-            "corrupt": ("kvpool_tier_corrupt_blocks_total", "Blocks that failed their checksum and were dropped"),
-            "hits": ("kvpool_tier_hits_total", "Reads a tier served"),
-            "misses": ("kvpool_tier_misses_total", "Reads a tier could not serve"),
+        counters = {} if self._gauges_only else {
+            "bytes_in": ("bytes_in", "Bytes written into a tier"),
+            "bytes_out": ("bytes_out", "Bytes read out of a tier"),
+            "evictions": ("evictions", "Blocks evicted from a tier (DRAM: demotions to SSD)"),
+            "corrupt": ("corrupt_blocks", "Blocks that failed their checksum and were dropped"),
+            "hits": ("hits", "Reads a tier served"),
+            "misses": ("misses", "Reads a tier could not serve"),
         }
-        counter_families = {k: CounterMetricFamily(n.removesuffix("_total"), h, labels=names) for k, (n, h) in counters.items()}
+        counter_families = {k: CounterMetricFamily(f"{p}_{n}", h, labels=names) for k, (n, h) in counters.items()}
         for labels, stats in self._source():
             values = [labels.get(n, "") for n in self._label_names] + [stats.tier.label]
             families["capacity"].add_metric(values, stats.capacity_bytes)

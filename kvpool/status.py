@@ -1,18 +1,54 @@
-"""``kvpool status``: a readable table of nodes, tier usage and capacity, and hit rates."""
+"""``kvpool status``: nodes and their health, tier usage, and hit rates per tier, in human units.
+
+Two sources, each shown for what it is:
+
+- the master (``ClusterStatus``, always): live nodes with heartbeat age and
+  usage per tier, and block hit rates per tier since the master started;
+- Prometheus (``--prometheus URL``, optional): the recorded series of
+  ``deploy/prometheus/rules/recording.yml`` that the Grafana dashboard plots
+  (hit rate per tier by blocks and by tokens over 5 minutes, tokens saved per
+  second, lookup latency), and whether each scrape target is up.
+
+Invariant: every Prometheus number printed is one recorded series read as it
+is (:data:`RECORDED`), never recomputed here, so it equals the dashboard's.
+"""
 
 from __future__ import annotations
 
+import json
+import math
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
 
 import grpc
 
+from kvpool.metrics import TIER_LABELS
 from kvpool.v1 import master_pb2, master_pb2_grpc
 
-_TIER_NAMES = {0: "HBM", 1: "DRAM", 2: "SSD"}
+LATE_HEARTBEAT_S = 2.0  # two default heartbeat intervals: still listed, but worth a look
+
+# The recorded series (deploy/prometheus/rules/recording.yml) status reads.
+RECORDED = {
+    "blocks_by_tier": "cluster_tier:kvpool_hit_blocks:ratio_rate5m",
+    "blocks": "cluster:kvpool_hit_blocks:ratio_rate5m",
+    "tokens_by_tier": "cluster_tier:kvpool_hit_tokens:ratio_rate5m",
+    "tokens": "cluster:kvpool_hit_tokens:ratio_rate5m",
+    "tokens_saved": "cluster:kvpool_hit_tokens:rate5m",
+    "lookups": "cluster:kvpool_lookups:rate5m",
+    "lookup_p50": "job:kvpool_lookup_seconds:p50_rate5m",
+    "lookup_p99": "job:kvpool_lookup_seconds:p99_rate5m",
+}
+_TARGETS = 'up{job=~"kvpool-.*"}'
+
+
+# -- units -------------------------------------------------------------------------------
 
 
 def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
+    """1536 -> '1.5 KiB'; binary units up to TiB."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -20,19 +56,57 @@ def human_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def human_seconds(s: float) -> str:
+    """0.00042 -> '0.42 ms', 0.35 -> '350 ms', 4.2 -> '4.2 s'; '-' for NaN."""
+    if math.isnan(s):
+        return "-"
+    if s < 0.01:
+        return f"{s * 1000:.2f} ms"
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    return f"{s:.1f} s"
+
+
+def human_rate(per_s: float) -> str:
+    """Events per second with k/M suffixes: 1234.5 -> '1.2 k/s', 0.031 -> '0.03 /s'; '-' for NaN."""
+    if math.isnan(per_s):
+        return "-"
+    for scale, suffix in ((1e6, "M"), (1e3, "k")):
+        if abs(per_s) >= scale:
+            return f"{per_s / scale:.1f} {suffix}/s"
+    return f"{per_s:.2f} /s" if abs(per_s) < 10 else f"{per_s:.1f} /s"
+
+
+def ratio_percent(r: float | None) -> str:
+    """0.667 -> ' 66.7%' (width 6); '     -' when there is no rate (no traffic)."""
+    return "     -" if r is None or math.isnan(r) else f"{100.0 * r:5.1f}%"
+
+
 def _percent(part: int, whole: int) -> str:
-    return f"{100.0 * part / whole:5.1f}%" if whole else "    -"
+    return ratio_percent(part / whole if whole else None)
+
+
+def _tier_line(by_tier: dict[str, float], overall: float | None) -> str:
+    cells = [f"{tier.upper()} {ratio_percent(by_tier.get(tier))}" for tier in TIER_LABELS]
+    return "   ".join(cells) + f"   overall {ratio_percent(overall)}"
+
+
+# -- the master's view ------------------------------------------------------------------
+
+
+def node_health(seconds_since_heartbeat: float, late_after_s: float = LATE_HEARTBEAT_S) -> str:
+    """'ok' or 'late' (the master drops a node only past its node_timeout_s)."""
+    return "ok" if seconds_since_heartbeat < late_after_s else "late"
 
 
 def render_status(master: str, status: master_pb2.ClusterStatusResponse) -> str:
     """The table ``kvpool status`` prints for one ClusterStatus reply."""
     lines = [
-        f"kvpool master {master}: {len(status.nodes)} node(s), {status.indexed_blocks} blocks indexed, "
-        f"{status.workers} worker(s) holding {status.hbm_blocks} blocks in HBM",
+        (f"kvpool master {master}: {len(status.nodes)} node(s), {status.indexed_blocks} blocks indexed, "
+         f"{status.workers} worker(s) holding {status.hbm_blocks} blocks in HBM"),
         "",
+        f"{'NODE':<24} {'ADDRESS':<22} {'HEALTH':<6} {'HEARTBEAT':>11}  {'DRAM used / capacity':<40} SSD used / capacity",
     ]
-    header = f"{'NODE':<24} {'ADDRESS':<22} {'HEARTBEAT':>10}  {'DRAM used / capacity':<32} {'SSD used / capacity':<32}"
-    lines.append(header)
     for node in status.nodes:
         tiers = {t.tier: t for t in node.tiers}
         cells = []
@@ -43,28 +117,128 @@ def render_status(master: str, status: master_pb2.ClusterStatusResponse) -> str:
             else:
                 cells.append(f"{human_bytes(t.used_bytes)} / {human_bytes(t.capacity_bytes)} "
                              f"({_percent(t.used_bytes, t.capacity_bytes).strip()}, {t.blocks} blk)")
-        lines.append(f"{node.node.node_id:<24} {node.node.address:<22} {node.seconds_since_heartbeat:>8.1f}s  "
-                     f"{cells[0]:<32} {cells[1]:<32}")
+        age = node.seconds_since_heartbeat
+        lines.append(f"{node.node.node_id:<24} {node.node.address:<22} {node_health(age):<6} "
+                     f"{human_seconds(age) + ' ago':>11}  {cells[0]:<40} {cells[1]}")
     if not status.nodes:
         lines.append("(no nodes registered)")
     asked = status.requested_blocks
     hits = status.hit_blocks_hbm + status.hit_blocks_dram + status.hit_blocks_ssd
+    by_tier = {"hbm": status.hit_blocks_hbm, "dram": status.hit_blocks_dram, "ssd": status.hit_blocks_ssd}
     lines += [
         "",
         f"hit rate since the master started ({status.lookups} lookups, {asked} blocks asked for):",
-        f"  HBM {_percent(status.hit_blocks_hbm, asked)}   DRAM {_percent(status.hit_blocks_dram, asked)}   "
-        f"SSD {_percent(status.hit_blocks_ssd, asked)}   overall {_percent(hits, asked)}",
+        "  " + _tier_line({t: n / asked for t, n in by_tier.items()} if asked else {}, hits / asked if asked else None),
     ]
     return "\n".join(lines)
 
 
-def run_status(master: str, timeout: float = 3.0) -> int:
-    """Print the status table; 1 with a message if the master cannot be reached."""
+# -- Prometheus: the dashboard's numbers --------------------------------------------------
+
+
+def query_prometheus(url: str, expr: str, timeout: float = 3.0) -> list[tuple[dict[str, str], float]]:
+    """Evaluate ``expr`` at Prometheus ``url`` now: ``(labels, value)`` per series.
+
+    Raises OSError when Prometheus cannot be reached, ValueError when it refuses the query.
+    """
+    query = urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/api/v1/query?{query}", timeout=timeout) as reply:
+            body = json.load(reply)
+    except urllib.error.HTTPError as exc:  # 400/422: a bad query, with Prometheus' reason in the body
+        body = json.loads(exc.read() or b"{}")
+    if body.get("status") != "success":
+        raise ValueError(f"Prometheus refused {expr!r}: {body.get('error', body)}")
+    data = body["data"]
+    if data["resultType"] != "vector":
+        raise ValueError(f"{expr!r} gives a {data['resultType']}, not an instant vector")
+    return [(dict(s["metric"]), float(s["value"][1])) for s in data["result"]]
+
+
+@dataclass(frozen=True)
+class DashboardRates:
+    """The recorded series the dashboard plots, read at one moment (ratios 0..1, seconds, per second)."""
+
+    blocks_by_tier: dict[str, float] = field(default_factory=dict)
+    blocks: float | None = None
+    tokens_by_tier: dict[str, float] = field(default_factory=dict)
+    tokens: float | None = None
+    tokens_saved_per_s: float | None = None
+    lookups_per_s: float | None = None
+    lookup_p50_s: dict[str, float] = field(default_factory=dict)  # by job
+    lookup_p99_s: dict[str, float] = field(default_factory=dict)
+    targets: list[tuple[str, str, bool]] = field(default_factory=list)  # (job, instance, up)
+
+
+def fetch_dashboard_rates(url: str, timeout: float = 3.0) -> DashboardRates:
+    """Read :data:`RECORDED` and the kvpool scrape targets from Prometheus at ``url``."""
+
+    def series(name: str) -> list[tuple[dict[str, str], float]]:
+        return query_prometheus(url, RECORDED[name], timeout)
+
+    def scalar(name: str) -> float | None:
+        found = series(name)
+        return found[0][1] if found else None
+
+    def by_label(name: str, label: str) -> dict[str, float]:
+        return {labels.get(label, ""): value for labels, value in series(name)}
+
+    targets = sorted((lab.get("job", ""), lab.get("instance", ""), value == 1)
+                     for lab, value in query_prometheus(url, _TARGETS, timeout))
+    return DashboardRates(
+        blocks_by_tier=by_label("blocks_by_tier", "tier"),
+        blocks=scalar("blocks"),
+        tokens_by_tier=by_label("tokens_by_tier", "tier"),
+        tokens=scalar("tokens"),
+        tokens_saved_per_s=scalar("tokens_saved"),
+        lookups_per_s=scalar("lookups"),
+        lookup_p50_s=by_label("lookup_p50", "job"),
+        lookup_p99_s=by_label("lookup_p99", "job"),
+        targets=targets,
+    )
+
+
+def render_dashboard_rates(url: str, rates: DashboardRates) -> str:
+    """The Prometheus part of ``kvpool status``."""
+    nan = float("nan")
+    saved = rates.tokens_saved_per_s if rates.tokens_saved_per_s is not None else nan
+    lookups = rates.lookups_per_s if rates.lookups_per_s is not None else nan
+    lines = [
+        f"last 5 minutes, from Prometheus at {url} (the dashboard's numbers):",
+        "  by blocks:  " + _tier_line(rates.blocks_by_tier, rates.blocks),
+        "  by tokens:  " + _tier_line(rates.tokens_by_tier, rates.tokens),
+        f"  tokens saved: {human_rate(saved)}   lookups: {human_rate(lookups)}",
+    ]
+    for job in sorted(rates.lookup_p99_s):
+        lines.append(f"  lookup latency ({job}): p50 {human_seconds(rates.lookup_p50_s.get(job, nan))}"
+                     f"   p99 {human_seconds(rates.lookup_p99_s[job])}")
+    jobs = sorted({job for job, _, _ in rates.targets})
+    if not jobs:
+        lines.append('  scrape targets: none with job="kvpool-*" (see deploy/prometheus/prometheus.yml)')
+    for job in jobs:
+        mine = [(instance, up) for j, instance, up in rates.targets if j == job]
+        down = [instance for instance, up in mine if not up]
+        line = f"  {job}: {len(mine) - len(down)}/{len(mine)} target(s) up"
+        lines.append(line + (f"; DOWN: {', '.join(down)}" if down else ""))
+    return "\n".join(lines)
+
+
+def run_status(master: str, timeout: float = 3.0, prometheus: str | None = None) -> int:
+    """Print the status; 1 with a message on stderr for each source that cannot be reached."""
+    code = 0
     try:
         with grpc.insecure_channel(master) as channel:
             reply = master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=timeout)
+        print(render_status(master, reply))
     except grpc.RpcError as exc:
         print(f"kvpool status: cannot reach the master at {master}: {exc.code().name}", file=sys.stderr)
-        return 1
-    print(render_status(master, reply))
-    return 0
+        code = 1
+    if prometheus:
+        try:
+            rates = fetch_dashboard_rates(prometheus, timeout)
+        except (OSError, ValueError) as exc:
+            print(f"kvpool status: cannot read Prometheus at {prometheus}: {exc}", file=sys.stderr)
+            return 1
+        print()
+        print(render_dashboard_rates(prometheus, rates))
+    return code

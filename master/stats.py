@@ -7,10 +7,11 @@
 - ``kvpool_lookup_seconds``: master-side latency of a Lookup call.
 - Gauges read at scrape time, so they never drift from the state they
   describe: ``kvpool_nodes``, ``kvpool_index_blocks``, ``kvpool_workers``,
-  ``kvpool_hbm_blocks``, and per-node tier usage (``kvpool_tier_capacity_bytes``,
-  ``kvpool_tier_used_bytes``, ``kvpool_tier_blocks`` with ``node=<node id>``)
-  from each node's last heartbeat. The nodes export their own movement
-  counters; the master exports only these usage gauges, not zeros in their place.
+  ``kvpool_hbm_blocks``, and its cluster view of per-node tier usage
+  (``kvpool_cluster_tier_capacity_bytes``, ``kvpool_cluster_tier_used_bytes``,
+  ``kvpool_cluster_tier_blocks`` with ``node=<node id>``) from each node's last
+  heartbeat. The names differ from the nodes' own ``kvpool_tier_*`` so a query
+  never mixes the two sources; the master exports no movement counters.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.registry import Collector
 
-from kvpool.metrics import LookupMetrics, TierCollector, latency_histogram
+from kvpool.metrics import CLUSTER_TIER_PREFIX, LookupMetrics, TierCollector, latency_histogram
 from kvpool.tiers.base import TierStats
 
 from kvpool.master.index import BlockIndex, HbmIndex
@@ -41,10 +42,10 @@ class LookupTotals:
 
 
 class _UsageGauges(Collector):
-    """Only the gauge families of a :class:`TierCollector` (heartbeats carry usage, not movement)."""
+    """The ``kvpool_cluster_tier_*`` usage gauges (heartbeats carry usage, not movement)."""
 
     def __init__(self, membership: Membership):
-        self._tiers = TierCollector(self._source)
+        self._tiers = TierCollector(self._source, prefix=CLUSTER_TIER_PREFIX, gauges_only=True)
         self._membership = membership
 
     def _source(self) -> Iterator[tuple[dict[str, str], TierStats]]:
@@ -53,7 +54,7 @@ class _UsageGauges(Collector):
                 yield {"node": info.ref.node_id}, stats
 
     def collect(self):  # type: ignore[override]
-        return (family for family in self._tiers.collect() if family.type == "gauge")
+        return self._tiers.collect()
 
 
 class MasterMetrics:

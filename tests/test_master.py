@@ -552,9 +552,11 @@ def test_metrics_endpoint_counts_lookups_and_agrees_with_cluster_status(master, 
     assert after[("kvpool_lookup_seconds_count", ())] == 3
     assert after[("kvpool_nodes", ())] == 1
     assert after[("kvpool_index_blocks", ())] == 3
-    assert after[("kvpool_tier_used_bytes", (("node", "a"), ("tier", "dram")))] == 250
-    assert after[("kvpool_tier_capacity_bytes", (("node", "a"), ("tier", "dram")))] == 1000
-    assert ("kvpool_tier_hits_total", (("node", "a"), ("tier", "dram"))) not in after  # nodes export their own
+    assert after[("kvpool_cluster_tier_used_bytes", (("node", "a"), ("tier", "dram")))] == 250
+    assert after[("kvpool_cluster_tier_capacity_bytes", (("node", "a"), ("tier", "dram")))] == 1000
+    assert not any(name.startswith("kvpool_tier_") for name, _ in after)  # nodes export their own, under these names
+    cluster = {name for name, _ in after if name.startswith("kvpool_cluster_tier_")}
+    assert cluster == {f"kvpool_cluster_tier_{g}" for g in ("capacity_bytes", "used_bytes", "blocks")}  # no movement
 
     s = status(stub)
     assert s.lookups == after[lookups_total] == 3
@@ -596,7 +598,7 @@ def test_run_master_logs_its_address_and_stops_on_sigterm(tmp_path):
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
-        pattern = re.compile(r"kvpool master listening on 127\.0\.0\.1:(\d+) \(metrics :(\d+)\)")
+        pattern = re.compile(r"kvpool master listening on 127\.0\.0\.1:(\d+) \(fast calls :(\d+), metrics :(\d+)\)")
         assert poll(lambda: pattern.search(log_path.read_text()) is not None, deadline_s=30.0), log_path.read_text()
         port = int(pattern.search(log_path.read_text()).group(1))  # type: ignore[union-attr]
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

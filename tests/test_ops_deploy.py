@@ -1,0 +1,157 @@
+"""deploy/k8s and deploy/systemd: valid for their tools, and in agreement with kvpool's config and each other.
+
+Kubernetes manifests are checked offline against the API schemas bundled in
+the ``kubernetes-validate`` package (strict: unknown fields are errors);
+systemd units by ``systemd-analyze verify`` where systemd is installed.
+"""
+
+from __future__ import annotations
+
+import configparser
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvpool.cli import build_parser
+from kvpool.config import load_config
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+K8S, SYSTEMD = DEPLOY / "k8s", DEPLOY / "systemd"
+_QUANTITY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+
+
+def _manifests() -> list[dict]:
+    docs = [d for f in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+    assert docs, "no manifests in deploy/k8s"
+    return docs
+
+
+def _one(kind: str, name: str) -> dict:
+    found = [d for d in _manifests() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, (kind, name)
+    return found[0]
+
+
+def _bytes(quantity: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)([KMGT]i)", quantity).groups()  # type: ignore[union-attr]
+    return int(number) * _QUANTITY[unit]
+
+
+def _k8s_config(tmp_path: Path):
+    path = tmp_path / "kvpool.json"
+    path.write_text(_one("ConfigMap", "kvpool-config")["data"]["kvpool.json"])
+    return load_config(path, env={})
+
+
+def test_every_manifest_is_valid_for_the_kubernetes_api():
+    version = kubernetes_validate.latest_version()
+    for doc in _manifests():
+        kubernetes_validate.validate(doc, version, strict=True)  # raises ValidationError naming the field
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in _manifests())
+    assert kinds == [("ConfigMap", "kvpool-config"), ("DaemonSet", "kvpool-node"), ("Deployment", "kvpool-master"),
+                     ("Namespace", "kvpool"), ("Service", "kvpool-master"), ("Service", "kvpool-node")]
+    assert {d["metadata"].get("namespace", "kvpool") for d in _manifests()} == {"kvpool"}
+
+
+def test_the_validator_rejects_a_misspelt_field():
+    daemonset = _one("DaemonSet", "kvpool-node")
+    daemonset["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(daemonset, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_k8s_config_and_manifests_agree(tmp_path):
+    config = _k8s_config(tmp_path)
+    node = _one("DaemonSet", "kvpool-node")["spec"]["template"]
+    master = _one("Deployment", "kvpool-master")["spec"]["template"]
+    (node_c,), (master_c,) = node["spec"]["containers"], master["spec"]["containers"]
+    # The DRAM tier fits in /dev/shm, which fits in the pod's memory limit (tmpfs pages count against it).
+    volumes = {v["name"]: v for v in node["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in node_c["volumeMounts"]}
+    shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+    assert shm["medium"] == "Memory" and _bytes(shm["sizeLimit"]) >= config.node.dram_bytes
+    assert _bytes(node_c["resources"]["limits"]["memory"]) >= _bytes(shm["sizeLimit"]) + (512 << 20)
+    # The SSD directory is on the hostPath volume: it outlives the pod.
+    ssd_mount = next(p for p in mounts if config.node.ssd_dir.startswith(p.rstrip("/") + "/"))
+    assert "hostPath" in volumes[mounts[ssd_mount]]
+    # Ports, Prometheus annotations and Services follow the config.
+    node_ports = {p["name"]: p["containerPort"] for p in node_c["ports"]}
+    master_ports = {p["name"]: p["containerPort"] for p in master_c["ports"]}
+    assert node_ports == {"grpc": config.node.port, "metrics": config.node.metrics_port, "data": config.node.data_port}
+    assert (master_ports["grpc"], master_ports["metrics"]) == (config.master.port, config.master.metrics_port)
+    assert int(node["metadata"]["annotations"]["prometheus.io/port"]) == config.node.metrics_port
+    assert int(master["metadata"]["annotations"]["prometheus.io/port"]) == config.master.metrics_port
+    assert config.node.master == config.client.master == f"kvpool-master.kvpool.svc.cluster.local:{config.master.port}"
+    assert _one("Service", "kvpool-node")["spec"]["clusterIP"] == "None"  # one DNS record per node pod
+    for name, tmpl in (("kvpool-master", master), ("kvpool-node", node)):
+        assert _one("Service", name)["spec"]["selector"].items() <= tmpl["metadata"]["labels"].items()
+        assert tmpl["metadata"]["labels"]["app.kubernetes.io/component"] == name  # the job label in Prometheus
+    # Per-pod variables name real config fields; the command line parses.
+    env = {e["name"]: "x" for e in node_c["env"] if e["name"].startswith("KVPOOL_")}
+    assert env and load_config(None, env=env).node.node_id == "x"
+    for container in (node_c, master_c):
+        args = build_parser().parse_args(container["args"][1:])
+        assert args.config == "/etc/kvpool/kvpool.json"
+        assert {m["mountPath"]: m["name"] for m in container["volumeMounts"]}["/etc/kvpool"] == "config"
+
+
+def test_prometheus_kubernetes_config_scrapes_the_services_on_the_metrics_ports(tmp_path):
+    config = _k8s_config(tmp_path)
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-kubernetes.yml").read_text())["scrape_configs"]
+    jobs = {job["job_name"]: job["dns_sd_configs"][0] for job in scrape}
+    assert jobs["kvpool-master"]["names"] == ["kvpool-master.kvpool.svc.cluster.local"]
+    assert jobs["kvpool-master"]["port"] == config.master.metrics_port
+    assert jobs["kvpool-node"]["names"] == ["kvpool-node.kvpool.svc.cluster.local"]
+    assert jobs["kvpool-node"]["port"] == config.node.metrics_port
+
+
+def _unit(name: str) -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser.read_string((SYSTEMD / name).read_text())
+    return parser
+
+
+@pytest.mark.parametrize("name", ["kvpool-master.service", "kvpool-node.service"])
+def test_systemd_units_restart_are_hardened_and_run_kvpool_with_the_config(name):
+    unit = _unit(name)
+    service = unit["Service"]
+    assert service["Restart"] == "always" and float(service["RestartSec"]) > 0
+    assert unit["Install"]["WantedBy"] == "multi-user.target"
+    for key, value in {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes",
+                       "PrivateTmp": "yes", "CapabilityBoundingSet": "", "RestrictSUIDSGID": "yes"}.items():
+        assert service[key] == value, key
+    exe, *args = shlex.split(service["ExecStart"])
+    assert exe.endswith("/kvpool")
+    parsed = build_parser().parse_args(args)
+    assert parsed.command == name.split("-")[1].split(".")[0] and parsed.config == "/etc/kvpool/kvpool.json"
+    if name == "kvpool-node.service":
+        # A private /dev would hide the arena from same-host engines; the SSD tier lives in the StateDirectory.
+        assert service.get("PrivateDevices", "no") == "no" and service["StateDirectory"] == "kvpool"
+
+
+def test_systemd_example_config_and_environment_load():
+    config = load_config(SYSTEMD / "kvpool.json", env={})
+    assert config.node.ssd_dir.startswith("/var/lib/kvpool/")  # the node unit's StateDirectory
+    env = dict(line.split("=", 1) for line in (SYSTEMD / "node.env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    assert load_config(SYSTEMD / "kvpool.json", env=env).node.resolved_advertise() == env["KVPOOL_NODE_ADVERTISE"]
+
+
+def test_systemd_analyze_verify_finds_nothing_to_complain_about(tmp_path):
+    analyze, kvpool = shutil.which("systemd-analyze"), shutil.which("kvpool")
+    if analyze is None:
+        pytest.skip("systemd-analyze not installed (systemd); the unit files are still parsed above")
+    assert kvpool, "the kvpool script is not on PATH (pip install -e .)"
+    names = ["kvpool-master.service", "kvpool-node.service"]
+    for name in names:  # verify checks that ExecStart's binary exists: point it at this install
+        (tmp_path / name).write_text((SYSTEMD / name).read_text().replace("/opt/kvpool/bin/kvpool", kvpool))
+    done = subprocess.run([analyze, "verify", "--man=no", *names], check=False, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
