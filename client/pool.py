@@ -141,6 +141,7 @@ class PoolClient:
         """Copy each located block into its output; per block, whether it arrived intact."""
         if len(locations) != len(outs):
             raise ValueError(f"{len(locations)} locations but {len(outs)} buffers")
+        locations = list(locations)  # a PoolRun makes a BlockLocation per index: make each once
         dsts = [as_array(o, writable=True) for o in outs]
         for loc, dst in zip(locations, dsts):
             if dst.size != loc.size:
