@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--prometheus", metavar="URL",
                         help="also show the dashboard's 5-minute hit rates and target health from this Prometheus")
 
+    from kvpool import demo
+
+    demo_parser = command("demo", "a two-round dialog with a HuggingFace model on a running pool: reuse and TTFT",
+                          demo.run)
+    demo.add_arguments(demo_parser)
+
     bench = commands.add_parser("bench", help="measure the pool against this machine's limits")
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
     from kvpool.bench import tiers
@@ -117,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     index_parser = benches.add_parser("index", help="master index: lookup cost and bytes per block, 1K to 10M blocks")
     index_scale.add_arguments(index_parser)
     index_parser.set_defaults(run=index_scale.run)
+    from kvpool.bench import ttft
+
+    ttft_parser = benches.add_parser("ttft", help="transformers engine: time to first token, prefix from each tier")
+    ttft.add_arguments(ttft_parser)
+    ttft_parser.set_defaults(run=ttft.run)
     return parser
 
 
