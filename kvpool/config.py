@@ -95,6 +95,9 @@ class NodeConfig:
     high_watermark: float = opt(0.95, "DRAM usage fraction that starts eviction (demotion to SSD)")
     low_watermark: float = opt(0.85, "DRAM usage fraction eviction brings usage down to")
     write_through: bool = opt(False, "write every block to SSD at once, not only on eviction")
+    demote_queue_bytes: int = opt(256 << 20, "write-back: DRAM's evicted blocks are written to SSD in the background, "
+                                             "at most this many bytes queued (0: inline, in the evicting call)",
+                                  size=True)
     max_message_bytes: int = opt(256 << 20, "largest gRPC message the node accepts", size=True)
     lease_timeout_s: float = opt(5.0, "a same-host writer's reserved DRAM slots return to the pool this long "
                                       "after Reserve unless committed")

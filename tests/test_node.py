@@ -181,6 +181,7 @@ def test_dram_full_demotes_to_ssd_and_a_get_hit_there_is_promoted_back(node, cli
     assert sample(before, "kvpool_demotions_total") == 0
     assert sample(before, "kvpool_tier_used_bytes", tier="ssd") == 0
     fill_and_demote(client)
+    assert node.store.flush_demotions(10)  # demotion runs in the background
     after = scrape(node)
     assert sample(after, "kvpool_demotions_total") == 2
     assert sample(after, "kvpool_tier_used_bytes", tier="ssd") > 0
@@ -189,6 +190,7 @@ def test_dram_full_demotes_to_ssd_and_a_get_hit_there_is_promoted_back(node, cli
     assert list(reply.tiers) == [Tier.SSD, Tier.DRAM]
     assert reply.data == block(0) + block(5)
     assert client.tiers([0]) == [Tier.DRAM]  # promoted, pushing DRAM's LRU block down
+    assert node.store.flush_demotions(10)
     text = scrape(node)
     assert sample(text, "kvpool_promotions_total") == 1
     assert sample(text, "kvpool_demotions_total") == 3

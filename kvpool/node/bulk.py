@@ -240,7 +240,7 @@ class BulkServer:
                 ref, checksum = found
                 sizes[i], sums[i], tiers[i] = ref.length, checksum, Tier.DRAM
         if lower and self.store.ssd is not None:
-            for i, meta in zip(lower, self.store.ssd.meta([keys[i] for i in lower])):
+            for i, meta in zip(lower, self.store.ssd_meta([keys[i] for i in lower])):
                 if meta is not None:
                     sizes[i], sums[i], tiers[i] = meta.size, meta.checksum, Tier.SSD
         send_buffers(sock, [HEADER.pack(MAGIC, VERSION, STATUS_OK, OP_GET, count, 0), sizes, sums, tiers])

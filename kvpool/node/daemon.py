@@ -98,12 +98,13 @@ class PoolNode:
             if config.ssd_enabled:
                 ssd = SsdStore(config.ssd_dir, config.resolved_ssd_bytes(), sync=config.ssd_sync)
             self.store = TieredStore(dram, ssd, write_through=config.write_through,
-                                     on_demote=self.demotions.inc, on_promote=self.promotions.inc)
+                                     on_demote=self.demotions.inc, on_promote=self.promotions.inc,
+                                     demote_queue_bytes=config.demote_queue_bytes)
             # node_id and address are completed once the server has its port (config.port may be 0).
             self.node_ref = common_pb2.NodeRef(node_id=config.node_id, host_id=local_host_id(), arena=arena)
             stores: dict[Tier, Any] = {Tier.DRAM: dram}
             if ssd is not None:
-                stores[Tier.SSD] = ssd
+                stores[Tier.SSD] = self.store.ssd_inventory()  # pending demotions included
             link = self.link = MasterLink(config.master, self.node_ref, stores, slot_bytes=config.slot_bytes,
                                           max_message_bytes=config.max_message_bytes)
             dram.on_change = link.listener(Tier.DRAM)
@@ -133,9 +134,12 @@ class PoolNode:
                 self.server.stop(None)
             if link is not None:
                 link.stop(unregister=False)
-            if ssd is not None:
-                ssd.close()
-            dram.close()
+            if getattr(self, "store", None) is not None:
+                self.store.close()  # stops its demotion thread too
+            else:
+                if ssd is not None:
+                    ssd.close()
+                dram.close()
             raise
         self.node_ref.node_id = config.node_id or f"{socket.gethostname()}:{self.port}"
         wildcard = config.host in ("", "0.0.0.0", "::", "[::]")  # listening everywhere: advertise our name

@@ -112,7 +112,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         found: list[tuple[int, int] | None] = [None if m is None else (m[2], m[3]) for m in self._dram_meta(keys)]
         missing = [i for i, f in enumerate(found) if f is None]
         if missing and self.store.ssd is not None:
-            for i, meta in zip(missing, self.store.ssd.meta([keys[i] for i in missing])):
+            for i, meta in zip(missing, self.store.ssd_meta([keys[i] for i in missing])):
                 if meta is not None:
                     found[i] = (meta.size, meta.checksum)
         return found
@@ -229,7 +229,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         on_ssd = [k for k, t in zip(unique, self.store.where(unique)) if t is Tier.SSD]
         if not on_ssd:
             return
-        todo = [(k, m.size) for k, m in zip(on_ssd, self.store.ssd.meta(on_ssd))
+        todo = [(k, m.size) for k, m in zip(on_ssd, self.store.ssd_meta(on_ssd))
                 if m is not None and self.store.fits_dram(m.size)]
         if not todo:
             return

@@ -14,15 +14,22 @@ Invariants:
   is a ValueError, as in DramStore.
 - ``on_demote(n)`` / ``on_promote(n)`` (optional) count blocks that actually
   moved: demoted blocks SSD stored, promoted blocks DRAM stored.
+- With ``demote_queue_bytes`` > 0, demotion runs in the background
+  (:mod:`kvpool.tiers.demotion`): eviction copies the victims out and
+  returns; a block being demoted is served, and reported, as on SSD.
+  ``flush_demotions`` waits for the queue.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from kvpool.buffers import BufferLike, byte_view
 from kvpool.keys import BlockKey, check_keys
-from kvpool.tiers.base import Tier, TierStats, check_batch
+from kvpool.tiers.base import BlockMeta, Tier, TierStats, check_batch
+from kvpool.tiers.demotion import DemotionQueue
 from kvpool.tiers.dram import DramStore
 from kvpool.tiers.ssd import SsdStore
 
@@ -39,6 +46,7 @@ class TieredStore:
         promote: bool = True,
         on_demote: Callable[[int], None] | None = None,
         on_promote: Callable[[int], None] | None = None,
+        demote_queue_bytes: int = 0,
     ):
         self.dram = dram
         self.ssd = ssd
@@ -46,8 +54,13 @@ class TieredStore:
         self.promote = promote
         self.on_demote = on_demote
         self.on_promote = on_promote
+        self.demotions: DemotionQueue | None = None
         if ssd is not None and not self.write_through:
-            dram.on_evict = self._demote
+            if demote_queue_bytes > 0:
+                self.demotions = DemotionQueue(ssd, demote_queue_bytes, on_demote)
+                dram.on_evict = self.demotions.submit
+            else:
+                dram.on_evict = self._demote
 
     def _demote(self, keys: Sequence[BlockKey], views: Sequence[memoryview], checksums: Sequence[int]) -> None:
         assert self.ssd is not None, "tiered: demotion without an SSD tier"
@@ -65,10 +78,30 @@ class TieredStore:
         found: list[Tier | None] = [Tier.DRAM if hit else None for hit in self.dram.contains(keys)]
         missing = [i for i, t in enumerate(found) if t is None]
         if self.ssd is not None and missing:
-            for i, hit in zip(missing, self.ssd.contains([keys[i] for i in missing])):
+            for i, hit in zip(missing, self.ssd_inventory().contains([keys[i] for i in missing])):
                 if hit:
                     found[i] = Tier.SSD
         return found
+
+    def ssd_meta(self, keys: Sequence[BlockKey]) -> list[BlockMeta | None]:
+        """Size and checksum of each key on SSD or on its way there (None: neither)."""
+        assert self.ssd is not None, "tiered: no SSD tier"
+        # Pending first: a write that lands in between is then seen on SSD (never in neither).
+        pending = [self.demotions.get(k) for k in keys] if self.demotions is not None else [None] * len(keys)
+        metas = self.ssd.meta(keys)
+        for i, (key, entry) in enumerate(zip(keys, pending)):
+            if metas[i] is None and entry is not None:
+                metas[i] = BlockMeta(key, entry[0].nbytes, entry[1])
+        return metas
+
+    def ssd_inventory(self) -> "SsdInventory":
+        """The SSD tier as the master must see it: stored blocks plus blocks on their way there."""
+        assert self.ssd is not None, "tiered: no SSD tier"
+        return SsdInventory(self.ssd, self.demotions)
+
+    def flush_demotions(self, timeout: float | None = None) -> bool:
+        """Wait until background demotions are on SSD (True at once when demotion is inline)."""
+        return self.demotions.flush(timeout) if self.demotions is not None else True
 
     def get_into(self, keys: Sequence[BlockKey], outs: Sequence[BufferLike]) -> list[Tier | None]:
         """Fill ``outs``; per key, the tier that served it, or None for a miss."""
@@ -80,7 +113,13 @@ class TieredStore:
             return served
         miss_keys = [keys[i] for i in missing]
         miss_outs = [outs[i] for i in missing]
+        # Pending demotions first (their bytes stay ours even if the write lands meanwhile), then SSD.
+        pending = [self.demotions.get(k) for k in miss_keys] if self.demotions is not None else []
         ssd_hits = self.ssd.get_into(miss_keys, miss_outs)
+        for j, (entry, out) in enumerate(zip(pending, miss_outs)):
+            if not ssd_hits[j] and entry is not None and entry[0].nbytes == byte_view(out).nbytes:
+                np.copyto(np.frombuffer(byte_view(out, writable=True), dtype=np.uint8), entry[0])
+                ssd_hits[j] = True
         promote_keys, promote_vals = [], []
         for i, key, out, hit in zip(missing, miss_keys, miss_outs, ssd_hits):
             if hit:
@@ -137,6 +176,8 @@ class TieredStore:
         """Drop keys from every tier; returns how many (key, tier) copies went."""
         keys = check_keys(keys)
         removed = self.dram.remove(keys)
+        if self.demotions is not None:
+            removed += self.demotions.cancel(keys)
         if self.ssd is not None:
             removed += self.ssd.remove(keys)
         return removed
@@ -148,6 +189,32 @@ class TieredStore:
         return out
 
     def close(self) -> None:
+        """Close DRAM (no more evictions), write pending demotions, close SSD."""
         self.dram.close()
+        if self.demotions is not None:
+            self.demotions.close()
         if self.ssd is not None:
             self.ssd.close()
+
+
+class SsdInventory:
+    """An SSD store plus its pending demotions, as one inventory (what a node reports to the master)."""
+
+    def __init__(self, ssd: SsdStore, demotions: DemotionQueue | None):
+        self.ssd = ssd
+        self.demotions = demotions
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        if self.demotions is None:
+            return self.ssd.contains(keys)
+        pending = self.demotions.contains(keys)  # first: a write landing in between is then seen on SSD
+        return [a or b for a, b in zip(pending, self.ssd.contains(keys))]
+
+    def inventory(self) -> list[BlockMeta]:
+        pending = self.demotions.metas() if self.demotions is not None else []
+        metas = self.ssd.inventory()
+        seen = {m.key for m in metas}
+        return metas + [m for m in pending if m.key not in seen]
+
+    def stats(self) -> TierStats:
+        return self.ssd.stats()
