@@ -164,12 +164,13 @@ class DemotionQueue:
                         self._bytes -= buf.nbytes
                         if not ok:
                             refused.append(key)
-                self._busy = False
-                self._lock.notify_all()
             if undo:
                 self.ssd.remove(undo)
             if refused and self.ssd.on_change is not None:
                 self.ssd.on_change((), refused)
+            with self._lock:  # only now: flush() must not return before the undo
+                self._busy = False
+                self._lock.notify_all()
 
     def _write(self, keys: list[BlockKey], bufs: Sequence[object], checksums: list[int]) -> list[bool]:
         stored = self.ssd.put(keys, bufs, checksums)  # type: ignore[arg-type]
