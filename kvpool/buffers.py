@@ -7,6 +7,7 @@ side (:mod:`kvpool.client`), so the service never imports torch.
 
 from __future__ import annotations
 
+import threading
 from typing import Union
 
 import numpy as np
@@ -43,3 +44,36 @@ def aligned_empty(nbytes: int, align: int = 4096) -> np.ndarray:
     raw = np.empty(nbytes + align, dtype=np.uint8)
     start = -raw.ctypes.data % align
     return raw[start : start + nbytes]
+
+
+class ScratchPool:
+    """Reusable temporaries for big copies (thread-safe).
+
+    A fresh multi-MiB buffer costs a page fault per 4 KiB on first touch
+    (tens of milliseconds for 32 MiB on a small VM); a buffer taken from here
+    was touched before. Keeps at most ``max_bytes`` of idle buffers.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._idle: list[np.ndarray] = []
+        self._idle_bytes = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of exactly ``nbytes`` (a view of a pooled one when one is big enough); give it back."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self._idle) if b.size >= nbytes]
+            if fits:
+                best = self._idle.pop(min(fits, key=lambda i: self._idle[i].size))  # by index: arrays have no ==
+                self._idle_bytes -= best.size
+                return best[:nbytes]
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        """Return a buffer from :meth:`take` (the caller must not use it afterwards)."""
+        whole = buf.base if isinstance(buf.base, np.ndarray) else buf
+        with self._lock:
+            if self._idle_bytes + whole.size <= self.max_bytes:
+                self._idle.append(whole)
+                self._idle_bytes += whole.size

@@ -16,7 +16,8 @@ tokens whose first ``--cached-blocks`` (31 of 32) blocks of ``--block-size``
   DRAM holds push it out of DRAM (write-back: the node demotes it; with
   ``--write-through`` it was on SSD from the start). The read promotes it
   back into that full DRAM, which evicts filler: with write-back the node
-  demotes those victims to SSD before the read returns;
+  copies those victims out and writes them to SSD in the background, after
+  the request (each round starts once the node has no demotion pending);
 - ``ceiling``: the forward over ``P``'s uncached suffix with the prefix
   already in the model's cache in memory (what no pool can beat);
 - ``dram``: ``P`` with its prefix in DRAM (a worker without an HBM tier);
@@ -94,9 +95,10 @@ class LocalPool:
         self._tmp = tempfile.mkdtemp(prefix="kvpool-ttft-", dir=ssd_parent)
         self.arena = f"kvpool-ttft-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.address = f"127.0.0.1:{_free_port()}"
+        self.metrics_port = _free_port()
         flags = {
             "master-port": self.address.rsplit(":", 1)[1], "master-metrics-port": 0, "port": _free_port(),
-            "metrics-port": 0, "data-port": 0, "arena": self.arena, "dram-bytes": dram_bytes,
+            "metrics-port": self.metrics_port, "data-port": 0, "arena": self.arena, "dram-bytes": dram_bytes,
             "slot-bytes": slot_bytes, "ssd-dir": os.path.join(self._tmp, "ssd"), "ssd-bytes": ssd_bytes,
             "write-through": str(write_through).lower(),
         }
@@ -120,6 +122,19 @@ class LocalPool:
         except BaseException:
             self.close()
             raise
+
+    def demotion_queue_bytes(self) -> float:
+        """The node's ``kvpool_demotion_queue_bytes`` (blocks on their way to SSD)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.name == "kvpool_demotion_queue_bytes":
+                return sum(s.value for s in family.samples)
+        return 0.0
 
     def log_tail(self) -> str:
         with open(os.path.join(self._tmp, "serve.log"), "rb") as f:
@@ -225,6 +240,8 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
                     worker.put([opaque_key(f"ttft-filler-{filler_round}-{i}")], [junk])
                     worker.flush(60)
                 _wait(lambda: worker.lookup(keys).ssd_blocks == len(keys), "the prefix did not move to SSD")
+                # ...and written there: the node is idle again, as it would be between requests
+                _wait(lambda: pool.demotion_queue_bytes() == 0, "the node did not finish demoting")
 
             def into_dram() -> None:
                 worker.flush(60)

@@ -16,13 +16,17 @@ Invariants:
 - :meth:`cancel` (a remove) wins over a write in flight: the key is removed
   from SSD again right after that write lands, so a removed key never
   reappears.
-- :meth:`close` writes everything pending before returning.
+- Writes start once the oldest queued block has waited ``delay_s`` (or the
+  queue is half full, or someone flushes): a promotion's victims are written
+  after the request that promoted, not during its forward pass on the same
+  cores. :meth:`close` writes everything pending before returning.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -33,23 +37,31 @@ from kvpool.tiers.ssd import SsdStore
 
 log = logging.getLogger(__name__)
 
+DELAY_S = 1.0  # a queued block waits this long before its write starts (see module docstring)
+WRITE_BYTES = 32 << 20  # most bytes one SSD transaction of the writer carries
+
 
 class DemotionQueue:
     """Pending demotions of one node and the thread that writes them (see module docstring)."""
 
-    def __init__(self, ssd: SsdStore, max_bytes: int, on_demote: Callable[[int], None] | None = None):
+    def __init__(self, ssd: SsdStore, max_bytes: int, on_demote: Callable[[int], None] | None = None,
+                 delay_s: float = DELAY_S):
         if max_bytes <= 0:
             raise ValueError("demotion queue: max_bytes must be positive")
         self.ssd = ssd
         self.max_bytes = max_bytes
+        self.delay_s = delay_s
+        self._flushing = 0  # flush() calls waiting: write now
         self.on_demote = on_demote
         self._lock = threading.Condition()
         self._pending: dict[BlockKey, tuple[np.ndarray, int]] = {}  # key -> (bytes, checksum), queued or in flight
-        self._queued: dict[BlockKey, None] = {}  # keys not yet taken by the writer, in eviction order
+        self._queued: dict[BlockKey, float] = {}  # keys not yet taken by the writer -> when queued, oldest first
         self._cancelled: set[BlockKey] = set()  # removed while their write was in flight
         self._bytes = 0
         self._busy = False
         self._closed = False
+        self._free: dict[int, list[np.ndarray]] = {}  # written buffers kept for reuse, by size
+        self._free_bytes = 0
         self._thread = threading.Thread(target=self._run, name="kvpool-demotion", daemon=True)
         self._thread.start()
 
@@ -63,19 +75,17 @@ class DemotionQueue:
         if inline:
             self._write(list(keys), list(views), list(checksums))
             return
-        data = np.empty(total, dtype=np.uint8)
-        bufs, offset = [], 0
+        bufs = []
         for v in views:
-            buf = data[offset : offset + v.nbytes]
+            buf = self._buffer(v.nbytes)
             np.copyto(buf, np.frombuffer(v, dtype=np.uint8))
             bufs.append(buf)
-            offset += v.nbytes
         with self._lock:
             for key, buf, checksum in zip(keys, bufs, checksums):
                 old = self._pending.get(key)
                 if old is not None:
                     self._bytes -= old[0].nbytes
-                self._queued[key] = None  # again, if a write of an older copy is in flight
+                self._queued.setdefault(key, time.monotonic())  # again, if an older copy's write is in flight
                 self._pending[key] = (buf, int(checksum))
                 self._cancelled.discard(key)
                 self._bytes += buf.nbytes
@@ -83,10 +93,30 @@ class DemotionQueue:
         if self.ssd.on_change is not None:  # visible as on SSD from now on (see module docstring)
             self.ssd.on_change([BlockMeta(k, b.nbytes, int(c)) for k, b, c in zip(keys, bufs, checksums)], ())
 
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        """A buffer of ``nbytes``: a recycled one if any (its pages are already faulted in), else a new one."""
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self._free_bytes -= nbytes
+                return free.pop()
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def _recycle(self, bufs: Sequence[np.ndarray]) -> None:
+        """Keep written buffers for reuse, up to ``max_bytes`` (caller holds the lock)."""
+        for buf in bufs:
+            if self._free_bytes + buf.nbytes <= self.max_bytes:
+                self._free.setdefault(buf.nbytes, []).append(buf)
+                self._free_bytes += buf.nbytes
+
     # -- reads -------------------------------------------------------------------------------
 
     def get(self, key: BlockKey) -> tuple[np.ndarray, int] | None:
-        """The pending bytes and checksum of ``key`` (do not modify), or None."""
+        """The pending bytes and checksum of ``key`` (do not modify), or None.
+
+        The buffer is recycled once the block is on SSD: a reader must verify
+        what it copied out against the checksum (a torn copy is a miss).
+        """
         with self._lock:
             return self._pending.get(key)
 
@@ -123,9 +153,14 @@ class DemotionQueue:
         return n
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until nothing is pending; False on timeout."""
+        """Write what is queued now and wait until nothing is pending; False on timeout."""
         with self._lock:
-            return self._lock.wait_for(lambda: not self._pending and not self._busy, timeout)
+            self._flushing += 1
+            self._lock.notify_all()
+            try:
+                return self._lock.wait_for(lambda: not self._pending and not self._busy, timeout)
+            finally:
+                self._flushing -= 1
 
     def close(self) -> None:
         """Write everything pending, then stop the thread. Idempotent."""
@@ -139,38 +174,71 @@ class DemotionQueue:
     def _run(self) -> None:
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._queued or self._closed)
+                while not self._due():
+                    oldest = next(iter(self._queued.values()), None)
+                    self._lock.wait(None if oldest is None else max(0.0, oldest + self.delay_s - time.monotonic()))
                 if not self._queued:
                     return  # closed and drained
                 batch = [(k, *self._pending[k]) for k in self._queued]
                 self._queued = {}
                 self._busy = True
-            try:
-                stored = self._write([k for k, _, _ in batch], [b for _, b, _ in batch], [c for _, _, c in batch])
-            except Exception:  # noqa: BLE001 - a failed demotion drops the blocks: later misses, never an error
-                log.exception("demotion: writing %d blocks to SSD failed; dropping them", len(batch))
-                stored = [False] * len(batch)
-            undo, refused = [], []
-            with self._lock:
-                for (key, buf, _), ok in zip(batch, stored):
-                    if key in self._cancelled:
-                        self._cancelled.discard(key)
-                        if ok:
-                            undo.append(key)
-                        continue
-                    entry = self._pending.get(key)
-                    if entry is not None and entry[0] is buf:  # not re-submitted meanwhile
-                        del self._pending[key]
-                        self._bytes -= buf.nbytes
-                        if not ok:
-                            refused.append(key)
-            if undo:
-                self.ssd.remove(undo)
-            if refused and self.ssd.on_change is not None:
-                self.ssd.on_change((), refused)
+            for part in self._parts(batch):  # one SSD transaction each, so SSD's LRU sees them in order
+                try:
+                    stored = self._write([k for k, _, _ in part], [b for _, b, _ in part], [c for _, _, c in part])
+                except Exception:  # noqa: BLE001 - a failed demotion drops the blocks: later misses, never an error
+                    log.exception("demotion: writing %d blocks to SSD failed; dropping them", len(part))
+                    stored = [False] * len(part)
+                self._settle(part, stored)  # before the next part: its evictions must see these as on SSD only
             with self._lock:  # only now: flush() must not return before the undo
                 self._busy = False
                 self._lock.notify_all()
+
+    def _settle(self, part: list[tuple[BlockKey, np.ndarray, int]], stored: list[bool]) -> None:
+        """After a part was written: drop it from pending, undo cancelled writes, report refusals."""
+        undo, refused, done = [], [], []
+        with self._lock:
+            for (key, buf, _), ok in zip(part, stored):
+                done.append(buf)
+                if key in self._cancelled:
+                    self._cancelled.discard(key)
+                    if ok:
+                        undo.append(key)
+                    continue
+                entry = self._pending.get(key)
+                if entry is None or entry[0] is not buf:  # removed or re-submitted meanwhile
+                    continue
+                del self._pending[key]
+                self._bytes -= buf.nbytes
+                if not ok:
+                    refused.append(key)
+            self._recycle(done)
+        if undo:
+            self.ssd.remove(undo)
+        if refused and self.ssd.on_change is not None:
+            self.ssd.on_change((), refused)
+
+    def _parts(self, batch: list[tuple[BlockKey, np.ndarray, int]]) -> list[list[tuple[BlockKey, np.ndarray, int]]]:
+        """``batch`` in runs of at most WRITE_BYTES (and an eighth of the SSD), each at least one block."""
+        limit = max(1, min(WRITE_BYTES, self.ssd.capacity_bytes // 8))
+        parts: list[list[tuple[BlockKey, np.ndarray, int]]] = []
+        size = 0
+        for entry in batch:
+            if not parts or size + entry[1].nbytes > limit:
+                parts.append([])
+                size = 0
+            parts[-1].append(entry)
+            size += entry[1].nbytes
+        return parts
+
+    def _due(self) -> bool:
+        """Write now? (caller holds the lock)"""
+        if self._closed:
+            return True
+        if not self._queued:
+            return False
+        if self._flushing or self._bytes * 2 >= self.max_bytes:
+            return True
+        return time.monotonic() - next(iter(self._queued.values())) >= self.delay_s
 
     def _write(self, keys: list[BlockKey], bufs: Sequence[object], checksums: list[int]) -> list[bool]:
         stored = self.ssd.put(keys, bufs, checksums)  # type: ignore[arg-type]

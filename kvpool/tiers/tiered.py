@@ -26,12 +26,16 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvpool.buffers import BufferLike, byte_view
+from kvpool.buffers import BufferLike, ScratchPool, byte_view
+from kvpool.checksum import copy_with_checksum
 from kvpool.keys import BlockKey, check_keys
 from kvpool.tiers.base import BlockMeta, Tier, TierStats, check_batch
 from kvpool.tiers.demotion import DemotionQueue
 from kvpool.tiers.dram import DramStore
 from kvpool.tiers.ssd import SsdStore
+
+
+SCRATCH_POOL_BYTES = 128 << 20  # idle temporaries kept warm for promotions and SSD reads
 
 
 class TieredStore:
@@ -55,6 +59,7 @@ class TieredStore:
         self.on_demote = on_demote
         self.on_promote = on_promote
         self.demotions: DemotionQueue | None = None
+        self.scratch = ScratchPool(SCRATCH_POOL_BYTES)  # for callers that read SSD blocks through a temporary
         if ssd is not None and not self.write_through:
             if demote_queue_bytes > 0:
                 self.demotions = DemotionQueue(ssd, demote_queue_bytes, on_demote)
@@ -118,8 +123,9 @@ class TieredStore:
         ssd_hits = self.ssd.get_into(miss_keys, miss_outs)
         for j, (entry, out) in enumerate(zip(pending, miss_outs)):
             if not ssd_hits[j] and entry is not None and entry[0].nbytes == byte_view(out).nbytes:
-                np.copyto(np.frombuffer(byte_view(out, writable=True), dtype=np.uint8), entry[0])
-                ssd_hits[j] = True
+                # the buffer is recycled once written: only a copy that matches its checksum counts
+                dst = np.frombuffer(byte_view(out, writable=True), dtype=np.uint8)
+                ssd_hits[j] = copy_with_checksum(dst, entry[0]) == entry[1]
         promote_keys, promote_vals = [], []
         for i, key, out, hit in zip(missing, miss_keys, miss_outs, ssd_hits):
             if hit:
