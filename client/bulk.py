@@ -11,12 +11,16 @@
   back to gRPC). :class:`BulkFailed`: an exchange broke or the node replied
   with an error; the connection is dropped. A pooled connection the node had
   closed meanwhile is retried once on a fresh one, before any reply byte.
+- With a token, each new connection first sends AUTH (bulk op 3); a refusal
+  is a :class:`BulkFailed` of kind ``unauthenticated``. With a TLS context,
+  connections are TLS, checked against the host dialed.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+import ssl
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -32,7 +36,7 @@ from kvpool.framing import (
     send_buffers,
     set_io_timeout,
 )
-from kvpool.node.bulk import OP_GET, OP_PUT, ProtocolError, read_reply_header, request_header
+from kvpool.node.bulk import OP_AUTH, OP_GET, OP_PUT, ProtocolError, read_reply_header, request_header
 
 # Per-block outcome of a GET.
 OK = 0
@@ -57,12 +61,25 @@ class BulkFailed(RuntimeError):
         self.kind = kind
 
 
+def auth_hello(token: str) -> Callable[[socket.socket], None]:
+    """A :class:`~kvpool.framing.ConnectionPool` ``hello``: bulk AUTH; ProtocolError with the node's message if refused."""
+    body = token.encode()
+
+    def hello(sock: socket.socket) -> None:
+        send_buffers(sock, [request_header(OP_AUTH, len(body)), body])
+        read_reply_header(sock, OP_AUTH, 0)
+
+    return hello
+
+
 class BulkClient:
     """Pooled bulk connections to any number of nodes (thread-safe)."""
 
-    def __init__(self, timeout_s: float, *, connect_timeout_s: float | None = None, max_idle_per_node: int = 4):
+    def __init__(self, timeout_s: float, *, connect_timeout_s: float | None = None, max_idle_per_node: int = 4,
+                 token: str = "", tls: ssl.SSLContext | None = None):
         self._pool = ConnectionPool(timeout_s, connect_timeout_s=connect_timeout_s,
-                                    max_idle_per_address=max_idle_per_node)
+                                    max_idle_per_address=max_idle_per_node, tls=tls,
+                                    hello=auth_hello(token) if token else None)
 
     def _exchange(self, address: str, fn, *args):  # type: ignore[no-untyped-def]
         try:
@@ -70,7 +87,8 @@ class BulkClient:
         except ConnectFailed as exc:
             raise BulkUnavailable(str(exc)) from exc
         except ProtocolError as exc:
-            raise BulkFailed("bulk_error", str(exc)) from exc
+            kind = "unauthenticated" if str(exc).startswith("unauthenticated") else "bulk_error"
+            raise BulkFailed(kind, str(exc)) from exc
         except OSError as exc:  # includes timeouts and resets
             raise BulkFailed("timeout" if is_timeout(exc) else "bulk_io", str(exc)) from exc
 

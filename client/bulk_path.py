@@ -22,6 +22,7 @@ from kvpool.client.lookup import BlockLocation, NodeAddress
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
 from kvpool.keys import BlockKey
+from kvpool.tls import client_context
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -33,7 +34,8 @@ class BulkPath:
     def __init__(self, config: ClientConfig, nodes: NodeDirectory, faults: Faults):
         self.nodes = nodes
         self.faults = faults
-        self.bulk = BulkClient(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0))
+        self.bulk = BulkClient(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0),
+                               token=config.token, tls=client_context(config.tls_ca) if config.tls_ca else None)
 
     def _call(self, node: NodeAddress, n: int, call: Callable[..., T], *args: Any) -> T | None:
         """One bulk request; None (hand these ``n`` blocks on) if the listener is down or the call failed."""

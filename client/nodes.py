@@ -27,7 +27,7 @@ from kvpool.client.lookup import NodeAddress
 from kvpool.config import ClientConfig
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
-from kvpool.rpc import channel_options, local_host_id
+from kvpool.rpc import local_host_id, make_channel
 from kvpool.tiers.arena import SharedArena
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
 
@@ -62,7 +62,8 @@ class NodeDirectory:
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
-                channel = grpc.insecure_channel(address, options=channel_options(MAX_MESSAGE_BYTES))
+                channel = make_channel(address, max_message_bytes=MAX_MESSAGE_BYTES, token=self.config.token,
+                                       tls_ca=self.config.tls_ca)
                 self._channels[address] = channel
                 stub = self._stubs[address] = FastStub(
                     node_pb2_grpc.NodeStub(channel), _NODE_SERVICE, NODE_CALLS, self._calls,

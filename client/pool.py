@@ -7,12 +7,18 @@
   what it could not move to the next: shared memory when the node is on
   this host (:mod:`kvpool.client.shared_path`), its bulk TCP listener
   (:mod:`kvpool.client.bulk_path`), gRPC (:mod:`kvpool.client.grpc_path`).
+  A node's blocks get one ``io_timeout_s`` across its paths: once a path
+  spent it (a stalled node), the rest are misses, not handed to a slower path.
 - Bytes are accepted only if their checksum equals the one the master
   published for the block.
 - Pool failures are counted misses, never exceptions on the engine's path
   (:mod:`kvpool.client.faults`); caller misuse is a ValueError.
 - ``put`` is write-behind (a bounded queue, :mod:`kvpool.client.writer`);
   ``store`` writes now.
+- With ``token`` every call and connection carries it (gRPC metadata, the
+  AUTH frame of fast calls and bulk); with ``tls_ca`` every transport is TLS,
+  verified against that CA. A refused token or certificate is a pool fault
+  like any other: counted misses.
 """
 
 from __future__ import annotations
@@ -26,21 +32,22 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from kvpool.buffers import BufferLike, as_array, byte_view
-from kvpool.calls import MASTER_CALLS, FastStub, MasterCallAddress
+from kvpool.calls import MASTER_CALLS, FastStub, MasterCallAddress, auth_hello
 from kvpool.client.bulk_path import BulkPath
 from kvpool.client.datapath import DataPath
 from kvpool.client.faults import Faults, PoolFault, error_kind
 from kvpool.client.grpc_path import GrpcPath
 from kvpool.client.lookup import EMPTY_RUN, BlockLocation, NodeAddress, PoolRun
 from kvpool.client.nodes import MAX_MESSAGE_BYTES, NodeDirectory
-from kvpool.client.shared_path import SharedMemoryPath
+from kvpool.client.shared_path import SharedMemoryPath, TenantMask
 from kvpool.client.writer import WriteBehindQueue
 from kvpool.config import ClientConfig
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey, check_keys, pack_keys
 from kvpool.metrics import ErrorMetrics, LookupMetrics, MetricsServer, latency_histogram
-from kvpool.rpc import channel_options, flags_from_bytes
+from kvpool.rpc import flags_from_bytes, make_channel
 from kvpool.tiers.base import Tier
+from kvpool.tls import client_context
 from kvpool.v1 import master_pb2, master_pb2_grpc
 
 __all__ = ["PoolClient", "PoolFault"]
@@ -62,14 +69,18 @@ class PoolClient:
         self._lookup_seconds = latency_histogram(self.registry, "lookup", "Pool lookup latency (one master call)")
         self._get_seconds = latency_histogram(self.registry, "get", "Pool get latency (one batch)")
         self._put_seconds = latency_histogram(self.registry, "put", "Pool put latency (one write-behind batch)")
-        self._master_channel = grpc.insecure_channel(config.master, options=channel_options(MAX_MESSAGE_BYTES))
+        self._master_channel = make_channel(config.master, max_message_bytes=MAX_MESSAGE_BYTES, token=config.token,
+                                            tls_ca=config.tls_ca)
         master_stub = master_pb2_grpc.MasterStub(self._master_channel)
-        self._calls = ConnectionPool(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0))
+        tls = client_context(config.tls_ca) if config.tls_ca else None
+        self._calls = ConnectionPool(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0), tls=tls,
+                                     hello=auth_hello(config.token) if config.token else None)
         master_calls = MasterCallAddress(master_stub, config.master, config.lookup_timeout_s)
         self._master = FastStub(master_stub, _MASTER_SERVICE, MASTER_CALLS, self._calls, master_calls,
                                 on_unreachable=master_calls.forget, max_reply_bytes=MAX_MESSAGE_BYTES)
         self.nodes = NodeDirectory(config, self._calls)
-        self.shared_path = SharedMemoryPath(config, self.nodes, self.faults)
+        mask = TenantMask(master_stub, config.lookup_timeout_s) if config.token else None
+        self.shared_path = SharedMemoryPath(config, self.nodes, self.faults, mask)
         self.bulk_path = BulkPath(config, self.nodes, self.faults)
         self.grpc_path = GrpcPath(config, self.nodes, self.faults)
         self.paths: list[DataPath] = [self.shared_path, self.bulk_path, self.grpc_path]  # fastest first
@@ -152,9 +163,13 @@ class PoolClient:
         for i, loc in enumerate(locations):
             by_node[loc.node].append(i)
         for node, idxs in by_node.items():
+            deadline = time.monotonic() + self.config.io_timeout_s  # one deadline per node, not one per path
             for path in self.paths:
                 idxs = path.get(node, idxs, locations, dsts, ok)
                 if not idxs:
+                    break
+                if time.monotonic() >= deadline:  # a stalled node: no slower path gets to wait on it again
+                    self.faults.lost("timeout", f"{len(idxs)} blocks of {node.address} past the deadline", len(idxs))
                     break
         self._get_seconds.observe(time.perf_counter() - start)
         return ok
@@ -233,9 +248,13 @@ class PoolClient:
             else:
                 by_node[placed.node_indexes[j]].append(i)
         for node_index, idxs in by_node.items():
+            deadline = time.monotonic() + self.config.io_timeout_s  # as in get_into
             for path in self.paths:
                 idxs = path.put(nodes[node_index], idxs, keys, arrays, sizes, result)
                 if not idxs:
+                    break
+                if time.monotonic() >= deadline:
+                    self.faults.count("timeout", len(idxs))
                     break
         return [result[first[k]] for k in keys]
 

@@ -15,16 +15,24 @@ while checksumming (:func:`~kvpool.checksum.copy_with_checksum`),
 ``Commit`` (the node verifies every block before publishing it). Blocks that
 got no slot (too large, no room) are handed to the next path; a writer that
 dies mid-put leaves slots the node reclaims when the lease lapses.
+
+Tenants (auth on): arena rows hold *stored* keys, so reads compare rows with
+this client's keys under its tenant mask (:class:`TenantMask`, from the
+master). Until the mask is known, reads take the network path.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import numpy as np
 
+from kvpool.auth import MASK_BYTES, mask_keys
 from kvpool.checksum import copy_with_checksum
 from kvpool.client.datapath import LEASE_CHUNK_BYTES, chunks
 from kvpool.client.faults import Faults, error_kind
@@ -33,9 +41,42 @@ from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.tiers.arena import SharedArena
-from kvpool.v1 import node_pb2
+from kvpool.v1 import master_pb2, node_pb2
 
 log = logging.getLogger(__name__)
+
+MASK_RETRY_S = 5.0  # a mask the master could not be asked for is asked again after this long
+
+
+class TenantMask:
+    """This client's tenant mask, asked of the master's ``Info`` once (again after MASK_RETRY_S if that failed).
+
+    Calling it returns the mask (b"": keys are stored as sent) or None (not known yet).
+    """
+
+    def __init__(self, master_stub: Any, timeout_s: float):
+        self._stub = master_stub
+        self._timeout = timeout_s
+        self._lock = threading.Lock()
+        self._known: bytes | None = None
+        self._next_try = 0.0
+
+    def __call__(self) -> bytes | None:
+        with self._lock:
+            if self._known is not None or time.monotonic() < self._next_try:
+                return self._known
+            self._next_try = time.monotonic() + MASK_RETRY_S
+        try:
+            info = self._stub.Info(master_pb2.MasterInfoRequest(), timeout=self._timeout)
+        except grpc.RpcError as exc:
+            log.debug("master Info failed (%s); same-host reads wait for the tenant mask", error_kind(exc))
+            return None
+        if len(info.tenant_mask) not in (0, MASK_BYTES):
+            log.warning("master sent a tenant mask of %d bytes; ignoring it", len(info.tenant_mask))
+            return None
+        with self._lock:
+            self._known = bytes(info.tenant_mask)
+            return self._known
 
 
 def _check_rows(arena: SharedArena, slots: np.ndarray, keys: np.ndarray, sizes: np.ndarray,
@@ -53,10 +94,12 @@ def _check_rows(arena: SharedArena, slots: np.ndarray, keys: np.ndarray, sizes: 
 class SharedMemoryPath:
     """The :class:`~kvpool.client.datapath.DataPath` through a same-host node's arena (see module docstring)."""
 
-    def __init__(self, config: ClientConfig, nodes: NodeDirectory, faults: Faults):
+    def __init__(self, config: ClientConfig, nodes: NodeDirectory, faults: Faults,
+                 tenant_mask: TenantMask | None = None):
         self.config = config
         self.nodes = nodes
         self.faults = faults
+        self.tenant_mask = tenant_mask  # None: no token, keys are stored as sent
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -65,9 +108,13 @@ class SharedMemoryPath:
         arena = self.nodes.arena(node)
         if arena is None:
             return idxs
+        mask = b"" if self.tenant_mask is None else self.tenant_mask()
+        if mask is None:  # the rows hold stored keys we cannot compute yet
+            return idxs
         n = len(idxs)
         packed = pack_keys([locations[i].key for i in idxs])
-        keys = np.frombuffer(packed, dtype=arena.table.dtype["key"])
+        sent = np.frombuffer(packed, dtype=arena.table.dtype["key"])  # what the node is asked for
+        keys = np.frombuffer(mask_keys(packed, mask), dtype=arena.table.dtype["key"])  # what its rows hold
         sizes = np.fromiter((locations[i].size for i in idxs), dtype=np.uint64, count=n)
         sums = np.fromiter((locations[i].checksum for i in idxs), dtype=np.uint64, count=n)
         hints = self.nodes.slot_hints(arena)
@@ -75,7 +122,7 @@ class SharedMemoryPath:
         gens, cand = _check_rows(arena, slots, keys, sizes, sums)
         missing = np.flatnonzero(~cand)
         if missing.size:
-            found = self.locate(node, arena, packed if missing.size == n else keys[missing].tobytes(), missing.size)
+            found = self.locate(node, arena, packed if missing.size == n else sent[missing].tobytes(), missing.size)
             if found is not None:
                 slots[missing] = found
                 for j in missing[found >= 0].tolist():

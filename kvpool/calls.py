@@ -18,6 +18,15 @@ list below (:data:`MASTER_CALLS`, :data:`NODE_CALLS`): changing a list is a
 new protocol version. ``status`` is the gRPC status code number (0 OK,
 3 INVALID_ARGUMENT, 12 UNIMPLEMENTED, 13 INTERNAL, 14 UNAVAILABLE, ...).
 
+Authentication (listeners with an auth file, :mod:`kvpool.auth`): the first
+frame on a connection is ``method`` :data:`AUTH_METHOD` (0xFFFF) with the
+token as its body (at most 512 bytes); the reply is OK with an empty body,
+and the connection then carries that caller's identity. An unknown token,
+or any other frame first, gets UNAUTHENTICATED and the connection closes.
+A method the caller's role may not call is PERMISSION_DENIED (the
+connection stays usable). A client sends AUTH only if it has a token; a
+listener without an auth file answers AUTH with OK.
+
 Invariants:
 - A servicer's ValueError is INVALID_ARGUMENT with its message (as the gRPC
   interceptor does), ``context.abort(code, details)`` is that status, any
@@ -26,6 +35,8 @@ Invariants:
   limit) closes it.
 - :class:`FastStub` raises :class:`CallError`, a ``grpc.RpcError`` with
   ``code()`` and ``details()``, so callers handle both transports alike.
+- Servicers learn who calls from :func:`kvpool.auth.caller`, set around each
+  call exactly as the gRPC interceptor sets it: they are transport-agnostic.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from kvpool.auth import MAX_TOKEN_BYTES, Authority, Identity, Peer, acting_as, caller
 from kvpool.framing import (
     IDLE_TIMEOUT_S,
     IO_TIMEOUT_S,
@@ -53,6 +65,7 @@ from kvpool.framing import (
     send_final,
     set_io_timeout,
 )
+from kvpool.metrics import ErrorMetrics
 from kvpool.v1 import master_pb2, node_pb2
 
 log = logging.getLogger(__name__)
@@ -65,6 +78,7 @@ assert FRAME.size == 16, "fast calls: the frame header must stay 16 bytes (the b
 MASTER_CALLS = ("Lookup", "Exists", "PlaceBlocks", "ReportBlocks")
 NODE_CALLS = ("Locate", "Reserve", "Commit")
 RETRY_S = 5.0  # a peer whose fast-call listener could not be reached is called over gRPC this long
+AUTH_METHOD = 0xFFFF  # the AUTH frame's method id (see the module docstring)
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -106,6 +120,17 @@ class _Context:
     def invocation_metadata(self) -> tuple[()]:
         return ()
 
+    @property
+    def identity(self) -> Identity | None:
+        """The caller (:func:`kvpool.auth.caller`), as a servicer sees it over gRPC too."""
+        return caller()
+
+
+def refusal_frame(message: str) -> bytes:
+    """The reply a listener over its connection limit sends before closing: RESOURCE_EXHAUSTED."""
+    body = message.encode()
+    return FRAME.pack(CALL_MAGIC, CALL_VERSION, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], 0, len(body)) + body
+
 
 def _request_types(service: Any, names: Sequence[str]) -> list[type[Message]]:
     """The request message class of each named method of a protobuf service descriptor."""
@@ -119,13 +144,18 @@ def _request_types(service: Any, names: Sequence[str]) -> list[type[Message]]:
 class CallHandler:
     """Serves fast-call frames with a gRPC servicer's methods (thread-safe if the servicer is)."""
 
-    def __init__(self, servicer: Any, service: Any, names: Sequence[str], *, max_body_bytes: int):
+    def __init__(self, servicer: Any, service: Any, names: Sequence[str], *, max_body_bytes: int,
+                 authority: Authority | None = None, errors: ErrorMetrics | None = None):
         self._methods = [(name, getattr(servicer, name)) for name in names]
+        self._full_names = [f"/{service.full_name}/{name}" for name in names]
         self._types = _request_types(service, names)
         self.max_body_bytes = max_body_bytes
+        self.authority = authority
+        self.errors = errors
 
     def serve(self, sock: socket.socket) -> None:
         """Serve frames on ``sock`` until the peer closes it or sends a malformed frame."""
+        peer = Peer(self.authority)
         try:
             while True:
                 set_io_timeout(sock, IDLE_TIMEOUT_S)
@@ -135,13 +165,19 @@ class CallHandler:
                 set_io_timeout(sock, IO_TIMEOUT_S)
                 if len(header) < FRAME.size:
                     header += recv_exact(sock, FRAME.size - len(header))
-                if not self.serve_frame(sock, header):
+                if not self.serve_frame(sock, header, peer):
                     return
         except OSError as exc:
             log.debug("fast calls: connection dropped: %s", exc)
 
-    def serve_frame(self, sock: socket.socket, header: bytes | bytearray) -> bool:
-        """Answer one request whose 16-byte header was already read; False: close the connection."""
+    def serve_frame(self, sock: socket.socket, header: bytes | bytearray, peer: Peer | None = None) -> bool:
+        """Answer one request whose 16-byte header was already read; False: close the connection.
+
+        ``peer`` is the connection's authentication state (None: a connection
+        that authenticated nowhere, fine only without an auth file).
+        """
+        if peer is None:
+            peer = Peer(self.authority)
         magic, version, method, _, length = FRAME.unpack(header)
         if magic != CALL_MAGIC or version != CALL_VERSION or length > self.max_body_bytes:
             why = (f"body of {length} bytes is over the limit of {self.max_body_bytes}"
@@ -151,14 +187,22 @@ class CallHandler:
             send_final(sock, FRAME.pack(CALL_MAGIC, CALL_VERSION, grpc.StatusCode.INVALID_ARGUMENT.value[0], 0,
                                         len(body)) + body)
             return False
+        if method == AUTH_METHOD or peer.needs_auth:
+            return self._authenticate(sock, peer, method, length)
         body = recv_exact(sock, length)
         if not 1 <= method <= len(self._methods):
             self._reply(sock, grpc.StatusCode.UNIMPLEMENTED, f"no fast-call method {method}".encode())
             return True
         name, fn = self._methods[method - 1]
+        refusal = peer.denied(self._full_names[method - 1])
+        if refusal is not None:
+            self._count(refusal[0].name.lower())
+            self._reply(sock, refusal[0], refusal[1].encode())
+            return True
         try:
             request = self._types[method - 1].FromString(bytes(body))
-            reply = fn(request, _Context(f"tcp:{sock.getpeername()}"))
+            with acting_as(peer.identity):
+                reply = fn(request, _Context(f"tcp:{sock.getpeername()}"))
         except DecodeError as exc:
             self._reply(sock, grpc.StatusCode.INVALID_ARGUMENT, f"{name}: undecodable request: {exc}".encode())
         except ValueError as exc:
@@ -171,6 +215,27 @@ class CallHandler:
         else:
             self._reply(sock, grpc.StatusCode.OK, reply.SerializeToString())
         return True
+
+    def _authenticate(self, sock: socket.socket, peer: Peer, method: int, length: int) -> bool:
+        """An AUTH frame, or any frame before one on a listener that wants it; False: close."""
+        if method != AUTH_METHOD:
+            why = "unauthenticated: the first frame on a connection must be AUTH with a token"
+        elif length > MAX_TOKEN_BYTES:
+            why = f"unauthenticated: a token of {length} bytes (at most {MAX_TOKEN_BYTES})"
+        elif peer.login(recv_exact(sock, length)):
+            self._reply(sock, grpc.StatusCode.OK, b"")
+            return True
+        else:
+            why = "unauthenticated: unknown token"
+        self._count("unauthenticated")
+        body = why.encode()
+        send_final(sock, FRAME.pack(CALL_MAGIC, CALL_VERSION, grpc.StatusCode.UNAUTHENTICATED.value[0], 0,
+                                    len(body)) + body)
+        return False
+
+    def _count(self, kind: str) -> None:
+        if self.errors is not None:
+            self.errors.count(kind)
 
     @staticmethod
     def _reply(sock: socket.socket, code: grpc.StatusCode, body: bytes) -> None:
@@ -191,6 +256,22 @@ def _exchange(sock: socket.socket, state: Exchange, method: int, body: bytes, ma
     if magic != CALL_MAGIC or version != CALL_VERSION or length > max_reply:
         raise CallError(grpc.StatusCode.UNIMPLEMENTED, f"peer does not speak fast calls (magic {bytes(magic)!r})")
     return status, bytes(recv_exact(sock, length))
+
+
+def auth_hello(token: str) -> Callable[[socket.socket], None]:
+    """A :class:`~kvpool.framing.ConnectionPool` ``hello``: the AUTH frame; raises CallError if refused."""
+    body = token.encode()
+
+    def hello(sock: socket.socket) -> None:
+        send_buffers(sock, [FRAME.pack(CALL_MAGIC, CALL_VERSION, AUTH_METHOD, 0, len(body)), body])
+        magic, version, status, _, length = FRAME.unpack(recv_exact(sock, FRAME.size))
+        if magic != CALL_MAGIC or version != CALL_VERSION or length > 1 << 16:
+            raise CallError(grpc.StatusCode.UNIMPLEMENTED, f"peer does not speak fast calls (magic {bytes(magic)!r})")
+        text = bytes(recv_exact(sock, length)).decode("utf-8", "replace")
+        if status != 0:
+            raise CallError(_CODES.get(status, grpc.StatusCode.UNKNOWN), text)
+
+    return hello
 
 
 class FastStub:

@@ -69,7 +69,9 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _run_status(args: argparse.Namespace) -> int:
     from kvpool.status import run_status
 
-    return run_status(args.master or _config(args).client.master, timeout=args.timeout, prometheus=args.prometheus)
+    client = _config(args).client
+    return run_status(args.master or client.master, timeout=args.timeout, prometheus=args.prometheus,
+                      token=client.token, tls_ca=client.tls_ca)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     index_parser = benches.add_parser("index", help="master index: lookup cost and bytes per block, 1K to 10M blocks")
     index_scale.add_arguments(index_parser)
     index_parser.set_defaults(run=index_scale.run)
+    from kvpool.bench import soak
+
+    soak_parser = benches.add_parser("soak", help="many clients for minutes: memory, fds and threads of every "
+                                                  "process must stay flat, no errors")
+    soak.add_arguments(soak_parser)
+    soak_parser.set_defaults(run=soak.run)
     from kvpool.bench import ttft
 
     ttft_parser = benches.add_parser("ttft", help="transformers engine: time to first token, prefix from each tier")

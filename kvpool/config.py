@@ -71,6 +71,12 @@ class MasterConfig:
     heartbeat_interval_s: float = opt(1.0, "told to nodes when they register")
     worker_timeout_s: float = opt(60.0, "a worker silent this long loses its HBM entries")
     max_keys_per_call: int = opt(65536, "largest key batch one call may carry")
+    max_connections: int = opt(64, "most fast-call TCP connections at once; more are refused")
+    max_concurrent_rpcs: int = opt(0, "most gRPC calls in flight at once; more get RESOURCE_EXHAUSTED; 0: no limit")
+    auth_file: str = opt("", "JSON file of secret, node tokens and client tokens/tenants/quotas "
+                             "(docs/security.md); empty: no authentication")
+    tls_cert: str = opt("", "PEM certificate chain: serve gRPC and fast calls over TLS only (with tls_key)")
+    tls_key: str = opt("", "PEM private key of tls_cert")
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,19 @@ class NodeConfig:
     demote_queue_bytes: int = opt(256 << 20, "write-back: DRAM's evicted blocks are written to SSD in the background, "
                                              "at most this many bytes queued (0: inline, in the evicting call)",
                                   size=True)
-    max_message_bytes: int = opt(256 << 20, "largest gRPC message the node accepts", size=True)
+    max_message_bytes: int = opt(256 << 20, "largest gRPC message, fast-call body or bulk PUT the node accepts",
+                                 size=True)
+    max_keys_per_call: int = opt(65536, "largest key batch one call (gRPC, fast call or bulk) may carry")
+    max_connections: int = opt(64, "most bulk TCP connections (fast calls included) at once; more are refused")
+    max_concurrent_rpcs: int = opt(0, "most gRPC calls in flight at once; more get RESOURCE_EXHAUSTED; 0: no limit")
+    auth_file: str = opt("", "JSON file of secret, node tokens and client tokens/tenants/quotas (the master's "
+                             "file; docs/security.md); empty: no authentication")
+    token: str = opt("", "this node's token for the master (one of the auth file's node_tokens)")
+    tls_cert: str = opt("", "PEM certificate chain: serve gRPC and bulk TCP over TLS only (with tls_key)")
+    tls_key: str = opt("", "PEM private key of tls_cert")
+    tls_ca: str = opt("", "PEM CA certificate to verify the master with: dial it over TLS")
+    arena_mode: str = opt("0600", "permissions (octal) of the DRAM arena in /dev/shm: 0600 this user only, "
+                                  "0660 also its group; whoever can map it reads every block (docs/security.md)")
     lease_timeout_s: float = opt(5.0, "a same-host writer's reserved DRAM slots return to the pool this long "
                                       "after Reserve unless committed")
 
@@ -110,6 +128,17 @@ class NodeConfig:
 
     def resolved_arena(self) -> str:
         return self.arena or f"kvpool-{self.port}"
+
+    def resolved_arena_mode(self) -> int:
+        """``arena_mode`` as a number; ValueError unless octal, read-write for the owner, nothing for others."""
+        try:
+            mode = int(self.arena_mode, 8)
+        except ValueError:
+            raise ValueError(f"node.arena_mode {self.arena_mode!r} is not an octal mode like 0600 or 0660") from None
+        if mode & ~0o660 or mode & 0o600 != 0o600:
+            raise ValueError(f"node.arena_mode {self.arena_mode!r}: the owner needs read-write (0600) and only the "
+                             "group may be added (0660); other users never map the arena (docs/security.md)")
+        return mode
 
     def resolved_dram_bytes(self) -> int:
         """The configured DRAM size, or a quarter of available memory (at most 8 GiB, half of /dev/shm's free space)."""
@@ -144,7 +173,9 @@ class ClientConfig:
     lookup_timeout_s: float = opt(0.5, "deadline of a master call; past it the lookup is a miss")
     io_timeout_s: float = opt(5.0, "deadline of a node data call; past it the blocks are misses")
     put_queue_bytes: int = opt(1 << 30, "write-behind bound in bytes; a full queue drops new puts (counted)", size=True)
-    shared_memory: bool = opt(True, "read same-host nodes' DRAM arena directly")
+    shared_memory: bool = opt(True, "read same-host nodes' DRAM arena directly (needs permission to map it)")
+    token: str = opt("", "this client's token (one of the auth file's clients); empty: none")
+    tls_ca: str = opt("", "PEM CA certificate to verify the master and nodes with: dial them over TLS")
     strict: bool = opt(False, "tests: raise pool faults instead of counting them as misses")
     metrics_port: int = opt(0, "0: no endpoint (the registry is still available)")
 

@@ -8,13 +8,21 @@
 - :class:`ConnectionPool`: the client side: idle connections kept per
   address; one exchange at a time per connection; a pooled connection the
   server closed meanwhile is retried once on a fresh one, before any reply
-  byte arrived (never after: the request may have been applied).
+  byte arrived (never after: the request may have been applied), and never
+  after a timeout (a stalled peer must not cost the caller its deadline twice).
+- TLS (optional): a listener with a server :class:`ssl.SSLContext` wraps each
+  connection in its own thread; a pool with a client context wraps each new
+  connection, checking the certificate against the host it dialed. TLS
+  sockets cannot gather or scatter (``sendmsg``), so their buffers go one at a time.
+- A pool's ``hello`` runs once on each new connection before its first
+  exchange (the AUTH frame of kvpool's protocols).
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -59,6 +67,10 @@ def _advance(views: list[memoryview], i: int, done: int) -> int:
 def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
     """Send every buffer, in order, with gathered writes (``sendmsg``): no joining copy."""
     views = _byte_views(buffers)
+    if isinstance(sock, ssl.SSLSocket):  # no sendmsg over TLS
+        for view in views:
+            sock.sendall(view)
+        return
     i = 0
     while i < len(views):
         i = _advance(views, i, sock.sendmsg(views[i : i + IOV_MAX]))
@@ -67,6 +79,15 @@ def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
 def recv_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
     """Fill every buffer, in order, with scattered reads (``recvmsg_into``); ConnectionError at EOF."""
     views = _byte_views(buffers)
+    if isinstance(sock, ssl.SSLSocket):  # no recvmsg_into (nor flags) over TLS
+        for view in views:
+            done = 0
+            while done < view.nbytes:
+                got = sock.recv_into(view[done:])
+                if got == 0:
+                    raise ConnectionError("peer closed the connection mid-frame")
+                done += got
+        return
     flags = socket.MSG_WAITALL if sock.gettimeout() is None else 0
     i = 0
     while i < len(views):
@@ -91,7 +112,11 @@ def set_io_timeout(sock: socket.socket, seconds: float) -> None:
     Unlike ``settimeout`` (which polls before every call), a blocking socket
     lets one ``MSG_WAITALL`` read fill many buffers in a single system call.
     A timeout then surfaces as ``BlockingIOError`` (see :func:`is_timeout`).
+    A TLS socket gets a plain ``settimeout`` (its reads are Python's anyway).
     """
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)
+        return
     sock.settimeout(None)
     sec = int(seconds)
     timeval = struct.pack("ll", sec, int((seconds - sec) * 1e6))
@@ -135,15 +160,22 @@ class TcpListener:
     returns. A connection beyond ``max_connections`` gets ``refusal(message)``
     (a protocol error frame) and is closed. ``port`` 0 binds any free port;
     with ``fallback_port`` a taken port falls back to any free one (logged).
+    With ``tls`` each connection does its TLS handshake in its own thread
+    before ``serve`` sees it (one that fails is closed); a connection over the
+    limit is then closed without a refusal frame (it could not be read before
+    a handshake).
     """
 
     def __init__(self, name: str, host: str, port: int, serve: Callable[[socket.socket], None], *,
                  max_connections: int = 64, refusal: Callable[[str], bytes] | None = None,
-                 fallback_port: bool = False):
+                 fallback_port: bool = False, tls: ssl.SSLContext | None = None):
+        if max_connections < 1:
+            raise ValueError(f"{name} listener: max_connections must be at least 1, got {max_connections}")
         self.name = name
         self.max_connections = max_connections
         self._serve = serve
         self._refusal = refusal
+        self._tls = tls
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._stopping = threading.Event()
@@ -228,7 +260,7 @@ class TcpListener:
 
     def _refuse(self, sock: socket.socket, message: str) -> None:
         try:
-            if self._refusal is not None:
+            if self._refusal is not None and self._tls is None:
                 sock.settimeout(1.0)
                 sock.sendall(self._refusal(message))
         except OSError:
@@ -238,6 +270,17 @@ class TcpListener:
 
     def _run(self, sock: socket.socket) -> None:
         try:
+            if self._tls is not None:
+                with self._lock:  # registered under the wrapper, so stop() can cut the handshake too
+                    thread = self._conns.pop(sock)
+                    sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                    self._conns[sock] = thread
+                try:
+                    sock.settimeout(IO_TIMEOUT_S)
+                    sock.do_handshake()
+                except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+                    log.debug("%s listener: TLS handshake failed: %s", self.name, exc)
+                    return
             self._serve(sock)
         finally:
             with self._lock:
@@ -261,10 +304,13 @@ class Exchange:
 class ConnectionPool:
     """Idle connections per ``host:port`` (thread-safe); see the module docstring."""
 
-    def __init__(self, timeout_s: float, *, connect_timeout_s: float | None = None, max_idle_per_address: int = 4):
+    def __init__(self, timeout_s: float, *, connect_timeout_s: float | None = None, max_idle_per_address: int = 4,
+                 tls: ssl.SSLContext | None = None, hello: Callable[[socket.socket], None] | None = None):
         self.timeout_s = timeout_s
         self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         self.max_idle_per_address = max_idle_per_address
+        self.tls = tls
+        self.hello = hello
         self._lock = threading.Lock()
         self._idle: dict[str, list[socket.socket]] = {}
         self._closed = False
@@ -282,7 +328,22 @@ class ConnectionPool:
         except (OSError, ValueError) as exc:
             raise ConnectFailed(f"cannot connect to {address}: {exc}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.tls is not None:
+            try:
+                sock = self.tls.wrap_socket(sock, server_hostname=host.strip("[]"))
+            except (OSError, ValueError) as exc:  # ssl.SSLError (e.g. certificate not trusted) is an OSError
+                sock.close()
+                raise ConnectFailed(f"TLS with {address} failed: {exc}") from exc
         set_io_timeout(sock, self.timeout_s)
+        if self.hello is not None:
+            try:
+                self.hello(sock)
+            except OSError as exc:
+                sock.close()
+                raise ConnectFailed(f"{address} closed the connection at its first frame: {exc}") from exc
+            except BaseException:
+                sock.close()
+                raise
         return sock, False
 
     def _release(self, address: str, sock: socket.socket) -> None:
@@ -304,11 +365,11 @@ class ConnectionPool:
             state = Exchange()
             try:
                 result = fn(sock, state, *args)
-            except OSError:
+            except OSError as exc:
                 sock.close()
-                if reused and not state.replied and attempt == 0:
+                if reused and not state.replied and attempt == 0 and not is_timeout(exc):
                     continue  # the server closed this idle connection: try a fresh one
-                raise
+                raise  # a timeout is not retried: a stalled peer would cost the caller its deadline twice
             except BaseException:
                 sock.close()
                 raise

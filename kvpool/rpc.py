@@ -1,9 +1,11 @@
 """gRPC plumbing shared by the master, the node and the client: one place for each decision.
 
 - :class:`ErrorInterceptor` maps domain errors to status codes for every
-  servicer: ValueError -> INVALID_ARGUMENT (with the message), anything else
-  unexpected -> INTERNAL (logged with its traceback). Servicers just raise.
-- :func:`make_server` builds a server with the standard health service.
+  servicer: an undecodable request or a ValueError -> INVALID_ARGUMENT (with
+  the message), anything else unexpected -> INTERNAL (logged with its
+  traceback). Servicers just raise.
+- :func:`make_server` builds a server with the standard health service (and,
+  configured, token checks and TLS); :func:`make_channel` the matching client channel.
 - Per-block flags and tiers travel as one byte per block (:func:`tier_bytes`).
 """
 
@@ -17,7 +19,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvpool.auth import AuthInterceptor, Authority, BearerInterceptor
 from kvpool.tiers.base import Tier, TierStats
+from kvpool.tls import channel_credentials, check_pair, server_credentials
 from kvpool.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -43,8 +47,14 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return handler
         inner = handler.unary_unary
         method = handler_call_details.method
+        deserialize = handler.request_deserializer
 
-        def guarded(request, context):  # type: ignore[no-untyped-def]
+        def guarded(raw, context):  # type: ignore[no-untyped-def]
+            # Decode here, not in gRPC: its own decode failure is INTERNAL ("Exception deserializing request!").
+            try:
+                request = raw if deserialize is None else deserialize(raw)
+            except Exception as exc:  # noqa: BLE001 - DecodeError, or ValueError for invalid UTF-8
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: undecodable request: {exc}")
             try:
                 return inner(request, context)
             except ValueError as exc:
@@ -56,7 +66,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                 context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
         return grpc.unary_unary_rpc_method_handler(
-            guarded, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+            guarded, request_deserializer=None, response_serializer=handler.response_serializer
         )
 
 
@@ -66,27 +76,56 @@ def make_server(
     *,
     max_message_bytes: int,
     workers: int = 16,
+    authority: Authority | None = None,
+    on_refused: Callable[[str], None] | None = None,
+    tls_cert: str = "",
+    tls_key: str = "",
+    max_concurrent_rpcs: int = 0,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A started-ready (not yet started) server on ``address`` with the health service.
 
     Each ``register`` callable adds one servicer and returns its full service
     name, which the health service reports SERVING once started. Returns the
     server, the bound port (``address`` may say port 0) and the health servicer.
+    With ``authority`` every call but the health service's needs a token
+    (:class:`kvpool.auth.AuthInterceptor`; refusals counted via ``on_refused``);
+    with ``tls_cert``/``tls_key`` the port speaks TLS only; past
+    ``max_concurrent_rpcs`` calls in flight (0: no limit) gRPC answers RESOURCE_EXHAUSTED.
     """
+    interceptors: list[grpc.ServerInterceptor] = [ErrorInterceptor()]
+    if authority is not None:
+        interceptors.insert(0, AuthInterceptor(authority, on_refused))
+    if max_concurrent_rpcs < 0:
+        raise ValueError(f"max_concurrent_rpcs must be >= 0, got {max_concurrent_rpcs}")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers),
-        interceptors=[ErrorInterceptor()],
+        interceptors=interceptors,
         options=channel_options(max_message_bytes),
+        maximum_concurrent_rpcs=max_concurrent_rpcs or None,
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [add(server) for add in register]
-    port = server.add_insecure_port(address)
+    if check_pair(tls_cert, tls_key, f"server on {address}"):
+        port = server.add_secure_port(address, server_credentials(tls_cert, tls_key))
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise ValueError(f"cannot listen on {address}")
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port, health_servicer
+
+
+def make_channel(address: str, *, max_message_bytes: int, token: str = "", tls_ca: str = "",
+                 options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    """A channel to ``address``: TLS verified against ``tls_ca`` if given, ``token`` sent as a bearer token if given."""
+    opts = channel_options(max_message_bytes) + list(options)
+    if tls_ca:
+        channel = grpc.secure_channel(address, channel_credentials(tls_ca), options=opts)
+    else:
+        channel = grpc.insecure_channel(address, options=opts)
+    return grpc.intercept_channel(channel, BearerInterceptor(token)) if token else channel
 
 
 def tier_bytes(tiers: Sequence[Tier | None]) -> bytes:

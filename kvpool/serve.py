@@ -1,7 +1,10 @@
 """``kvpool serve``: a whole pool on one machine, the master and one node in one process.
 
 The same classes run separately as ``kvpool master`` and ``kvpool node``; this
-only wires the node to the master it just started.
+only wires the node to the master it just started. Security settings given
+to one of the two serve both: the auth file (the node then presents one of
+its node tokens) and the TLS certificate and key; with TLS the node needs
+``tls_ca`` to verify its master.
 """
 
 from __future__ import annotations
@@ -9,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from kvpool.config import PoolConfig
+from kvpool.auth import load_authority
+from kvpool.config import MasterConfig, NodeConfig, PoolConfig
 from kvpool.lifecycle import wait_for_shutdown
 
 log = logging.getLogger(__name__)
@@ -20,13 +24,40 @@ def _dial_host(listen_host: str) -> str:
     return "127.0.0.1" if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host
 
 
+def node_config_for(config: PoolConfig, master_port: int) -> NodeConfig:
+    """The node's config: dialing the master just started, with the security settings both share."""
+    master, node = config.master, config.node
+    auth_file = node.auth_file or master.auth_file
+    token = node.token
+    if auth_file and not token:
+        token = load_authority(auth_file).node_token() or ""
+        if not token:
+            raise ValueError(f"kvpool serve: auth file {auth_file} has no node_tokens for the node")
+    cert, key = (node.tls_cert, node.tls_key) if node.tls_cert else (master.tls_cert, master.tls_key)
+    if master.tls_cert and not node.tls_ca:
+        raise ValueError("kvpool serve with TLS: set tls_ca (the CA that signed the master's certificate)")
+    return dataclasses.replace(node, master=f"{_dial_host(master.host)}:{master_port}", auth_file=auth_file,
+                               token=token, tls_cert=cert, tls_key=key)
+
+
+def master_config_for(config: PoolConfig) -> MasterConfig:
+    """The master's config, with the auth file and TLS files the node was given if it has none."""
+    master, node = config.master, config.node
+    cert, key = (master.tls_cert, master.tls_key) if master.tls_cert else (node.tls_cert, node.tls_key)
+    return dataclasses.replace(master, auth_file=master.auth_file or node.auth_file, tls_cert=cert, tls_key=key)
+
+
 def run_serve(config: PoolConfig) -> None:
     """Start the master, then a node registered with it; run until SIGINT/SIGTERM; stop both."""
+    from kvpool.malloc import limit_arenas
     from kvpool.master.server import MasterServer
     from kvpool.node.daemon import PoolNode
 
+    limit_arenas()  # before any thread: otherwise the node's RSS ratchets up per thread (kvpool/malloc.py)
+
+    config = dataclasses.replace(config, master=master_config_for(config))
     with MasterServer(config.master) as master:
-        node_config = dataclasses.replace(config.node, master=f"{_dial_host(config.master.host)}:{master.port}")
+        node_config = node_config_for(config, master.port)
         node = PoolNode(node_config)
         try:
             node.start()

@@ -223,11 +223,17 @@ def render_dashboard_rates(url: str, rates: DashboardRates) -> str:
     return "\n".join(lines)
 
 
-def run_status(master: str, timeout: float = 3.0, prometheus: str | None = None) -> int:
-    """Print the status; 1 with a message on stderr for each source that cannot be reached."""
+def run_status(master: str, timeout: float = 3.0, prometheus: str | None = None, *, token: str = "",
+               tls_ca: str = "") -> int:
+    """Print the status; 1 with a message on stderr for each source that cannot be reached.
+
+    ``token`` / ``tls_ca``: the client config's, for a master with an auth file or TLS.
+    """
+    from kvpool.rpc import make_channel
+
     code = 0
     try:
-        with grpc.insecure_channel(master) as channel:
+        with make_channel(master, max_message_bytes=64 << 20, token=token, tls_ca=tls_ca) as channel:
             reply = master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=timeout)
         print(render_status(master, reply))
     except grpc.RpcError as exc:

@@ -10,6 +10,9 @@ Invariants:
   no node and answers their heartbeats with ``known = false``.
 - The sweeper drops silent nodes every ``node_timeout_s / 4``, so a node is
   gone at most ``1.25 * node_timeout_s`` after its last heartbeat.
+- With ``auth_file`` both listeners (gRPC and fast calls) check tokens and
+  roles (:mod:`kvpool.auth`; refusals counted in
+  ``kvpool_errors_total{kind}``); with ``tls_cert``/``tls_key`` both speak TLS only.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ import grpc
 from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
-from kvpool.calls import MASTER_CALLS, CallHandler
+from kvpool.auth import load_authority
+from kvpool.calls import MASTER_CALLS, CallHandler, refusal_frame
 from kvpool.config import MasterConfig
 from kvpool.framing import TcpListener
 from kvpool.keys import KEY_BYTES
 from kvpool.lifecycle import wait_for_shutdown
-from kvpool.metrics import MetricsServer
+from kvpool.metrics import ErrorMetrics, MetricsServer
 from kvpool.rpc import make_server
+from kvpool.tls import check_pair, server_context
 from kvpool.v1 import master_pb2, master_pb2_grpc
 
 from kvpool.master.index import BlockIndex, HbmIndex
@@ -58,8 +63,14 @@ class MasterServer:
             raise ValueError("master node_timeout_s and worker_timeout_s must be positive")
         if config.max_keys_per_call < 1:
             raise ValueError("master max_keys_per_call must be positive")
+        if config.max_connections < 1:
+            raise ValueError("master max_connections must be positive")
+        self.authority = load_authority(config.auth_file)
+        self._tls = server_context(config.tls_cert, config.tls_key) \
+            if check_pair(config.tls_cert, config.tls_key, "master") else None
         self.config = config
         self.registry = CollectorRegistry()
+        self.errors = ErrorMetrics(self.registry)
         self.index = BlockIndex()
         self.hbm = HbmIndex()
         self.membership = Membership(
@@ -93,7 +104,9 @@ class MasterServer:
                 return master_pb2.DESCRIPTOR.services_by_name["Master"].full_name
 
             self._server, self.port, self._health = make_server(
-                f"{self.config.host}:{self.config.port}", [add_master], max_message_bytes=max_message_bytes(self.config)
+                f"{self.config.host}:{self.config.port}", [add_master], max_message_bytes=max_message_bytes(self.config),
+                authority=self.authority, on_refused=self.errors.count, tls_cert=self.config.tls_cert,
+                tls_key=self.config.tls_key, max_concurrent_rpcs=self.config.max_concurrent_rpcs,
             )
             try:
                 self._calls = self._call_listener()
@@ -125,9 +138,11 @@ class MasterServer:
         if port < 0:
             port = self.port + 2 if self.config.port else 0
         handler = CallHandler(self.servicer, master_pb2.DESCRIPTOR.services_by_name["Master"], MASTER_CALLS,
-                              max_body_bytes=max_message_bytes(self.config))
+                              max_body_bytes=max_message_bytes(self.config), authority=self.authority,
+                              errors=self.errors)
         return TcpListener("master-calls", self.config.host, port, handler.serve,
-                           fallback_port=self.config.call_port < 0)
+                           fallback_port=self.config.call_port < 0, max_connections=self.config.max_connections,
+                           refusal=refusal_frame, tls=self._tls)
 
     def _sweep(self) -> None:
         interval = min(self.config.node_timeout_s, self.config.worker_timeout_s) / 4

@@ -11,6 +11,12 @@ Invariants:
   an error: the answer is ``known = false`` and the node registers again.
   UnregisterNode of an unknown node is a no-op.
 - No live node for PlaceBlocks is UNAVAILABLE ("no pool nodes").
+- A NodeRef string longer than ``MAX_REF_CHARS`` is INVALID_ARGUMENT: refs
+  are echoed in every Lookup / PlaceBlocks / ClusterStatus reply.
+- Keys a client names (Lookup, Exists, PlaceBlocks, ReportHbm) are mapped to
+  its tenant's stored keys (:func:`kvpool.auth.caller_keys`) before the index
+  sees them; nodes report stored keys as they are. With auth off both are
+  the keys as sent.
 - Lookup returns only blocks whose node still resolves: a run entry on a node
   dropped mid-call ends the run there (a miss, never a dangling reference).
 """
@@ -24,6 +30,7 @@ import grpc
 import numpy as np
 
 from kvpool import __version__
+from kvpool.auth import caller, caller_keys
 from kvpool.config import MasterConfig
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.rpc import flag_bytes, tier_usage
@@ -36,6 +43,8 @@ from kvpool.master.placement import Candidate, NoPoolNodes, place
 from kvpool.master.stats import MasterMetrics
 
 _NODE_TIERS = (Tier.DRAM, Tier.SSD)
+MAX_REF_CHARS = 1024  # longest NodeRef string field RegisterNode accepts
+_U64_MAX = (1 << 64) - 1
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
@@ -65,6 +74,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     def _keys(self, packed: bytes, what: str = "keys") -> list[BlockKey]:
         self._count_keys(packed, what)
         return unpack_keys(packed)
+
+    def _client_keys(self, packed: bytes, what: str = "keys") -> list[BlockKey]:
+        """Like :meth:`_keys`, as the calling client's tenant's stored keys."""
+        self._count_keys(packed, what)
+        return unpack_keys(caller_keys(packed))
 
     @staticmethod
     def _same_length(keys: Sequence[BlockKey], field: str, values: Sequence[int]) -> None:
@@ -100,6 +114,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         ref = request.node
         if not ref.node_id:
             raise ValueError("RegisterNode: node.node_id must not be empty")
+        for field in ("node_id", "address", "host_id", "arena", "data_address"):
+            # Every NodeRef is echoed in Lookup / PlaceBlocks / ClusterStatus replies: a huge one would push
+            # those replies over the message limit for every caller.
+            if len(getattr(ref, field)) > MAX_REF_CHARS:
+                raise ValueError(f"RegisterNode: node.{field} is longer than {MAX_REF_CHARS} characters")
         if not ref.address:
             raise ValueError(f"RegisterNode: node {ref.node_id!r} has no address")
         tiers = self._tier_stats(request.tiers)
@@ -146,7 +165,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         n_keys = self._count_keys(request.keys)
         if request.worker_id:
             self._membership.worker_seen(request.worker_id)
-        run = self._index.leading_run_arrays(request.keys)  # columns: no Python object per block
+        run = self._index.leading_run_arrays(caller_keys(request.keys))  # columns: no Python object per block
         end = len(run.nodes)
         if end and (run.nodes == run.nodes[0]).all():  # the usual case: one node holds the whole run
             refs = self._membership.refs([int(run.nodes[0])])
@@ -187,11 +206,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return response
 
     def Exists(self, request, context):  # type: ignore[no-untyped-def]
-        keys = self._keys(request.keys)
+        keys = self._client_keys(request.keys)
         return master_pb2.ExistsResponse(present=flag_bytes(self._index.exists(keys)))
 
     def PlaceBlocks(self, request, context):  # type: ignore[no-untyped-def]
-        keys = self._keys(request.keys)
+        keys = self._client_keys(request.keys)
         self._same_length(keys, "sizes", request.sizes)
         if any(size == 0 for size in request.sizes):
             raise ValueError("sizes: a block must have at least one byte")
@@ -222,8 +241,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     def ReportHbm(self, request, context):  # type: ignore[no-untyped-def]
         if not request.worker_id:
             raise ValueError("ReportHbm: worker_id must not be empty")
-        added = self._keys(request.added_keys, "added_keys")
-        removed = self._keys(request.removed_keys, "removed_keys")
+        added = self._client_keys(request.added_keys, "added_keys")
+        removed = self._client_keys(request.removed_keys, "removed_keys")
         self._membership.worker_seen(request.worker_id)
         self._hbm.report(request.worker_id, added, removed, full_sync=request.full_sync)
         if request.hbm_only_lookups:
@@ -234,7 +253,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     # -- status ---------------------------------------------------------------------------
 
     def Info(self, request, context):  # type: ignore[no-untyped-def]
-        return master_pb2.MasterInfoResponse(call_port=self.call_port, version=__version__)
+        who = caller()
+        return master_pb2.MasterInfoResponse(call_port=self.call_port, version=__version__,
+                                             tenant_mask=who.mask if who is not None else b"")
 
     def ClusterStatus(self, request, context):  # type: ignore[no-untyped-def]
         now = self._membership.now()
@@ -252,9 +273,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         response.indexed_blocks = len(self._index)
         response.workers = self._membership.worker_count()
         response.hbm_blocks = self._hbm.blocks()
-        response.lookups = totals.lookups
-        response.requested_blocks = totals.requested_blocks
-        response.hit_blocks_hbm = totals.hit_blocks_hbm
-        response.hit_blocks_dram = totals.hit_blocks_dram
-        response.hit_blocks_ssd = totals.hit_blocks_ssd
+        # Saturate: ReportHbm may add up to 2**64 - 1 per call, and a uint64 field refuses more (ValueError).
+        response.lookups = min(totals.lookups, _U64_MAX)
+        response.requested_blocks = min(totals.requested_blocks, _U64_MAX)
+        response.hit_blocks_hbm = min(totals.hit_blocks_hbm, _U64_MAX)
+        response.hit_blocks_dram = min(totals.hit_blocks_dram, _U64_MAX)
+        response.hit_blocks_ssd = min(totals.hit_blocks_ssd, _U64_MAX)
         return response

@@ -13,8 +13,11 @@ PROGRESS_INTERVAL_S = 0.1  # at most ~10 redraws a second
 class Progress:
     """A one-line ``\\r`` progress bar on stderr: done/total, rate, ETA; redrawn at most ~10x a second."""
 
-    def __init__(self, total: int, label: str, stream: TextIO | None = None, enabled: bool = True, width: int = 24):
+    def __init__(self, total: int, label: str, stream: TextIO | None = None, enabled: bool = True, width: int = 24,
+                 unit: str = "req", show_rate: bool = True):
         self.total = max(total, 1)
+        self.unit = unit  # what ``done`` counts ("s" for a timed run)
+        self.show_rate = show_rate
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
@@ -37,7 +40,8 @@ class Progress:
         filled = int(self.width * done / self.total)
         bar = "#" * filled + "." * (self.width - filled)
         eta_text = "--:--" if math.isnan(eta) else f"{int(eta) // 60}:{int(eta) % 60:02d}"
-        line = (f"{self.label} [{bar}] {done}/{self.total} req  {rate:.0f} req/s  "
+        rate_text = f"{rate:.0f} {self.unit}/s  " if self.show_rate else ""
+        line = (f"{self.label} [{bar}] {done}/{self.total} {self.unit}  {rate_text}"
                 f"{int(elapsed) // 60}:{int(elapsed) % 60:02d} elapsed  ETA {eta_text}  {note}")
         self._longest = max(self._longest, len(line))
         self.stream.write("\r" + line.ljust(self._longest))

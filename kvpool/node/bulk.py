@@ -16,6 +16,7 @@ Request::
                    sizes      count x u64   (each > 0)
                    checksums  count x u64   (xxh3-64 of each block)
                    data       sum(sizes) B  (the blocks, in key order)
+    AUTH (op 3)    token      count B       (UTF-8, at most 512 B; see kvpool.auth)
 
 Reply::
 
@@ -27,8 +28,9 @@ Reply::
                    data       sum(sizes) B  (the hits, in key order)
                    valid      count x u8    (1: the bytes sent are the block's; 0: its slot was
                                              reused while it was sent, or its SSD copy vanished: a miss)
-    PUT, status 0  stored     count x u8    (1: stored or already held; 0: no room, or the bytes
-                                             did not match their checksum)
+    PUT, status 0  stored     count x u8    (1: stored or already held; 0: no room, the tenant's
+                                             quota refused it, or the bytes did not match their checksum)
+    AUTH, status 0 (nothing; count 0)
 
 Invariants:
 - GET sends DRAM blocks from their arena slot (``sendmsg`` of the slot's
@@ -53,12 +55,20 @@ Invariants:
   the listener.
 - One thread per connection, at most ``max_connections``; a connection
   beyond that gets an ERROR reply and is closed.
+- With an auth file the first frame on a connection must be AUTH (bulk op 3
+  or the fast-call AUTH frame) with a known token; anything else, or an
+  unknown token, gets an ERROR reply starting "unauthenticated" and the
+  connection closes. The keys of GET and PUT are the client's tenant's
+  (:func:`kvpool.auth.mask_keys`), and a PUT passes the tenant's quota
+  (:mod:`kvpool.node.quota`). The blocks of one PUT may hold at most
+  ``max_request_bytes``.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -66,11 +76,13 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.auth import MAX_TOKEN_BYTES, Authority, Peer
 from kvpool.checksum import block_checksum
 from kvpool.framing import IDLE_TIMEOUT_S, IO_TIMEOUT_S, TcpListener, send_final, recv_buffers, recv_exact, send_buffers, set_io_timeout
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.calls import CALL_MAGIC, CallHandler
 from kvpool.metrics import ErrorMetrics
+from kvpool.node.quota import QuotaLedger
 from kvpool.rpc import MISS
 from kvpool.tiers.base import Tier
 from kvpool.tiers.tiered import TieredStore
@@ -81,6 +93,7 @@ MAGIC = b"KVPB"
 VERSION = 1
 OP_GET = 1
 OP_PUT = 2
+OP_AUTH = 3
 STATUS_OK = 0
 STATUS_ERROR = 1
 HEADER = struct.Struct("<4sHBBII")  # magic, version, op|status, flags|op, count, reserved
@@ -92,6 +105,14 @@ SCRATCH_BYTES = 64 << 20  # most bytes a request holds in scratch buffers at onc
 
 class ProtocolError(ValueError):
     """The peer sent something this protocol does not allow (the message says what)."""
+
+    kind = "invalid_argument"
+
+
+class Unauthenticated(ProtocolError):
+    """No (valid) AUTH before a request on a listener with an auth file."""
+
+    kind = "unauthenticated"
 
 
 # -- frames -----------------------------------------------------------------------------------------
@@ -145,16 +166,24 @@ class BulkServer:
         after_change: Callable[[], object] | None = None,
         fallback_port: bool = False,
         calls: CallHandler | None = None,
+        authority: Authority | None = None,
+        quota: QuotaLedger | None = None,
+        max_request_bytes: int = 1 << 40,
+        tls: ssl.SSLContext | None = None,
     ):
         self.store = store
         self.max_keys_per_call = max_keys_per_call
+        self.authority = authority
+        self.quota = quota
+        self.max_request_bytes = max_request_bytes
         self.errors = errors
         self.get_seconds = get_seconds
         self.put_seconds = put_seconds
         self.after_change = after_change
         self.calls = calls
         self._listener = TcpListener("bulk", host, port, self._serve, max_connections=max_connections,
-                                     refusal=lambda message: error_frame(0, message), fallback_port=fallback_port)
+                                     refusal=lambda message: error_frame(0, message), fallback_port=fallback_port,
+                                     tls=tls)
         self.port: int = self._listener.port
 
     def start(self) -> "BulkServer":
@@ -173,6 +202,7 @@ class BulkServer:
 
     def _serve(self, sock: socket.socket) -> None:
         op = 0
+        peer = Peer(self.authority)
         try:
             while not self._listener.stopping:
                 set_io_timeout(sock, IDLE_TIMEOUT_S)
@@ -185,7 +215,7 @@ class BulkServer:
                     header += recv_exact(sock, HEADER.size - len(header))
                 magic, version, op, flags, count, _ = HEADER.unpack(header)
                 if magic == CALL_MAGIC and self.calls is not None:
-                    if not self.calls.serve_frame(sock, header):
+                    if not self.calls.serve_frame(sock, header, peer):
                         return
                     continue
                 if magic != MAGIC:
@@ -193,17 +223,24 @@ class BulkServer:
                 if version != VERSION:
                     raise ProtocolError(f"bulk protocol version {version} is not supported "
                                         f"(this node speaks {VERSION})")
+                if op == OP_AUTH:
+                    self._auth(sock, peer, count)
+                    continue
+                if peer.needs_auth:
+                    raise Unauthenticated("unauthenticated: the first request on a connection must be AUTH "
+                                          "with a token")
                 if count > self.max_keys_per_call:
                     raise ProtocolError(f"{count} keys in one request; the limit is {self.max_keys_per_call}")
                 if op == OP_GET:
-                    self._get(sock, count)
+                    self._get(sock, count, peer)
                 elif op == OP_PUT:
-                    self._put(sock, count)
+                    self._put(sock, count, peer)
                 else:
-                    raise ProtocolError(f"unknown bulk op {op} (GET is {OP_GET}, PUT is {OP_PUT})")
+                    raise ProtocolError(f"unknown bulk op {op} (GET is {OP_GET}, PUT is {OP_PUT}, "
+                                        f"AUTH is {OP_AUTH})")
         except ProtocolError as exc:
             if self.errors is not None:
-                self.errors.count("invalid_argument")
+                self.errors.count(exc.kind)
             log.debug("bulk: refused a request: %s", exc)
             self._send_error(sock, op, str(exc))
         except (ConnectionError, TimeoutError, OSError) as exc:
@@ -217,14 +254,23 @@ class BulkServer:
         """Send an ERROR reply; the connection closes after it (see :func:`kvpool.framing.send_final`)."""
         send_final(sock, error_frame(op, message))
 
-    def _keys(self, sock: socket.socket, count: int) -> list[BlockKey]:
-        return unpack_keys(bytes(recv_exact(sock, count * KEY_BYTES)))
+    def _auth(self, sock: socket.socket, peer: Peer, length: int) -> None:
+        """AUTH: take the token; an unknown one is refused (and the connection closed)."""
+        if length > MAX_TOKEN_BYTES:
+            raise Unauthenticated(f"unauthenticated: a token of {length} bytes (at most {MAX_TOKEN_BYTES})")
+        if not peer.login(recv_exact(sock, length)):
+            raise Unauthenticated("unauthenticated: unknown token")
+        send_buffers(sock, [HEADER.pack(MAGIC, VERSION, STATUS_OK, OP_AUTH, 0, 0)])
+
+    def _keys(self, sock: socket.socket, count: int, peer: Peer) -> list[BlockKey]:
+        """The request's keys as stored: the client's tenant's (unchanged with auth off)."""
+        return unpack_keys(peer.keys(bytes(recv_exact(sock, count * KEY_BYTES))))
 
     # -- GET -------------------------------------------------------------------------------------------
 
-    def _get(self, sock: socket.socket, count: int) -> None:
+    def _get(self, sock: socket.socket, count: int, peer: Peer) -> None:
         start = time.perf_counter()
-        keys = self._keys(sock, count)
+        keys = self._keys(sock, count, peer)
         dram = self.store.dram
         arena = dram.arena
         refs = dram.refs_for_read(keys)
@@ -250,20 +296,29 @@ class BulkServer:
         ssd = [i for i in range(count) if tiers[i] == Tier.SSD]
         loaded: dict[int, np.ndarray] = {}  # SSD key index -> scratch with its bytes
         next_ssd = 0
-        for i in range(count):
-            if tiers[i] == Tier.DRAM:
-                ref = refs[i][0]  # type: ignore[index]
-                pending.append(arena.data[ref.slot, : ref.length])
-                sent_dram.append(i)
-            elif tiers[i] == Tier.SSD:
-                if i not in loaded:
-                    send_buffers(sock, pending)  # scratch is about to be replaced
-                    pending.clear()
-                    loaded.clear()
-                    next_ssd = self._load_ssd(keys, ssd, next_ssd, sizes, loaded, valid)
-                pending.append(loaded[i])
-        send_buffers(sock, pending)
-        pending.clear()
+        scratch: np.ndarray | None = None  # taken from the store's pool, given back when replaced or done
+        try:
+            for i in range(count):
+                if tiers[i] == Tier.DRAM:
+                    ref = refs[i][0]  # type: ignore[index]
+                    pending.append(arena.data[ref.slot, : ref.length])
+                    sent_dram.append(i)
+                elif tiers[i] == Tier.SSD:
+                    if i not in loaded:
+                        send_buffers(sock, pending)  # scratch is about to be replaced
+                        pending.clear()
+                        loaded.clear()
+                        if scratch is not None:
+                            self.store.scratch.give(scratch)
+                            scratch = None
+                        next_ssd, scratch = self._load_ssd(keys, ssd, next_ssd, sizes, loaded, valid)
+                    pending.append(loaded[i])
+            send_buffers(sock, pending)
+            pending.clear()
+        finally:
+            loaded.clear()
+            if scratch is not None:
+                self.store.scratch.give(scratch)
         n_bytes = 0
         for i in sent_dram:
             ref = refs[i][0]  # type: ignore[index]
@@ -273,18 +328,23 @@ class BulkServer:
         hits = len(sent_dram) and int(valid[sent_dram].sum())
         dram.record_reads(hits, len(sent_dram) - hits, n_bytes)
         send_buffers(sock, [valid])
+        if self.quota is not None:
+            self.quota.touch(keys)
         if self.get_seconds is not None:
             self.get_seconds.observe(time.perf_counter() - start)
 
     def _load_ssd(self, keys: list[BlockKey], ssd: list[int], pos: int, sizes: np.ndarray,
-                  loaded: dict[int, np.ndarray], valid: np.ndarray) -> int:
-        """Read the next run of SSD-resident blocks (at most SCRATCH_BYTES, at least one) into scratch."""
+                  loaded: dict[int, np.ndarray], valid: np.ndarray) -> tuple[int, np.ndarray]:
+        """Read the next run of SSD-resident blocks (at most SCRATCH_BYTES, at least one) into scratch.
+
+        Returns the next position in ``ssd`` and the scratch buffer (the caller gives it back).
+        """
         run, total = [], 0
         while pos < len(ssd) and (not run or total + int(sizes[ssd[pos]]) <= SCRATCH_BYTES):
             run.append(ssd[pos])
             total += int(sizes[ssd[pos]])
             pos += 1
-        scratch = np.empty(total, dtype=np.uint8)
+        scratch = self.store.scratch.take(total)
         offset = 0
         for i in run:
             n = int(sizes[i])
@@ -293,13 +353,13 @@ class BulkServer:
         served = self.store.get_into([keys[i] for i in run], [loaded[i] for i in run])  # promotes into DRAM
         for i, tier in zip(run, served):
             valid[i] = tier is not None  # a miss: the (unspecified) scratch bytes go out flagged invalid
-        return pos
+        return pos, scratch
 
     # -- PUT -------------------------------------------------------------------------------------------
 
-    def _put(self, sock: socket.socket, count: int) -> None:
+    def _put(self, sock: socket.socket, count: int, peer: Peer) -> None:
         start = time.perf_counter()
-        keys = self._keys(sock, count)
+        keys = self._keys(sock, count, peer)
         meta = recv_exact(sock, 16 * count)
         sizes = np.frombuffer(meta, dtype="<u8", count=count).tolist()
         sums = np.frombuffer(meta, dtype="<u8", count=count, offset=8 * count).tolist()
@@ -310,8 +370,16 @@ class BulkServer:
             if not store.fits_dram(n) and (store.ssd is None or not store.ssd.fits(n)):
                 raise ProtocolError(f"a {n}-byte block fits neither a DRAM slot ({store.dram.slot_bytes} B) "
                                     "nor the SSD tier")
+        if sum(sizes) > self.max_request_bytes:
+            raise ProtocolError(f"a PUT of {sum(sizes)} bytes; the limit is {self.max_request_bytes} per request")
         held = [t is not None for t in store.where(keys)]
-        fit = [i for i in range(count) if not held[i] and store.fits_dram(sizes[i])]
+        refused: set[int] = set()  # over the tenant's quota: read past, not stored
+        tenant = peer.tenant
+        if self.quota is not None and tenant:
+            new = [i for i in range(count) if not held[i]]
+            ok = self.quota.admit(tenant, [keys[i] for i in new], [sizes[i] for i in new])
+            refused = {i for i, admitted in zip(new, ok) if not admitted}
+        fit = [i for i in range(count) if not held[i] and i not in refused and store.fits_dram(sizes[i])]
         stored = held[:]
         res = store.dram.reserve([keys[i] for i in fit], [sizes[i] for i in fit], None)  # ours: released below
         slot_of = {i: s for i, s, g in zip(fit, res.slots, res.gens) if g}
@@ -319,7 +387,7 @@ class BulkServer:
             stored[i] = stored[i] or h
         committed = False
         try:
-            self._receive(sock, keys, sizes, sums, slot_of, stored)
+            self._receive(sock, keys, sizes, sums, slot_of, stored, refused)
             if slot_of:
                 idx = list(slot_of)
                 ok = store.commit(res.lease, [keys[i] for i in idx], [slot_of[i] for i in idx], [sums[i] for i in idx])
@@ -333,6 +401,8 @@ class BulkServer:
         finally:
             if not committed and res.lease:
                 store.dram.release(res.lease)
+        if self.quota is not None and tenant:
+            self.quota.trim(tenant, keys)
         if self.after_change is not None:
             self.after_change()
         reply = np.fromiter(stored, dtype=np.uint8, count=count)
@@ -341,8 +411,9 @@ class BulkServer:
             self.put_seconds.observe(time.perf_counter() - start)
 
     def _receive(self, sock: socket.socket, keys: list[BlockKey], sizes: list[int], sums: list[int],
-                 slot_of: dict[int, int], stored: list[bool]) -> None:
-        """Receive the data section: reserved blocks into their slots, held ones discarded, the rest via scratch."""
+                 slot_of: dict[int, int], stored: list[bool], refused: set[int]) -> None:
+        """Receive the data section: reserved blocks into their slots, held and refused ones discarded, the rest
+        via scratch."""
         arena = self.store.dram.arena
         plan: list[Any] = []
         scratch: list[tuple[int, np.ndarray]] = []
@@ -361,7 +432,7 @@ class BulkServer:
         for i, n in enumerate(sizes):
             if i in slot_of:
                 plan.append(arena.data[slot_of[i], :n])
-            elif stored[i]:  # held already: read past its bytes
+            elif stored[i] or i in refused:  # held already, or over quota: read past its bytes
                 if discard is None or discard.size < n:
                     discard = np.empty(max(n, 1 << 20), dtype=np.uint8)
                 plan.append(discard[:n])

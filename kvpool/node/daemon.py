@@ -12,6 +12,12 @@ clients stop being sent here), drain in-flight calls, then flush and close
 the tiers (the arena is unlinked, LMDB closed). :func:`run_node` is the
 process entry point.
 
+With ``auth_file`` the gRPC service and the bulk listener (fast calls
+included) check client tokens and map each client's keys to its tenant's
+(:mod:`kvpool.auth`); tenants with ``quota_bytes`` are held to it
+(:mod:`kvpool.node.quota`). With ``tls_cert``/``tls_key`` both listeners
+speak TLS only. The arena is created with mode ``arena_mode`` (0600).
+
 An arena left in /dev/shm under our name is taken as stale (a node killed
 with SIGKILL never unlinks its arena): it is unlinked and recreated, with a
 warning. Nothing checks whether another live process maps it.
@@ -27,14 +33,18 @@ import uuid
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter
+import lmdb
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from kvpool.auth import load_authority
 from kvpool.calls import NODE_CALLS, CallHandler
 from kvpool.config import NodeConfig
 from kvpool.lifecycle import wait_for_shutdown
+from kvpool.malloc import limit_arenas
 from kvpool.metrics import ErrorMetrics, MetricsServer, TierCollector, latency_histogram
 from kvpool.node.bulk import BulkServer
 from kvpool.node.master_link import MasterLink
+from kvpool.node.quota import QuotaLedger
 from kvpool.node.servicer import NodeServicer
 from kvpool.rpc import local_host_id, make_server
 from kvpool.tiers.arena import shm_path
@@ -42,12 +52,12 @@ from kvpool.tiers.base import Tier, TierStats
 from kvpool.tiers.dram import DramStore
 from kvpool.tiers.ssd import SsdStore
 from kvpool.tiers.tiered import TieredStore
+from kvpool.tls import check_pair, server_context
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 SSD_SYNC_INTERVAL_S = 30.0  # fsync period when ssd_sync is off (a power loss loses at most this much)
-MAX_KEYS_PER_CALL = 65536  # NodeConfig has no such field (yet); the master's default
 _NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
 
 
@@ -65,6 +75,23 @@ def _clear_stale_arena(name: str) -> None:
         os.unlink(path)
 
 
+def open_ssd(config: NodeConfig, errors: ErrorMetrics) -> SsdStore | None:
+    """The SSD tier; None (the node serves DRAM only) if its directory cannot be used, logged and counted.
+
+    A cache node with a dead disk still has its DRAM to offer, so an unusable
+    SSD directory (missing mount, read-only or immutable, not a directory) is
+    ``kvpool_errors_total{kind="ssd_unavailable"}`` and an error in the log,
+    not a node that cannot start. SSD faults after that are counted as
+    ``ssd_write`` / ``ssd_file_broken`` (see :mod:`kvpool.tiers.ssd`).
+    """
+    try:
+        return SsdStore(config.ssd_dir, config.resolved_ssd_bytes(), sync=config.ssd_sync, on_error=errors.count)
+    except (OSError, lmdb.Error) as exc:
+        log.error("node: the SSD tier at %s cannot be used (%s); serving DRAM only", config.ssd_dir, exc)
+        errors.count("ssd_unavailable")
+        return None
+
+
 class PoolNode:
     """A pool node (see the module docstring). Use as a context manager or call start()/stop()."""
 
@@ -76,6 +103,12 @@ class PoolNode:
         self.put_seconds = latency_histogram(self.registry, "put", "Node Put call latency")
         self.demotions = Counter("kvpool_demotions", "Blocks demoted from DRAM to SSD", registry=self.registry)
         self.promotions = Counter("kvpool_promotions", "SSD hits promoted back into DRAM", registry=self.registry)
+        Gauge("kvpool_leased_slots", "DRAM slots reserved by writers that have not committed yet (a writer that "
+              "died returns them when its lease lapses or its connection drops)",
+              registry=self.registry).set_function(lambda: self.store.dram.leased_slots)
+        Gauge("kvpool_demotion_queue_bytes", "Bytes DRAM evicted that are on their way to SSD (still served)",
+              registry=self.registry).set_function(
+                  lambda: self.store.demotions.pending_bytes if self.store.demotions is not None else 0)
         self.metrics_port = 0
         self._metrics: MetricsServer | None = None
         self._started = False
@@ -86,17 +119,25 @@ class PoolNode:
         self._populate: threading.Thread | None = None
         if not config.lease_timeout_s > 0:
             raise ValueError(f"node.lease_timeout_s must be > 0, got {config.lease_timeout_s}")
+        if config.max_keys_per_call < 1 or config.max_connections < 1:
+            raise ValueError("node.max_keys_per_call and node.max_connections must be positive")
+        # Checked before anything is created: a bad file or mode changes nothing.
+        self.authority = load_authority(config.auth_file)
+        arena_mode = config.resolved_arena_mode()
+        tls = server_context(config.tls_cert, config.tls_key) if check_pair(config.tls_cert, config.tls_key,
+                                                                            "node") else None
+        self.quota: QuotaLedger | None = None
 
         arena = arena_name_for(config)
         _clear_stale_arena(arena)
-        dram = DramStore.create(arena, config.resolved_dram_bytes(), config.slot_bytes,
+        dram = DramStore.create(arena, config.resolved_dram_bytes(), config.slot_bytes, mode=arena_mode,
                                 high_watermark=config.high_watermark, low_watermark=config.low_watermark)
         ssd: SsdStore | None = None
         link: MasterLink | None = None
         self.server = None
         try:
             if config.ssd_enabled:
-                ssd = SsdStore(config.ssd_dir, config.resolved_ssd_bytes(), sync=config.ssd_sync)
+                ssd = open_ssd(config, self.errors)
             self.store = TieredStore(dram, ssd, write_through=config.write_through,
                                      on_demote=self.demotions.inc, on_promote=self.promotions.inc,
                                      demote_queue_bytes=config.demote_queue_bytes)
@@ -106,28 +147,35 @@ class PoolNode:
             if ssd is not None:
                 stores[Tier.SSD] = self.store.ssd_inventory()  # pending demotions included
             link = self.link = MasterLink(config.master, self.node_ref, stores, slot_bytes=config.slot_bytes,
-                                          max_message_bytes=config.max_message_bytes)
+                                          max_message_bytes=config.max_message_bytes, token=config.token,
+                                          tls_ca=config.tls_ca)
             dram.on_change = link.listener(Tier.DRAM)
             if ssd is not None:
                 ssd.on_change = link.listener(Tier.SSD)
+            if self.authority is not None and self.authority.quotas:
+                self.quota = self._quota_ledger(self.authority.quotas)
             self.servicer = NodeServicer(
-                self.store, node_ref=self.node_ref, max_keys_per_call=MAX_KEYS_PER_CALL,
+                self.store, node_ref=self.node_ref, max_keys_per_call=config.max_keys_per_call,
                 max_message_bytes=config.max_message_bytes, errors=self.errors,
                 get_seconds=self.get_seconds, put_seconds=self.put_seconds, after_change=link.flush,
-                lease_timeout_s=config.lease_timeout_s,
+                lease_timeout_s=config.lease_timeout_s, quota=self.quota,
             )
             self.server, self.port, self.health = make_server(
-                f"{config.host}:{config.port}", [self._add_servicer], max_message_bytes=config.max_message_bytes
+                f"{config.host}:{config.port}", [self._add_servicer], max_message_bytes=config.max_message_bytes,
+                authority=self.authority, on_refused=self.errors.count, tls_cert=config.tls_cert,
+                tls_key=config.tls_key, max_concurrent_rpcs=config.max_concurrent_rpcs,
             )
             data_port = config.data_port
             if data_port < 0:  # the default: next to the gRPC port, or anywhere if that is taken
                 data_port = self.port + 2 if config.port else 0
             self.bulk = BulkServer(
-                self.store, config.host, data_port, max_keys_per_call=MAX_KEYS_PER_CALL, errors=self.errors,
+                self.store, config.host, data_port, max_keys_per_call=config.max_keys_per_call, errors=self.errors,
                 get_seconds=self.get_seconds, put_seconds=self.put_seconds, after_change=link.flush,
-                fallback_port=config.data_port < 0,
+                fallback_port=config.data_port < 0, max_connections=config.max_connections,
                 calls=CallHandler(self.servicer, node_pb2.DESCRIPTOR.services_by_name["Node"], NODE_CALLS,
-                                  max_body_bytes=config.max_message_bytes),
+                                  max_body_bytes=config.max_message_bytes, authority=self.authority,
+                                  errors=self.errors),
+                authority=self.authority, quota=self.quota, max_request_bytes=config.max_message_bytes, tls=tls,
             )
         except BaseException:
             if self.server is not None:
@@ -146,6 +194,21 @@ class PoolNode:
         self.node_ref.address = config.advertise or f"{socket.gethostname() if wildcard else config.host}:{self.port}"
         self.node_ref.data_address = f"{self.node_ref.address.rsplit(':', 1)[0]}:{self.bulk.port}"
         self.registry.register(TierCollector(self._tier_stats))
+
+    def _quota_ledger(self, quotas: dict[str, int]) -> QuotaLedger:
+        """The tenants' quota ledger, fed by the stores' change events (after the master link's) and the SSD inventory."""
+        assert self.authority is not None, "node: quotas without an auth file"
+        store = self.store
+        evictions = Counter("kvpool_quota_evictions", "Blocks removed to keep a tenant within its quota",
+                            registry=self.registry)
+        ledger = QuotaLedger(quotas, self.authority.tenant_of,
+                             held=lambda keys: [t is not None for t in store.where(keys)], evict=store.remove,
+                             on_refused=lambda n: self.errors.count("quota_exceeded", n), on_evicted=evictions.inc)
+        store.dram.on_change = ledger.listener(store.dram.on_change)
+        if store.ssd is not None:
+            store.ssd.on_change = ledger.listener(store.ssd.on_change)
+            ledger.load(store.ssd_inventory().inventory())
+        return ledger
 
     def _tier_stats(self) -> list[tuple[dict[str, str], TierStats]]:
         labels = {"node": self.node_ref.node_id}
@@ -240,6 +303,7 @@ class PoolNode:
 
 def run_node(config: NodeConfig) -> int:
     """Run a pool node until SIGINT or SIGTERM, then stop it cleanly. Call from the main thread."""
+    limit_arenas()  # before any thread: otherwise RSS ratchets up per thread (kvpool/malloc.py)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     node = PoolNode(config)

@@ -37,11 +37,12 @@ from typing import Protocol
 
 import grpc
 
-from kvpool.calls import MASTER_CALLS, FastStub, MasterCallAddress
+from kvpool.calls import MASTER_CALLS, FastStub, MasterCallAddress, auth_hello
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
-from kvpool.rpc import channel_options, tier_usage
+from kvpool.rpc import make_channel, tier_usage
 from kvpool.tiers.base import BlockMeta, ChangeListener, Tier, TierStats
+from kvpool.tls import client_context
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class MasterLink:
         rpc_timeout_s: float = 2.0,
         retry_cap_s: float = 1.0,
         chunk_keys: int = CHUNK_KEYS,
+        token: str = "",
+        tls_ca: str = "",
     ):
         self.master = master
         self.node_ref = node_ref  # may be completed (bound address) until start()
@@ -91,9 +94,12 @@ class MasterLink:
         self._timeout = rpc_timeout_s
         self._retry_cap = retry_cap_s
         self._chunk = chunk_keys
-        self._channel = grpc.insecure_channel(master, options=channel_options(max_message_bytes) + _RECONNECT_OPTIONS)
+        # token: a node token for the master (auth on); tls_ca: the master speaks TLS
+        self._channel = make_channel(master, max_message_bytes=max_message_bytes, token=token, tls_ca=tls_ca,
+                                     options=_RECONNECT_OPTIONS)
         grpc_stub = master_pb2_grpc.MasterStub(self._channel)
-        self._calls = ConnectionPool(rpc_timeout_s)
+        self._calls = ConnectionPool(rpc_timeout_s, tls=client_context(tls_ca) if tls_ca else None,
+                                     hello=auth_hello(token) if token else None)
         call_address = MasterCallAddress(grpc_stub, master, rpc_timeout_s)
         # ReportBlocks (before every put's reply) goes over fast calls; the rest over gRPC.
         self._stub = FastStub(grpc_stub, master_pb2.DESCRIPTOR.services_by_name["Master"], MASTER_CALLS,

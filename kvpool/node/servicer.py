@@ -18,6 +18,11 @@ Rules every handler follows:
   ``lease_timeout_s`` (the daemon's reaper frees lapsed leases); Commit
   publishes the slots whose bytes match their checksums and, like Put,
   replies only after ``after_change`` ran.
+- Every key a request names is the caller's: with auth on, it is mapped to
+  its tenant's stored key (:func:`kvpool.auth.caller_keys`) before it reaches
+  a store, so a tenant can neither see nor change another's blocks. With a
+  quota ledger, Put and Reserve admit a tenant's new blocks only within its
+  quota (:mod:`kvpool.node.quota`; refused blocks are not stored).
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.auth import caller_keys, caller_tenant
 from kvpool.checksum import block_checksum
-from kvpool.keys import BlockKey, unpack_keys
+from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.metrics import ErrorMetrics
+from kvpool.node.quota import QuotaLedger
 from kvpool.rpc import flag_bytes, tier_bytes, tier_usage
 from kvpool.tiers.base import Tier
 from kvpool.tiers.tiered import TieredStore
@@ -72,8 +79,10 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         put_seconds: Any = None,
         after_change: Callable[[], object] | None = None,
         lease_timeout_s: float = 5.0,
+        quota: QuotaLedger | None = None,
     ):
         self.store = store
+        self.quota = quota
         self.lease_timeout_s = lease_timeout_s
         self.node_ref = node_ref  # the daemon fills in the bound address once the server listens
         self.max_keys_per_call = max_keys_per_call
@@ -86,10 +95,24 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
     # -- helpers -------------------------------------------------------------------
 
     def _keys(self, packed: bytes) -> list[BlockKey]:
-        keys = unpack_keys(packed)
-        if len(keys) > self.max_keys_per_call:
-            raise ValueError(f"{len(keys)} keys in one call; the limit is {self.max_keys_per_call}")
-        return keys
+        """The stored keys of the keys a request names (its caller's tenant's); ValueError if malformed or too many."""
+        n = len(packed) // KEY_BYTES
+        if n > self.max_keys_per_call:
+            raise ValueError(f"{n} keys in one call; the limit is {self.max_keys_per_call}")
+        return unpack_keys(caller_keys(packed))
+
+    def _admit(self, keys: Sequence[BlockKey], sizes: Sequence[int], candidates: list[int]) -> list[int]:
+        """The candidates (indexes of new blocks) the caller's tenant may write now; see QuotaLedger.admit."""
+        tenant = caller_tenant()
+        if self.quota is None or not tenant or not candidates:
+            return candidates
+        ok = self.quota.admit(tenant, [keys[i] for i in candidates], [sizes[i] for i in candidates])
+        return [i for i, admitted in zip(candidates, ok) if admitted]
+
+    def _trim(self, keys: Sequence[BlockKey]) -> None:
+        tenant = caller_tenant()
+        if self.quota is not None and tenant:
+            self.quota.trim(tenant, keys)
 
     def _dram_meta(self, keys: Sequence[BlockKey]) -> list[tuple[int, int, int, int] | None]:
         """Per key (slot, gen, size, checksum) of its DRAM copy now, or None (no recency change).
@@ -151,9 +174,11 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             if len(good) < len(keys) and self.errors is not None:
                 self.errors.count("checksum", len(keys) - len(good))
         stored = [False] * len(keys)
+        good = self._admit(keys, sizes, good)
         if good:
             for i, ok in zip(good, self.store.put([keys[i] for i in good], [views[i] for i in good])):
                 stored[i] = ok
+            self._trim(keys)
         self._changed()
         if self.put_seconds is not None:
             self.put_seconds.observe(time.perf_counter() - start)
@@ -189,6 +214,8 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             tiers[i], sizes[i], sums[i] = tier, n, found[i][1]  # type: ignore[index]
             end += n
         reply = node_pb2.GetResponse(tiers=tier_bytes(tiers), sizes=sizes, checksums=sums, data=buf[:end].tobytes())
+        if self.quota is not None:
+            self.quota.touch(keys)
         if self.get_seconds is not None:
             self.get_seconds.observe(time.perf_counter() - start)
         return reply
@@ -233,12 +260,15 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
                 if m is not None and self.store.fits_dram(m.size)]
         if not todo:
             return
-        scratch = np.empty(sum(n for _, n in todo), dtype=np.uint8)
-        outs, offset = [], 0
-        for _, n in todo:
-            outs.append(scratch[offset : offset + n])
-            offset += n
-        self.store.get_into([k for k, _ in todo], outs)
+        scratch = self.store.scratch.take(sum(n for _, n in todo))
+        try:
+            outs, offset = [], 0
+            for _, n in todo:
+                outs.append(scratch[offset : offset + n])
+                offset += n
+            self.store.get_into([k for k, _ in todo], outs)
+        finally:
+            self.store.scratch.give(scratch)
 
     @_counted
     def Reserve(self, request: node_pb2.ReserveRequest, context: Any) -> node_pb2.ReserveResponse:
@@ -250,6 +280,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             raise ValueError(f"block {sizes.index(0)} is empty")
         held = [t is not None for t in self.store.where(keys)]
         fit = [i for i, n in enumerate(sizes) if not held[i] and self.store.fits_dram(n)]
+        fit = self._admit(keys, sizes, fit)
         res = self.store.dram.reserve([keys[i] for i in fit], [sizes[i] for i in fit], self.lease_timeout_s)
         slots, gens = [0] * len(keys), [0] * len(keys)
         for i, slot, gen, h in zip(fit, res.slots, res.gens, res.held):
@@ -267,6 +298,8 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         if not len(slots) == len(sums) == len(keys):
             raise ValueError(f"{len(keys)} keys, {len(slots)} slots and {len(sums)} checksums: need one each per key")
         stored = self.store.commit(request.lease, keys, slots, sums)
+        if any(stored):
+            self._trim(keys)
         refused = stored.count(False)
         if refused and self.errors is not None:
             self.errors.count("commit_refused", refused)

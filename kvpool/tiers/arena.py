@@ -1,6 +1,8 @@
 """A shared-memory slot arena: the bytes of the DRAM tier, mappable by any process on the host.
 
-Layout of the segment (``/dev/shm/<name>``, mode 0600)::
+Layout of the segment (``/dev/shm/<name>``, mode 0600 unless the owner asks
+for its group too; exactly that mode, whatever the umask: whoever can map
+the segment reads every block in it)::
 
     [header: 4 KiB][slot table: num_slots x 64 B][pad to 4 KiB][slot data: num_slots x slot_bytes]
 
@@ -90,16 +92,23 @@ class SharedArena:
     # -- lifecycle -------------------------------------------------------------
 
     @classmethod
-    def create(cls, name: str, num_slots: int, slot_bytes: int) -> "SharedArena":
-        """Create and map a new arena; its memory is reserved up front (ENOSPC now, not SIGBUS later)."""
+    def create(cls, name: str, num_slots: int, slot_bytes: int, mode: int = 0o600) -> "SharedArena":
+        """Create and map a new arena; its memory is reserved up front (ENOSPC now, not SIGBUS later).
+
+        The segment gets exactly ``mode`` (owner read-write, optionally the
+        group's too; never other users: ValueError).
+        """
         if num_slots < 1 or slot_bytes < 1:
             raise ValueError(f"arena needs num_slots >= 1 and slot_bytes >= 1, got {num_slots}, {slot_bytes}")
+        if mode & ~0o660 or mode & 0o600 != 0o600:
+            raise ValueError(f"arena mode {mode:#o}: the owner reads and writes (0600), only its group may be added")
         path = shm_path(name)
         table_off = _HEADER_BYTES
         data_off = _round_up(table_off + num_slots * SLOT_DTYPE.itemsize, mmap.PAGESIZE)
         total = data_off + num_slots * slot_bytes
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            os.fchmod(fd, mode)  # exactly this, not what the umask leaves of it
             try:
                 os.posix_fallocate(fd, 0, total)
             except OSError as exc:

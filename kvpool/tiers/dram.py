@@ -104,12 +104,13 @@ class DramStore:
         self._stats = TierStats(Tier.DRAM, capacity_bytes=arena.num_slots * arena.slot_bytes)
 
     @classmethod
-    def create(cls, name: str, capacity_bytes: int, slot_bytes: int, **kwargs: object) -> "DramStore":
-        """A store over a new arena of ``capacity_bytes // slot_bytes`` slots."""
+    def create(cls, name: str, capacity_bytes: int, slot_bytes: int, *, mode: int = 0o600,
+               **kwargs: object) -> "DramStore":
+        """A store over a new arena of ``capacity_bytes // slot_bytes`` slots (segment permissions ``mode``)."""
         num_slots = capacity_bytes // slot_bytes
         if num_slots < 1:
             raise ValueError(f"DRAM capacity {capacity_bytes} B holds no {slot_bytes} B slot")
-        return cls(SharedArena.create(name, num_slots, slot_bytes), **kwargs)  # type: ignore[arg-type]
+        return cls(SharedArena.create(name, num_slots, slot_bytes, mode), **kwargs)  # type: ignore[arg-type]
 
     @property
     def slot_bytes(self) -> int:

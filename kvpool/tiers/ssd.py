@@ -26,7 +26,16 @@ killed with SIGKILL loses nothing (committed pages are already in the OS page
 cache); a power loss or kernel crash may lose recent entries or damage the file.
 Every entry carries a checksum, and a file that LMDB refuses to open is moved
 aside to ``data.mdb.broken`` (replacing an older one) and the store starts empty
-with a logged warning. ``sync=True`` fsyncs every commit; :meth:`SsdStore.sync_now`
+with a logged warning. LMDB maps more than the file and trusts its page
+numbers, so a truncated file would kill the process with SIGBUS on the first
+read past its end: a file shorter than the pages its meta page counts is
+extended with zeros at open (a cut-off tree then fails LMDB's checks or the
+headers' and is dropped as above; LMDB itself may leave a few never-written
+free pages at the end, which this also covers). A write
+transaction the disk refuses (full, I/O error) stores nothing: the blocks are
+False (misses later), with a warning. Both are reported to ``on_error``
+(``"ssd_file_broken"``, ``"ssd_write"``; the node counts them in
+``kvpool_errors_total``). ``sync=True`` fsyncs every commit; :meth:`SsdStore.sync_now`
 flushes on demand (the node calls it periodically and on clean shutdown).
 """
 
@@ -38,7 +47,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import lmdb
@@ -89,6 +98,7 @@ class SsdStore:
         sync: bool = False,
         max_value_bytes: int = 64 << 20,
         on_change: ChangeListener | None = None,
+        on_error: Callable[[str], object] | None = None,
     ) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
@@ -99,6 +109,8 @@ class SsdStore:
         self.capacity_bytes = capacity_bytes
         self.max_value_bytes = max_value_bytes
         self.on_change = on_change
+        self.on_error = on_error  # hears "ssd_file_broken" / "ssd_write" (see the module docstring)
+        self._write_failing = False  # warn once per run of failed writes
         # Far above capacity: LMDB reuses pages freed by txn N only from txn N+2 on (and once
         # no reader holds an older snapshot), and an overflow value needs a run of free pages.
         self.map_size = max(2 * capacity_bytes, capacity_bytes + 256 * _MIB)
@@ -146,6 +158,7 @@ class SsdStore:
             try:
                 self._env = self._lmdb_open()
                 self.page_size = self._env.stat()["psize"]
+                self._back_every_page()
                 self._load()
                 return
             except _BROKEN_FILE as exc:
@@ -160,6 +173,22 @@ class SsdStore:
                 log.warning("SSD store %s: LMDB cannot read %s (%r); moving it to %s.broken, starting empty",
                             self.path, data, exc, data.name)
                 os.replace(data, self.path / "data.mdb.broken")
+                self._report_error("ssd_file_broken")
+
+    def _back_every_page(self) -> None:
+        """Extend data.mdb with zeros up to the last page its meta page counts (see the module docstring)."""
+        assert self._env is not None
+        need = (self._env.info()["last_pgno"] + 1) * self.page_size
+        data = self.path / "data.mdb"
+        have = os.path.getsize(data)
+        if have < need:
+            log.info("SSD store %s: %s is %d bytes short of its last page; extending it with zeros",
+                     self.path, data.name, need - have)
+            os.truncate(data, need)
+
+    def _report_error(self, kind: str) -> None:
+        if self.on_error is not None:
+            self.on_error(kind)
 
     def _load(self) -> None:
         """Rebuild the LRU from the headers (write order); drop bad entries and any excess."""
@@ -275,27 +304,44 @@ class SsdStore:
         removed: list[BlockKey] = []
         with self._wlock:
             try:
-                stored = self._write(env, latest, added, removed)
-            except lmdb.MapFullError:
-                need = sum(self.entry_cost(v.nbytes) for v, _ in latest.values())
-                try:
-                    victims = self._pick_victims(need, frozenset(latest))
-                    with env.begin(write=True) as txn:
-                        for key in victims:
-                            txn.delete(key)
-                    removed += self._forget(victims, evicted=True)
-                    # LMDB reuses pages freed by txn N only from txn N+2 on: commit one tiny txn.
-                    with env.begin(write=True) as txn:
-                        txn.put(_MARK, self._seq.to_bytes(8, "little"))
-                    stored = self._write(env, latest, added, removed)
-                except lmdb.MapFullError:
-                    log.warning("SSD store %s: LMDB map full after evicting; dropping %d blocks",
-                                self.path, len(latest))
-                    stored = set()
+                stored = self._write_or_evict(env, latest, added, removed)
+            except lmdb.Error as exc:  # the disk refused the transaction (full, I/O error): nothing changed
+                stored = set()
+                if not self._write_failing:
+                    log.warning("SSD store %s: write failed (%s); its blocks are dropped until writes work again",
+                                self.path, exc)
+                self._write_failing = True
+                self._report_error("ssd_write")
+            else:
+                if self._write_failing:
+                    log.warning("SSD store %s: writes work again", self.path)
+                self._write_failing = False
         with self._lock:
             self._counts["corrupt"] += len(bad)
         notify(self.on_change, added, removed, "SSD")
         return [i not in bad and k in stored for i, k in enumerate(ks)]
+
+    def _write_or_evict(self, env: lmdb.Environment, latest: dict[BlockKey, tuple[memoryview, int]],
+                        added: list[BlockMeta], removed: list[BlockKey]) -> set[BlockKey]:
+        """:meth:`_write`; if LMDB's map is full, evict for room once and retry (caller holds the writer lock)."""
+        try:
+            return self._write(env, latest, added, removed)
+        except lmdb.MapFullError:
+            need = sum(self.entry_cost(v.nbytes) for v, _ in latest.values())
+            try:
+                victims = self._pick_victims(need, frozenset(latest))
+                with env.begin(write=True) as txn:
+                    for key in victims:
+                        txn.delete(key)
+                removed += self._forget(victims, evicted=True)
+                # LMDB reuses pages freed by txn N only from txn N+2 on: commit one tiny txn.
+                with env.begin(write=True) as txn:
+                    txn.put(_MARK, self._seq.to_bytes(8, "little"))
+                return self._write(env, latest, added, removed)
+            except lmdb.MapFullError:
+                log.warning("SSD store %s: LMDB map full after evicting; dropping %d blocks",
+                            self.path, len(latest))
+                return set()
 
     def _write(self, env: lmdb.Environment, items: dict[BlockKey, tuple[memoryview, int]],
                added: list[BlockMeta], removed: list[BlockKey]) -> set[BlockKey]:
@@ -424,8 +470,8 @@ class SsdStore:
                             continue
                         txn.delete(key)
                         gone.append(key)
-            except lmdb.MapFullError:
-                log.warning("SSD store %s: LMDB map full while deleting %d blocks", self.path, len(items))
+            except lmdb.Error as exc:  # map full, or the disk refused the write
+                log.warning("SSD store %s: deleting %d blocks failed (%s)", self.path, len(items), exc)
                 return 0
             self._forget(gone, evicted=False)
         notify(self.on_change, (), gone, "SSD")

@@ -210,9 +210,11 @@ class MasterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MasterInfoResponse(_message.Message):
-    __slots__ = ("call_port", "version")
+    __slots__ = ("call_port", "version", "tenant_mask")
     CALL_PORT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_MASK_FIELD_NUMBER: _ClassVar[int]
     call_port: int
     version: str
-    def __init__(self, call_port: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    tenant_mask: bytes
+    def __init__(self, call_port: _Optional[int] = ..., version: _Optional[str] = ..., tenant_mask: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,572 @@
+"""Security: tokens, roles, tenant isolation, quotas, the arena's mode, TLS and limits (docs/security.md).
+
+Real servers on 127.0.0.1 (in-process MasterServer / PoolNode on free ports,
+and one test with `kvpool serve` as a process), real gRPC, real TCP, real
+shared memory. Certificates are made at test time with the openssl CLI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import socket
+import ssl
+import stat
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvpool.client.bulk import BulkClient, BulkFailed, BulkUnavailable
+from kvpool.client.pool import PoolClient
+from kvpool.master import MasterServer
+from support import free_port, kvpool_process, stop_process, wait_serving, wait_until
+
+from kvpool.auth import Authority, mask_keys
+from kvpool.calls import AUTH_METHOD, CALL_MAGIC, CALL_VERSION, FRAME, MASTER_CALLS
+from kvpool.checksum import block_checksum
+from kvpool.config import ClientConfig, MasterConfig, NodeConfig
+from kvpool.framing import recv_exact
+from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys, pack_keys
+from kvpool.node import bulk
+from kvpool.node.daemon import PoolNode
+from kvpool.rpc import MISS, make_channel
+from kvpool.tiers.arena import shm_path
+from kvpool.tiers.base import Tier
+from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
+
+MIB = 1 << 20
+NODE_TOKEN = secrets.token_hex(32)
+TOKEN_A = secrets.token_hex(32)
+TOKEN_B = secrets.token_hex(32)
+WRONG = secrets.token_hex(32)
+
+
+def write_auth(path, *, quota_a: int | str = 0) -> str:
+    path.write_text(json.dumps({
+        "secret": secrets.token_hex(32),
+        "node_tokens": [NODE_TOKEN],
+        "clients": {TOKEN_A: {"tenant": "a", "quota_bytes": quota_a}, TOKEN_B: {"tenant": "b"}},
+    }))
+    return str(path)
+
+
+def prompt_keys(n: int, tenant_salt: str = "") -> list[BlockKey]:
+    """Keys of the same prompt as every tenant's engine computes them (same model, layout, tokens)."""
+    ns = KeyNamespace(model="m", layout="layout-1", tenant=tenant_salt)
+    return chain_block_keys(list(range(16 * n)), 16, ns)
+
+
+def blocks(n: int, size: int = MIB, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+
+
+@contextlib.contextmanager
+def cluster(tmp_path, arena: str, *, master_over: dict | None = None, **node_over):
+    """An in-process master and one node registered with it."""
+    master = MasterServer(MasterConfig(host="127.0.0.1", port=0, metrics_port=0, call_port=0,
+                                       **(master_over or {}))).start()
+    try:
+        values = dict(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena,
+                      dram_bytes=16 * MIB, slot_bytes=MIB, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 * MIB)
+        values.update(node_over)
+        node = PoolNode(NodeConfig(**values)).start()
+        try:
+            wait_until(lambda: master.membership.live_nodes() and node.link.registered, timeout=20)
+            yield master, node
+        finally:
+            node.stop()
+    finally:
+        master.stop()
+
+
+@pytest.fixture
+def auth_file(tmp_path):
+    return write_auth(tmp_path / "auth.json")
+
+
+@pytest.fixture
+def secured(tmp_path, arena_name, auth_file):
+    with cluster(tmp_path, arena_name, master_over={"auth_file": auth_file}, auth_file=auth_file,
+                 token=NODE_TOKEN) as (master, node):
+        yield master, node
+
+
+def client(master: MasterServer, token: str, **over) -> PoolClient:
+    values = dict(master=master.address, token=token, lookup_timeout_s=2.0, io_timeout_s=5.0, shared_memory=False)
+    values.update(over)
+    return PoolClient(ClientConfig(**values))
+
+
+def master_stub(master: MasterServer, token: str = "", **over):
+    channel = make_channel(master.address, max_message_bytes=64 * MIB, token=token, **over)
+    return channel, master_pb2_grpc.MasterStub(channel)
+
+
+def node_stub(node: PoolNode, token: str = "", **over):
+    channel = make_channel(node.address, max_message_bytes=64 * MIB, token=token, **over)
+    return channel, node_pb2_grpc.NodeStub(channel)
+
+
+def errors(registry_owner, kind: str) -> float:
+    return registry_owner.errors.errors.labels(kind)._value.get()
+
+
+def fast_frame(method: int, body: bytes) -> bytes:
+    return FRAME.pack(CALL_MAGIC, CALL_VERSION, method, 0, len(body)) + body
+
+
+def read_fast_reply(sock: socket.socket) -> tuple[int, bytes]:
+    magic, version, status, _, length = FRAME.unpack(recv_exact(sock, FRAME.size))
+    assert (magic, version) == (CALL_MAGIC, CALL_VERSION)
+    return status, bytes(recv_exact(sock, length))
+
+
+def closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+LOOKUP = MASTER_CALLS.index("Lookup") + 1
+REPORT_BLOCKS = MASTER_CALLS.index("ReportBlocks") + 1
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED
+
+
+# -- authentication -----------------------------------------------------------------------------------
+
+
+def test_no_token_or_a_wrong_token_is_refused_over_grpc_fast_calls_and_bulk(secured):
+    master, node = secured
+    lookup = master_pb2.LookupRequest(keys=pack_keys(prompt_keys(2)))
+    for token in ("", WRONG):
+        channel, stub = master_stub(master, token)
+        with channel, pytest.raises(grpc.RpcError) as refused:
+            stub.Lookup(lookup, timeout=5)
+        assert refused.value.code() == UNAUTHENTICATED
+        channel, stub = node_stub(node, token)
+        with channel, pytest.raises(grpc.RpcError) as refused:
+            stub.Get(node_pb2.GetRequest(keys=pack_keys(prompt_keys(1))), timeout=5)
+        assert refused.value.code() == UNAUTHENTICATED
+    with grpc.insecure_channel(master.address) as channel:  # liveness probes need no token
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert errors(node, "unauthenticated") >= 2 and errors(master, "unauthenticated") >= 2
+
+    # Fast calls: a request before AUTH, or AUTH with an unknown token, is refused and the connection closed.
+    port = master.servicer.call_port
+    for first in (fast_frame(LOOKUP, lookup.SerializeToString()), fast_frame(AUTH_METHOD, WRONG.encode())):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(first)
+            status, text = read_fast_reply(sock)
+            assert status == UNAUTHENTICATED.value[0] and text.startswith(b"unauthenticated"), text
+            assert closed(sock)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:  # the right token: served
+        sock.sendall(fast_frame(AUTH_METHOD, TOKEN_A.encode()))
+        assert read_fast_reply(sock) == (0, b"")
+        sock.sendall(fast_frame(LOOKUP, lookup.SerializeToString()))
+        status, body = read_fast_reply(sock)
+        assert status == 0 and master_pb2.LookupResponse.FromString(body).tiers == b""
+
+    # Bulk: the same, on the node's data port (bulk frames and fast-call frames alike).
+    data_port = node.bulk.port
+    get = bulk.request_header(bulk.OP_GET, 1) + prompt_keys(1)[0]
+    for first in (get, bulk.request_header(bulk.OP_AUTH, len(WRONG)) + WRONG.encode(),
+                  fast_frame(1, node_pb2.LocateRequest(keys=prompt_keys(1)[0]).SerializeToString())):
+        with socket.create_connection(("127.0.0.1", data_port), timeout=5) as sock:
+            sock.sendall(first)
+            if first[:4] == CALL_MAGIC:
+                status, text = read_fast_reply(sock)
+                assert status == UNAUTHENTICATED.value[0]
+            else:
+                with pytest.raises(bulk.ProtocolError, match="^unauthenticated"):
+                    bulk.read_reply_header(sock, bulk.OP_GET, 1)
+            assert closed(sock)
+    for token in ("", WRONG):
+        c = BulkClient(5.0, token=token)
+        try:
+            with pytest.raises(BulkFailed) as failed:
+                c.get_into(node.data_address, prompt_keys(1), [np.zeros(8, np.uint8)], [0])
+            assert failed.value.kind == "unauthenticated"
+        finally:
+            c.close()
+
+
+def test_a_client_token_cannot_call_node_only_rpcs_and_a_node_token_no_client_rpcs(secured):
+    master, node = secured
+    before = len(master.index)
+    channel, stub = master_stub(master, TOKEN_A)
+    with channel:
+        ref = common_pb2.NodeRef(node_id="intruder", address="127.0.0.1:1")
+        calls = [
+            (stub.RegisterNode, master_pb2.RegisterNodeRequest(node=ref, slot_bytes=MIB)),
+            (stub.Heartbeat, master_pb2.HeartbeatRequest(node_id=node.node_ref.node_id,
+                                                         incarnation=node.link.incarnation)),
+            (stub.ReportBlocks, master_pb2.ReportBlocksRequest(
+                node_id=node.node_ref.node_id, incarnation=node.link.incarnation, tier=common_pb2.TIER_DRAM,
+                added_keys=pack_keys(prompt_keys(1)), added_sizes=[10], added_checksums=[1])),
+            (stub.UnregisterNode, master_pb2.UnregisterNodeRequest(node_id=node.node_ref.node_id,
+                                                                   incarnation=node.link.incarnation)),
+        ]
+        for call, request in calls:
+            with pytest.raises(grpc.RpcError) as denied:
+                call(request, timeout=5)
+            assert denied.value.code() == PERMISSION_DENIED and "node token" in denied.value.details()
+        assert stub.Info(master_pb2.MasterInfoRequest(), timeout=5).call_port  # informational: any role
+    channel, stub = master_stub(master, NODE_TOKEN)
+    with channel, pytest.raises(grpc.RpcError) as denied:
+        stub.Lookup(master_pb2.LookupRequest(keys=pack_keys(prompt_keys(1))), timeout=5)
+    assert denied.value.code() == PERMISSION_DENIED
+    # The same over fast calls; the connection stays usable after a PERMISSION_DENIED.
+    with socket.create_connection(("127.0.0.1", master.servicer.call_port), timeout=5) as sock:
+        sock.sendall(fast_frame(AUTH_METHOD, TOKEN_B.encode()))
+        assert read_fast_reply(sock) == (0, b"")
+        sock.sendall(fast_frame(REPORT_BLOCKS, calls[2][1].SerializeToString()))
+        assert read_fast_reply(sock)[0] == PERMISSION_DENIED.value[0]
+        sock.sendall(fast_frame(LOOKUP, master_pb2.LookupRequest(keys=b"").SerializeToString()))
+        assert read_fast_reply(sock)[0] == 0
+    assert len(master.index) == before
+    assert [n.ref.node_id for n in master.membership.live_nodes()] == [node.node_ref.node_id]
+    assert errors(master, "permission_denied") >= 6
+
+
+# -- tenants --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["remote-tcp", "same-host-shm"])
+def test_two_tenants_with_identical_prompts_never_see_or_change_each_others_blocks(secured, shared_memory):
+    master, node = secured
+    ks = prompt_keys(4, tenant_salt="a")  # B even uses A's namespace string: the same keys
+    va, vb = blocks(4, seed=1), blocks(4, seed=2)
+    with client(master, TOKEN_A, shared_memory=shared_memory) as a, \
+            client(master, TOKEN_B, shared_memory=shared_memory) as b:
+        assert a.store(ks, va) == [True] * 4
+        run_a = a.lookup(ks)
+        assert len(run_a) == 4
+        # B finds nothing of A's: lookup, exists, and reads at the node with A's exact locations.
+        assert len(b.lookup(ks)) == 0 and b.exists(ks) == [False] * 4
+        outs = [np.zeros(MIB, np.uint8) for _ in ks]
+        assert b.get_into(list(run_a), outs) == [False] * 4
+        assert all(not o.any() for o in outs)
+        channel, stub = node_stub(node, TOKEN_B)
+        with channel:
+            got = stub.Get(node_pb2.GetRequest(keys=pack_keys(ks)), timeout=5)
+            assert got.tiers == bytes([MISS]) * 4 and got.data == b""
+            assert stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys(ks)), timeout=5).tiers == bytes([MISS]) * 4
+            # B writes and removes "the same" keys: its own blocks, never A's.
+            assert b.store(ks, vb) == [True] * 4
+            assert stub.Remove(node_pb2.RemoveRequest(keys=pack_keys(ks[:2])), timeout=5).removed == 2
+        assert b.exists(ks) == [False, False, True, True]
+        assert a.exists(ks) == [True] * 4
+        outs = [np.zeros(MIB, np.uint8) for _ in ks]
+        assert a.get_into(list(a.lookup(ks)), outs) == [True] * 4
+        assert all(np.array_equal(o, v) for o, v in zip(outs, va))  # A's bytes, unchanged
+        outs = [np.zeros(MIB, np.uint8) for _ in ks[2:]]
+        assert b.get_into(list(b.lookup(ks[2:])), outs) == [True] * 2
+        assert all(np.array_equal(o, v) for o, v in zip(outs, vb[2:]))
+        assert len(master.index) == 6  # A's 4 and B's 2, under different stored keys
+
+
+def test_the_same_host_path_serves_an_authenticated_client_from_the_arena_with_its_mask(secured):
+    master, node = secured
+    ks, vs = prompt_keys(3), blocks(3, seed=3)
+    with client(master, TOKEN_A, shared_memory=True) as a:
+        assert a.store(ks, vs) == [True] * 3
+        assert node.store.dram.leased_slots == 0  # written into the arena under a lease, committed
+        a.nodes.forget_slots()  # no hints: rows are found by Locate, then checked against the masked keys
+        hits = node.store.dram.stats().hits
+        outs = [np.zeros(MIB, np.uint8) for _ in ks]
+        assert a.get_into(list(a.lookup(ks)), outs) == [True] * 3
+        assert all(np.array_equal(o, v) for o, v in zip(outs, vs))
+        assert node.store.dram.stats().hits == hits  # copied from the arena by the client, not sent by the node
+        assert a.shared_path.tenant_mask() == Authority.load(node.config.auth_file).mask("a")
+        stored = mask_keys(pack_keys(ks), a.shared_path.tenant_mask())
+        assert node.store.dram.contains([stored[i * 32 : (i + 1) * 32] for i in range(3)]) == [True] * 3
+
+
+def test_the_arena_is_created_0600_or_exactly_the_group_mode_asked_for(tmp_path, arena_name, auth_file):
+    with cluster(tmp_path, arena_name) as (_, node):
+        assert stat.S_IMODE(os.stat(shm_path(arena_name)).st_mode) == 0o600
+        assert node.config.arena_mode == "0600"
+    old = os.umask(0o077)  # a strict umask must not take the group's access away
+    try:
+        node = PoolNode(NodeConfig(master=f"127.0.0.1:{free_port()}", port=0, metrics_port=0, data_port=0,
+                                   arena=arena_name, dram_bytes=4 * MIB, slot_bytes=MIB, ssd_enabled=False,
+                                   arena_mode="0660"))
+        try:
+            assert stat.S_IMODE(os.stat(shm_path(arena_name)).st_mode) == 0o660
+        finally:
+            node.stop()
+    finally:
+        os.umask(old)
+    for mode in ("0666", "0604", "0400", "rw"):
+        with pytest.raises(ValueError, match="arena_mode"):
+            PoolNode(NodeConfig(port=0, metrics_port=0, data_port=0, arena=arena_name, dram_bytes=4 * MIB,
+                                slot_bytes=MIB, ssd_enabled=False, arena_mode=mode))
+        assert not os.path.exists(shm_path(arena_name))  # refused before anything was created
+
+
+# -- quotas ---------------------------------------------------------------------------------------------
+
+
+def put_via(path: str, master: MasterServer, node: PoolNode, token: str, keys, values) -> list[bool]:
+    if path == "grpc":
+        channel, stub = node_stub(node, token)
+        with channel:
+            reply = stub.Put(node_pb2.PutRequest(keys=pack_keys(keys), sizes=[v.size for v in values],
+                                                 checksums=[block_checksum(v) for v in values],
+                                                 data=b"".join(v.tobytes() for v in values)), timeout=10)
+        return [s != 0 for s in reply.stored]
+    with client(master, token, shared_memory=path == "shm") as c:
+        return c.store(keys, values)
+
+
+@pytest.mark.parametrize("path", ["grpc", "bulk", "shm"])
+def test_a_tenant_over_quota_loses_its_own_oldest_blocks_and_never_another_tenants(tmp_path, arena_name, path):
+    auth = write_auth(tmp_path / "auth.json", quota_a="3M")
+    with cluster(tmp_path, arena_name, master_over={"auth_file": auth}, auth_file=auth, token=NODE_TOKEN,
+                 write_through=True, slot_bytes=4 * MIB, dram_bytes=64 * MIB) as (master, node):
+        ka, kb = prompt_keys(5, "a"), prompt_keys(3, "b")
+        va, vb = blocks(5, seed=5), blocks(3, seed=6)
+        assert put_via(path, master, node, TOKEN_A, ka[:3], va[:3]) == [True] * 3
+        assert put_via(path, master, node, TOKEN_B, kb, vb) == [True] * 3  # b has no quota
+        assert node.quota.used("a") == 3 * MIB
+        assert put_via(path, master, node, TOKEN_A, ka[3:], va[3:]) == [True, True]
+        assert node.quota.used("a") == 3 * MIB
+        with client(master, TOKEN_A) as a, client(master, TOKEN_B) as b:
+            assert a.exists(ka) == [False, False, True, True, True]  # its two oldest made room
+            assert b.exists(kb) == [True] * 3
+            outs = [np.zeros(MIB, np.uint8) for _ in kb]
+            assert b.get_into(list(b.lookup(kb)), outs) == [True] * 3
+            assert all(np.array_equal(o, v) for o, v in zip(outs, vb))
+        # A block larger than the whole quota is refused, counted, and evicts nothing.
+        refused = errors(node, "quota_exceeded")
+        assert put_via(path, master, node, TOKEN_A, prompt_keys(1, "big"), blocks(1, 4 * MIB)) == [False]
+        assert errors(node, "quota_exceeded") > refused
+        assert node.quota.used("a") == 3 * MIB
+        node_config = node.config
+    # A restarted node counts what its SSD still holds (write-through: everything).
+    restarted = PoolNode(node_config)
+    try:
+        assert restarted.quota.used("a") == 3 * MIB
+    finally:
+        restarted.stop()
+
+
+# -- TLS -------------------------------------------------------------------------------------------------
+
+
+def openssl(*args: str, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_ca(d, name: str) -> None:
+    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN=kvpool test {name}",
+            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+            cwd=d)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """A CA, a server certificate it signed (SAN IP 127.0.0.1, DNS localhost), and an unrelated CA."""
+    d = tmp_path_factory.mktemp("certs")
+    make_ca(d, "ca")
+    make_ca(d, "other-ca")
+    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+                                  "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
+                                  "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
+    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "server.key",
+            "-out", "server.csr", "-subj", "/CN=kvpool server", cwd=d)
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", "server.pem", "-days", "2", "-extfile", "server.ext", cwd=d)
+    return {name: str(d / name) for name in ("ca.pem", "other-ca.pem", "server.pem", "server.key")}
+
+
+@pytest.fixture
+def tls_cluster(tmp_path, arena_name, auth_file, certs):
+    with cluster(tmp_path, arena_name,
+                 master_over={"auth_file": auth_file, "tls_cert": certs["server.pem"], "tls_key": certs["server.key"]},
+                 auth_file=auth_file, token=NODE_TOKEN, tls_cert=certs["server.pem"], tls_key=certs["server.key"],
+                 tls_ca=certs["ca.pem"]) as (master, node):
+        yield master, node
+
+
+def test_tls_round_trip_over_grpc_fast_calls_and_bulk(tls_cluster, certs):
+    master, node = tls_cluster
+    ks, vs = prompt_keys(3), blocks(3, seed=7)
+    with client(master, TOKEN_A, tls_ca=certs["ca.pem"], strict=True) as a:
+        assert a.store(ks, vs) == [True] * 3  # PlaceBlocks over fast calls, the bytes over bulk: both TLS
+        run = a.lookup(ks)
+        outs = [np.zeros(MIB, np.uint8) for _ in ks]
+        assert a.get_into(list(run), outs) == [True] * 3
+        assert all(np.array_equal(o, v) for o, v in zip(outs, vs))
+        # Really over the TCP listeners, in TLS: the client's pooled connections to both.
+        calls = a._calls._idle.get(f"127.0.0.1:{master.servicer.call_port}", [])
+        data = a.bulk_path.bulk._pool._idle.get(node.data_address, [])
+        assert calls and data and all(isinstance(sock, ssl.SSLSocket) for sock in calls + data)
+        assert a.errors.errors.labels("bulk_fallback")._value.get() == 0
+    channel, stub = node_stub(node, TOKEN_A, tls_ca=certs["ca.pem"])  # and the gRPC fallback
+    with channel:
+        got = stub.Get(node_pb2.GetRequest(keys=pack_keys(ks)), timeout=10)
+        assert got.data == b"".join(v.tobytes() for v in vs)
+
+
+@pytest.mark.parametrize("ca", [None, "other-ca.pem"], ids=["no-ca", "wrong-ca"])
+def test_a_client_that_cannot_verify_the_servers_gets_misses_not_exceptions(tls_cluster, certs, ca):
+    master, node = tls_cluster
+    ks = prompt_keys(2)
+    with client(master, TOKEN_A, tls_ca=certs["ca.pem"]) as good:
+        assert good.store(ks, blocks(2)) == [True, True]
+    with client(master, TOKEN_A, tls_ca=certs[ca] if ca else "", lookup_timeout_s=1.0, io_timeout_s=1.0) as c:
+        assert len(c.lookup(ks)) == 0
+        assert c.exists(ks) == [False, False]
+        assert c.store(prompt_keys(1, "x"), blocks(1)) == [False]
+        assert c.errors.errors.labels("unavailable")._value.get() >= 3
+    other = BulkClient(2.0, token=TOKEN_A)  # plain TCP to a TLS listener: no answer it can read
+    try:
+        with pytest.raises((BulkFailed, BulkUnavailable)):
+            other.get_into(node.data_address, ks[:1], [np.zeros(MIB, np.uint8)], [0])
+    finally:
+        other.close()
+
+
+# -- limits ---------------------------------------------------------------------------------------------
+
+
+def test_limits_are_refused_with_a_clear_status_and_change_nothing(tmp_path, arena_name):
+    with cluster(tmp_path, arena_name, master_over={"max_keys_per_call": 4, "max_connections": 2},
+                 max_keys_per_call=4, max_message_bytes=4 * MIB, max_connections=2, slot_bytes=4 * MIB,
+                 dram_bytes=32 * MIB) as (master, node):
+        five = pack_keys(prompt_keys(5))
+        channel, stub = node_stub(node)
+        with channel:
+            with pytest.raises(grpc.RpcError) as over:
+                stub.Exists(node_pb2.NodeExistsRequest(keys=five), timeout=5)
+            assert over.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit is 4" in over.value.details()
+        channel, mstub = master_stub(master)
+        with channel:
+            with pytest.raises(grpc.RpcError) as over:
+                mstub.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=five, sizes=[1] * 5), timeout=5)
+            assert over.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_keys_per_call" in over.value.details()
+        with socket.create_connection(("127.0.0.1", node.bulk.port), timeout=5) as sock:  # keys per bulk request
+            sock.sendall(bulk.request_header(bulk.OP_GET, 5) + five)
+            with pytest.raises(bulk.ProtocolError, match="5 keys in one request; the limit is 4"):
+                bulk.read_reply_header(sock, bulk.OP_GET, 5)
+        vs = blocks(2, size=3 * MIB)
+        c = BulkClient(5.0)
+        try:  # bytes per bulk PUT
+            with pytest.raises(BulkFailed, match="the limit is 4194304"):
+                c.put(node.data_address, prompt_keys(2), vs, [block_checksum(v) for v in vs])
+            assert c.put(node.data_address, prompt_keys(1), vs[:1], [block_checksum(vs[0])]) == [True]
+        finally:
+            c.close()
+        assert node.store.where(prompt_keys(2)) == [Tier.DRAM, None]
+        with socket.create_connection(("127.0.0.1", node.bulk.port), timeout=5) as sock:  # fast-call body size
+            sock.sendall(FRAME.pack(CALL_MAGIC, CALL_VERSION, 1, 0, 5 * MIB))
+            status, text = read_fast_reply(sock)
+            assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"over the limit" in text
+        # Connections: the third at once is refused with a message; after one closes, a new one is served.
+        for port, listener, read, idle in ((node.bulk.port, node.bulk, "bulk", 0),
+                                           (master.servicer.call_port, master._calls, "calls", 1)):
+            wait_until(lambda listener=listener, idle=idle: listener.connections == idle)  # refused ones drain;
+            # the node's link holds one of the master's
+            base = listener.connections
+            held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2 - base)]
+            wait_until(lambda listener=listener: listener.connections == 2)
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+                if read == "bulk":
+                    with pytest.raises(bulk.ProtocolError, match="too many bulk connections"):
+                        bulk.read_reply_header(extra, 0, 0)
+                else:
+                    status, text = read_fast_reply(extra)
+                    assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and b"too many" in text
+            held.pop().close()
+            wait_until(lambda listener=listener: listener.connections < 2)
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as again:
+                if read == "bulk":
+                    again.sendall(bulk.request_header(bulk.OP_GET, 1) + prompt_keys(1)[0])
+                    bulk.read_reply_header(again, bulk.OP_GET, 1)
+                else:
+                    again.sendall(fast_frame(LOOKUP, master_pb2.LookupRequest().SerializeToString()))
+                    assert read_fast_reply(again)[0] == 0
+            for s in held:
+                s.close()
+
+
+# -- the auth file, and `kvpool serve` with one -------------------------------------------------------------
+
+
+def test_a_bad_auth_file_is_a_clear_error_before_anything_starts(tmp_path, arena_name):
+    cases = {
+        "not json": "{",
+        "short token": json.dumps({"secret": "00" * 32, "node_tokens": ["short"]}),
+        "twice": json.dumps({"secret": "00" * 32, "node_tokens": [NODE_TOKEN],
+                             "clients": {NODE_TOKEN: {"tenant": "a"}}}),
+        "no secret": json.dumps({"node_tokens": [NODE_TOKEN]}),
+        "bad quota": json.dumps({"secret": "00" * 32, "clients": {TOKEN_A: {"tenant": "a", "quota_bytes": "lots"}}}),
+        "no tenant": json.dumps({"secret": "00" * 32, "clients": {TOKEN_A: {"quota_bytes": 1}}}),
+    }
+    for why, text in cases.items():
+        path = tmp_path / "auth.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match="auth"):
+            MasterServer(MasterConfig(port=0, metrics_port=0, auth_file=str(path)))
+        with pytest.raises(ValueError, match="auth"):
+            PoolNode(NodeConfig(port=0, metrics_port=0, arena=arena_name, dram_bytes=4 * MIB, slot_bytes=MIB,
+                                ssd_enabled=False, auth_file=str(path)))
+        assert not os.path.exists(shm_path(arena_name)), why
+
+
+def test_kvpool_serve_with_an_auth_file_serves_token_holders_only(tmp_path, auth_file):
+    port, node_port = free_port(), free_port()
+    arena = f"kvpool-test-{os.getpid()}-serve-auth"
+    proc = kvpool_process("serve", "--master-port", str(port), "--master-metrics-port", "0", "--port", str(node_port),
+                          "--metrics-port", "0", "--arena", arena, "--dram-bytes", "8M", "--slot-bytes", "1M",
+                          "--ssd-dir", str(tmp_path / "ssd"), "--ssd-bytes", "64M", "--auth-file", auth_file,
+                          log_path=tmp_path / "serve.log")
+    try:
+        wait_serving(f"127.0.0.1:{port}", timeout=60, proc=proc)
+        channel = make_channel(f"127.0.0.1:{port}", max_message_bytes=MIB, token=TOKEN_A)
+        with channel:
+            stub = master_pb2_grpc.MasterStub(channel)
+            wait_until(lambda: stub.ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=5).nodes, timeout=20)
+        config = ClientConfig(master=f"127.0.0.1:{port}", token=TOKEN_A, lookup_timeout_s=2.0)
+        ks, vs = prompt_keys(2), blocks(2)
+        with PoolClient(config) as a:
+            assert a.store(ks, vs) == [True, True]
+        with PoolClient(ClientConfig(master=f"127.0.0.1:{port}", lookup_timeout_s=2.0)) as anonymous:
+            assert len(anonymous.lookup(ks)) == 0 and anonymous.store(ks, vs) == [False, False]
+            assert anonymous.errors.errors.labels("unauthenticated")._value.get() >= 1
+        env = {**os.environ, "KVPOOL_CLIENT_TOKEN": TOKEN_A}
+        for extra_env, code in ((env, 0), (os.environ, 1)):
+            done = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--master", f"127.0.0.1:{port}"],
+                                  check=False, capture_output=True, text=True, env=extra_env, timeout=60)
+            assert done.returncode == code, done.stderr
+    finally:
+        assert stop_process(proc) == 0
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(shm_path(arena))
+
+
+def test_kvpool_serve_shares_the_security_settings_between_its_master_and_node(auth_file, certs):
+    from kvpool.config import PoolConfig
+    from kvpool.serve import master_config_for, node_config_for
+
+    config = PoolConfig(master=MasterConfig(auth_file=auth_file, tls_cert=certs["server.pem"],
+                                            tls_key=certs["server.key"]),
+                        node=NodeConfig(tls_ca=certs["ca.pem"]))
+    node = node_config_for(config, 7777)
+    assert (node.master, node.auth_file, node.token) == ("127.0.0.1:7777", auth_file, NODE_TOKEN)
+    assert (node.tls_cert, node.tls_key) == (certs["server.pem"], certs["server.key"])
+    master = master_config_for(PoolConfig(node=NodeConfig(auth_file=auth_file)))
+    assert master.auth_file == auth_file
+    with pytest.raises(ValueError, match="tls_ca"):  # the node could not verify its own master
+        node_config_for(PoolConfig(master=config.master), 7777)
