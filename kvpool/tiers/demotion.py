@@ -103,9 +103,9 @@ class DemotionQueue:
         return np.empty(nbytes, dtype=np.uint8)
 
     def _recycle(self, bufs: Sequence[np.ndarray]) -> None:
-        """Keep written buffers for reuse, up to ``max_bytes`` (caller holds the lock)."""
+        """Keep written buffers for reuse, up to a quarter of ``max_bytes`` (caller holds the lock)."""
         for buf in bufs:
-            if self._free_bytes + buf.nbytes <= self.max_bytes:
+            if self._free_bytes + buf.nbytes <= self.max_bytes // 4:
                 self._free.setdefault(buf.nbytes, []).append(buf)
                 self._free_bytes += buf.nbytes
 

@@ -35,7 +35,7 @@ from kvpool.tiers.dram import DramStore
 from kvpool.tiers.ssd import SsdStore
 
 
-SCRATCH_POOL_BYTES = 128 << 20  # idle temporaries kept warm for promotions and SSD reads
+SCRATCH_POOL_BYTES = 64 << 20  # idle temporaries kept warm for promotions and SSD reads
 
 
 class TieredStore:
