@@ -34,7 +34,6 @@ import contextlib
 import contextvars
 import hashlib
 import hmac
-import json
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvpool.config import parse_size
+from kvpool.config import parse_size, read_json_object
 from kvpool.keys import KEY_BYTES
 
 MASK_BYTES = KEY_BYTES
@@ -174,15 +173,7 @@ class Authority:
     @classmethod
     def load(cls, path: str) -> "Authority":
         """Read an auth file; ValueError naming the problem if it is unreadable or malformed."""
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except OSError as exc:
-            raise ValueError(f"cannot read auth file {path}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"auth file {path} is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"auth file {path} must hold a JSON object")
+        data = read_json_object(path, "auth file")
         unknown = sorted(set(data) - {"secret", "node_tokens", "clients"})
         if unknown:
             raise ValueError(f"auth file {path}: unknown field(s) {', '.join(unknown)}")

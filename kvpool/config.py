@@ -245,6 +245,20 @@ def make_section(section: str, values: Mapping[str, Any], base: Any = None) -> A
     return dataclasses.replace(base if base is not None else cls(), **coerced)
 
 
+def read_json_object(path: str, what: str) -> dict[str, Any]:
+    """The JSON object in the file at ``path``; ValueError naming ``what`` and the problem otherwise."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{what} {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path} must hold a JSON object")
+    return data
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -254,15 +268,7 @@ def load_config(
     """Defaults, then the JSON file at ``path``, then ``KVPOOL_*`` variables, then ``overrides``."""
     sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     if path:
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except OSError as exc:
-            raise ValueError(f"cannot read config file {path}: {exc.strerror}") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"config file {path} is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {path} must hold a JSON object")
+        data = read_json_object(path, "config file")
         for name, values in data.items():
             if name not in _SECTIONS:
                 raise ValueError(f"unknown config section {name!r} in {path}; known: {', '.join(_SECTIONS)}")
