@@ -44,7 +44,12 @@ def master_config_for(config: PoolConfig) -> MasterConfig:
     """The master's config, with the auth file and TLS files the node was given if it has none."""
     master, node = config.master, config.node
     cert, key = (master.tls_cert, master.tls_key) if master.tls_cert else (node.tls_cert, node.tls_key)
-    return dataclasses.replace(master, auth_file=master.auth_file or node.auth_file, tls_cert=cert, tls_key=key)
+    call_port = master.call_port
+    taken = {node.port, node.metrics_port, node.data_port, node.port + 2 if node.data_port < 0 else 0} - {0, -1}
+    if call_port < 0 and master.port and master.port + 2 in taken:  # the default would take a node's port
+        call_port = 0
+    return dataclasses.replace(master, auth_file=master.auth_file or node.auth_file, tls_cert=cert, tls_key=key,
+                               call_port=call_port)
 
 
 def run_serve(config: PoolConfig) -> None:

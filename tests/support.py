@@ -13,11 +13,23 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, and not handed out before by this process.
+
+    Linux often hands out ports in steps of 2, which is exactly the distance of
+    kvpool's derived defaults (fast calls and bulk at port + 2): tests pass
+    every port explicitly, from here.
+    """
+    while True:
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def wait_serving(address: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
@@ -105,6 +117,7 @@ class PoolProcesses:
         self.procs: list[subprocess.Popen] = []
         self.master_port = free_port()
         self.master_metrics_port = free_port()
+        self.master_call_port = free_port()
         self.nodes: dict[str, dict] = {}
 
     @property
@@ -115,16 +128,17 @@ class PoolProcesses:
         return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
 
     def _node_flags(self, name: str) -> dict:
-        node = self.nodes.setdefault(name, {"port": free_port(), "metrics": free_port()})
+        node = self.nodes.setdefault(name, {"port": free_port(), "metrics": free_port(), "data": free_port()})
         return {
-            "port": node["port"], "metrics-port": node["metrics"], "node-id": name,
+            "port": node["port"], "metrics-port": node["metrics"], "data-port": node["data"], "node-id": name,
             "arena": f"kvpool-test-{self.tag}-{name}", "ssd-dir": str(self.tmp / f"ssd-{name}"), **self.node_flags,
         }
 
     def serve(self, **master_flags: str) -> subprocess.Popen:
         """`kvpool serve` with one node named n0."""
         flags = {**self._node_flags("n0"), "master-port": self.master_port,
-                 "master-metrics-port": self.master_metrics_port, **master_flags}
+                 "master-metrics-port": self.master_metrics_port, "master-call-port": self.master_call_port,
+                 **master_flags}
         proc = kvpool_process("serve", *self._flags(flags), log_path=self.tmp / f"serve-{len(self.procs)}.log")
         self.procs.append(proc)
         wait_serving(self.master, proc=proc)
@@ -133,7 +147,8 @@ class PoolProcesses:
         return proc
 
     def start_master(self, **flags: str) -> subprocess.Popen:
-        flags = {"port": self.master_port, "metrics-port": self.master_metrics_port, **flags}
+        flags = {"port": self.master_port, "metrics-port": self.master_metrics_port,
+                 "call-port": self.master_call_port, **flags}
         proc = kvpool_process("master", *self._flags(flags), log_path=self.tmp / f"master-{len(self.procs)}.log")
         self.procs.append(proc)
         wait_serving(self.master, proc=proc)

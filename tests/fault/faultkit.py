@@ -261,7 +261,8 @@ START_TIMEOUT_S = 45.0  # a process start on a 2-core machine shared with other 
 
 def start_master(procs: PoolProcesses, **flags: str) -> subprocess.Popen:
     """``kvpool master`` on ``procs``' ports (tracked by ``procs``); returns once it serves."""
-    all_flags = {"port": procs.master_port, "metrics-port": procs.master_metrics_port, **flags}
+    all_flags = {"port": procs.master_port, "metrics-port": procs.master_metrics_port,
+                 "call-port": procs.master_call_port, **flags}
     return _start(procs, procs.master, "master", all_flags, procs.tmp / f"master-{len(procs.procs)}.log")
 
 
