@@ -1,0 +1,23 @@
+"""PoolClient against a master that is not there: misses and counted errors, never exceptions."""
+
+from __future__ import annotations
+
+from support import free_port
+
+from kvpool.client.pool import PoolClient
+from kvpool.config import ClientConfig
+from kvpool.keys import opaque_key
+
+
+def errors(pool: PoolClient) -> dict[str, float]:
+    return {s.labels["kind"]: s.value for m in pool.registry.collect() if m.name == "kvpool_errors"
+            for s in m.samples if s.name == "kvpool_errors_total" and s.value}
+
+
+def test_a_failed_hbm_report_is_counted_apart_from_data_path_errors():
+    with PoolClient(ClientConfig(master=f"127.0.0.1:{free_port()}", lookup_timeout_s=0.3)) as pool:
+        pool.report_hbm([opaque_key("a")], [], hbm_only_lookups=1, wait=True)
+        counted = errors(pool)
+        assert counted and all(kind.startswith("report_") for kind in counted), counted
+        assert len(pool.lookup([opaque_key("a")])) == 0  # a lookup is a miss, counted under its own kind
+        assert any(not kind.startswith("report_") for kind in errors(pool))
