@@ -75,6 +75,17 @@ class ErrorMetrics:
         self.errors.labels(kind).inc(n)
 
 
+def error_counts(registry: CollectorRegistry) -> dict[str, int]:
+    """``kvpool_errors_total`` of one registry, by kind (non-zero kinds only)."""
+    out: dict[str, int] = {}
+    for family in registry.collect():
+        for s in family.samples:
+            if s.name == "kvpool_errors_total" and s.value:
+                kind = s.labels.get("kind", "?")
+                out[kind] = out.get(kind, 0) + int(s.value)
+    return out
+
+
 def latency_histogram(registry: CollectorRegistry, op: str, help_text: str) -> Histogram:
     """``kvpool_<op>_seconds``: the latency of one call (lookup, get, put)."""
     return Histogram(f"kvpool_{op}_seconds", help_text, buckets=LATENCY_BUCKETS, registry=registry)

@@ -7,17 +7,13 @@ from support import free_port
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig
 from kvpool.keys import opaque_key
-
-
-def errors(pool: PoolClient) -> dict[str, float]:
-    return {s.labels["kind"]: s.value for m in pool.registry.collect() if m.name == "kvpool_errors"
-            for s in m.samples if s.name == "kvpool_errors_total" and s.value}
+from kvpool.metrics import error_counts
 
 
 def test_a_failed_hbm_report_is_counted_apart_from_data_path_errors():
     with PoolClient(ClientConfig(master=f"127.0.0.1:{free_port()}", lookup_timeout_s=0.3)) as pool:
         pool.report_hbm([opaque_key("a")], [], hbm_only_lookups=1, wait=True)
-        counted = errors(pool)
+        counted = error_counts(pool.registry)
         assert counted and all(kind.startswith("report_") for kind in counted), counted
         assert len(pool.lookup([opaque_key("a")])) == 0  # a lookup is a miss, counted under its own kind
-        assert any(not kind.startswith("report_") for kind in errors(pool))
+        assert any(not kind.startswith("report_") for kind in error_counts(pool.registry))

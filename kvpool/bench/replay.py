@@ -67,6 +67,7 @@ from kvpool.bench.progress import Progress
 from kvpool.bench.trace import BLOCK_TOKENS, MODEL, Bound, KeyMaker, Payloads, load_trace, unbounded_bound
 from kvpool.keys import BlockKey, KeyNamespace, leading_hits
 from kvpool.layout import KVLayout
+from kvpool.metrics import error_counts
 from kvpool.tiers.base import Tier
 
 DEFAULT_TRACE = "../shared/data/mooncake_synthetic_trace.jsonl"
@@ -364,16 +365,6 @@ class RunResult:
         }
 
 
-def _client_errors(registry: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for family in registry.collect():
-        for s in family.samples:
-            if s.name == "kvpool_errors_total" and s.value:
-                kind = s.labels.get("kind", "?")
-                out[kind] = out.get(kind, 0) + int(s.value)
-    return out
-
-
 def replay(
     request_keys: Sequence[Sequence[BlockKey]],
     config: TierConfig,
@@ -416,7 +407,7 @@ def replay(
         try:
             result = _replay_loop(client, request_keys, payloads, max_blocks, flush_every, result,
                                   Progress(len(request_keys), f"replay {config.label}", progress_stream, progress))
-            result.errors = _client_errors(client.registry)
+            result.errors = error_counts(client.registry)
         finally:
             client.close()
         if master is not None:

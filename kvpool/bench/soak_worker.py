@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.trace import VOCAB, Payloads
+from kvpool.metrics import error_counts
 from kvpool.tiers.base import Tier
 
 MODEL = "kvpool-soak"
@@ -127,17 +128,6 @@ class PromptSource:
             tokens = np.concatenate([prefix, suffix])
         self.previous = tokens
         return tokens
-
-
-def error_counts(registry: Any) -> dict[str, int]:
-    """``kvpool_errors_total`` of a client registry, by kind (non-zero only)."""
-    out: dict[str, int] = {}
-    for family in registry.collect():
-        for s in family.samples:
-            if s.name == "kvpool_errors_total" and s.value:
-                kind = s.labels.get("kind", "?")
-                out[kind] = out.get(kind, 0) + int(s.value)
-    return out
 
 
 def slow_calls(registry: Any) -> dict[str, int]:
