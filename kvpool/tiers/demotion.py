@@ -15,7 +15,8 @@ Invariants:
   inline (back-pressure, never unbounded memory).
 - :meth:`cancel` (a remove) wins over a write in flight: the key is removed
   from SSD again right after that write lands, so a removed key never
-  reappears.
+  reappears; the listener hears a cancelled key removed at once (queued or
+  in flight), as it heard it added at submit.
 - Writes start once the oldest queued block has waited ``delay_s`` (or the
   queue is half full, or someone flushes): a promotion's victims are written
   after the request that promoted, not during its forward pass on the same
@@ -136,21 +137,29 @@ class DemotionQueue:
     # -- changes -----------------------------------------------------------------------------
 
     def cancel(self, keys: Sequence[BlockKey]) -> int:
-        """Forget pending blocks of ``keys`` (a remove); returns how many were pending."""
-        n = 0
+        """Forget pending blocks of ``keys`` (a remove); returns how many were pending.
+
+        The SSD store's listener hears the cancelled keys as removed (it heard
+        them added at submit): the master must not keep indexing a block whose
+        write will never land. A listener re-checks what is held, so a key that
+        is also on SSD stays reported until SSD removes it too.
+        """
+        gone: list[BlockKey] = []
         with self._lock:
             for key in keys:
                 entry = self._pending.pop(key, None)
                 if entry is None:
                     continue
-                n += 1
+                gone.append(key)
                 self._bytes -= entry[0].nbytes
                 if key in self._queued:
                     del self._queued[key]
                 else:  # in flight: undo it once it lands
                     self._cancelled.add(key)
             self._lock.notify_all()
-        return n
+        if gone and self.ssd.on_change is not None:
+            self.ssd.on_change((), gone)
+        return len(gone)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Write what is queued now and wait until nothing is pending; False on timeout."""
