@@ -71,13 +71,19 @@ def _answer(tokenizer: Any, tokens: list[int], readable: bool) -> str:
     return f"{len(tokens)} tokens: {text[:160]!r}"
 
 
+# Works from a wheel and from a checkout (an installed kvpool satisfies "kvpool[hf]"; pip adds the extra's
+# packages). torch is pinned: unpinned, pip takes a multi-GB CUDA build even on a machine without a GPU.
+HF_INSTALL_HINT = ('pip install "torch==2.13.0" "kvpool[hf]"; without a GPU, take the CPU build of torch first: '
+                   'pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu')
+
+
 def require_hf() -> None:
-    """ValueError (the CLI's clean exit) naming the extra to install, if torch or transformers is missing."""
+    """ValueError (the CLI's clean exit) naming what to install, if torch or transformers is missing."""
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as exc:
-        raise ValueError(f"needs torch and transformers: pip install -e \".[hf]\" ({exc})") from None
+        raise ValueError(f"needs torch and transformers ({exc}): {HF_INSTALL_HINT}") from None
 
 
 def run(args: argparse.Namespace) -> int:
