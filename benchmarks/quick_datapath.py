@@ -140,8 +140,6 @@ def main() -> int:
                         pool.nodes.data_address = lambda address: None  # type: ignore[method-assign]
                     if shm:  # map the arena into this process before measuring (a one-off cost per process)
                         pool.store([opaque_key("warm-up")], [values[0]])
-                        for thread in pool.nodes.populating:
-                            thread.join()
                     put, get = run(pool, name, values, args.batch, args.rounds, forget)
                     rows.append((name, put, get))
             copy = memcpy_gbs(block, min(args.blocks, 256), args.rounds)

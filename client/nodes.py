@@ -7,7 +7,14 @@
   that could not be reached is not tried for ``BULK_RETRY_S``.
 - The node's shared-memory arena, mapped when the node is on this host (its
   ``host_id`` equals ours) and shared memory is allowed; remapped when the
-  node restarted. Pages are faulted in by a background thread, once.
+  node restarted (``/dev/shm/<arena>`` is another file). A mapping that
+  failed (e.g. it raced a node's restart and found a segment still being
+  made) is tried again after a back-off that doubles from
+  ``MAP_RETRY_MIN_S`` to ``MAP_RETRY_MAX_S``, and at once when the segment
+  is another file; until then the network paths serve. Pages are not
+  faulted in ahead: the node populated the segment, so a first read of a
+  slot costs a minor fault per page (~0.07 ms a MiB here), while mapping a
+  multi-GiB arena up front cost seconds of CPU beside the engine.
 - Slot hints: where this client last saw each block in an arena. They are
   guesses, checked against the slot's row before every use.
 """
@@ -15,9 +22,11 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -28,13 +37,15 @@ from kvpool.config import ClientConfig
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
 from kvpool.rpc import local_host_id, make_channel
-from kvpool.tiers.arena import SharedArena
+from kvpool.tiers.arena import SharedArena, shm_path
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 << 20
 BULK_RETRY_S = 5.0  # a node whose bulk listener could not be reached is sent gRPC calls this long
+MAP_RETRY_MIN_S = 0.1  # first wait before mapping an arena again after a failed attempt
+MAP_RETRY_MAX_S = 5.0  # the longest such wait
 _NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"]
 
 
@@ -48,12 +59,12 @@ class NodeDirectory:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, FastStub] = {}
-        self._arenas: dict[str, SharedArena | None] = {}
+        self._arenas: dict[str, SharedArena] = {}
+        self._unmapped: dict[str, _FailedMap] = {}  # arena name -> the last failed attempt to map it
         self._slot_hints: dict[str, dict[BlockKey, int]] = {}  # arena -> key -> slot it was seen in
         self._data_addresses: dict[str, str] = {}  # node gRPC address -> bulk address ("": none)
         self._bulk_down: dict[str, float] = {}  # node gRPC address -> monotonic time to try bulk again
         self._closing = threading.Event()
-        self.populating: list[threading.Thread] = []
 
     # -- stubs ----------------------------------------------------------------------------
 
@@ -108,26 +119,30 @@ class NodeDirectory:
     # -- shared memory --------------------------------------------------------------------
 
     def arena(self, node: NodeAddress) -> SharedArena | None:
-        """The node's arena mapped here, or None if it is on another host or cannot be mapped."""
+        """The node's arena mapped here, or None if it is on another host or cannot be mapped now."""
         if not self.config.shared_memory or node.host_id != self.host_id or not node.arena:
             return None
         with self._lock:
             cached = self._arenas.get(node.arena)
-            if cached is not None and not cached.is_current():  # the node restarted: map its new segment
-                del self._arenas[node.arena]  # not closed: another thread may still be copying through it
+            if cached is not None:
+                if cached.is_current():
+                    return cached
+                del self._arenas[node.arena]  # the node restarted; not closed: another thread may still copy
                 self._slot_hints.pop(node.arena, None)
-            if node.arena not in self._arenas:
-                try:
-                    arena = self._arenas[node.arena] = SharedArena.attach(node.arena)
-                except (OSError, ValueError) as exc:
-                    log.warning("cannot map arena %s of node %s (%s); using the network", node.arena, node.node_id, exc)
-                    self._arenas[node.arena] = None
-                else:  # first touches fault pages in: take that cost in the background, once
-                    thread = threading.Thread(target=arena.populate, args=(self._closing,), daemon=True,
-                                              name=f"kvpool-map-{node.arena}")
-                    thread.start()
-                    self.populating.append(thread)
-            return self._arenas[node.arena]
+            failed = self._unmapped.get(node.arena)
+            if failed is not None and not failed.due():
+                return None
+            try:
+                arena = SharedArena.attach(node.arena)
+            except (OSError, ValueError) as exc:
+                self._unmapped[node.arena] = _FailedMap.after(failed, node.arena)
+                level = logging.WARNING if failed is None else logging.DEBUG  # once per failing streak
+                log.log(level, "cannot map arena %s of node %s (%s); using the network, trying again later",
+                        node.arena, node.node_id, exc)
+                return None
+            self._unmapped.pop(node.arena, None)
+            self._arenas[node.arena] = arena
+            return arena
 
     def slot_hints(self, arena: SharedArena) -> dict[BlockKey, int]:
         """Where this client last saw blocks in ``arena`` (guesses, checked on use; bounded)."""
@@ -145,16 +160,42 @@ class NodeDirectory:
     # -- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop faulting pages in, close channels, unmap arenas."""
+        """Close channels, unmap arenas."""
         self._closing.set()
-        for thread in self.populating:
-            thread.join(timeout=10)
         with self._lock:
             for channel in self._channels.values():
                 channel.close()
             self._channels.clear()
             self._stubs.clear()
             for arena in self._arenas.values():
-                if arena is not None:
-                    arena.close()
+                arena.close()
             self._arenas.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class _FailedMap:
+    """A failed attempt to map an arena: when to try again, and which file it was (None: there was none)."""
+
+    retry_at: float
+    backoff_s: float
+    name: str
+    file_id: tuple[int, int] | None
+
+    @classmethod
+    def after(cls, previous: _FailedMap | None, name: str) -> _FailedMap:
+        """The record of a new failure: the back-off doubles from the previous one (bounded)."""
+        backoff = MAP_RETRY_MIN_S if previous is None else min(previous.backoff_s * 2, MAP_RETRY_MAX_S)
+        return cls(time.monotonic() + backoff, backoff, name, _file_id(name))
+
+    def due(self) -> bool:
+        """Try again now? After the back-off, or at once if the segment is another file (a new incarnation)."""
+        return time.monotonic() >= self.retry_at or _file_id(self.name) != self.file_id
+
+
+def _file_id(name: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of ``/dev/shm/<name>``, or None if there is no such file."""
+    try:
+        st = os.stat(shm_path(name))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

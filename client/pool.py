@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import grpc
 import numpy as np
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from kvpool.buffers import BufferLike, as_array, byte_view
 from kvpool.calls import MASTER_CALLS, FastStub, MasterCallAddress, auth_hello
@@ -89,6 +89,10 @@ class PoolClient:
         self.bulk_path = BulkPath(config, self.nodes, self.faults)
         self.grpc_path = GrpcPath(config, self.nodes, self.faults)
         self.paths: list[DataPath] = [self.shared_path, self.bulk_path, self.grpc_path]  # fastest first
+        path_blocks = Counter("kvpool_path_blocks", "Blocks each data path moved", ["path", "op"],
+                              registry=self.registry)
+        names = ("shared_memory", "bulk", "grpc")
+        self._moved = {op: [path_blocks.labels(name, op) for name in names] for op in ("get", "put")}
         self._writer = WriteBehindQueue(self._put_now, config.put_queue_bytes)
         self._metrics_server = MetricsServer(self.registry, config.metrics_port) if config.metrics_port > 0 else None
 
@@ -169,8 +173,9 @@ class PoolClient:
             by_node[loc.node].append(i)
         for node, idxs in by_node.items():
             deadline = time.monotonic() + self.config.io_timeout_s  # one deadline per node, not one per path
-            for path in self.paths:
-                idxs = path.get(node, idxs, locations, dsts, ok)
+            for path, moved in zip(self.paths, self._moved["get"]):
+                offered, idxs = idxs, path.get(node, idxs, locations, dsts, ok)
+                moved.inc(sum(ok[i] for i in offered))
                 if not idxs:
                     break
                 if time.monotonic() >= deadline:  # a stalled node: no slower path gets to wait on it again
@@ -254,8 +259,9 @@ class PoolClient:
                 by_node[placed.node_indexes[j]].append(i)
         for node_index, idxs in by_node.items():
             deadline = time.monotonic() + self.config.io_timeout_s  # as in get_into
-            for path in self.paths:
-                idxs = path.put(nodes[node_index], idxs, keys, arrays, sizes, result)
+            for path, moved in zip(self.paths, self._moved["put"]):
+                offered, idxs = idxs, path.put(nodes[node_index], idxs, keys, arrays, sizes, result)
+                moved.inc(sum(result[i] for i in offered))
                 if not idxs:
                     break
                 if time.monotonic() >= deadline:
