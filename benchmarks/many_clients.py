@@ -83,7 +83,7 @@ def main() -> int:
     dram = 2 * args.clients * args.blocks * args.size + (64 << 20)
     serve = subprocess.Popen(
         [sys.executable, "-m", "kvpool.cli", "serve", "--master-port", str(port), "--master-metrics-port", "0",
-         "--port", str(free_port()), "--metrics-port", "0", "--data-port", "0", "--ssd-enabled", "false",
+         "--port", str(free_port()), "--metrics-port", "0", "--data-port", "0", "--no-ssd",
          "--dram-bytes", str(dram), "--slot-bytes", str(args.size), "--arena", f"kvpool-many-{os.getpid()}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

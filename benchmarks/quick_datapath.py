@@ -121,7 +121,7 @@ def main() -> int:
         cmd = [sys.executable, "-m", "kvpool.cli", "serve", "--master-port", str(master_port),
                "--master-metrics-port", "0", "--port", str(node_port), "--metrics-port", "0",
                "--data-port", "0", "--arena", arena, "--dram-bytes", str(dram), "--slot-bytes", str(block),
-               "--ssd-enabled", "false", "--ssd-dir", os.path.join(tmp, "ssd")]
+               "--no-ssd", "--ssd-dir", os.path.join(tmp, "ssd")]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             values = [aligned_block(i, block) for i in range(args.blocks)]

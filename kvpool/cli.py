@@ -2,7 +2,13 @@
 
 Every config field is also a flag (``--dram-bytes 4G``), generated from the
 config dataclasses so that flags, JSON and ``KVPOOL_*`` variables can never
-disagree. Flags beat variables, which beat the ``--config`` JSON file.
+disagree. Flags beat variables, which beat the ``--config`` JSON file. On/off
+fields are switch pairs (``--write-through`` / ``--no-write-through``;
+``ssd_enabled`` is ``--ssd`` / ``--no-ssd``); JSON and variables keep the field
+names (``KVPOOL_NODE_SSD_ENABLED=false``). ``--help`` states each flag's one
+default, sizes in binary units, and its variable. ``--log-level`` goes before or
+after the subcommand. A ValueError from any subcommand (bad config, a refused
+start) is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -15,21 +21,72 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool import __version__
-from kvpool.config import ClientConfig, MasterConfig, NodeConfig, PoolConfig, load_config
+from kvpool.config import SIZE_SYNTAX, ClientConfig, MasterConfig, NodeConfig, PoolConfig, format_size, load_config
 
 _SECTIONS = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
-def _add_section_flags(parser: argparse.ArgumentParser, section: str, prefix: str = "", skip: Sequence[str] = ()) -> None:
-    group = parser.add_argument_group(f"{section} settings (JSON section \"{section}\", env KVPOOL_{section.upper()}_*)")
+def _metavar(f: dataclasses.Field) -> str:
+    if f.metadata.get("size"):
+        return "SIZE"
+    if f.name == "port" or f.name.endswith("_port"):
+        return "PORT"
+    if f.name.endswith("_s"):
+        return "SECONDS"
+    if f.name.endswith("_watermark"):
+        return "FRACTION"
+    if f.name in ("master", "advertise"):
+        return "HOST:PORT"
+    if f.name.endswith(("_file", "_dir")) or f.name.startswith("tls_"):
+        return "PATH"
+    if f.type in ("int", int):
+        return "N"
+    return f.name.upper()
+
+
+def _shown_default(f: dataclasses.Field, port_flag: str) -> str:
+    """The one default ``--help`` states for field ``f``."""
+    text = f.metadata.get("default_text", "")
+    if text:
+        return text.replace("{port}", port_flag)
+    value = f.default
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if f.metadata.get("size") and isinstance(value, int):
+        return format_size(value)
+    if isinstance(value, float):
+        return f"{value:g} s" if f.name.endswith("_s") else f"{value:g}"
+    if value is None or value == "":
+        return "empty"
+    return str(value)
+
+
+def _add_section_flags(parser: argparse.ArgumentParser, section: str, prefix: str = "",
+                       skip: Sequence[str] = ()) -> None:
+    """One flag per field of ``section`` (``--<prefix><field>``; ``--x/--no-x`` for on/off fields).
+
+    Each help line states the field's one default and its KVPOOL_<SECTION>_<FIELD>
+    variable; the value is left None unless given, so flags override only what they set.
+    """
+    group = parser.add_argument_group(
+        f"{section} settings",
+        f"Each flag is also the field of JSON section \"{section}\" and the variable shown (KVPOOL_{section.upper()}_"
+        f"<FIELD>, on/off as true/false). SIZE: {SIZE_SYNTAX}.")
+    port_flag = f"--{prefix}port"
     for f in dataclasses.fields(_SECTIONS[section]):
         if f.name in skip:
             continue
-        flag = "--" + prefix + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = f.metadata.get("help", "")
-        group.add_argument(flag, dest=f"{section}.{f.name}", default=None, metavar=f.name.upper(),
-                           help=f"{help_text} (default: {default!r})".replace("%", "%%"))
+        flag = "--" + prefix + (f.metadata.get("flag") or f.name.replace("_", "-"))
+        env = f"KVPOOL_{section.upper()}_{f.name.upper()}"
+        help_text = f.metadata.get("help", "").replace("{port}", port_flag)
+        extra = "K, M, G or T suffix, e.g. 512M; " if f.metadata.get("size") else ""
+        full = f"{help_text} (default: {_shown_default(f, port_flag)}; {extra}env {env})".replace("%", "%%")
+        if f.type in ("bool", bool):
+            group.add_argument(flag, dest=f"{section}.{f.name}", default=None, action=argparse.BooleanOptionalAction,
+                               help=full)
+        else:
+            group.add_argument(flag, dest=f"{section}.{f.name}", default=None, metavar=_metavar(f), help=full)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -74,15 +131,32 @@ def _run_status(args: argparse.Namespace) -> int:
                       token=client.token, tls_ca=client.tls_ca)
 
 
+def _positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kvpool`` parser. ``--log-level`` is accepted before and after any subcommand (the later one wins)."""
     parser = argparse.ArgumentParser(prog="kvpool", description="A tiered (HBM / DRAM / SSD) KV-cache pool.")
     parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                        help="log level (default: INFO)")
+    # Subcommands take it too; SUPPRESS keeps a subcommand that is not given it from resetting the top-level value.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS,
+                        help="log level (default: INFO)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def command(name: str, help_text: str, run: Any) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("--config", help="kvpool JSON config file (sections master, node, client)")
+        sub = commands.add_parser(name, help=help_text, description=help_text, parents=[common])
+        sub.add_argument("--config", metavar="PATH", help="kvpool JSON config file (sections master, node, client)")
         sub.set_defaults(run=run)
         return sub
 
@@ -98,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = command("status", "show node health, tier usage and capacity, and hit rates per tier", _run_status)
     status.add_argument("--master", help="the master's host:port (default: the client config's)")
-    status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the master (default: 3)")
+    status.add_argument("--timeout", type=_positive_seconds, default=3.0, metavar="SECONDS",
+                        help="how long to wait for the master (default: 3 s)")
     status.add_argument("--prometheus", metavar="URL",
                         help="also show the dashboard's 5-minute hit rates and target health from this Prometheus")
 
@@ -108,34 +183,20 @@ def build_parser() -> argparse.ArgumentParser:
                           demo.run)
     demo.add_arguments(demo_parser)
 
-    bench = commands.add_parser("bench", help="measure the pool against this machine's limits")
+    bench = commands.add_parser("bench", help="measure the pool against this machine's limits", parents=[common])
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
-    from kvpool.bench import tiers
+    from kvpool.bench import index_scale, replay, soak, tiers, ttft
 
-    tiers_parser = benches.add_parser("tiers", help="DRAM and SSD put/get GB/s next to memcpy")
-    tiers.add_arguments(tiers_parser)
-    tiers_parser.set_defaults(run=tiers.run)
-    from kvpool.bench import replay
-
-    replay_parser = benches.add_parser("replay", help="replay a Mooncake trace against a pool: hit ratio per tier")
-    replay.add_arguments(replay_parser)
-    replay_parser.set_defaults(run=replay.run)
-    from kvpool.bench import index_scale
-
-    index_parser = benches.add_parser("index", help="master index: lookup cost and bytes per block, 1K to 10M blocks")
-    index_scale.add_arguments(index_parser)
-    index_parser.set_defaults(run=index_scale.run)
-    from kvpool.bench import soak
-
-    soak_parser = benches.add_parser("soak", help="many clients for minutes: memory, fds and threads of every "
-                                                  "process must stay flat, no errors")
-    soak.add_arguments(soak_parser)
-    soak_parser.set_defaults(run=soak.run)
-    from kvpool.bench import ttft
-
-    ttft_parser = benches.add_parser("ttft", help="transformers engine: time to first token, prefix from each tier")
-    ttft.add_arguments(ttft_parser)
-    ttft_parser.set_defaults(run=ttft.run)
+    for name, module, help_text in (
+        ("tiers", tiers, "DRAM and SSD put/get GB/s next to memcpy"),
+        ("replay", replay, "replay a Mooncake trace against a pool: hit ratio per tier"),
+        ("index", index_scale, "master index: lookup cost and bytes per block, 1K to 10M blocks"),
+        ("soak", soak, "many clients for minutes: memory, fds and threads of every process must stay flat, no errors"),
+        ("ttft", ttft, "transformers engine: time to first token, prefix from each tier"),
+    ):
+        bench_parser = benches.add_parser(name, help=help_text, parents=[common])
+        module.add_arguments(bench_parser)
+        bench_parser.set_defaults(run=module.run)
     return parser
 
 

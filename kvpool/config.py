@@ -8,16 +8,30 @@ once, by :func:`load_config`; constructors never look at it.
 
 Sizes may be written ``"4G"``, ``"512M"``, ``"64K"`` or as plain byte counts.
 Unknown sections or fields and badly typed values are a ValueError naming them.
+
+Invariant: a config object that exists is valid. Each dataclass checks every
+field (type, finite, in range) and the rules between fields in
+``__post_init__``, before any caller can create a file, segment or socket from
+it; a bad value is a ValueError naming the field, the value and what is allowed.
+
+Derived ports: ``metrics_port = -1`` (the default) becomes ``port + 1`` at
+construction (it stays -1, any free port, when ``port`` is 0), so moving
+``port`` moves the metrics port. ``dataclasses.replace`` keeps a resolved
+value: pass ``metrics_port=-1`` again along with a new ``port`` to re-derive.
+``call_port`` / ``data_port`` keep -1 and are derived by their servers (from
+the bound port, with a fallback to any free port).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import re
 import shutil
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +39,17 @@ from kvpool.layout import KVLayout
 
 DEFAULT_MASTER_PORT = 7600
 DEFAULT_NODE_PORT = 7610
+DERIVED_PORT = -1  # metrics_port, call_port, data_port: follow ``port`` (see the module docstring)
 _GIB = 1 << 30
 _SIZE_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE_UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
+MAX_SIZE = 1 << 50  # 1024 TiB: larger than any real memory or disk, a typo rather than a size
+MAX_SECONDS = 365 * 86400.0  # longer than this is a typo (and would overflow thread waits)
+SIZE_SYNTAX = "bytes or with K, M, G, T (KiB, MiB, GiB, TiB), e.g. 512M"
 
 
 def parse_size(value: object) -> int:
-    """Bytes from ``4096``, ``"64K"``, ``"512M"``, ``"4G"`` or ``"4GiB"``; ValueError otherwise."""
+    """Bytes from ``4096``, ``"64K"``, ``"512M"``, ``"4G"`` or ``"4GiB"``; ValueError otherwise (negative, nan, inf)."""
     if isinstance(value, bool):
         raise ValueError(f"not a size: {value!r}")
     if isinstance(value, int):
@@ -48,67 +67,291 @@ def parse_size(value: object) -> int:
         amount = float(number)
     except ValueError:
         raise ValueError(f"not a size: {value!r} (use e.g. 4096, 64K, 512M, 4G)") from None
+    if not math.isfinite(amount):
+        raise ValueError(f"not a size: {value!r} (use e.g. 4096, 64K, 512M, 4G)")
     if amount < 0:
         raise ValueError(f"size must not be negative: {value!r}")
     return int(amount * scale)
 
 
-def opt(default: Any, help: str, *, size: bool = False) -> Any:
-    """A config field with the help text ``--help`` shows (and ``size`` parsing for byte sizes)."""
-    return field(default=default, metadata={"help": help, "size": size})
+def format_size(n: int) -> str:
+    """``2097152`` -> ``"2 MiB"``: the largest binary unit that divides ``n`` exactly (``"0"`` for 0)."""
+    if n == 0:
+        return "0"
+    for unit, name in _SIZE_UNITS:
+        if n % unit == 0:
+            return f"{n // unit} {name}"
+    return f"{n} B"
+
+
+Check = Callable[[Any], "str | None"]  # a field's rule: None if the value is allowed, else what is allowed
+
+
+def opt(default: Any, help: str, *, size: bool = False, check: Check | None = None, flag: str = "",
+        default_text: str = "") -> Any:
+    """A config field: its default, the help text ``--help`` shows, and its rule.
+
+    ``size``: parsed with :func:`parse_size`. ``check``: the value rule beyond the
+    field's type (None: any value of the type). ``flag``: the command-line name
+    if not the field's (``ssd`` for ``ssd_enabled``: ``--ssd/--no-ssd``).
+    ``default_text``: how ``--help`` states a default whose value needs words.
+    In ``help`` and ``default_text``, ``{port}`` stands for the section's port flag.
+    """
+    return field(default=default, metadata={"help": help, "size": size, "check": check, "flag": flag,
+                                            "default_text": default_text})
+
+
+# -- field rules -----------------------------------------------------------------------------------------------------
+
+def port_check(*special: str) -> Check:
+    """A TCP port 1-65535, or one of the ``special`` values written ``"0: none"``, ``"-1: any free port"``."""
+    allowed = {int(s.split(":", 1)[0]) for s in special}
+    words = " or ".join("{} ({})".format(*s.split(": ", 1)) for s in special)
+
+    def check(v: int) -> str | None:
+        if v in allowed or 1 <= v <= 65535:
+            return None
+        return "must be a port 1-65535" + (f" or {words}" if words else "")
+    return check
+
+
+def at_least(low: int, meaning: str = "") -> Check:
+    """An integer >= ``low`` (``meaning`` says what the smallest value means, if special)."""
+    def check(v: int) -> str | None:
+        return None if v >= low else f"must be >= {low}" + (f" ({meaning})" if meaning else "")
+    return check
+
+
+def size_check(low: int, meaning: str = "") -> Check:
+    """A byte size in [``low``, MAX_SIZE]; ``meaning`` says what 0 means where ``low`` is 0."""
+    def check(v: int) -> str | None:
+        if low <= v <= MAX_SIZE:
+            return None
+        if low == 0:
+            return f"must be 0 ({meaning}) or a size up to {format_size(MAX_SIZE)}"
+        return f"must be a size of {format_size(low)} to {format_size(MAX_SIZE)}"
+    return check
+
+
+def seconds_check(v: float) -> str | None:
+    """A duration: finite, > 0 and at most MAX_SECONDS."""
+    return None if 0 < v <= MAX_SECONDS else f"must be a number of seconds > 0 and at most {MAX_SECONDS:.0f} (a year)"
+
+
+def fraction_check(v: float) -> str | None:
+    """A fraction in (0, 1]."""
+    return None if 0 < v <= 1 else "must be a fraction in (0, 1]"
+
+
+def _split_address(v: str) -> tuple[str, int] | None:
+    host, sep, port = v.rpartition(":")
+    if not sep or not host.strip() or not port.isdigit() or not 1 <= int(port) <= 65535 or any(c.isspace() for c in v):
+        return None
+    return host, int(port)
+
+
+def address_check(optional: bool) -> Check:
+    """``host:port`` with a port 1-65535 (or empty, if ``optional``)."""
+    def check(v: str) -> str | None:
+        if (optional and v == "") or _split_address(v) is not None:
+            return None
+        return "must be host:port with a port 1-65535" + (", or empty" if optional else "")
+    return check
+
+
+def host_check(v: str) -> str | None:
+    """A listen address: a host name or IP, no spaces (empty or 0.0.0.0: all interfaces)."""
+    return "must be a host name or IP address without spaces" if any(c.isspace() for c in v) else None
+
+
+def nonempty_check(v: str) -> str | None:
+    return None if v.strip() else "must not be empty"
+
+
+def arena_name_check(v: str) -> str | None:
+    """Empty (derived from the port) or a plain /dev/shm file name (see :func:`kvpool.tiers.arena.shm_path`)."""
+    if v == "":
+        return None
+    from kvpool.tiers.arena import shm_path
+
+    try:
+        shm_path(v)
+    except ValueError:
+        return "must be empty or a /dev/shm name of 1-200 letters, digits, '_', '-', '.'"
+    return None
+
+
+def arena_mode_check(v: str) -> str | None:
+    """Octal, read-write for the owner, at most read-write for the group, nothing for others."""
+    try:
+        mode = int(v, 8)
+    except ValueError:
+        return "must be an octal mode like 0600 or 0660"
+    if mode & ~0o660 or mode & 0o600 != 0o600:
+        return ("must be 0600 or 0660: the owner needs read-write and only the group may be added; "
+                "other users never map the arena (docs/security.md)")
+    return None
+
+
+_DEVICE = re.compile(r"cpu|(cuda|npu)(:\d+)?")  # the forms kvpool.client.devices.resolve_device accepts
+
+
+def device_check(v: str) -> str | None:
+    return None if _DEVICE.fullmatch(v) else "must be cpu, cuda, cuda:N, npu or npu:N"
+
+
+# -- the checks every dataclass runs -------------------------------------------------------------------------------
+
+def _type_problem(f: dataclasses.Field, value: Any) -> str | None:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if kind == "bool":
+        return None if isinstance(value, bool) else "expected true or false"
+    if kind == "int":
+        return None if isinstance(value, int) and not isinstance(value, bool) else "expected an integer"
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "expected a number"
+        return None if math.isfinite(value) else "expected a finite number"
+    if kind == "str":
+        return None if isinstance(value, str) else "expected a string"
+    if kind == "KVLayout | None":
+        return None if value is None or isinstance(value, KVLayout) else "expected a KVLayout or none"
+    raise AssertionError(f"config: no check for field type {kind} of {f.name}")
+
+
+def _fail(section: str, name: str, problem: str, value: Any) -> ValueError:
+    return ValueError(f"config {section}.{name}: {problem} (got {value!r})")
+
+
+def _check_types(config: Any, section: str) -> None:
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        problem = _type_problem(f, value)
+        if problem:
+            raise _fail(section, f.name, problem, value)
+
+
+def _check_values(config: Any, section: str) -> None:
+    for f in dataclasses.fields(config):
+        check = f.metadata.get("check")
+        value = getattr(config, f.name)
+        problem = check(value) if check is not None else None
+        if problem:
+            raise _fail(section, f.name, problem, value)
+
+
+def _derive_metrics_port(config: Any, section: str) -> None:
+    """``metrics_port = -1`` becomes ``port + 1`` (stays -1, any free port, when ``port`` is 0)."""
+    if config.metrics_port == DERIVED_PORT and 0 < config.port <= 65535:  # a bad port is reported as such
+        if config.port + 1 > 65535:
+            raise ValueError(f"config {section}.metrics_port: the default, port + 1, is no port for port "
+                             f"{config.port}; set metrics_port")
+        object.__setattr__(config, "metrics_port", config.port + 1)
+
+
+def _check_distinct_ports(config: Any, section: str, names: tuple[str, ...]) -> None:
+    """The fixed ports one server binds (``port`` and any of ``names`` > 0) are all different."""
+    seen = {config.port: "port"} if config.port > 0 else {}
+    for name in names:
+        port = getattr(config, name)
+        if port > 0:
+            if port in seen:
+                raise ValueError(f"config {section}.{name}: {port} is also {section}.{seen[port]}; "
+                                 "each listener needs its own port")
+            seen[port] = name
+
+
+def _check_tls_pair(config: Any, section: str) -> None:
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ValueError(f"config {section}.tls_cert and tls_key: set both or neither "
+                         f"(got tls_cert={config.tls_cert!r}, tls_key={config.tls_key!r})")
+
+
+# -- the sections ----------------------------------------------------------------------------------------------------
+
+_METRICS_PORT_HELP = "HTTP /metrics port; 0: none; -1: {port} + 1, or any free port if {port} is 0"
 
 
 @dataclass(frozen=True)
 class MasterConfig:
-    """The Master Service."""
+    """The Master Service. Valid once constructed (module docstring); ``metrics_port`` -1 is resolved."""
 
-    host: str = opt("127.0.0.1", "address the master listens on (0.0.0.0: all interfaces)")
-    port: int = opt(DEFAULT_MASTER_PORT, "gRPC port of the Master Service")
-    metrics_port: int = opt(DEFAULT_MASTER_PORT + 1, "HTTP /metrics port; 0: none, -1: any free port")
-    call_port: int = opt(-1, "TCP port of the fast-call listener (Lookup, PlaceBlocks, ... as framed TCP); "
-                             "-1: port + 2 (any free port if that is taken or port is 0); 0: any free port")
-    node_timeout_s: float = opt(3.0, "a node silent this long is dropped with all its entries")
-    heartbeat_interval_s: float = opt(1.0, "told to nodes when they register")
-    worker_timeout_s: float = opt(60.0, "a worker silent this long loses its HBM entries")
-    max_keys_per_call: int = opt(65536, "largest key batch one call may carry")
-    max_connections: int = opt(64, "most fast-call TCP connections at once; more are refused")
-    max_concurrent_rpcs: int = opt(0, "most gRPC calls in flight at once; more get RESOURCE_EXHAUSTED; 0: no limit")
+    host: str = opt("127.0.0.1", "address the master listens on (0.0.0.0: all interfaces)", check=host_check)
+    port: int = opt(DEFAULT_MASTER_PORT, "gRPC port of the Master Service; 0: any free port",
+                    check=port_check("0: any free port"))
+    metrics_port: int = opt(DERIVED_PORT, _METRICS_PORT_HELP, check=port_check("0: none", "-1: port + 1"),
+                            default_text="{port} + 1")
+    call_port: int = opt(DERIVED_PORT, "TCP port of the fast-call listener (Lookup, PlaceBlocks, ... as framed TCP); "
+                                       "0: any free port; -1: {port} + 2, or any free port if that is taken or "
+                                       "{port} is 0",
+                         check=port_check("0: any free port", "-1: port + 2"), default_text="{port} + 2")
+    node_timeout_s: float = opt(3.0, "a node silent this long is dropped with all its entries", check=seconds_check)
+    heartbeat_interval_s: float = opt(1.0, "how often nodes heartbeat (told to them when they register)",
+                                      check=seconds_check)
+    worker_timeout_s: float = opt(60.0, "a worker silent this long loses its HBM entries", check=seconds_check)
+    max_keys_per_call: int = opt(65536, "largest key batch one call may carry", check=at_least(1))
+    max_connections: int = opt(64, "most fast-call TCP connections at once; more are refused", check=at_least(1))
+    max_concurrent_rpcs: int = opt(0, "most gRPC calls in flight at once; more get RESOURCE_EXHAUSTED; 0: no limit",
+                                   check=at_least(0, "0: no limit"))
     auth_file: str = opt("", "JSON file of secret, node tokens and client tokens/tenants/quotas "
                              "(docs/security.md); empty: no authentication")
     tls_cert: str = opt("", "PEM certificate chain: serve gRPC and fast calls over TLS only (with tls_key)")
     tls_key: str = opt("", "PEM private key of tls_cert")
 
+    def __post_init__(self) -> None:
+        _check_types(self, "master")
+        _derive_metrics_port(self, "master")
+        _check_values(self, "master")
+        _check_distinct_ports(self, "master", ("metrics_port", "call_port"))
+        _check_tls_pair(self, "master")
+
 
 @dataclass(frozen=True)
 class NodeConfig:
-    """A pool node: the DRAM arena and SSD store of one host."""
+    """A pool node: the DRAM arena and SSD store of one host. Valid once constructed; ``metrics_port`` -1 resolved."""
 
-    master: str = opt(f"127.0.0.1:{DEFAULT_MASTER_PORT}", "the master's host:port")
-    host: str = opt("127.0.0.1", "address the node listens on (0.0.0.0: all interfaces)")
-    port: int = opt(DEFAULT_NODE_PORT, "gRPC port of the node's data service")
-    metrics_port: int = opt(DEFAULT_NODE_PORT + 1, "HTTP /metrics port; 0: none, -1: any free port")
-    data_port: int = opt(-1, "bulk TCP port for remote reads and writes; -1: port + 2 (any free port if that "
-                             "is taken or port is 0); 0: any free port")
-    advertise: str = opt("", "host:port clients dial; default host:port")
-    node_id: str = opt("", "default: <hostname>:<port>")
-    arena: str = opt("", "/dev/shm name of the DRAM arena; default: kvpool-<port>")
-    dram_bytes: int = opt(0, "0: a quarter of available memory, at most 8 GiB and half of /dev/shm", size=True)
-    slot_bytes: int = opt(2 << 20, "largest block the DRAM tier takes; set >= your block size", size=True)
+    master: str = opt(f"127.0.0.1:{DEFAULT_MASTER_PORT}", "the master's host:port", check=address_check(False))
+    host: str = opt("127.0.0.1", "address the node listens on (0.0.0.0: all interfaces)", check=host_check)
+    port: int = opt(DEFAULT_NODE_PORT, "gRPC port of the node's data service; 0: any free port",
+                    check=port_check("0: any free port"))
+    metrics_port: int = opt(DERIVED_PORT, _METRICS_PORT_HELP, check=port_check("0: none", "-1: port + 1"),
+                            default_text="{port} + 1")
+    data_port: int = opt(DERIVED_PORT, "bulk TCP port for remote reads and writes; 0: any free port; -1: {port} + 2, "
+                                       "or any free port if that is taken or {port} is 0",
+                         check=port_check("0: any free port", "-1: port + 2"), default_text="{port} + 2")
+    advertise: str = opt("", "host:port clients dial; empty: host:port (this machine's name if host is 0.0.0.0)",
+                         check=address_check(True))
+    node_id: str = opt("", "this node's name in the cluster; empty: <hostname>:<port>")
+    arena: str = opt("", "/dev/shm name of the DRAM arena (letters, digits, '_', '-', '.'); empty: kvpool-<port>",
+                     check=arena_name_check)
+    dram_bytes: int = opt(0, "size of the DRAM arena (a whole number of slots); 0: a quarter of available memory, "
+                             "at most 8 GiB and half of /dev/shm's free space", size=True,
+                          check=size_check(0, "automatic"))
+    slot_bytes: int = opt(2 << 20, "largest block the DRAM tier takes (one slot); set >= your block size", size=True,
+                          check=size_check(1))
     ssd_dir: str = opt("./kvpool-data", "directory of the SSD tier (LMDB)")
-    ssd_bytes: int = opt(0, "0: half the free disk at ssd_dir, at most 64 GiB", size=True)
-    ssd_enabled: bool = opt(True, "false: DRAM only")
-    ssd_sync: bool = opt(False, "fsync every SSD commit (default: a cache; see docs/architecture.md)")
-    high_watermark: float = opt(0.95, "DRAM usage fraction that starts eviction (demotion to SSD)")
-    low_watermark: float = opt(0.85, "DRAM usage fraction eviction brings usage down to")
+    ssd_bytes: int = opt(0, "capacity of the SSD tier; 0: half the free disk at ssd_dir, at most 64 GiB", size=True,
+                         check=size_check(0, "automatic"))
+    ssd_enabled: bool = opt(True, "keep an SSD tier (LMDB in ssd_dir) behind DRAM; off: DRAM only", flag="ssd")
+    ssd_optional: bool = opt(False, "if the SSD directory cannot be used, start with DRAM only (logged and counted) "
+                                    "instead of refusing to start")
+    ssd_sync: bool = opt(False, "fsync every SSD commit; off: a power loss may lose recent entries, as a cache may "
+                                "(docs/architecture.md)")
+    high_watermark: float = opt(0.95, "DRAM usage fraction that starts eviction (demotion to SSD); "
+                                      "0 < low_watermark <= high_watermark <= 1", check=fraction_check)
+    low_watermark: float = opt(0.85, "DRAM usage fraction eviction brings usage down to", check=fraction_check)
     write_through: bool = opt(False, "write every block to SSD at once, not only on eviction")
     demote_queue_bytes: int = opt(256 << 20, "write-back: DRAM's evicted blocks are written to SSD in the background, "
-                                             "at most this many bytes queued (0: inline, in the evicting call)",
-                                  size=True)
+                                             "at most this many bytes queued; 0: inline, in the evicting call",
+                                  size=True, check=size_check(0, "inline"))
     max_message_bytes: int = opt(256 << 20, "largest gRPC message, fast-call body or bulk PUT the node accepts",
-                                 size=True)
-    max_keys_per_call: int = opt(65536, "largest key batch one call (gRPC, fast call or bulk) may carry")
-    max_connections: int = opt(64, "most bulk TCP connections (fast calls included) at once; more are refused")
-    max_concurrent_rpcs: int = opt(0, "most gRPC calls in flight at once; more get RESOURCE_EXHAUSTED; 0: no limit")
+                                 size=True, check=size_check(1))
+    max_keys_per_call: int = opt(65536, "largest key batch one call (gRPC, fast call or bulk) may carry",
+                                 check=at_least(1))
+    max_connections: int = opt(64, "most bulk TCP connections (fast calls included) at once; more are refused",
+                               check=at_least(1))
+    max_concurrent_rpcs: int = opt(0, "most gRPC calls in flight at once; more get RESOURCE_EXHAUSTED; 0: no limit",
+                                   check=at_least(0, "0: no limit"))
     auth_file: str = opt("", "JSON file of secret, node tokens and client tokens/tenants/quotas (the master's "
                              "file; docs/security.md); empty: no authentication")
     token: str = opt("", "this node's token for the master (one of the auth file's node_tokens)")
@@ -116,9 +359,25 @@ class NodeConfig:
     tls_key: str = opt("", "PEM private key of tls_cert")
     tls_ca: str = opt("", "PEM CA certificate to verify the master with: dial it over TLS")
     arena_mode: str = opt("0600", "permissions (octal) of the DRAM arena in /dev/shm: 0600 this user only, "
-                                  "0660 also its group; whoever can map it reads every block (docs/security.md)")
+                                  "0660 also its group; whoever can map it reads every block (docs/security.md)",
+                          check=arena_mode_check)
     lease_timeout_s: float = opt(5.0, "a same-host writer's reserved DRAM slots return to the pool this long "
-                                      "after Reserve unless committed")
+                                      "after Reserve unless committed", check=seconds_check)
+
+    def __post_init__(self) -> None:
+        _check_types(self, "node")
+        _derive_metrics_port(self, "node")
+        _check_values(self, "node")
+        _check_distinct_ports(self, "node", ("metrics_port", "data_port"))
+        _check_tls_pair(self, "node")
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(f"config node.low_watermark: must be <= high_watermark {self.high_watermark} "
+                             f"(got {self.low_watermark})")
+        if self.dram_bytes and self.dram_bytes < self.slot_bytes:
+            raise ValueError(f"config node.dram_bytes: {format_size(self.dram_bytes)} holds no slot of slot_bytes "
+                             f"{format_size(self.slot_bytes)}; set dram_bytes >= slot_bytes, or 0 (automatic)")
+        if self.ssd_enabled and not self.ssd_dir.strip():
+            raise ValueError("config node.ssd_dir: must not be empty while ssd_enabled (got '')")
 
     def resolved_node_id(self) -> str:
         return self.node_id or f"{socket.gethostname()}:{self.port}"
@@ -130,15 +389,8 @@ class NodeConfig:
         return self.arena or f"kvpool-{self.port}"
 
     def resolved_arena_mode(self) -> int:
-        """``arena_mode`` as a number; ValueError unless octal, read-write for the owner, nothing for others."""
-        try:
-            mode = int(self.arena_mode, 8)
-        except ValueError:
-            raise ValueError(f"node.arena_mode {self.arena_mode!r} is not an octal mode like 0600 or 0660") from None
-        if mode & ~0o660 or mode & 0o600 != 0o600:
-            raise ValueError(f"node.arena_mode {self.arena_mode!r}: the owner needs read-write (0600) and only the "
-                             "group may be added (0660); other users never map the arena (docs/security.md)")
-        return mode
+        """``arena_mode`` as a number (always valid: checked at construction)."""
+        return int(self.arena_mode, 8)
 
     def resolved_dram_bytes(self) -> int:
         """The configured DRAM size, or a quarter of available memory (at most 8 GiB, half of /dev/shm's free space)."""
@@ -161,23 +413,29 @@ class NodeConfig:
 
 @dataclass(frozen=True)
 class ClientConfig:
-    """The client library inside an inference worker."""
+    """The client library inside an inference worker. Valid once constructed (module docstring)."""
 
-    master: str = opt(f"127.0.0.1:{DEFAULT_MASTER_PORT}", "the master's host:port")
-    worker_id: str = opt("", "default: <hostname>-<pid>")
-    model: str = opt("default", "model id: part of every block key's namespace")
+    master: str = opt(f"127.0.0.1:{DEFAULT_MASTER_PORT}", "the master's host:port", check=address_check(False))
+    worker_id: str = opt("", "this worker's name; empty: <hostname>-<pid>")
+    model: str = opt("default", "model id: part of every block key's namespace", check=nonempty_check)
     tenant: str = opt("", "salt: tenants never share keys")
     layout: KVLayout | None = opt(None, "the engine's KV layout (needed for the HBM tier and adapters)")
-    hbm_blocks: int = opt(0, "HBM tier size in blocks; 0: no HBM tier in the client")
-    device: str = opt("cpu", "HBM tier device: cpu, cuda:N, npu:N")
-    lookup_timeout_s: float = opt(0.5, "deadline of a master call; past it the lookup is a miss")
-    io_timeout_s: float = opt(5.0, "deadline of a node data call; past it the blocks are misses")
-    put_queue_bytes: int = opt(1 << 30, "write-behind bound in bytes; a full queue drops new puts (counted)", size=True)
+    hbm_blocks: int = opt(0, "HBM tier size in blocks; 0: no HBM tier in the client", check=at_least(0, "0: none"))
+    device: str = opt("cpu", "HBM tier device: cpu, cuda, cuda:N, npu, npu:N", check=device_check)
+    lookup_timeout_s: float = opt(0.5, "deadline of a master call; past it the lookup is a miss", check=seconds_check)
+    io_timeout_s: float = opt(5.0, "deadline of a node data call; past it the blocks are misses", check=seconds_check)
+    put_queue_bytes: int = opt(1 << 30, "write-behind bound in bytes; a full queue drops new puts (counted)", size=True,
+                               check=size_check(1))
     shared_memory: bool = opt(True, "read same-host nodes' DRAM arena directly (needs permission to map it)")
     token: str = opt("", "this client's token (one of the auth file's clients); empty: none")
     tls_ca: str = opt("", "PEM CA certificate to verify the master and nodes with: dial them over TLS")
     strict: bool = opt(False, "tests: raise pool faults instead of counting them as misses")
-    metrics_port: int = opt(0, "0: no endpoint (the registry is still available)")
+    metrics_port: int = opt(0, "HTTP /metrics port; 0: no endpoint (the registry is still available)",
+                            check=port_check("0: none"))
+
+    def __post_init__(self) -> None:
+        _check_types(self, "client")
+        _check_values(self, "client")
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -193,6 +451,8 @@ class PoolConfig:
 
 
 _SECTIONS: dict[str, type] = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
@@ -212,8 +472,9 @@ def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
         if kind == "bool":
             if isinstance(value, bool):
                 return value
-            if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-                return value.strip().lower() in ("1", "true", "yes", "on")
+            word = value.strip().lower() if isinstance(value, str) else None
+            if word in _TRUE or word in _FALSE:
+                return word in _TRUE
             raise ValueError("expected true or false")
         if kind == "int":
             if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -232,8 +493,12 @@ def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
     raise AssertionError(f"config: no coercion for field type {kind} of {where}")
 
 
-def make_section(section: str, values: Mapping[str, Any], base: Any = None) -> Any:
-    """A section's config from ``values`` over ``base`` (or the defaults); ValueError on unknown fields."""
+def make_section(section: str, values: Mapping[str, Any]) -> Any:
+    """A section's config from ``values`` over the defaults; ValueError on unknown fields or bad values.
+
+    Built in one construction (not a ``replace`` of the defaults), so derived
+    ports follow the given ``port``.
+    """
     cls = _SECTIONS.get(section)
     if cls is None:
         raise ValueError(f"unknown config section {section!r}; known: {', '.join(_SECTIONS)}")
@@ -242,7 +507,7 @@ def make_section(section: str, values: Mapping[str, Any], base: Any = None) -> A
     if unknown:
         raise ValueError(f"unknown {section} config field(s): {', '.join(unknown)}; known: {', '.join(fields)}")
     coerced = {name: _coerce(section, fields[name], v) for name, v in values.items()}
-    return dataclasses.replace(base if base is not None else cls(), **coerced)
+    return cls(**coerced)
 
 
 def read_json_object(path: str, what: str) -> dict[str, Any]:
@@ -268,7 +533,7 @@ def load_config(
     """Defaults, then the JSON file at ``path``, then ``KVPOOL_*`` variables, then ``overrides``."""
     sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     if path:
-        data = read_json_object(path, "config file")
+        data = read_json_object(os.fspath(path), "config file")
         for name, values in data.items():
             if name not in _SECTIONS:
                 raise ValueError(f"unknown config section {name!r} in {path}; known: {', '.join(_SECTIONS)}")

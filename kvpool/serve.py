@@ -5,6 +5,12 @@ only wires the node to the master it just started. Security settings given
 to one of the two serve both: the auth file (the node then presents one of
 its node tokens) and the TLS certificate and key; with TLS the node needs
 ``tls_ca`` to verify its master.
+
+Ports follow the port they belong to unless set: each metrics port is its
+``port + 1``, the master's fast calls and the node's bulk listener ``port + 2``;
+so ``kvpool serve --master-port 7700 --port 7710`` runs beside a default
+``kvpool serve`` (7600-7602, 7610-7612). Two listeners of this process on one
+port are refused (:func:`check_ports`) before anything starts.
 """
 
 from __future__ import annotations
@@ -19,9 +25,34 @@ from kvpool.lifecycle import wait_for_shutdown
 log = logging.getLogger(__name__)
 
 
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
 def _dial_host(listen_host: str) -> str:
     """Where a local process reaches a server listening on ``listen_host``."""
-    return "127.0.0.1" if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host
+    return "127.0.0.1" if listen_host in _WILDCARD_HOSTS else listen_host
+
+
+def check_ports(master: MasterConfig, node: NodeConfig) -> None:
+    """ValueError if the master and the node would bind one fixed port (explicit or port + 1) on one address.
+
+    Derived ports with a fallback (call_port, data_port at -1) are left out: the
+    master's is moved by :func:`master_config_for`, the node's falls back itself.
+    Run before anything starts, so a clash changes nothing.
+    """
+    if master.host != node.host and master.host not in _WILDCARD_HOSTS and node.host not in _WILDCARD_HOSTS:
+        return
+    fixed = [("master.port", master.port), ("master.metrics_port", master.metrics_port),
+             ("master.call_port", master.call_port),
+             ("node.port", node.port), ("node.metrics_port", node.metrics_port), ("node.data_port", node.data_port)]
+    seen: dict[int, str] = {}
+    for name, port in fixed:
+        if port <= 0:
+            continue
+        if port in seen:
+            raise ValueError(f"{name} and {seen[port]} are both port {port}: move one of them "
+                             "(metrics ports follow their port: port + 1)")
+        seen[port] = name
 
 
 def node_config_for(config: PoolConfig, master_port: int) -> NodeConfig:
@@ -30,12 +61,13 @@ def node_config_for(config: PoolConfig, master_port: int) -> NodeConfig:
     auth_file = node.auth_file or master.auth_file
     token = node.token
     if auth_file and not token:
-        token = load_authority(auth_file).node_token() or ""
+        authority = load_authority(auth_file)  # not None: auth_file is set
+        token = (authority.node_token() if authority is not None else None) or ""
         if not token:
-            raise ValueError(f"kvpool serve: auth file {auth_file} has no node_tokens for the node")
+            raise ValueError(f"auth file {auth_file} has no node_tokens for the node")
     cert, key = (node.tls_cert, node.tls_key) if node.tls_cert else (master.tls_cert, master.tls_key)
     if master.tls_cert and not node.tls_ca:
-        raise ValueError("kvpool serve with TLS: set tls_ca (the CA that signed the master's certificate)")
+        raise ValueError("with TLS, set tls_ca (the CA that signed the master's certificate)")
     return dataclasses.replace(node, master=f"{_dial_host(master.host)}:{master_port}", auth_file=auth_file,
                                token=token, tls_cert=cert, tls_key=key)
 
@@ -61,6 +93,7 @@ def run_serve(config: PoolConfig) -> None:
     limit_arenas()  # before any thread: otherwise the node's RSS ratchets up per thread (kvpool/malloc.py)
 
     config = dataclasses.replace(config, master=master_config_for(config))
+    check_ports(config.master, config.node)
     with MasterServer(config.master) as master:
         node_config = node_config_for(config, master.port)
         node = PoolNode(node_config)

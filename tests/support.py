@@ -125,7 +125,15 @@ class PoolProcesses:
         return f"127.0.0.1:{self.master_port}"
 
     def _flags(self, flags: dict) -> list[str]:
-        return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+        """``{"port": 5, "write-through": "true", "ssd": "false"}`` -> ``--port 5 --write-through --no-ssd``."""
+        args: list[str] = []
+        for k, v in flags.items():
+            text = str(v).lower()
+            if text in ("true", "false"):  # on/off settings are --x / --no-x switches
+                args.append(f"--{k}" if text == "true" else f"--no-{k}")
+            else:
+                args += [f"--{k}", str(v)]
+        return args
 
     def _node_flags(self, name: str) -> dict:
         node = self.nodes.setdefault(name, {"port": free_port(), "metrics": free_port(), "data": free_port()})

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import pytest
 
-from kvpool.config import load_config, parse_size
+from kvpool.config import ClientConfig, MasterConfig, NodeConfig, load_config, parse_size
 
 
 def test_precedence_is_flags_then_env_then_file_then_defaults(tmp_path):
@@ -75,3 +77,94 @@ def test_automatic_sizes_are_sane(tmp_path):
     assert cfg.slot_bytes <= cfg.resolved_dram_bytes() <= 8 << 30
     assert cfg.resolved_dram_bytes() % cfg.slot_bytes == 0
     assert 64 << 20 <= cfg.resolved_ssd_bytes() <= 64 << 30
+
+
+def test_sizes_must_be_finite():
+    for text in ("inf", "-inf", "nan", "infK", "1e400"):
+        with pytest.raises(ValueError, match="not a size"):
+            parse_size(text)
+
+
+@pytest.mark.parametrize("n,text", [(2 << 20, "2 MiB"), (256 << 20, "256 MiB"), (1 << 30, "1 GiB"), (3 << 40, "3 TiB"),
+                                    (64 << 10, "64 KiB"), (1536, "1536 B"), (0, "0")])
+def test_format_size(n, text):
+    from kvpool.config import format_size  # new in this module: the other tests run without it
+
+    assert format_size(n) == text
+
+
+# One value of each field that must be refused; a field added without an entry here fails the test below.
+# Strings any text may fill ("free-form") are refused only for the wrong type.
+NAN, INF = math.nan, math.inf
+BAD_VALUES = {
+    MasterConfig: {
+        "host": "two words", "port": 65536, "metrics_port": -2, "call_port": -3, "node_timeout_s": NAN,
+        "heartbeat_interval_s": 0.0, "worker_timeout_s": INF, "max_keys_per_call": 0, "max_connections": 0,
+        "max_concurrent_rpcs": -1, "auth_file": None, "tls_cert": 1, "tls_key": b"key",
+    },
+    NodeConfig: {
+        "master": "no-port", "host": "two words", "port": -1, "metrics_port": 70000, "data_port": -5,
+        "advertise": "host", "node_id": 7, "arena": "../etc", "dram_bytes": -1, "slot_bytes": 0, "ssd_dir": 3,
+        "ssd_bytes": -1, "ssd_enabled": "false", "ssd_optional": 1, "ssd_sync": "no", "high_watermark": 2.0,
+        "low_watermark": 0.0, "write_through": None, "demote_queue_bytes": -1, "max_message_bytes": 0,
+        "max_keys_per_call": 0, "max_connections": -1, "max_concurrent_rpcs": -1, "auth_file": None, "token": 5,
+        "tls_cert": 1, "tls_key": 1, "tls_ca": 1, "arena_mode": "0777", "lease_timeout_s": INF,
+    },
+    ClientConfig: {
+        "master": "host:0", "worker_id": 1, "model": "", "tenant": None, "layout": {"dtype": "bf16"},
+        "hbm_blocks": -1, "device": "gpu", "lookup_timeout_s": 0.0, "io_timeout_s": NAN, "put_queue_bytes": 0,
+        "shared_memory": "yes", "token": 1, "tls_ca": 1, "strict": 1, "metrics_port": 65536,
+    },
+}
+
+
+@pytest.mark.parametrize("cls,name", [(cls, f.name) for cls in BAD_VALUES for f in dataclasses.fields(cls)],
+                         ids=lambda x: x if isinstance(x, str) else x.__name__)
+def test_no_config_can_hold_a_bad_value(cls, name):
+    assert name in BAD_VALUES[cls], f"{cls.__name__}.{name}: add a value it must refuse to BAD_VALUES"
+    value = BAD_VALUES[cls][name]
+    # the message names the field, says what is allowed and shows the value
+    with pytest.raises(ValueError, match=rf"\.{name}\b.*\(got "):
+        cls(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"low_watermark": 0.9, "high_watermark": 0.5}, "low_watermark: must be <= high_watermark"),
+        ({"dram_bytes": 1 << 20, "slot_bytes": 2 << 20}, "dram_bytes: 1 MiB holds no slot"),
+        ({"port": 7700, "metrics_port": 7700}, "metrics_port: 7700 is also node.port"),
+        ({"port": 7700, "data_port": 7701}, "data_port: 7701 is also node.metrics_port"),  # metrics: port + 1
+        ({"tls_cert": "cert.pem"}, "set both or neither"),
+        ({"ssd_dir": ""}, "ssd_dir: must not be empty"),
+    ],
+)
+def test_rules_between_fields(values, message):
+    with pytest.raises(ValueError, match=message):
+        NodeConfig(**values)
+
+
+def test_values_from_files_env_and_flags_are_checked(tmp_path):
+    path = tmp_path / "kvpool.json"
+    path.write_text(json.dumps({"node": {"slot_bytes": 0}}))
+    with pytest.raises(ValueError, match="node.slot_bytes"):
+        load_config(path, env={})
+    with pytest.raises(ValueError, match="master.node_timeout_s"):
+        load_config(None, env={"KVPOOL_MASTER_NODE_TIMEOUT_S": "nan"})
+    with pytest.raises(ValueError, match="node.lease_timeout_s"):
+        load_config(None, env={"KVPOOL_NODE_LEASE_TIMEOUT_S": "inf"})
+    with pytest.raises(ValueError, match="node.max_message_bytes"):
+        load_config(None, env={}, overrides={"node": {"max_message_bytes": "0"}})
+    assert NodeConfig(ssd_dir="", ssd_enabled=False).ssd_dir == ""  # no SSD tier: no directory needed
+
+
+def test_metrics_ports_follow_their_port():
+    defaults = load_config(None, env={})
+    assert (defaults.master.metrics_port, defaults.node.metrics_port) == (7601, 7611)
+    moved = load_config(None, env={"KVPOOL_MASTER_PORT": "7700"}, overrides={"node": {"port": 7710}})
+    assert (moved.master.metrics_port, moved.node.metrics_port) == (7701, 7711)
+    assert (moved.master.call_port, moved.node.data_port) == (-1, -1)  # port + 2, derived by the servers
+    explicit = load_config(None, env={}, overrides={"node": {"port": 7710, "metrics_port": 9000}})
+    assert explicit.node.metrics_port == 9000
+    assert NodeConfig(port=0).metrics_port == -1 and MasterConfig(port=0).metrics_port == -1  # any free port
+    assert NodeConfig(port=7710, metrics_port=0).metrics_port == 0  # none

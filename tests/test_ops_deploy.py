@@ -93,8 +93,8 @@ def test_k8s_config_and_manifests_agree(tmp_path):
         assert _one("Service", name)["spec"]["selector"].items() <= tmpl["metadata"]["labels"].items()
         assert tmpl["metadata"]["labels"]["app.kubernetes.io/component"] == name  # the job label in Prometheus
     # Per-pod variables name real config fields; the command line parses.
-    env = {e["name"]: "x" for e in node_c["env"] if e["name"].startswith("KVPOOL_")}
-    assert env and load_config(None, env=env).node.node_id == "x"
+    env = {e["name"]: "pod-x:7610" for e in node_c["env"] if e["name"].startswith("KVPOOL_")}  # valid for each
+    assert env and load_config(None, env=env).node.node_id == "pod-x:7610"
     for container in (node_c, master_c):
         args = build_parser().parse_args(container["args"][1:])
         assert args.config == "/etc/kvpool/kvpool.json"

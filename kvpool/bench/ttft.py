@@ -100,10 +100,10 @@ class LocalPool:
             "master-port": self.address.rsplit(":", 1)[1], "master-metrics-port": 0, "port": _free_port(),
             "metrics-port": self.metrics_port, "data-port": 0, "arena": self.arena, "dram-bytes": dram_bytes,
             "slot-bytes": slot_bytes, "ssd-dir": os.path.join(self._tmp, "ssd"), "ssd-bytes": ssd_bytes,
-            "write-through": str(write_through).lower(),
         }
         argv = [sys.executable, "-m", "kvpool.cli", "--log-level", "WARNING", "serve"]
         argv += [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+        argv.append("--write-through" if write_through else "--no-write-through")
         self._log = open(os.path.join(self._tmp, "serve.log"), "wb")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s

@@ -102,7 +102,7 @@ def leased(procs) -> float:
 
 @pytest.mark.parametrize("path", ["lease", "bulk"])
 def test_a_writer_killed_mid_put_leaves_nothing_visible_and_its_slots_come_back(procs, client_config, path):
-    procs.node_flags.update({"dram-bytes": str(SLOTS * BLOCK), "slot-bytes": "64K", "ssd-enabled": "false",
+    procs.node_flags.update({"dram-bytes": str(SLOTS * BLOCK), "slot-bytes": "64K", "ssd": "false",
                              "high-watermark": "1.0", "low-watermark": "1.0",
                              "lease-timeout-s": str(LEASE_TIMEOUT_S)})
     start_master(procs, **master_flags())
