@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from kvpool.keys import BlockKey
+from kvpool.tiers.arena import shm_path
 from kvpool.tiers.dram import DramStore
 
 SLOT = 4096
@@ -168,3 +171,12 @@ def test_a_failing_listener_does_not_fail_the_put(arena_name):
         assert s.contains([key(0)]) == [True]
     finally:
         s.close()
+
+
+def test_a_refused_store_leaves_no_arena_behind(arena_name):
+    with pytest.raises(ValueError, match="low <= high"):
+        DramStore.create(arena_name, 1 << 20, 64 << 10, high_watermark=0.5, low_watermark=0.9)
+    assert not os.path.exists(shm_path(arena_name))
+    with pytest.raises(ValueError, match="holds no"):
+        DramStore.create(arena_name, 1 << 20, 0)
+    assert not os.path.exists(shm_path(arena_name))

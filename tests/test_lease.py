@@ -169,6 +169,95 @@ def test_a_late_writer_sees_its_slot_was_handed_on(dram):
     assert int(dram.arena.gens[res.slots[0]]) != res.gens[0]
 
 
+def test_lease_ids_are_random_never_0_and_never_a_live_leases_id(dram, monkeypatch):
+    import kvpool.tiers.dram as dram_module
+
+    drawn = iter([0, 7, 7, 0, 9, 7])
+    monkeypatch.setattr(dram_module.secrets, "randbits", lambda bits: next(drawn) if bits == 63 else pytest.fail())
+    first = dram.reserve([key(1)], [SLOT], timeout_s=5.0)
+    second = dram.reserve([key(2)], [SLOT], timeout_s=5.0)
+    assert (first.lease, second.lease) == (7, 9)  # 0 and the live 7 were drawn again
+    assert dram.release(first.lease) == 1
+    assert dram.reserve([key(3)], [SLOT], timeout_s=5.0).lease == 7  # no longer live: may come again
+    monkeypatch.undo()
+    assert 0 < dram.reserve([key(4)], [SLOT], timeout_s=5.0).lease < 1 << 63
+
+
+def test_a_commit_or_release_by_anyone_but_the_owner_changes_nothing(dram):
+    res = dram.reserve([key(1), key(2)], [SLOT, SLOT], timeout_s=5.0, owner="a")
+    sums = [write(dram, s, block(i + 1)) for i, s in enumerate(res.slots)]
+    for intruder in ("b", None):
+        assert dram.commit(res.lease, [key(1), key(2)], res.slots, sums, owner=intruder) == [False, False]
+        assert dram.commit(res.lease, [], [], [], owner=intruder) == []
+        assert dram.release(res.lease, owner=intruder) == 0
+    assert dram.leased_slots == 2 and dram.contains([key(1), key(2)]) == [False, False] and dram.changes.added == []
+    assert dram.commit(res.lease, [key(1), key(2)], res.slots, sums, owner="a") == [True, True]  # still the owner's
+    assert dram.leased_slots == 0
+    assert dram.commit(res.lease, [key(1)], res.slots[:1], sums[:1], owner="a") == [False]  # a lease commits once
+
+
+def quota_ledger(store: DramStore, quota: int):
+    from kvpool.node.quota import QuotaLedger
+
+    ledger = QuotaLedger({"t": quota}, lambda k: "t", held=store.contains, evict=store.remove)
+    store.on_change = ledger.listener(store.on_change)
+    return ledger
+
+
+def test_a_leases_quota_charge_lasts_exactly_as_long_as_the_lease(dram):
+    ledger = quota_ledger(dram, 8 * SLOT)
+    other = dram.reserve([key(0)], [SLOT], timeout_s=5.0, owner="x")  # one slot leased elsewhere, uncharged
+    charge = ledger.reserve("t", [key(1), key(2), key(3), key(4)], [SLOT] * 4)
+    assert charge.admitted == [True] * 4 and ledger.reserved("t") == 4 * SLOT  # charged before any slot is taken
+    res = dram.reserve([key(1), key(2), key(3), key(4)], [SLOT] * 4, timeout_s=5.0, owner="t", charge=charge)
+    assert [g != 0 for g in res.gens] == [True, True, True, False]  # three slots were left
+    assert ledger.reserved("t") == 3 * SLOT  # narrowed to the blocks that got one
+    sums = [write(dram, s, block(i + 1)) for i, s in enumerate(res.slots[:3])]
+    assert dram.commit(res.lease, [key(1)], res.slots[:1], sums[:1], owner="u") == [False]
+    assert ledger.reserved("t") == 3 * SLOT  # not its owner: the lease and its charge live on
+    assert dram.commit(res.lease, [key(1), key(2)], res.slots[:2], sums[:2], owner="t") == [True, True]
+    assert (ledger.used("t"), ledger.reserved("t")) == (2 * SLOT, 0)  # committed: held now; the rest freed
+    assert dram.release(other.lease, owner="x") == 1
+
+    # Release and expiry end the charge too; a reservation that got no slot ends it at once.
+    for end in ("release", "expire", "no slot"):
+        if end == "no slot":  # every slot leased elsewhere, no block to evict
+            dram.remove([key(1), key(2)])
+            assert all(dram.reserve([key(20 + i) for i in range(4)], [SLOT] * 4, timeout_s=5.0, owner="x").gens)
+        charge = ledger.reserve("t", [key(9)], [SLOT])
+        res = dram.reserve([key(9)], [SLOT], timeout_s=5.0, owner="t", charge=charge)
+        assert ledger.reserved("t") == (0 if end == "no slot" else SLOT)
+        if end == "release":
+            assert dram.release(res.lease, owner="t") == 1
+        elif end == "expire":
+            assert dram.expire(now=time.monotonic() + 10.0) == 1
+        assert ledger.reserved("t") == 0
+        charge.end()  # idempotent
+        charge.keep([key(9)])  # and a charge never grows back
+        assert ledger.reserved("t") == 0
+    charge = ledger.reserve("t", [key(9)], [SLOT])
+    with pytest.raises(ValueError):
+        dram.reserve([key(9)], [SLOT + 1], timeout_s=5.0, owner="t", charge=charge)
+    assert ledger.reserved("t") == 0  # a refused reservation leaves no charge behind
+
+
+def test_reservations_count_against_the_quota_and_are_never_evicted_to_make_room(dram):
+    ledger = quota_ledger(dram, 3 * SLOT)
+    assert dram.put([key(1)], [block(1)]) == [True] and ledger.used("t") == SLOT
+    first = ledger.reserve("t", [key(2), key(3)], [SLOT, SLOT])
+    assert first.admitted == [True, True] and ledger.reserved("t") == 2 * SLOT  # held 1 + reserved 2 = quota
+    # More reservations, and puts, get only what their own held blocks can make room for: never a reservation.
+    second = ledger.reserve("t", [key(4), key(5)], [SLOT, SLOT])
+    assert second.admitted == [True, False] and dram.contains([key(1)]) == [False]  # its held block made room
+    assert (ledger.used("t"), ledger.reserved("t")) == (0, 3 * SLOT)
+    assert ledger.admit("t", [key(6)], [SLOT]) == [False]
+    assert ledger.reserve("t", [key(7)], [SLOT]).admitted == [False] and ledger.reserved("t") == 3 * SLOT
+    first.end()
+    assert ledger.reserved("t") == SLOT and ledger.admit("t", [key(6), key(7)], [SLOT, SLOT]) == [True, True]
+    second.end()
+    assert ledger.reserved("t") == 0
+
+
 # -- the node: Reserve, Commit, the reaper ----------------------------------------------------------
 
 NODE_SLOT = 64 << 10
@@ -316,7 +405,8 @@ def test_a_restarted_node_gets_its_new_arena_mapped_by_the_client(tmp_path, aren
                      dram_bytes=8 << 20, slot_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
     try:
         with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
-            monkeypatch.setattr(pool.bulk_path, "put", lambda *args: pytest.fail("a same-host put went over the network"))
+            monkeypatch.setattr(pool.bulk_path, "put",
+                                lambda *args: pytest.fail("a same-host put went over the network"))
             for run in range(2):  # the second node reuses the arena name: a new segment under the same name
                 with PoolNode(cfg) as n:
                     wait_until(lambda: n.link.registered and len(pool.lookup([key(999)])) == 0)
@@ -326,7 +416,7 @@ def test_a_restarted_node_gets_its_new_arena_mapped_by_the_client(tmp_path, aren
                     outs = [np.empty_like(v) for v in values]
                     assert pool.get_into(pool.lookup(keys), outs) == [True] * 3
                     assert all(np.array_equal(o, v) for o, v in zip(outs, values))
-                wait_until(lambda: not any(pool.exists(keys)))  # the master dropped the stopped node
+                wait_until(lambda keys=keys: not any(pool.exists(keys)))  # the master dropped the stopped node
     finally:
         master.stop()
 

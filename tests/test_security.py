@@ -21,17 +21,17 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvpool.client.bulk import BulkClient, BulkFailed, BulkUnavailable
-from kvpool.client.pool import PoolClient
-from kvpool.master import MasterServer
 from support import free_port, kvpool_process, stop_process, wait_serving, wait_until
 
 from kvpool.auth import Authority, mask_keys
 from kvpool.calls import AUTH_METHOD, CALL_MAGIC, CALL_VERSION, FRAME, MASTER_CALLS
 from kvpool.checksum import block_checksum
+from kvpool.client.bulk import BulkClient, BulkFailed, BulkUnavailable
+from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
 from kvpool.framing import recv_exact
 from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys, pack_keys
+from kvpool.master import MasterServer
 from kvpool.node import bulk
 from kvpool.node.daemon import PoolNode
 from kvpool.rpc import MISS, make_channel
@@ -358,6 +358,39 @@ def test_a_tenant_over_quota_loses_its_own_oldest_blocks_and_never_another_tenan
         assert restarted.quota.used("a") == 3 * MIB
     finally:
         restarted.stop()
+
+
+def test_bulk_put_reservations_count_against_the_quota_while_their_bytes_are_on_the_way(tmp_path, arena_name):
+    """A tenant's bulk PUTs that never send their bytes hold at most its quota of slots, and evict no one."""
+    auth = write_auth(tmp_path / "auth.json", quota_a="2M")
+    with cluster(tmp_path, arena_name, master_over={"auth_file": auth}, auth_file=auth, token=NODE_TOKEN,
+                 ssd_enabled=False) as (master, node):  # 16 slots of 1 MiB, the high watermark at 15
+        kb, vb = prompt_keys(10, "b"), blocks(10, seed=7)
+        with client(master, TOKEN_B) as b:
+            assert b.store(kb, vb) == [True] * 10
+        refused = errors(node, "quota_exceeded")
+        socks: list[socket.socket] = []
+        try:
+            for conn in range(4):  # four PUTs of 8 blocks each, stalled before their data
+                sock = socket.create_connection(("127.0.0.1", node.bulk.port), timeout=5)
+                socks.append(sock)
+                sock.sendall(bulk.request_header(bulk.OP_AUTH, len(TOKEN_A)) + TOKEN_A.encode())
+                bulk.read_reply_header(sock, bulk.OP_AUTH, 0)
+                sizes, sums = np.full(8, MIB, dtype="<u8"), np.zeros(8, dtype="<u8")
+                sock.sendall(bulk.request_header(bulk.OP_PUT, 8) + pack_keys(prompt_keys(8, f"stall-{conn}"))
+                             + sizes.tobytes() + sums.tobytes())
+                # the node has taken this PUT's quota decision once it refused at least 6 of its 8 blocks
+                wait_until(lambda n=conn: errors(node, "quota_exceeded") >= refused + 6 * (n + 1), timeout=10)
+            assert node.store.dram.leased_slots == 2 and node.quota.reserved("a") == 2 * MIB
+            with client(master, TOKEN_B) as b:
+                outs = [np.zeros(MIB, np.uint8) for _ in kb]
+                assert b.get_into(list(b.lookup(kb)), outs) == [True] * 10
+                assert all(np.array_equal(o, v) for o, v in zip(outs, vb))
+        finally:
+            for sock in socks:
+                sock.close()
+        # a dropped connection releases its reservation, and the charge with it
+        wait_until(lambda: node.store.dram.leased_slots == 0 and node.quota.reserved("a") == 0, timeout=10)
 
 
 # -- TLS -------------------------------------------------------------------------------------------------

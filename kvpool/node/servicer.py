@@ -18,11 +18,17 @@ Rules every handler follows:
   ``lease_timeout_s`` (the daemon's reaper frees lapsed leases); Commit
   publishes the slots whose bytes match their checksums and, like Put,
   replies only after ``after_change`` ran.
+- A lease belongs to its caller (:func:`kvpool.auth.caller`: the tenant's
+  identity; None with auth off) and its id is random: a Commit by anyone
+  else stores nothing and leaves the lease to its owner.
 - Every key a request names is the caller's: with auth on, it is mapped to
   its tenant's stored key (:func:`kvpool.auth.caller_keys`) before it reaches
   a store, so a tenant can neither see nor change another's blocks. With a
   quota ledger, Put and Reserve admit a tenant's new blocks only within its
-  quota (:mod:`kvpool.node.quota`; refused blocks are not stored).
+  quota (:mod:`kvpool.node.quota`; refused blocks are not stored), and the
+  slots Reserve leases are charged to the tenant's quota until the lease
+  ends: a tenant never holds and reserves more than its quota, and blocks
+  beyond it get no slot (so they evict nothing).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.auth import caller_keys, caller_tenant
+from kvpool.auth import caller, caller_keys, caller_tenant
 from kvpool.checksum import block_checksum
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.metrics import ErrorMetrics
@@ -53,7 +59,7 @@ def _counted(method: Callable[..., Any]) -> Callable[..., Any]:
     """Count a handler's ValueErrors as ``invalid_argument`` errors, then let the interceptor map them."""
 
     @functools.wraps(method)
-    def wrapper(self: "NodeServicer", request: Any, context: Any) -> Any:
+    def wrapper(self: NodeServicer, request: Any, context: Any) -> Any:
         try:
             return method(self, request, context)
         except ValueError:
@@ -280,8 +286,13 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             raise ValueError(f"block {sizes.index(0)} is empty")
         held = [t is not None for t in self.store.where(keys)]
         fit = [i for i, n in enumerate(sizes) if not held[i] and self.store.fits_dram(n)]
-        fit = self._admit(keys, sizes, fit)
-        res = self.store.dram.reserve([keys[i] for i in fit], [sizes[i] for i in fit], self.lease_timeout_s)
+        tenant = caller_tenant()
+        charge = None
+        if self.quota is not None and tenant and fit:  # charged from now on; the lease ends the charge
+            charge = self.quota.reserve(tenant, [keys[i] for i in fit], [sizes[i] for i in fit])
+            fit = [i for i, admitted in zip(fit, charge.admitted) if admitted]
+        res = self.store.dram.reserve([keys[i] for i in fit], [sizes[i] for i in fit], self.lease_timeout_s,
+                                      owner=caller(), charge=charge)
         slots, gens = [0] * len(keys), [0] * len(keys)
         for i, slot, gen, h in zip(fit, res.slots, res.gens, res.held):
             slots[i], gens[i] = slot, gen
@@ -297,7 +308,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         slots, sums = list(request.slots), list(request.checksums)
         if not len(slots) == len(sums) == len(keys):
             raise ValueError(f"{len(keys)} keys, {len(slots)} slots and {len(sums)} checksums: need one each per key")
-        stored = self.store.commit(request.lease, keys, slots, sums)
+        stored = self.store.commit(request.lease, keys, slots, sums, owner=caller())
         if any(stored):
             self._trim(keys)
         refused = stored.count(False)

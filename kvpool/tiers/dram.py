@@ -21,23 +21,36 @@ Leases (same-host writers, :meth:`DramStore.reserve` / :meth:`DramStore.commit`)
 - ``reserve`` takes free slots exactly as ``put`` does (evicting LRU blocks
   past the high watermark) and hands each to the lease with a fresh odd gen
   (:meth:`SharedArena.claim`): unreadable, owned by the lease, counted as used.
+- A lease id is 63 random bits (:mod:`secrets`), never 0 and never the id of
+  another live lease, so it cannot be guessed from one's own. A lease belongs
+  to the ``owner`` that reserved it (the node passes the caller's identity;
+  None with auth off, where the unguessable id is the only capability).
 - ``commit`` ends the lease: each named slot whose bytes match the claimed
   checksum is published like a put (key visible only once bytes and checksum
   are in place); the lease's other slots go back to the free list. A lease
   past its deadline commits nothing.
+- ``commit`` and ``release`` by anyone but the owner (or of an unknown id)
+  change nothing: nothing is stored, and the owner's lease lives on.
 - ``expire`` (the node's reaper) and ``release`` free a lease's slots, so a
   writer that dies halfway never leaves a slot stuck.
+- A lease may carry a :class:`LeaseCharge` (what its slots cost a tenant's
+  quota). ``reserve`` narrows it to the keys that got a slot (ends it if none
+  did) before it returns; it ends exactly once, when the lease ends (commit,
+  release, expiry, close), after the slots are free and the committed blocks
+  were reported to ``on_change``, so the tenant is never charged less than it
+  holds and reserves.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -50,6 +63,19 @@ from kvpool.tiers.base import BlockMeta, ChangeListener, EvictionSink, Tier, Tie
 log = logging.getLogger(__name__)
 
 
+LEASE_ID_BITS = 63  # fits the wire's uint64 and any signed 64-bit integer
+
+
+class LeaseCharge(Protocol):
+    """What a lease's slots are charged to (a tenant's quota); :class:`DramStore` drives it (module docstring)."""
+
+    def keep(self, keys: Sequence[BlockKey]) -> None:
+        """Only these keys (those that got a slot) stay charged; a no-op once ended."""
+
+    def end(self) -> None:
+        """The lease is over: nothing stays charged. Idempotent."""
+
+
 @dataclass(slots=True)
 class Lease:
     """Free slots handed to one writer until ``deadline`` (``time.monotonic``; None: no deadline)."""
@@ -57,6 +83,8 @@ class Lease:
     id: int
     deadline: float | None
     slots: dict[int, tuple[BlockKey, int]]  # slot -> (key, size) it was reserved for
+    owner: object = None  # who may commit or release it (compared with ==)
+    charge: LeaseCharge | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,17 +128,23 @@ class DramStore:
         self._free: list[int] = list(range(arena.num_slots - 1, -1, -1))
         self._leases: dict[int, Lease] = {}
         self._leased = 0  # slots held by leases
-        self._lease_ids = itertools.count(1)
         self._stats = TierStats(Tier.DRAM, capacity_bytes=arena.num_slots * arena.slot_bytes)
 
     @classmethod
     def create(cls, name: str, capacity_bytes: int, slot_bytes: int, *, mode: int = 0o600,
-               **kwargs: object) -> "DramStore":
-        """A store over a new arena of ``capacity_bytes // slot_bytes`` slots (segment permissions ``mode``)."""
-        num_slots = capacity_bytes // slot_bytes
-        if num_slots < 1:
+               **kwargs: object) -> DramStore:
+        """A store over a new arena of ``capacity_bytes // slot_bytes`` slots (segment permissions ``mode``).
+
+        A refused argument leaves no arena behind.
+        """
+        if slot_bytes < 1 or capacity_bytes // slot_bytes < 1:
             raise ValueError(f"DRAM capacity {capacity_bytes} B holds no {slot_bytes} B slot")
-        return cls(SharedArena.create(name, num_slots, slot_bytes, mode), **kwargs)  # type: ignore[arg-type]
+        arena = SharedArena.create(name, capacity_bytes // slot_bytes, slot_bytes, mode)
+        try:
+            return cls(arena, **kwargs)  # type: ignore[arg-type]
+        except BaseException:
+            arena.close()
+            raise
 
     @property
     def slot_bytes(self) -> int:
@@ -266,13 +300,44 @@ class DramStore:
 
     # -- leases (same-host writers) -----------------------------------------------------
 
-    def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int], timeout_s: float | None) -> Reservation:
-        """Lease free slots for blocks of ``sizes`` (see the module docstring).
+    def _new_lease_id(self) -> int:
+        """Under the lock: a random id that is neither 0 nor a live lease's."""
+        while True:
+            lease_id = secrets.randbits(LEASE_ID_BITS)
+            if lease_id and lease_id not in self._leases:
+                return lease_id
+
+    def reserve(
+        self, keys: Sequence[BlockKey], sizes: Sequence[int], timeout_s: float | None, *, owner: object = None,
+        charge: LeaseCharge | None = None,
+    ) -> Reservation:
+        """Lease free slots for blocks of ``sizes`` to ``owner`` (see the module docstring).
 
         Per key: a slot and its odd gen, or gen 0 if the key is held already
         (``held``), repeats an earlier key of the batch, or found no room.
         ``timeout_s`` None: the lease lasts until committed or released.
+        ``charge`` (already charged for ``keys``) is narrowed to the keys that
+        got a slot, and ends with the lease (at once if no slot was reserved).
         """
+        try:
+            reservation, reserved, released = self._lease(keys, sizes, timeout_s, owner, charge)
+        except BaseException:
+            if charge is not None:
+                charge.end()  # no lease took it
+            raise
+        notify(self.on_change, (), released, "DRAM")
+        if charge is not None:  # outside the lock: the quota ledger looks into this store under its own lock
+            if reserved:
+                charge.keep(reserved)  # a no-op if the lease already ended (a zero timeout and the reaper)
+            else:
+                charge.end()
+        return reservation
+
+    def _lease(
+        self, keys: Sequence[BlockKey], sizes: Sequence[int], timeout_s: float | None, owner: object,
+        charge: LeaseCharge | None,
+    ) -> tuple[Reservation, list[BlockKey], list[BlockKey]]:
+        """:meth:`reserve` up to registering the lease: (what to hand out, the keys that got a slot, evicted keys)."""
         keys = check_keys(keys)
         check_batch(keys, sizes)
         sizes = [int(n) for n in sizes]
@@ -298,7 +363,7 @@ class DramStore:
             slots += more
         out_slots, gens = [0] * len(keys), [0] * len(keys)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        lease = Lease(0, deadline, {})
+        lease = Lease(0, deadline, {}, owner, charge)
         with self._lock:
             self._leased += len(more)
             for i, slot in zip(todo, slots):
@@ -306,30 +371,40 @@ class DramStore:
                 out_slots[i] = slot
                 lease.slots[slot] = (keys[i], sizes[i])
             if lease.slots:
-                lease.id = next(self._lease_ids)
-                self._leases[lease.id] = lease
-        notify(self.on_change, (), released, "DRAM")
-        return Reservation(lease.id, out_slots, gens, held)
+                lease.id = self._new_lease_id()
+                self._leases[lease.id] = lease  # the last step: from here on the lease ends the charge
+            reserved = [key for key, _ in lease.slots.values()]
+        return Reservation(lease.id, out_slots, gens, held), reserved, released
+
+    def _take_lease(self, lease_id: int, owner: object) -> Lease | None:
+        """Remove and return the live lease ``lease_id`` if ``owner`` owns it; otherwise change nothing."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.owner != owner:
+                return None
+            del self._leases[lease_id]
+            return lease
 
     def commit(
-        self, lease_id: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int]
+        self, lease_id: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int], *,
+        owner: object = None,
     ) -> list[bool]:
-        """End a lease: publish the named slots whose bytes match ``checksums``; free the rest.
+        """End ``owner``'s lease: publish the named slots whose bytes match ``checksums``; free the rest.
 
         Per key: True if stored now (or already held); False if the lease is
-        unknown or lapsed, the slot is not the lease's slot for that key, or
-        the bytes do not match the checksum.
+        unknown, lapsed or not ``owner``'s (then the lease is left as it was),
+        the slot is not the lease's slot for that key, or the bytes do not
+        match the checksum.
         """
         keys = check_keys(keys)
         check_batch(keys, slots)
         check_batch(keys, checksums)
-        with self._lock:
-            lease = self._leases.pop(lease_id, None)
+        lease = self._take_lease(lease_id, owner)
         result = [False] * len(keys)
         if lease is None:
             return result
         if lease.deadline is not None and time.monotonic() > lease.deadline:
-            self._free_lease(lease)
+            self._end_lease(lease)
             return result
         todo: list[tuple[int, int, int, int]] = []  # (index, slot, size, checksum)
         for i, (k, slot, checksum) in enumerate(zip(keys, slots, checksums)):
@@ -360,14 +435,15 @@ class DramStore:
             self._stats.bytes_in += sum(m.size for m in added)
         self._free_lease(lease)
         notify(self.on_change, added, (), "DRAM")
+        if lease.charge is not None:  # after the listeners counted the blocks as held: never undercharged
+            lease.charge.end()
         stored = {keys[i] for i, *_ in good}
         return [k in stored for k in keys]  # a key named twice shares the fate of its slot
 
-    def release(self, lease_id: int) -> int:
-        """Give a lease's slots back without publishing anything; returns how many."""
-        with self._lock:
-            lease = self._leases.pop(lease_id, None)
-        return 0 if lease is None else self._free_lease(lease)
+    def release(self, lease_id: int, *, owner: object = None) -> int:
+        """Give ``owner``'s lease's slots back without publishing anything; returns how many (0: not its lease)."""
+        lease = self._take_lease(lease_id, owner)
+        return 0 if lease is None else self._end_lease(lease)
 
     def expire(self, now: float | None = None) -> int:
         """Release every lease past its deadline (the node's reaper calls this); returns slots freed."""
@@ -375,7 +451,7 @@ class DramStore:
         with self._lock:
             lapsed = [lid for lid, lease in self._leases.items() if lease.deadline is not None and lease.deadline < now]
             leases = [self._leases.pop(lid) for lid in lapsed]
-        return sum(self._free_lease(lease) for lease in leases)
+        return sum(self._end_lease(lease) for lease in leases)
 
     def _free_lease(self, lease: Lease) -> int:
         """Return the slots still in ``lease`` (already out of ``_leases``) to the free list."""
@@ -384,6 +460,13 @@ class DramStore:
             self._free.extend(lease.slots)
             self._leased -= n
             lease.slots.clear()
+        return n
+
+    def _end_lease(self, lease: Lease) -> int:
+        """Free a lease that publishes nothing (already out of ``_leases``), then end its charge."""
+        n = self._free_lease(lease)
+        if lease.charge is not None:
+            lease.charge.end()
         return n
 
     @property
@@ -464,5 +547,9 @@ class DramStore:
         with self._lock:
             self._lru.clear()
             self._demoting.clear()
+            leases = list(self._leases.values())
             self._leases.clear()
+        for lease in leases:
+            if lease.charge is not None:
+                lease.charge.end()
         self.arena.close()

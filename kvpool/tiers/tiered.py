@@ -164,10 +164,11 @@ class TieredStore:
         return stored
 
     def commit(
-        self, lease: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int]
+        self, lease: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int], *,
+        owner: object = None,
     ) -> list[bool]:
-        """Publish a DRAM lease (:meth:`DramStore.commit`); with write-through, SSD gets the stored blocks too."""
-        stored = self.dram.commit(lease, keys, slots, checksums)
+        """Publish ``owner``'s DRAM lease (:meth:`DramStore.commit`); with write-through, SSD gets its blocks too."""
+        stored = self.dram.commit(lease, keys, slots, checksums, owner=owner)
         if self.write_through and any(stored):
             assert self.ssd is not None, "tiered: write-through without an SSD tier"
             picked = [(k, ref, int(c)) for k, ref, c, ok in zip(keys, self.dram.locate(keys), checksums, stored)
