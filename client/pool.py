@@ -14,7 +14,9 @@
 - Pool failures are counted misses, never exceptions on the engine's path
   (:mod:`kvpool.client.faults`); caller misuse is a ValueError.
 - ``put`` is write-behind (a bounded queue, :mod:`kvpool.client.writer`);
-  ``store`` writes now.
+  ``store`` writes now. A block no node takes (larger than every node's
+  DRAM slot and SSD limit) is not stored: counted as ``block_too_large``
+  and logged once, with the setting to change.
 - With ``token`` every call and connection carries it (gRPC metadata, the
   AUTH frame of fast calls and bulk); with ``tls_ca`` every transport is TLS,
   verified against that CA. A refused token or certificate is a pool fault
@@ -23,6 +25,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -51,6 +54,8 @@ from kvpool.tls import client_context
 from kvpool.v1 import master_pb2, master_pb2_grpc
 
 __all__ = ["PoolClient", "PoolFault"]
+
+log = logging.getLogger(__name__)
 
 _TIER_BYTES = frozenset(int(t) for t in Tier)
 _MASTER_SERVICE = master_pb2.DESCRIPTOR.services_by_name["Master"]
@@ -94,6 +99,7 @@ class PoolClient:
         names = ("shared_memory", "bulk", "grpc")
         self._moved = {op: [path_blocks.labels(name, op) for name in names] for op in ("get", "put")}
         self._writer = WriteBehindQueue(self._put_now, config.put_queue_bytes)
+        self._largest_refused = 0  # largest block size the pool refused so far (logged once per new maximum)
         self._metrics_server = MetricsServer(self.registry, config.metrics_port) if config.metrics_port > 0 else None
 
     # -- master calls ----------------------------------------------------------------
@@ -245,18 +251,24 @@ class PoolClient:
         except grpc.RpcError as exc:
             self.faults.count(error_kind(exc), len(uniq))
             return result
-        if not len(placed.present) == len(placed.node_indexes) == len(uniq) or \
-                any(n >= len(placed.nodes) for n in placed.node_indexes):
+        too_large = placed.too_large or bytes(len(uniq))  # empty: no block is
+        if not len(placed.present) == len(placed.node_indexes) == len(too_large) == len(uniq) or \
+                any(n >= len(placed.nodes) and not big for n, big in zip(placed.node_indexes, too_large)):
             self.faults.count("bad_reply", len(uniq))
             return result
         self.nodes.learn(placed.nodes)
         nodes = [NodeAddress(n.node_id, n.address, n.host_id, n.arena) for n in placed.nodes]
         by_node: dict[int, list[int]] = defaultdict(list)
+        refused: list[int] = []
         for j, i in enumerate(uniq):
             if placed.present[j]:
                 result[i] = True
+            elif too_large[j]:
+                refused.append(sizes[i])
             else:
                 by_node[placed.node_indexes[j]].append(i)
+        if refused:
+            self._too_large(refused)
         for node_index, idxs in by_node.items():
             deadline = time.monotonic() + self.config.io_timeout_s  # as in get_into
             for path, moved in zip(self.paths, self._moved["put"]):
@@ -268,6 +280,16 @@ class PoolClient:
                     self.faults.count("timeout", len(idxs))
                     break
         return [result[first[k]] for k in keys]
+
+    def _too_large(self, sizes: list[int]) -> None:
+        """Blocks no pool node takes: counted, and said once per size class so the user can fix the setting."""
+        self.faults.count("block_too_large", len(sizes))
+        largest = max(sizes)
+        if largest > self._largest_refused:
+            self._largest_refused = largest
+            log.warning("the pool refused blocks of %d bytes: no node takes blocks that large; set the nodes' "
+                        "slot_bytes (kvpool node --slot-bytes) to at least your block size, or give them an SSD "
+                        "tier (kvpool status shows what they take)", largest)
 
     # -- lifecycle ---------------------------------------------------------------------
 

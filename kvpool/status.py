@@ -130,6 +130,13 @@ def render_status(master: str, status: master_pb2.ClusterStatusResponse) -> str:
         f"hit rate since the master started ({status.lookups} lookups, {asked} blocks asked for):",
         "  " + _tier_line({t: n / asked for t, n in by_tier.items()} if asked else {}, hits / asked if asked else None),
     ]
+    if status.blocks_too_large:
+        lines += [
+            "",
+            (f"REFUSED {status.blocks_too_large} blocks of up to {human_bytes(status.largest_refused_bytes)}: no node "
+             f"takes blocks larger than {human_bytes(status.largest_block_bytes)}; set the nodes' --slot-bytes to at "
+             "least your block size (or give them an SSD tier)"),
+        ]
     return "\n".join(lines)
 
 

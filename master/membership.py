@@ -62,6 +62,7 @@ class NodeInfo:
     tiers: dict[Tier, TierStats]
     slot_bytes: int
     last_heartbeat: float  # time.monotonic()
+    max_block_bytes: int = 0  # largest block it stores at all (on SSD if larger than a slot); 0: slot_bytes
 
     def snapshot(self) -> NodeInfo:
         return dataclasses.replace(self, tiers={t: dataclasses.replace(s) for t, s in self.tiers.items()})
@@ -99,7 +100,8 @@ class Membership:
 
     # -- nodes --------------------------------------------------------------------------
 
-    def register(self, ref: NodeAddress, tiers: Iterable[TierStats], slot_bytes: int) -> NodeInfo:
+    def register(self, ref: NodeAddress, tiers: Iterable[TierStats], slot_bytes: int,
+                 max_block_bytes: int = 0) -> NodeInfo:
         """Add (or re-add) a node; its previous incarnation's index entries are dropped first.
 
         Returns a snapshot of the new entry (its ``incarnation`` goes back to the node).
@@ -116,6 +118,7 @@ class Membership:
                 tiers={s.tier: s for s in tiers},
                 slot_bytes=slot_bytes,
                 last_heartbeat=self._clock(),
+                max_block_bytes=max_block_bytes,
             )
             self._next_slot += 1
             self._index.open_node(info.slot)

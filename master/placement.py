@@ -14,9 +14,13 @@ Invariants:
   capacity, leans toward free room, and the 0.1 floor keeps full nodes (the
   steady state) taking their share while a restarted empty node gets at most
   ~11x a full node's share, not everything.
-- A node whose ``slot_bytes`` is smaller than a block is never chosen for it.
+- A node is never chosen for a block larger than its ``max_block_bytes``
+  (its DRAM slot, or its SSD for blocks larger than a slot). Among the nodes
+  that take a block, one whose DRAM slot fits it is preferred (SSD-only
+  blocks cost an LMDB write on the put's path).
 - No live node is :class:`NoPoolNodes` (the servicer answers UNAVAILABLE); a
-  block no live node can take is a ValueError (INVALID_ARGUMENT).
+  block no live node takes is ``TOO_LARGE`` in the result (the rest of the
+  batch is placed as usual).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 from kvpool.keys import KEY_BYTES, BlockKey
 
 FREE_FLOOR = 0.1
+TOO_LARGE = -1  # place()'s answer for a block no node takes
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -47,6 +52,11 @@ class Candidate:
     dram_capacity_bytes: int
     dram_used_bytes: int
     slot_bytes: int
+    max_block_bytes: int = 0  # largest block it stores at all (SSD); 0: slot_bytes
+
+    @property
+    def largest_block(self) -> int:
+        return max(self.slot_bytes, self.max_block_bytes)
 
     @property
     def weight(self) -> float:
@@ -68,10 +78,9 @@ def _node_salt(node_id: str) -> np.uint64:
 
 
 def place(keys: Sequence[BlockKey], sizes: Sequence[int], nodes: Sequence[Candidate]) -> list[int]:
-    """Per key, the index into ``nodes`` of the node that should store it.
+    """Per key, the index into ``nodes`` of the node that should store it, or ``TOO_LARGE``.
 
-    Raises :class:`NoPoolNodes` if ``nodes`` is empty and ValueError if a block
-    is larger than every node's ``slot_bytes``.
+    Raises :class:`NoPoolNodes` if ``nodes`` is empty.
     """
     if len(keys) != len(sizes):
         raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
@@ -86,11 +95,11 @@ def place(keys: Sequence[BlockKey], sizes: Sequence[int], nodes: Sequence[Candid
     u = ((h >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53  # strictly inside (0, 1)
     weights = np.array([n.weight for n in nodes], dtype=np.float64)
     scores = -weights[None, :] / np.log(u)
-    sizes_arr = np.asarray(sizes, dtype=np.uint64)
-    fits = sizes_arr[:, None] <= np.array([n.slot_bytes for n in nodes], dtype=np.uint64)[None, :]
-    if not fits.any(axis=1).all():
-        big = int(sizes_arr[~fits.any(axis=1)].max())
-        largest = max(n.slot_bytes for n in nodes)
-        raise ValueError(f"a block of {big} bytes is larger than any pool node takes (largest slot: {largest} bytes)")
-    scores[~fits] = -np.inf
-    return np.argmax(scores, axis=1).tolist()
+    sizes_arr = np.asarray(sizes, dtype=np.uint64)[:, None]
+    in_slot = sizes_arr <= np.array([n.slot_bytes for n in nodes], dtype=np.uint64)[None, :]
+    stored = sizes_arr <= np.array([n.largest_block for n in nodes], dtype=np.uint64)[None, :]
+    # A node whose slot fits the block beats every node that would keep it on SSD only; among those, the same
+    # rendezvous order, mapped below zero (ln(u) / weight < 0 rises with -weight / ln(u)).
+    scores = np.where(in_slot, scores, np.where(stored, np.log(u) / weights[None, :], -np.inf))
+    choice = np.argmax(scores, axis=1)
+    return np.where(stored.any(axis=1), choice, TOO_LARGE).tolist()

@@ -10,7 +10,11 @@ Invariants:
 - An unknown node id or stale incarnation in Heartbeat / ReportBlocks is not
   an error: the answer is ``known = false`` and the node registers again.
   UnregisterNode of an unknown node is a no-op.
-- No live node for PlaceBlocks is UNAVAILABLE ("no pool nodes").
+- No live node for PlaceBlocks is UNAVAILABLE ("no pool nodes"). A block no
+  live node takes (larger than every node's slot and SSD limit) is flagged
+  ``too_large`` in the reply, counted (``kvpool_errors_total{kind=
+  "block_too_large"}``, ``ClusterStatus.blocks_too_large``) and logged once
+  with the setting to change; the rest of the batch is placed.
 - A NodeRef string longer than ``MAX_REF_CHARS`` is INVALID_ARGUMENT: refs
   are echoed in every Lookup / PlaceBlocks / ClusterStatus reply.
 - Keys a client names (Lookup, Exists, PlaceBlocks, ReportHbm) are mapped to
@@ -39,7 +43,7 @@ from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 
 from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership, NodeAddress
-from kvpool.master.placement import Candidate, NoPoolNodes, place
+from kvpool.master.placement import TOO_LARGE, Candidate, NoPoolNodes, place
 from kvpool.master.stats import MasterMetrics
 
 _NODE_TIERS = (Tier.DRAM, Tier.SSD)
@@ -123,7 +127,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             raise ValueError(f"RegisterNode: node {ref.node_id!r} has no address")
         tiers = self._tier_stats(request.tiers)
         info = self._membership.register(
-            NodeAddress(ref.node_id, ref.address, ref.host_id, ref.arena, ref.data_address), tiers, request.slot_bytes
+            NodeAddress(ref.node_id, ref.address, ref.host_id, ref.arena, ref.data_address), tiers, request.slot_bytes,
+            request.max_block_bytes,
         )
         return master_pb2.RegisterNodeResponse(
             incarnation=info.incarnation,
@@ -221,6 +226,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 info.tiers[Tier.DRAM].capacity_bytes if Tier.DRAM in info.tiers else 0,
                 info.tiers[Tier.DRAM].used_bytes if Tier.DRAM in info.tiers else 0,
                 info.slot_bytes,
+                info.max_block_bytes,
             )
             for info in nodes
         ]
@@ -231,7 +237,15 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         present = self._index.exists(keys)
         used: dict[int, int] = {}  # candidate index -> index into response.nodes
         response = master_pb2.PlaceBlocksResponse(present=flag_bytes(present))
+        refused = [size for c, size, held in zip(choice, request.sizes, present) if c == TOO_LARGE and not held]
+        if refused:
+            largest = max(c.largest_block for c in candidates)
+            self._metrics.record_too_large(len(refused), max(refused), largest)
+            response.too_large = bytes(c == TOO_LARGE for c in choice)
         for c in choice:
+            if c == TOO_LARGE:
+                response.node_indexes.append(0)
+                continue
             if c not in used:
                 used[c] = len(used)
                 response.nodes.append(self._node_ref(nodes[c].ref))
@@ -279,4 +293,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         response.hit_blocks_hbm = min(totals.hit_blocks_hbm, _U64_MAX)
         response.hit_blocks_dram = min(totals.hit_blocks_dram, _U64_MAX)
         response.hit_blocks_ssd = min(totals.hit_blocks_ssd, _U64_MAX)
+        refused = self._metrics.too_large_totals()
+        response.blocks_too_large = min(refused.blocks, _U64_MAX)
+        response.largest_refused_bytes = refused.largest_refused
+        response.largest_block_bytes = max((max(i.slot_bytes, i.max_block_bytes) for i in
+                                            self._membership.live_nodes()), default=0)
         return response

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,11 +24,13 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.registry import Collector
 
-from kvpool.metrics import CLUSTER_TIER_PREFIX, LookupMetrics, TierCollector, latency_histogram
+from kvpool.metrics import CLUSTER_TIER_PREFIX, ErrorMetrics, LookupMetrics, TierCollector, latency_histogram
 from kvpool.tiers.base import TierStats
 
 from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,14 @@ class LookupTotals:
     hit_blocks_hbm: int = 0
     hit_blocks_dram: int = 0
     hit_blocks_ssd: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TooLargeTotals:
+    """Blocks PlaceBlocks refused because no live node takes their size, and the largest such size."""
+
+    blocks: int = 0
+    largest_refused: int = 0
 
 
 class _UsageGauges(Collector):
@@ -60,12 +71,15 @@ class _UsageGauges(Collector):
 class MasterMetrics:
     """Everything the master exports, registered on ``registry``."""
 
-    def __init__(self, registry: CollectorRegistry, index: BlockIndex, hbm: HbmIndex, membership: Membership):
+    def __init__(self, registry: CollectorRegistry, index: BlockIndex, hbm: HbmIndex, membership: Membership,
+                 errors: ErrorMetrics | None = None):
         self.registry = registry
+        self.errors = errors
         self._lookup = LookupMetrics(registry)
         self.lookup_seconds = latency_histogram(registry, "lookup", "Master-side latency of a Lookup call")
         self._lock = threading.Lock()
         self._totals = LookupTotals()
+        self._too_large = TooLargeTotals()
         Gauge("kvpool_nodes", "Live pool nodes", registry=registry).set_function(membership.node_count)
         Gauge("kvpool_index_blocks", "Distinct blocks in the master's index", registry=registry).set_function(
             lambda: len(index)
@@ -90,3 +104,20 @@ class MasterMetrics:
     def lookup_totals(self) -> LookupTotals:
         with self._lock:
             return self._totals
+
+    def record_too_large(self, blocks: int, largest_refused: int, largest_taken: int) -> None:
+        """Count blocks no live node takes; the first time (and for each new largest size) say what to change."""
+        with self._lock:
+            t = self._too_large
+            first = largest_refused > t.largest_refused
+            self._too_large = TooLargeTotals(t.blocks + blocks, max(t.largest_refused, largest_refused))
+        if self.errors is not None:
+            self.errors.count("block_too_large", blocks)
+        if first:
+            log.warning("refused blocks of up to %d bytes: no live node takes blocks larger than %d bytes; set the "
+                        "nodes' slot_bytes (kvpool node --slot-bytes) to at least your block size, or give them an "
+                        "SSD tier", largest_refused, largest_taken)
+
+    def too_large_totals(self) -> TooLargeTotals:
+        with self._lock:
+            return self._too_large

@@ -50,13 +50,15 @@ def dram_usage(capacity: int = GIB, used: int = 0, blocks: int = 0) -> common_pb
 
 
 def register(
-    stub: master_pb2_grpc.MasterStub, node_id: str, *, capacity: int = GIB, used: int = 0, slot_bytes: int = 1 << 20
+    stub: master_pb2_grpc.MasterStub, node_id: str, *, capacity: int = GIB, used: int = 0, slot_bytes: int = 1 << 20,
+    max_block_bytes: int = 0,
 ) -> int:
     reply = stub.RegisterNode(
         master_pb2.RegisterNodeRequest(
             node=common_pb2.NodeRef(node_id=node_id, address=f"{node_id}.test:7610", host_id=f"host-{node_id}", arena=f"arena-{node_id}"),
             tiers=[dram_usage(capacity, used), common_pb2.TierUsage(tier=SSD, capacity_bytes=4 * GIB)],
             slot_bytes=slot_bytes,
+            max_block_bytes=max_block_bytes,
         )
     )
     assert reply.incarnation > 0
@@ -325,10 +327,26 @@ def test_placement_favours_free_nodes_and_respects_slot_bytes(stub):
     assert chosen.count("small") == 0  # its slots are too small for 4 KiB blocks
     # weights 0.1 vs 1.1: the full node keeps a share (~1/12), the empty one takes most.
     assert 30 < chosen.count("full") < 200
-    with pytest.raises(grpc.RpcError) as err:
-        stub.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(k[:1]), sizes=[4 << 20]))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "larger than any pool node takes" in err.value.details()
+    # a block no node takes is flagged too_large (and counted); the rest of the batch is placed
+    reply = stub.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(k[:3]), sizes=[4096, 4 << 20, 4096]))
+    assert list(reply.too_large) == [0, 1, 0]
+    assert [reply.nodes[reply.node_indexes[i]].node_id for i in (0, 2)] == chosen[0:3:2]
+    status = stub.ClusterStatus(master_pb2.ClusterStatusRequest())
+    assert (status.blocks_too_large, status.largest_refused_bytes, status.largest_block_bytes) == (1, 4 << 20, 1 << 20)
+
+
+def test_placement_sends_blocks_larger_than_a_slot_to_a_node_with_ssd_and_prefers_dram(stub):
+    register(stub, "dram-only", slot_bytes=1 << 20)
+    register(stub, "with-ssd", slot_bytes=1 << 20, max_block_bytes=64 << 20)
+    k = make_keys(200, "ssd-only")
+
+    big = stub.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(k), sizes=[8 << 20] * len(k)))
+    small = stub.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(k), sizes=[4096] * len(k)))
+
+    assert not any(big.too_large) and {big.nodes[i].node_id for i in big.node_indexes} == {"with-ssd"}
+    assert {small.nodes[i].node_id for i in small.node_indexes} == {"dram-only", "with-ssd"}  # both take those
+    mixed = stub.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(k[:2]), sizes=[4096, 128 << 20]))
+    assert list(mixed.too_large) == [0, 1]
 
 
 def test_place_blocks_without_nodes_is_unavailable(stub):

@@ -32,7 +32,7 @@ from kvpool.keys import BlockKey, check_keys
 from kvpool.tiers.base import BlockMeta, Tier, TierStats, check_batch
 from kvpool.tiers.demotion import DemotionQueue
 from kvpool.tiers.dram import DramStore
-from kvpool.tiers.ssd import SsdStore
+from kvpool.tiers.ssd import HEADER_BYTES, SsdStore
 
 
 SCRATCH_POOL_BYTES = 64 << 20  # idle temporaries kept warm for promotions and SSD reads
@@ -76,6 +76,14 @@ class TieredStore:
     def fits_dram(self, nbytes: int) -> bool:
         """Whether a block of ``nbytes`` can live in DRAM (else it lives on SSD only)."""
         return nbytes <= self.dram.slot_bytes
+
+    def max_block_bytes(self) -> int:
+        """The largest block this node stores at all: a DRAM slot, or the largest value SSD takes."""
+        if self.ssd is None:
+            return self.dram.slot_bytes
+        ssd = self.ssd
+        largest = min(ssd.max_value_bytes, (ssd.capacity_bytes // ssd.page_size - 1) * ssd.page_size - HEADER_BYTES)
+        return max(self.dram.slot_bytes, largest)
 
     def where(self, keys: Sequence[BlockKey]) -> list[Tier | None]:
         """The fastest tier holding each key (no recency change)."""

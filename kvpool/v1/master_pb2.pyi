@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node", "tiers", "slot_bytes")
+    __slots__ = ("node", "tiers", "slot_bytes", "max_block_bytes")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     node: _common_pb2.NodeRef
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
     slot_bytes: int
-    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+    max_block_bytes: int
+    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., slot_bytes: _Optional[int] = ..., max_block_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("incarnation", "heartbeat_interval_s", "node_timeout_s")
@@ -132,14 +134,16 @@ class PlaceBlocksRequest(_message.Message):
     def __init__(self, keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PlaceBlocksResponse(_message.Message):
-    __slots__ = ("node_indexes", "present", "nodes")
+    __slots__ = ("node_indexes", "present", "nodes", "too_large")
     NODE_INDEXES_FIELD_NUMBER: _ClassVar[int]
     PRESENT_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    TOO_LARGE_FIELD_NUMBER: _ClassVar[int]
     node_indexes: _containers.RepeatedScalarFieldContainer[int]
     present: bytes
     nodes: _containers.RepeatedCompositeFieldContainer[_common_pb2.NodeRef]
-    def __init__(self, node_indexes: _Optional[_Iterable[int]] = ..., present: _Optional[bytes] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeRef, _Mapping]]] = ...) -> None: ...
+    too_large: bytes
+    def __init__(self, node_indexes: _Optional[_Iterable[int]] = ..., present: _Optional[bytes] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeRef, _Mapping]]] = ..., too_large: _Optional[bytes] = ...) -> None: ...
 
 class ReportHbmRequest(_message.Message):
     __slots__ = ("worker_id", "added_keys", "removed_keys", "full_sync", "capacity_bytes", "used_bytes", "hbm_only_lookups", "hbm_only_blocks", "block_tokens")
@@ -184,7 +188,7 @@ class NodeStatus(_message.Message):
     def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., seconds_since_heartbeat: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("nodes", "indexed_blocks", "workers", "hbm_blocks", "lookups", "requested_blocks", "hit_blocks_hbm", "hit_blocks_dram", "hit_blocks_ssd")
+    __slots__ = ("nodes", "indexed_blocks", "workers", "hbm_blocks", "lookups", "requested_blocks", "hit_blocks_hbm", "hit_blocks_dram", "hit_blocks_ssd", "blocks_too_large", "largest_refused_bytes", "largest_block_bytes")
     NODES_FIELD_NUMBER: _ClassVar[int]
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +198,9 @@ class ClusterStatusResponse(_message.Message):
     HIT_BLOCKS_HBM_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCKS_DRAM_FIELD_NUMBER: _ClassVar[int]
     HIT_BLOCKS_SSD_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TOO_LARGE_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_REFUSED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
     indexed_blocks: int
     workers: int
@@ -203,7 +210,10 @@ class ClusterStatusResponse(_message.Message):
     hit_blocks_hbm: int
     hit_blocks_dram: int
     hit_blocks_ssd: int
-    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., indexed_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., hbm_blocks: _Optional[int] = ..., lookups: _Optional[int] = ..., requested_blocks: _Optional[int] = ..., hit_blocks_hbm: _Optional[int] = ..., hit_blocks_dram: _Optional[int] = ..., hit_blocks_ssd: _Optional[int] = ...) -> None: ...
+    blocks_too_large: int
+    largest_refused_bytes: int
+    largest_block_bytes: int
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., indexed_blocks: _Optional[int] = ..., workers: _Optional[int] = ..., hbm_blocks: _Optional[int] = ..., lookups: _Optional[int] = ..., requested_blocks: _Optional[int] = ..., hit_blocks_hbm: _Optional[int] = ..., hit_blocks_dram: _Optional[int] = ..., hit_blocks_ssd: _Optional[int] = ..., blocks_too_large: _Optional[int] = ..., largest_refused_bytes: _Optional[int] = ..., largest_block_bytes: _Optional[int] = ...) -> None: ...
 
 class MasterInfoRequest(_message.Message):
     __slots__ = ()
