@@ -6,12 +6,16 @@
   traceback). Servicers just raise.
 - :func:`make_server` builds a server with the standard health service (and,
   configured, token checks and TLS); :func:`make_channel` the matching client channel.
+  A port it cannot listen on (taken, bad address) is a one-line ValueError
+  naming the address, and nothing of the server is left running.
 - Per-block flags and tiers travel as one byte per block (:func:`tier_bytes`).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
@@ -59,7 +63,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                 return inner(request, context)
             except ValueError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except Exception as exc:  # noqa: BLE001 - the one place that turns bugs into INTERNAL
+            except Exception as exc:  # the one place that turns bugs into INTERNAL
                 if context.code() is not None:  # the servicer aborted with a status of its own
                     raise
                 log.exception("%s failed", method)
@@ -68,6 +72,44 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(
             guarded, request_deserializer=None, response_serializer=handler.response_serializer
         )
+
+
+def _split_address(address: str) -> tuple[str, int] | None:
+    """(host, port) of ``host:port`` / ``[v6]:port``, or None if it is not that shape."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def port_taken(address: str) -> bool:
+    """Whether listening on ``address`` would fail because its port is in use (checked as gRPC binds).
+
+    gRPC binds every address ``host`` resolves to and succeeds if one binds,
+    with SO_REUSEADDR and (for IPv6) dual-stack sockets: taken means no
+    address binds and at least one failed with EADDRINUSE. Port 0 is never taken.
+    """
+    parts = _split_address(address)
+    if parts is None or parts[1] == 0:
+        return False
+    host, port = parts
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return False  # gRPC will say what is wrong with the name
+    in_use = False
+    for family, kind, proto, _, where in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            try:
+                sock.bind(where)
+            except OSError as exc:
+                in_use = in_use or exc.errno == errno.EADDRINUSE
+                continue
+        return False
+    return in_use
 
 
 def make_server(
@@ -81,6 +123,7 @@ def make_server(
     tls_cert: str = "",
     tls_key: str = "",
     max_concurrent_rpcs: int = 0,
+    name: str = "gRPC server",
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """A started-ready (not yet started) server on ``address`` with the health service.
 
@@ -91,12 +134,16 @@ def make_server(
     (:class:`kvpool.auth.AuthInterceptor`; refusals counted via ``on_refused``);
     with ``tls_cert``/``tls_key`` the port speaks TLS only; past
     ``max_concurrent_rpcs`` calls in flight (0: no limit) gRPC answers RESOURCE_EXHAUSTED.
+    A port in use, or an address gRPC cannot bind, is a ValueError ("``name``
+    cannot listen on ...", one line), checked before gRPC logs its own error.
     """
     interceptors: list[grpc.ServerInterceptor] = [ErrorInterceptor()]
     if authority is not None:
         interceptors.insert(0, AuthInterceptor(authority, on_refused))
     if max_concurrent_rpcs < 0:
         raise ValueError(f"max_concurrent_rpcs must be >= 0, got {max_concurrent_rpcs}")
+    if port_taken(address):
+        raise ValueError(f"{name} cannot listen on {address}: the port is already in use")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers),
         interceptors=interceptors,
@@ -105,13 +152,21 @@ def make_server(
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [add(server) for add in register]
-    if check_pair(tls_cert, tls_key, f"server on {address}"):
-        port = server.add_secure_port(address, server_credentials(tls_cert, tls_key))
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        names = [add(server) for add in register]
+        if check_pair(tls_cert, tls_key, f"server on {address}"):
+            port = server.add_secure_port(address, server_credentials(tls_cert, tls_key))
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # gRPC's "Failed to bind": taken since we looked, or an address it cannot bind
+        port = 0
+    except BaseException:
+        server.stop(None)
+        raise
     if port == 0:
-        raise ValueError(f"cannot listen on {address}")
+        server.stop(None)
+        taken = " (the port is in use)" if port_taken(address) else ""
+        raise ValueError(f"{name} cannot listen on {address}{taken}")
     for name in ["", *names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, port, health_servicer

@@ -5,6 +5,8 @@ Invariants:
 - Everything :meth:`MasterServer.start` starts, :meth:`MasterServer.stop`
   stops (gRPC server, fast-call listener, metrics HTTP endpoint, sweeper thread), and ``stop`` is
   idempotent; after it returns no thread of this server is running.
+- A port ``start`` cannot listen on (gRPC, fast calls, metrics: in use) is a
+  one-line ValueError naming it, raised after undoing whatever it had bound.
 - Each MasterServer has its own index, membership and Prometheus registry
   (never the global one), so a fresh instance is a restarted master: it knows
   no node and answers their heartbeats with ``known = false``.
@@ -31,15 +33,14 @@ from kvpool.config import MasterConfig
 from kvpool.framing import TcpListener
 from kvpool.keys import KEY_BYTES
 from kvpool.lifecycle import wait_for_shutdown
-from kvpool.metrics import ErrorMetrics, MetricsServer
-from kvpool.rpc import make_server
-from kvpool.tls import check_pair, server_context
-from kvpool.v1 import master_pb2, master_pb2_grpc
-
 from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
 from kvpool.master.servicer import MasterServicer
 from kvpool.master.stats import MasterMetrics
+from kvpool.metrics import ErrorMetrics, MetricsServer
+from kvpool.rpc import make_server
+from kvpool.tls import check_pair, server_context
+from kvpool.v1 import master_pb2, master_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class MasterServer:
         self.membership = Membership(
             self.index, self.hbm, node_timeout_s=config.node_timeout_s, worker_timeout_s=config.worker_timeout_s
         )
-        self.metrics = MasterMetrics(self.registry, self.index, self.hbm, self.membership)
+        self.metrics = MasterMetrics(self.registry, self.index, self.hbm, self.membership, self.errors)
         self.servicer = MasterServicer(config, self.index, self.hbm, self.membership, self.metrics)
         self.port: int = 0  # the bound gRPC port, once started
         self.metrics_port: int = 0  # the bound metrics port, once started (0: no endpoint)
@@ -104,16 +105,21 @@ class MasterServer:
                 return master_pb2.DESCRIPTOR.services_by_name["Master"].full_name
 
             self._server, self.port, self._health = make_server(
-                f"{self.config.host}:{self.config.port}", [add_master], max_message_bytes=max_message_bytes(self.config),
-                authority=self.authority, on_refused=self.errors.count, tls_cert=self.config.tls_cert,
-                tls_key=self.config.tls_key, max_concurrent_rpcs=self.config.max_concurrent_rpcs,
+                f"{self.config.host}:{self.config.port}", [add_master],
+                max_message_bytes=max_message_bytes(self.config), authority=self.authority,
+                on_refused=self.errors.count, tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
+                max_concurrent_rpcs=self.config.max_concurrent_rpcs, name="master gRPC server",
             )
             try:
                 self._calls = self._call_listener()
                 servicer.call_port = self._calls.port
                 if self.config.metrics_port != 0:
                     port = 0 if self.config.metrics_port == EPHEMERAL_METRICS_PORT else self.config.metrics_port
-                    self._metrics_server = MetricsServer(self.registry, port, host=self.config.host)
+                    try:
+                        self._metrics_server = MetricsServer(self.registry, port, host=self.config.host)
+                    except OSError as exc:
+                        raise ValueError(f"master metrics endpoint cannot listen on {self.config.host}:{port}: "
+                                         f"{exc.strerror}") from exc
                     self.metrics_port = self._metrics_server.port
                 self._server.start()
                 self._calls.start()
@@ -149,7 +155,7 @@ class MasterServer:
         while not self._stopping.wait(interval):
             try:
                 self.membership.expire()
-            except Exception:  # noqa: BLE001 - a sweeper bug must be loud but not kill liveness checks
+            except Exception:  # a sweeper bug must be loud but not kill liveness checks
                 log.exception("master sweeper failed")
 
     def stop(self, grace: float | None = 1.0) -> None:

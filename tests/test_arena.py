@@ -178,3 +178,50 @@ def test_attach_refuses_what_is_not_an_arena(arena_name):
         SharedArena.create("../etc/passwd", 1, 1)
     with pytest.raises(FileExistsError):
         SharedArena.create(arena_name, 1, 1)
+
+
+OWNER = """
+import sys
+from kvpool.tiers.arena import SharedArena
+arena = SharedArena.create(sys.argv[1], 4, 4096)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _owner(arena: str) -> subprocess.Popen:
+    child = _child(OWNER, arena)
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    return child
+
+
+@pytest.mark.parametrize("replace_stale", [False, True])
+def test_an_arena_a_live_process_holds_is_never_replaced(arena_name, replace_stale):
+    child = _owner(arena_name)
+    try:
+        inode = os.stat(shm_path(arena_name)).st_ino
+        with pytest.raises(ValueError) as refused:
+            SharedArena.create(arena_name, 2, 4096, replace_stale=replace_stale)
+        message = str(refused.value)
+        assert arena_name in message and f"pid {child.pid}" in message and "\n" not in message
+        assert os.stat(shm_path(arena_name)).st_ino == inode  # still the live owner's segment
+        SharedArena.attach(arena_name).close()
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+
+
+def test_a_killed_owners_arena_is_reclaimed_only_when_asked(arena_name):
+    child = _owner(arena_name)
+    child.kill()  # SIGKILL: the segment stays behind, nobody holds it
+    child.wait(timeout=30)
+    inode = os.stat(shm_path(arena_name)).st_ino
+    with pytest.raises(FileExistsError):
+        SharedArena.create(arena_name, 2, 4096)
+    arena = SharedArena.create(arena_name, 2, 4096, replace_stale=True)
+    try:
+        assert os.stat(shm_path(arena_name)).st_ino != inode
+        assert arena.owner_pid() == os.getpid()
+    finally:
+        arena.close()
+    assert not os.path.exists(shm_path(arena_name))

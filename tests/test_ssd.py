@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import collections
+import errno
+import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +20,7 @@ import pytest
 from kvpool.checksum import block_checksum
 from kvpool.keys import BlockKey, opaque_key
 from kvpool.tiers.base import Tier
-from kvpool.tiers.ssd import FORMAT_VERSION, HEADER_BYTES, MAGIC, SsdStore
+from kvpool.tiers.ssd import FORMAT_VERSION, HEADER_BYTES, MAGIC, SsdInUse, SsdStore
 
 MIB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
@@ -190,7 +193,7 @@ def test_capacity_is_never_exceeded_and_eviction_is_lru(tmp_path: Path) -> None:
             assert store.get_into([kept], [np.empty(MIB, dtype=np.uint8)]) == [True]
             model.move_to_end(kept)
     assert n == 40 and survived >= 3
-    for k, i in model.items():
+    for _k, i in model.items():
         out = read_back(store, i)
         assert out is not None and np.array_equal(out, block(i))
     store.close()
@@ -298,7 +301,7 @@ def test_unreadable_file_is_moved_aside(tmp_path: Path, caplog: pytest.LogCaptur
 
 def test_one_owner_per_directory(tmp_path: Path) -> None:
     store = SsdStore(tmp_path / "s", 16 * MIB)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(SsdInUse, match=f"in use by another process \\(pid {os.getpid()}\\)"):
         SsdStore(tmp_path / "s", 16 * MIB)
     store.close()
     store.close()  # idempotent
@@ -342,7 +345,7 @@ def test_concurrent_puts_and_gets_stay_consistent(tmp_path: Path) -> None:
                     if store.get_into([key(i)], [out]) == [True] and not np.array_equal(out, block(i, size)):
                         wrong.append(i)
                 assert store.stats().used_bytes <= store.capacity_bytes
-        except BaseException as exc:  # reported below
+        except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
@@ -406,3 +409,78 @@ def test_corrupt_deletion_is_reported_as_removed(tmp_path: Path) -> None:
         assert store.get_into([key(10)], [np.empty(MIB, dtype=np.uint8)]) == [False]
         assert calls == [([], [key(10)])]
         assert store.inventory() == []
+
+
+def test_another_process_holding_the_directory_is_named_by_pid(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+        with pytest.raises(SsdInUse) as refused:
+            SsdStore(path, 16 * MIB)
+        assert str(path) in str(refused.value) and f"pid {holder.pid}" in str(refused.value)
+        assert isinstance(refused.value, ValueError) and "\n" not in str(refused.value)
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    SsdStore(path, 16 * MIB).close()  # a killed holder's lock is gone with it
+
+
+HOLDER = """
+import sys
+from kvpool.tiers.ssd import SsdStore
+store = SsdStore(sys.argv[1], 16 << 20)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_capacity_beyond_the_free_disk_is_refused(tmp_path: Path) -> None:
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(OSError) as refused:
+        SsdStore(tmp_path / "s", 2 * free)
+    assert refused.value.errno == errno.ENOSPC and "free" in str(refused.value)
+    SsdStore(tmp_path / "s", 16 * MIB).close()  # and nothing was left holding the directory
+
+
+TRUNCATER = """
+import json, os, sys
+import numpy as np
+from kvpool.keys import opaque_key
+from kvpool.tiers.ssd import SsdStore
+
+path, cut = sys.argv[1], sys.argv[2]
+size = 256 << 10
+def key(i): return opaque_key(f"cut-{i}")
+def block(i): return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
+changes, errors = [], []
+store = SsdStore(path, 16 << 20, on_change=lambda a, r: changes.append([len(a), len(r)]), on_error=errors.append)
+assert store.put([key(i) for i in range(8)], [block(i) for i in range(8)]) == [True] * 8
+data = os.path.join(path, "data.mdb")
+os.truncate(data, os.path.getsize(data) // 2 if cut == "half" else 0)
+out = np.empty(size, np.uint8)
+hits = [store.get_into([key(i)], [out]) == [True] for i in range(8)]   # a SIGBUS used to end the process here
+after = dict(blocks=store.stats().blocks, contains=store.contains([key(i) for i in range(8)]))
+put = store.put([key(i) for i in range(8, 12)], [block(i) for i in range(8, 12)])
+fresh = [store.get_into([key(i)], [out]) == [True] and bool(np.array_equal(out, block(i))) for i in range(8, 12)]
+again = store.get_into([key(i) for i in range(8, 12)], [np.empty(size, np.uint8) for _ in range(4)])
+store.close()
+with SsdStore(path, 16 << 20) as reopened:
+    kept = reopened.keys() == [key(i) for i in range(8, 12)]
+print(json.dumps(dict(hits=hits, after=after, put=put, fresh=fresh, again=again, changes=changes, errors=errors,
+                      broken=os.path.exists(os.path.join(path, "data.mdb.broken")), kept=kept)))
+"""
+
+
+@pytest.mark.parametrize("cut", ["half", "zero"])
+def test_a_file_truncated_under_an_open_store_costs_misses_then_starts_empty(tmp_path: Path, cut: str) -> None:
+    done = subprocess.run([sys.executable, "-c", TRUNCATER, str(tmp_path / "s"), cut], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, f"exit code {done.returncode}: {done.stderr[-3000:]}"
+    r = json.loads(done.stdout)
+    assert r["hits"] == [False] * 8  # misses, never bytes of a damaged file
+    assert r["after"] == {"blocks": 0, "contains": [False] * 8}
+    assert r["changes"][0] == [8, 0] and sum(removed for _, removed in r["changes"][1:2]) == 8  # reported as removed
+    assert r["errors"] == ["ssd_file_broken"] and r["broken"]
+    assert r["put"] == [True] * 4 and r["fresh"] == [True] * 4 and r["again"] == [True] * 4  # the new file works
+    assert r["kept"]  # and is what the next open finds

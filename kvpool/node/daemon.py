@@ -18,9 +18,28 @@ included) check client tokens and map each client's keys to its tenant's
 (:mod:`kvpool.node.quota`). With ``tls_cert``/``tls_key`` both listeners
 speak TLS only. The arena is created with mode ``arena_mode`` (0600).
 
-An arena left in /dev/shm under our name is taken as stale (a node killed
-with SIGKILL never unlinks its arena): it is unlinked and recreated, with a
-warning. Nothing checks whether another live process maps it.
+Starting next to what is already there (every refusal is a one-line
+ValueError, which ``kvpool`` prints and exits 2 on, and leaves nothing behind:
+no arena in /dev/shm, no thread, no bound port):
+
+- The arena name belongs to one live node: the node holds a lock on its
+  segment for its lifetime (:mod:`kvpool.tiers.arena`, "Ownership"). A
+  segment under our name that a live process holds (another node on the same
+  port or with the same ``arena``) is never removed or reused: refused, naming
+  the arena and the holder's pid. One nobody holds (its node was killed with
+  SIGKILL) is stale: replaced, with a warning.
+- A port in use (gRPC, bulk, metrics) is refused naming the address; so is
+  an SSD directory another process holds (naming its pid, from ``kvpool.lock``).
+- An SSD tier that was asked for (``ssd_enabled``) but cannot be used (not a
+  directory, read-only or immutable, more ``ssd_bytes`` than the disk has
+  free) is refused, unless ``ssd_optional``: then the node serves DRAM only,
+  logged and counted (see :func:`open_ssd`).
+
+Once running, a ``data.mdb`` damaged under the node costs SSD misses, never
+the process (:mod:`kvpool.tiers.ssd`): every SSD transaction looks first, and
+so does the periodic SSD sync (``ssd_sync`` off, the default), so even an
+idle node notices within ``SSD_SYNC_INTERVAL_S`` and the master's index drops
+the lost blocks.
 """
 
 from __future__ import annotations
@@ -47,10 +66,10 @@ from kvpool.node.master_link import MasterLink
 from kvpool.node.quota import QuotaLedger
 from kvpool.node.servicer import NodeServicer
 from kvpool.rpc import local_host_id, make_server
-from kvpool.tiers.arena import shm_path
+from kvpool.tiers.arena import SharedArena
 from kvpool.tiers.base import Tier, TierStats
 from kvpool.tiers.dram import DramStore
-from kvpool.tiers.ssd import SsdStore
+from kvpool.tiers.ssd import SsdInUse, SsdStore
 from kvpool.tiers.tiered import TieredStore
 from kvpool.tls import check_pair, server_context
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
@@ -68,26 +87,50 @@ def arena_name_for(config: NodeConfig) -> str:
     return f"kvpool-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def _clear_stale_arena(name: str) -> None:
-    path = shm_path(name)
-    if os.path.exists(path):
-        log.warning("arena %s already exists (left by a node that did not stop cleanly?); replacing it", path)
-        os.unlink(path)
+def create_dram(config: NodeConfig, name: str, mode: int) -> DramStore:
+    """The DRAM tier over a new arena ``name``: refused (ValueError) if a live process holds that name.
+
+    A stale arena under the name (its node killed with SIGKILL) is replaced.
+    """
+    num_slots = config.resolved_dram_bytes() // config.slot_bytes
+    if num_slots < 1:
+        raise ValueError(f"DRAM capacity {config.resolved_dram_bytes()} B holds no {config.slot_bytes} B slot")
+    arena = SharedArena.create(name, num_slots, config.slot_bytes, mode, replace_stale=True)
+    try:
+        return DramStore(arena, high_watermark=config.high_watermark, low_watermark=config.low_watermark)
+    except BaseException:
+        arena.close()
+        raise
+
+
+def _why(exc: BaseException) -> str:
+    """One line saying what went wrong with a file or LMDB."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def open_ssd(config: NodeConfig, errors: ErrorMetrics) -> SsdStore | None:
-    """The SSD tier; None (the node serves DRAM only) if its directory cannot be used, logged and counted.
+    """The SSD tier; if its directory cannot be used, a refusal, or (``ssd_optional``) None: DRAM only.
 
-    A cache node with a dead disk still has its DRAM to offer, so an unusable
-    SSD directory (missing mount, read-only or immutable, not a directory) is
-    ``kvpool_errors_total{kind="ssd_unavailable"}`` and an error in the log,
-    not a node that cannot start. SSD faults after that are counted as
+    An SSD tier that was asked for and cannot be used (missing mount,
+    read-only or immutable, not a directory, ``ssd_bytes`` beyond the free
+    disk) is a ValueError saying why, unless ``ssd_optional``: a cache node
+    with a dead disk still has its DRAM to offer, so then it is
+    ``kvpool_errors_total{kind="ssd_unavailable"}`` and an error in the log.
+    A directory another node holds is always refused (that is a configuration
+    mistake, not a dead disk). SSD faults after that are counted as
     ``ssd_write`` / ``ssd_file_broken`` (see :mod:`kvpool.tiers.ssd`).
     """
     try:
         return SsdStore(config.ssd_dir, config.resolved_ssd_bytes(), sync=config.ssd_sync, on_error=errors.count)
+    except SsdInUse:
+        raise
     except (OSError, lmdb.Error) as exc:
-        log.error("node: the SSD tier at %s cannot be used (%s); serving DRAM only", config.ssd_dir, exc)
+        if not config.ssd_optional:
+            raise ValueError(f"the SSD directory {config.ssd_dir} cannot be used ({_why(exc)}); fix it, turn the "
+                             "SSD tier off (ssd_enabled) or let the node start without it (ssd_optional)") from exc
+        log.error("node: the SSD tier at %s cannot be used (%s); serving DRAM only", config.ssd_dir, _why(exc))
         errors.count("ssd_unavailable")
         return None
 
@@ -129,12 +172,10 @@ class PoolNode:
         self.quota: QuotaLedger | None = None
 
         arena = arena_name_for(config)
-        _clear_stale_arena(arena)
-        dram = DramStore.create(arena, config.resolved_dram_bytes(), config.slot_bytes, mode=arena_mode,
-                                high_watermark=config.high_watermark, low_watermark=config.low_watermark)
+        dram = create_dram(config, arena, arena_mode)  # refused if a live node holds the name
         ssd: SsdStore | None = None
         link: MasterLink | None = None
-        self.server = None
+        server: grpc.Server | None = None
         try:
             if config.ssd_enabled:
                 ssd = open_ssd(config, self.errors)
@@ -147,6 +188,7 @@ class PoolNode:
             if ssd is not None:
                 stores[Tier.SSD] = self.store.ssd_inventory()  # pending demotions included
             link = self.link = MasterLink(config.master, self.node_ref, stores, slot_bytes=config.slot_bytes,
+                                          max_block_bytes=self.store.max_block_bytes(),
                                           max_message_bytes=config.max_message_bytes, token=config.token,
                                           tls_ca=config.tls_ca)
             dram.on_change = link.listener(Tier.DRAM)
@@ -160,11 +202,12 @@ class PoolNode:
                 get_seconds=self.get_seconds, put_seconds=self.put_seconds, after_change=link.flush,
                 lease_timeout_s=config.lease_timeout_s, quota=self.quota,
             )
-            self.server, self.port, self.health = make_server(
+            server, self.port, self.health = make_server(
                 f"{config.host}:{config.port}", [self._add_servicer], max_message_bytes=config.max_message_bytes,
                 authority=self.authority, on_refused=self.errors.count, tls_cert=config.tls_cert,
-                tls_key=config.tls_key, max_concurrent_rpcs=config.max_concurrent_rpcs,
+                tls_key=config.tls_key, max_concurrent_rpcs=config.max_concurrent_rpcs, name="node gRPC server",
             )
+            self.server = server
             data_port = config.data_port
             if data_port < 0:  # the default: next to the gRPC port, or anywhere if that is taken
                 data_port = self.port + 2 if config.port else 0
@@ -178,8 +221,8 @@ class PoolNode:
                 authority=self.authority, quota=self.quota, max_request_bytes=config.max_message_bytes, tls=tls,
             )
         except BaseException:
-            if self.server is not None:
-                self.server.stop(None)
+            if server is not None:
+                server.stop(None)
             if link is not None:
                 link.stop(unregister=False)
             if getattr(self, "store", None) is not None:
@@ -196,7 +239,8 @@ class PoolNode:
         self.registry.register(TierCollector(self._tier_stats))
 
     def _quota_ledger(self, quotas: dict[str, int]) -> QuotaLedger:
-        """The tenants' quota ledger, fed by the stores' change events (after the master link's) and the SSD inventory."""
+        """The tenants' quota ledger, fed by the stores' change events (after the master link's) and the SSD
+        inventory."""
         assert self.authority is not None, "node: quotas without an auth file"
         store = self.store
         evictions = Counter("kvpool_quota_evictions", "Blocks removed to keep a tenant within its quota",
@@ -228,26 +272,35 @@ class PoolNode:
         """Where clients reach this node's bulk TCP listener (the advertised host, the bound port)."""
         return self.node_ref.data_address
 
-    def start(self) -> "PoolNode":
+    def start(self) -> PoolNode:
+        """Start serving. If that fails (a metrics port in use: ValueError) the node is stopped again, then raises."""
         if self._started:
             raise RuntimeError("pool node already started")
         self._started = True
-        self.server.start()
-        self.bulk.start()
-        port = self.config.metrics_port
-        if port != 0:
-            self._metrics = MetricsServer(self.registry, 0 if port < 0 else port, host=self.config.host)
-            self.metrics_port = self._metrics.port
-        self.link.start()
-        if self.store.ssd is not None and not self.config.ssd_sync:
-            self._sync_thread = threading.Thread(target=self._sync_loop, name="kvpool-ssd-sync", daemon=True)
-            self._sync_thread.start()
-        self._reaper = threading.Thread(target=self._reap_loop, name="kvpool-lease-reaper", daemon=True)
-        self._reaper.start()
-        # page faults on first touch are costly: map the whole arena now, off the data path
-        self._populate = threading.Thread(target=self.store.dram.arena.populate, args=(self._stop_sync,),
-                                          name="kvpool-arena-populate", daemon=True)
-        self._populate.start()
+        try:
+            port = self.config.metrics_port
+            if port != 0:  # first: the one port not bound yet, so a refusal leaves nothing started
+                try:
+                    self._metrics = MetricsServer(self.registry, 0 if port < 0 else port, host=self.config.host)
+                except OSError as exc:
+                    raise ValueError(f"node metrics endpoint cannot listen on {self.config.host}:{port}: "
+                                     f"{exc.strerror}") from exc
+                self.metrics_port = self._metrics.port
+            self.server.start()
+            self.bulk.start()
+            self.link.start()
+            if self.store.ssd is not None and not self.config.ssd_sync:
+                self._sync_thread = threading.Thread(target=self._sync_loop, name="kvpool-ssd-sync", daemon=True)
+                self._sync_thread.start()
+            self._reaper = threading.Thread(target=self._reap_loop, name="kvpool-lease-reaper", daemon=True)
+            self._reaper.start()
+            # page faults on first touch are costly: map the whole arena now, off the data path
+            self._populate = threading.Thread(target=self.store.dram.arena.populate, args=(self._stop_sync,),
+                                              name="kvpool-arena-populate", daemon=True)
+            self._populate.start()
+        except BaseException:
+            self.stop(None)
+            raise
         return self
 
     def _reap_loop(self) -> None:
@@ -256,7 +309,7 @@ class PoolNode:
         while not self._stop_sync.wait(interval):
             try:
                 freed = self.store.dram.expire()
-            except Exception:  # noqa: BLE001 - keep reaping; a bug here is logged
+            except Exception:  # keep reaping; a bug here is logged
                 log.exception("node: lease reaper failed")
                 continue
             if freed:
@@ -267,7 +320,7 @@ class PoolNode:
         while not self._stop_sync.wait(SSD_SYNC_INTERVAL_S):
             try:
                 self.store.ssd.sync_now()
-            except Exception:  # noqa: BLE001 - a failed fsync is logged; the cache keeps serving
+            except Exception:  # a failed fsync is logged; the cache keeps serving
                 log.exception("node: periodic SSD sync failed")
 
     def stop(self, grace: float | None = 1.0) -> None:
@@ -294,7 +347,7 @@ class PoolNode:
             self.store.ssd.sync_now()
         self.store.close()
 
-    def __enter__(self) -> "PoolNode":
+    def __enter__(self) -> PoolNode:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

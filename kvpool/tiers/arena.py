@@ -23,15 +23,36 @@ Generation protocol (a seqlock per slot):
 - A reader checks ``gen`` and ``key``, copies, verifies the checksum of what it
   copied and checks ``gen`` again: if the slot was reused under it, it sees a
   miss, never another block's bytes.
+
+Ownership of the name (one live owner per ``/dev/shm/<name>``):
+- The owner holds an exclusive ``flock`` on the segment itself for as long as
+  it lives; the kernel drops it when the process dies, SIGKILL included.
+  Readers never lock, so they are not affected.
+- :meth:`SharedArena.create` makes the file with ``O_EXCL``, locks it and
+  then checks that the name still leads to it: an owner is a process that
+  holds the lock of the file under the name, so of two owners starting at
+  once exactly one gets it (the other sees a held lock and refuses).
+- A segment already under the name is never touched while a live process
+  holds its lock: ``create`` refuses (ValueError naming the holder's pid). One
+  nobody holds is stale (its owner died): ``create(replace_stale=True)`` takes
+  its lock, checks it is still the one under the name, unlinks it and makes a
+  new one; without ``replace_stale`` it is a FileExistsError. Only a holder of
+  a segment's lock ever unlinks it.
+- The owner's pid is in the header (after the fields above), so a refusal
+  can name it; :func:`flock_holder` asks ``/proc/locks`` first.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import logging
 import mmap
 import os
 import re
 import struct
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,11 +61,14 @@ from kvpool.buffers import BufferLike, as_array
 from kvpool.checksum import copy_with_checksum
 from kvpool.keys import KEY_BYTES, BlockKey
 
+log = logging.getLogger(__name__)
+
 SHM_DIR = "/dev/shm"
 _MAGIC = b"KVPARENA"
 _VERSION = 1
 _HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sIIQQQQ")  # magic, version, pad, slot_bytes, num_slots, table_off, data_off
+_OWNER = struct.Struct("<Q")  # the owner's pid, right after _HEADER (readers of version 1 ignore it)
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
@@ -65,6 +89,112 @@ def shm_path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
+def flock_holder(fd: int) -> int | None:
+    """The pid holding a ``flock`` on the file open as ``fd`` (from /proc/locks), or None if it cannot be told."""
+    st = os.fstat(fd)
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if "FLOCK" not in parts:
+            continue
+        at = parts.index("FLOCK")
+        if parts[at - 1] == "->" or len(parts) < at + 5:  # a waiter, not the holder
+            continue
+        try:
+            major, minor, inode = parts[at + 4].split(":")
+            if (int(inode), int(major, 16), int(minor, 16)) == (st.st_ino, os.major(st.st_dev), os.minor(st.st_dev)):
+                pid = int(parts[at + 3])
+                return pid or None  # 0: a process outside our pid namespace
+        except ValueError:
+            continue
+    return None
+
+
+def _header_pid(fd: int) -> int | None:
+    """The owner pid a segment's header records (None if it has none)."""
+    try:
+        raw = os.pread(fd, _HEADER_BYTES, 0)
+    except OSError:
+        return None
+    if len(raw) < _HEADER.size + _OWNER.size or raw[:8] != _MAGIC:
+        return None
+    return _OWNER.unpack_from(raw, _HEADER.size)[0] or None
+
+
+def _in_use(name: str, path: str, fd: int) -> ValueError:
+    pid = flock_holder(fd) or _header_pid(fd)
+    who = f"pid {pid}" if pid else "pid unknown"
+    return ValueError(f"arena {name!r} ({path}) is held by a live process ({who}): another node runs with this "
+                      "arena name (the default comes from the port); stop it or choose another arena")
+
+
+_TAKE_TRIES = 16
+_NEW_LOCK_WAIT_S = 2.0  # our brand-new segment is locked by another only while it looks at it (microseconds)
+
+
+def _take_name(name: str, path: str, replace_stale: bool) -> int:
+    """An fd of a new, empty segment under ``path`` that we hold the lock of; see "Ownership" above."""
+    for _ in range(_TAKE_TRIES):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            fd = -1
+        except OSError as exc:
+            raise ValueError(f"cannot create arena {name!r} at {path}: {exc.strerror}") from exc
+        if fd >= 0:
+            # Until we hold its lock, a process looking at the name may take our new file for a stale one.
+            deadline = time.monotonic() + _NEW_LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        os.close(fd)
+                        raise ValueError(f"arena {name!r} ({path}): another process keeps it locked") from None
+                    time.sleep(0.001)
+            if _is_at(fd, path):
+                return fd
+            os.close(fd)  # unlinked under us before we held it: someone else is taking the name; look again
+            continue
+        try:
+            old = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            continue  # gone meanwhile: try to create it again
+        except OSError as exc:
+            raise ValueError(f"arena {name!r}: cannot open the existing {path} ({exc.strerror})") from exc
+        try:
+            try:
+                fcntl.flock(old, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _in_use(name, path, old) from None
+            if not _is_at(old, path):
+                continue  # replaced meanwhile: look at the new one
+            if not replace_stale:
+                raise FileExistsError(errno.EEXIST, f"arena {name!r} exists (stale: no live process holds it)", path)
+            pid = _header_pid(old)
+            log.warning("arena %s already exists but is stale (its owner%s is gone without removing it); "
+                        "replacing it", path, f", pid {pid}," if pid else "")
+            os.unlink(path)  # we hold its lock: no live owner uses the name
+        finally:
+            os.close(old)
+    raise ValueError(f"arena {name!r}: {path} keeps being replaced by other processes; not starting")
+
+
+def _is_at(fd: int, path: str) -> bool:
+    """Whether ``path`` names the file open as ``fd``."""
+    st = os.fstat(fd)
+    try:
+        now = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+
 @dataclass(frozen=True, slots=True)
 class SlotRef:
     """Where one committed block lives in an arena: valid while the slot's gen is unchanged."""
@@ -77,12 +207,14 @@ class SlotRef:
 class SharedArena:
     """One mapped arena segment. Create with :meth:`create` (owner) or :meth:`attach` (anyone)."""
 
-    def __init__(self, name: str, mm: mmap.mmap, slot_bytes: int, num_slots: int, table_off: int, data_off: int, owner: bool):
+    def __init__(self, name: str, mm: mmap.mmap, slot_bytes: int, num_slots: int, table_off: int, data_off: int,
+                 owner: bool, lock_fd: int | None = None):
         self.name = name
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.owner = owner
         self.file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the segment, for attached mappings
+        self._lock_fd = lock_fd  # the owner's open, flock-ed segment (see "Ownership"); closed last
         self._mm = mm
         buf = np.frombuffer(mm, dtype=np.uint8)
         self.table = buf[table_off : table_off + num_slots * SLOT_DTYPE.itemsize].view(SLOT_DTYPE)
@@ -92,11 +224,16 @@ class SharedArena:
     # -- lifecycle -------------------------------------------------------------
 
     @classmethod
-    def create(cls, name: str, num_slots: int, slot_bytes: int, mode: int = 0o600) -> "SharedArena":
+    def create(cls, name: str, num_slots: int, slot_bytes: int, mode: int = 0o600, *,
+               replace_stale: bool = False) -> SharedArena:
         """Create and map a new arena; its memory is reserved up front (ENOSPC now, not SIGBUS later).
 
         The segment gets exactly ``mode`` (owner read-write, optionally the
-        group's too; never other users: ValueError).
+        group's too; never other users: ValueError). A segment already under
+        ``name`` that a live process holds is a ValueError naming its pid; one
+        nobody holds (its owner died) is replaced with ``replace_stale``, else
+        a FileExistsError (see "Ownership" in the module docstring). A failure
+        after the name was taken (no room in /dev/shm) removes the new segment.
         """
         if num_slots < 1 or slot_bytes < 1:
             raise ValueError(f"arena needs num_slots >= 1 and slot_bytes >= 1, got {num_slots}, {slot_bytes}")
@@ -106,7 +243,8 @@ class SharedArena:
         table_off = _HEADER_BYTES
         data_off = _round_up(table_off + num_slots * SLOT_DTYPE.itemsize, mmap.PAGESIZE)
         total = data_off + num_slots * slot_bytes
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = _take_name(name, path, replace_stale)
+        mm: mmap.mmap | None = None
         try:
             os.fchmod(fd, mode)  # exactly this, not what the umask leaves of it
             try:
@@ -114,18 +252,21 @@ class SharedArena:
             except OSError as exc:
                 raise ValueError(f"cannot reserve {total} bytes of shared memory for arena {name!r}: {exc}") from exc
             mm = mmap.mmap(fd, total)
+            _HEADER.pack_into(mm, 0, _MAGIC, _VERSION, 0, slot_bytes, num_slots, table_off, data_off)
+            _OWNER.pack_into(mm, _HEADER.size, os.getpid())
+            gens = np.frombuffer(mm, dtype=SLOT_DTYPE, count=num_slots, offset=table_off)
+            gens["gen"] = 1  # every slot starts free (odd)
+            del gens
         except BaseException:
+            if mm is not None:
+                mm.close()
+            os.unlink(path)  # ours: we hold its lock
             os.close(fd)
-            os.unlink(path)
             raise
-        os.close(fd)
-        _HEADER.pack_into(mm, 0, _MAGIC, _VERSION, 0, slot_bytes, num_slots, table_off, data_off)
-        arena = cls(name, mm, slot_bytes, num_slots, table_off, data_off, owner=True)
-        arena.table["gen"] = 1  # every slot starts free (odd)
-        return arena
+        return cls(name, mm, slot_bytes, num_slots, table_off, data_off, owner=True, lock_fd=fd)
 
     @classmethod
-    def attach(cls, name: str) -> "SharedArena":
+    def attach(cls, name: str) -> SharedArena:
         """Map an existing arena created by another process (read/write, never owner)."""
         path = shm_path(name)
         fd = os.open(path, os.O_RDWR)
@@ -147,6 +288,12 @@ class SharedArena:
         arena = cls(name, mm, slot_bytes, num_slots, table_off, data_off, owner=False)
         arena.file_id = (st.st_dev, st.st_ino)
         return arena
+
+    def owner_pid(self) -> int | None:
+        """The pid of the process that created this segment, as its header records it."""
+        if len(self._mm) < _HEADER.size + _OWNER.size:
+            return None
+        return _OWNER.unpack_from(self._mm, _HEADER.size)[0] or None
 
     def is_current(self) -> bool:
         """Whether ``/dev/shm/<name>`` is still the segment this mapping holds (a restarted node makes a new one)."""
@@ -180,17 +327,25 @@ class SharedArena:
         return True
 
     def close(self) -> None:
-        """Unmap; the owner also removes the segment. Views handed out must be dropped first."""
+        """Unmap; the owner also removes the segment (if it is still its own) and releases the name.
+
+        Views handed out must be dropped first. Idempotent.
+        """
         self.table = self.gens = self.data = None  # type: ignore[assignment]
         try:
             self._mm.close()
         except BufferError:
             pass  # a caller still holds a view; the mapping goes when it does
-        if self.owner:
+        if self._lock_fd is not None:
+            path = shm_path(self.name)
             try:
-                os.unlink(shm_path(self.name))
+                st, now = os.fstat(self._lock_fd), os.stat(path, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):  # still ours under the name
+                    os.unlink(path)
             except FileNotFoundError:
                 pass
+            os.close(self._lock_fd)  # only now: while we hold the lock nobody else removes or reuses the name
+            self._lock_fd = None
 
     # -- reading (any process) ---------------------------------------------------
 

@@ -12,18 +12,22 @@ How each fault is made for real, as root and without mount privileges:
   or open-for-write anything in it; skipped where the filesystem or the
   capabilities do not allow it), or the path is a regular file (a lost mount).
 - damaged file: bytes flipped inside stored blocks, the file truncated to half,
-  or its first pages (LMDB's meta pages) overwritten, between two node runs.
+  or its first pages (LMDB's meta pages) overwritten, between two node runs;
+  or ``data.mdb`` truncated (to half, to 0) under a running node.
+
+An SSD tier that cannot be used at start is a refusal (exit code 2, one line)
+unless the node is told the tier is optional (:data:`SSD_OPTIONAL`): then it
+serves DRAM only, counted as ``ssd_unavailable``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 
 import numpy as np
 import pytest
-from support import stop_process, wait_until
-
 from fault.faultkit import (
     KIB,
     MIB,
@@ -38,10 +42,17 @@ from fault.faultkit import (
     start_node,
     wait_demoted,
 )
+from support import stop_process, wait_until
+from test_lifecycle import assert_refused, run_cli
+
 from kvpool.client.pool import PoolClient
+from kvpool.tiers.arena import shm_path
 
 BLOCK = 64 * KIB
 DRAM_SLOTS = 4
+# The node flags that make an unusable SSD tier "DRAM only" instead of a refusal: the one place that
+# spells the flag (NodeConfig.ssd_optional; support.PoolProcesses turns "true" into the --ssd-optional switch).
+SSD_OPTIONAL = {"ssd-optional": "true"}
 
 
 def small_node(procs, **flags: str) -> None:
@@ -119,8 +130,23 @@ def make_immutable(path) -> None:
     pytest.skip("an immutable directory is still writable here")
 
 
-@pytest.mark.parametrize("how", ["immutable", "not-a-directory"])
-def test_an_unusable_ssd_directory_leaves_the_node_serving_dram(procs, client_config, how):
+def make_unusable(procs, ssd_dir, how: str) -> dict[str, str]:
+    """Make the SSD directory unusable in way ``how``; returns the node flags that go with it."""
+    if how == "immutable":
+        make_immutable(ssd_dir)
+    elif how == "not-a-directory":
+        ssd_dir.rename(procs.tmp / "ssd-n0.moved")
+        ssd_dir.write_text("not a directory")
+    else:  # more than the disk has free (LMDB's file is sparse: nothing would fail until the disk filled up)
+        return {"ssd-bytes": str(2 * shutil.disk_usage(ssd_dir.parent).free)}
+    return {}
+
+
+UNUSABLE = ["immutable", "not-a-directory", "too-large"]
+
+
+@pytest.mark.parametrize("how", UNUSABLE)
+def test_an_unusable_ssd_directory_leaves_the_node_serving_dram_when_the_ssd_is_optional(procs, client_config, how):
     small_node(procs, **{"ssd-bytes": "16M", "write-through": "true"})
     start_master(procs, **master_flags())
     node = start_node(procs, "n0")
@@ -131,12 +157,8 @@ def test_an_unusable_ssd_directory_leaves_the_node_serving_dram(procs, client_co
     assert stop_process(node) == 0
     ssd_dir = procs.tmp / "ssd-n0"
     try:
-        if how == "immutable":
-            make_immutable(ssd_dir)
-        else:
-            ssd_dir.rename(procs.tmp / "ssd-n0.moved")
-            ssd_dir.write_text("not a directory")
-        start_node(procs, "n0")
+        flags = make_unusable(procs, ssd_dir, how)
+        start_node(procs, "n0", **flags, **SSD_OPTIONAL)
         procs.wait_nodes(1)
         assert node_metric(procs, "n0", "kvpool_errors_total", kind="ssd_unavailable") == 1
         assert node_metric(procs, "n0", "kvpool_tier_capacity_bytes", node="n0", tier="ssd") == 0  # no SSD tier
@@ -145,6 +167,23 @@ def test_an_unusable_ssd_directory_leaves_the_node_serving_dram(procs, client_co
         with PoolClient(client_config()) as pool:
             assert read_each(pool, old) == (0, 0)
             still_serves_dram(procs, pool, f"ssd-dir-{how}-after")
+    finally:
+        if how == "immutable":
+            subprocess.run(["chattr", "-R", "-i", str(ssd_dir)], check=False)
+
+
+@pytest.mark.parametrize("how", UNUSABLE)
+def test_an_unusable_ssd_directory_is_a_refusal_unless_optional(procs, how):
+    small_node(procs, **{"ssd-bytes": "16M"})
+    ssd_dir = procs.tmp / "ssd-n0"
+    ssd_dir.mkdir()
+    (ssd_dir / "kept").write_text("x")
+    try:
+        flags = {**procs._node_flags("n0"), "master": procs.master, **make_unusable(procs, ssd_dir, how)}
+        code, err = run_cli(procs, "node", flags, serving=procs.node_address("n0"))
+        line = assert_refused(code, err, "node", str(ssd_dir))
+        assert "ssd_optional" in line  # it says how to start anyway
+        assert not os.path.exists(shm_path(flags["arena"]))
     finally:
         if how == "immutable":
             subprocess.run(["chattr", "-R", "-i", str(ssd_dir)], check=False)
@@ -200,3 +239,47 @@ def test_a_damaged_lmdb_file_never_yields_wrong_bytes(procs, client_config, dama
             assert read_each(remote, keys) == (0, 0)
         still_serves_dram(procs, local, f"ssd-damaged-{damage}-after")
     print(f"\nFIGURES ssd-damaged ({damage}): node up, {len(keys)} blocks checked, 0 wrong bytes")
+
+
+def store_in_fours(pool: PoolClient, keys) -> None:
+    for i in range(0, len(keys), 4):
+        batch = keys[i : i + 4]
+        assert pool.store(batch, [content(k, BLOCK) for k in batch]) == [True] * 4
+
+
+def cut_under_the_node(procs, node, remote: PoolClient, local: PoolClient, cut: str, times: int) -> None:
+    """Store 12 blocks (most end up on SSD only), cut data.mdb, then read, write and read again."""
+    data_file = procs.tmp / "ssd-n0" / "data.mdb"
+    keys = keys_of(f"ssd-cut-{cut}", 12)  # 12 blocks through 4 DRAM slots
+    store_in_fours(remote, keys)
+    wait_demoted(procs, "n0")
+    assert node_metric(procs, "n0", "kvpool_tier_blocks", node="n0", tier="ssd") >= len(keys)
+    os.truncate(data_file, data_file.stat().st_size // 2 if cut == "half" else 0)
+
+    hits, wrong = read_each(remote, keys)  # this used to kill the node with SIGBUS
+    assert node.poll() is None, f"the node died (exit code {node.returncode})"
+    assert wrong == 0
+    assert hits < len(keys)  # the SSD-only blocks are gone: misses
+    assert node_metric(procs, "n0", "kvpool_errors_total", kind="ssd_file_broken") == times
+    assert (procs.tmp / "ssd-n0" / "data.mdb.broken").exists()
+    wait_until(lambda: index_matches_node(procs, keys))  # the lost blocks left the master's index
+    assert read_each(local, keys) == (hits, 0)
+
+    still_serves_dram(procs, local, f"ssd-cut-{cut}-dram")
+    fresh = keys_of(f"ssd-cut-{cut}-fresh", 12)  # the new SSD file takes writes: these end up on SSD only
+    store_in_fours(remote, fresh)
+    wait_demoted(procs, "n0")
+    assert read_each(remote, fresh) == (len(fresh), 0)
+
+
+def test_a_running_nodes_truncated_lmdb_file_costs_misses_not_the_process(procs, client_config):
+    """``data.mdb`` cut short under a live node (to half, then to nothing): misses, a fresh SSD, no SIGBUS."""
+    small_node(procs, **{"ssd-bytes": "16M", "write-through": "true"})
+    start_master(procs, **master_flags())
+    node = start_node(procs, "n0")
+    procs.wait_nodes(1)
+    with PoolClient(client_config(shared_memory=False)) as remote, PoolClient(client_config()) as local:
+        cut_under_the_node(procs, node, remote, local, "half", times=1)
+        cut_under_the_node(procs, node, remote, local, "zero", times=2)
+    assert node.poll() is None
+    print("\nFIGURES ssd-truncated-live: node up after data.mdb was cut to half and to 0, 0 wrong bytes")
