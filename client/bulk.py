@@ -9,8 +9,10 @@
 - PUT sends the caller's buffers as they are (gathered ``sendmsg``).
 - :class:`BulkUnavailable`: no connection could be made (the caller falls
   back to gRPC). :class:`BulkFailed`: an exchange broke or the node replied
-  with an error; the connection is dropped. A pooled connection the node had
-  closed meanwhile is retried once on a fresh one, before any reply byte.
+  with an error (a full listener's refusal included); the connection is
+  dropped and the caller hands the blocks to the next path. A pooled
+  connection the node had closed meanwhile (e.g. to make room) is retried
+  once on a fresh one, before any reply byte.
 - With a token, each new connection first sends AUTH (bulk op 3); a refusal
   is a :class:`BulkFailed` of kind ``unauthenticated``. With a TLS context,
   connections are TLS, checked against the host dialed.
@@ -25,7 +27,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvpool.checksum import block_checksum
-from kvpool.keys import BlockKey
 from kvpool.framing import (
     ConnectFailed,
     ConnectionPool,
@@ -36,6 +37,7 @@ from kvpool.framing import (
     send_buffers,
     set_io_timeout,
 )
+from kvpool.keys import BlockKey
 from kvpool.node.bulk import OP_AUTH, OP_GET, OP_PUT, ProtocolError, read_reply_header, request_header
 
 # Per-block outcome of a GET.
@@ -62,7 +64,10 @@ class BulkFailed(RuntimeError):
 
 
 def auth_hello(token: str) -> Callable[[socket.socket], None]:
-    """A :class:`~kvpool.framing.ConnectionPool` ``hello``: bulk AUTH; ProtocolError with the node's message if refused."""
+    """A :class:`~kvpool.framing.ConnectionPool` ``hello``: bulk AUTH.
+
+    Raises ProtocolError with the node's message if refused (an unknown token, or a full listener).
+    """
     body = token.encode()
 
     def hello(sock: socket.socket) -> None:

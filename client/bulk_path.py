@@ -2,8 +2,15 @@
 
 Reads land straight in the caller's buffers and writes go straight from
 them. If the listener cannot be reached the blocks are handed to the next
-path (gRPC) and the listener is skipped for a while; an exchange that broke
-hands its blocks on too, counted as ``bulk_fallback``.
+path (gRPC) and the listener is skipped for a while; an exchange that broke,
+or that a full listener refused, hands its blocks on too, counted as
+``bulk_fallback``.
+
+A GET asks for at most ``GET_CHUNK_BYTES`` of blocks (and ``MAX_KEYS`` keys)
+at a time, well under what a node serves in one GET
+(:data:`kvpool.node.bulk.MAX_GET_BYTES`, more if its ``max_request_bytes``
+is larger; a larger block goes alone). A PUT sends at most
+``LEASE_CHUNK_BYTES``.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ from kvpool.client.lookup import BlockLocation, NodeAddress
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
 from kvpool.keys import BlockKey
+from kvpool.node.bulk import MAX_GET_BYTES
 from kvpool.tls import client_context
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+GET_CHUNK_BYTES = 64 << 20  # bytes of blocks one bulk GET asks for (a node serves up to MAX_GET_BYTES)
+assert GET_CHUNK_BYTES <= MAX_GET_BYTES // 2, "bulk path: a GET must stay under the node's limit, with room"
 
 
 class BulkPath:
@@ -54,13 +64,16 @@ class BulkPath:
         data_address = self.nodes.data_address(node.address)
         if data_address is None:
             return idxs
-        for start in range(0, len(idxs), MAX_KEYS):
-            run = idxs[start : start + MAX_KEYS]
+        done = 0
+        sizes = [locations[i].size for i in idxs]
+        for positions in chunks(range(len(idxs)), sizes, GET_CHUNK_BYTES, MAX_KEYS):
+            run = [idxs[p] for p in positions]
             status = self._call(node, len(run), self.bulk.get_into, data_address,
                                 [locations[i].key for i in run], [dsts[i] for i in run],
                                 [locations[i].checksum for i in run])
             if status is None:
-                return idxs[start:]
+                return idxs[done:]
+            done += len(run)
             for i, st in zip(run, status):
                 if st == OK:
                     ok[i] = True

@@ -2,14 +2,25 @@
 
 - :func:`send_buffers` / :func:`recv_buffers`: gathered writes and scattered
   reads of many buffers in few system calls, never a joining copy.
-- :class:`TcpListener`: a listening socket with one thread per connection,
-  at most ``max_connections`` at once, and a ``stop`` that cuts every
-  connection and waits for its thread.
+- :class:`TcpListener`: a listening socket with one thread per connection
+  (a :class:`Connection`: its request cycle and deadlines), at most
+  ``max_connections`` at once, and a ``stop`` that cuts every connection and
+  waits for its thread. Limits, so that connections which hold on cannot
+  lock clients out or hold resources: a first header (with auth: AUTH) within
+  ``FIRST_FRAME_S`` of the accept; each request read, served and answered
+  within ``REQUEST_DEADLINE_S`` of its first byte (a watchdog cuts it, and a
+  request's resources end with it); a full listener closes its readiest
+  connection (silent, then idle longest, then stalled mid-read; never one
+  being served) for a newcomer, and refuses only when all are busy.
+- :func:`recv_incremental`: announced lengths are allocated as their bytes
+  arrive, never up front.
 - :class:`ConnectionPool`: the client side: idle connections kept per
   address; one exchange at a time per connection; a pooled connection the
   server closed meanwhile is retried once on a fresh one, before any reply
   byte arrived (never after: the request may have been applied), and never
   after a timeout (a stalled peer must not cost the caller its deadline twice).
+  A listener's refusal is :class:`Refused` (a :class:`ConnectFailed`): the
+  request was not read, and may go another way (gRPC).
 - TLS (optional): a listener with a server :class:`ssl.SSLContext` wraps each
   connection in its own thread; a pool with a client context wraps each new
   connection, checking the certificate against the host it dialed. TLS
@@ -33,7 +44,17 @@ log = logging.getLogger(__name__)
 
 IOV_MAX = 1024  # buffers per sendmsg / recvmsg_into call (Linux's UIO_MAXIOV)
 IDLE_TIMEOUT_S = 300.0  # a server closes a connection with no request this long
-IO_TIMEOUT_S = 30.0  # a server drops a request stalled this long mid-frame
+IO_TIMEOUT_S = 30.0  # a server drops a request stalled this long in one receive or send
+REQUEST_DEADLINE_S = 30.0  # a server cuts a request not read, served and answered this long after its first byte
+FIRST_FRAME_S = 5.0  # a new connection's first header (with an auth file: its AUTH, answered) must come this soon
+EVICT_GRACE_S = 0.5  # a full listener does not close a new connection younger than this to make room
+STALL_S = 1.0  # a full listener may close a request whose peer sent nothing this long (nothing applied yet)
+WATCH_INTERVAL_S = 0.1  # how often a listener's watchdog looks for connections past their deadline
+REFUSAL_PEEK_S = 0.5  # how long a refusal waits for the peer's first bytes (to answer in its protocol)
+MAX_REFUSING = 16  # refusals being delivered at once; more newcomers are closed without one
+GROW_STEP_BYTES = 256 << 10  # an announced length is received (and allocated) this much at a time
+_TCP_INFO_BYTES = 104  # struct tcp_info up to tcpi_rcv_space (Linux)
+_LAST_DATA_RECV_OFFSET = 52  # tcpi_last_data_recv (ms), after 8 u8 fields and 11 u32 fields
 T = TypeVar("T")
 
 
@@ -153,33 +174,219 @@ def send_final(sock: socket.socket, frame: bytes) -> None:
         pass
 
 
-class TcpListener:
-    """Accepts connections on ``host:port`` and runs ``serve(sock)`` for each in its own thread.
+def recv_incremental(sock: socket.socket, n: int, step: int = GROW_STEP_BYTES) -> bytes:
+    """Receive exactly ``n`` bytes, allocating at most ``step`` bytes ahead of what arrived.
 
-    ``serve`` owns the exchange; the listener closes the socket when it
-    returns. A connection beyond ``max_connections`` gets ``refusal(message)``
-    (a protocol error frame) and is closed. ``port`` 0 binds any free port;
-    with ``fallback_port`` a taken port falls back to any free one (logged).
-    With ``tls`` each connection does its TLS handshake in its own thread
-    before ``serve`` sees it (one that fails is closed); a connection over the
-    limit is then closed without a refusal frame (it could not be read before
-    a handshake).
+    For lengths a peer announced: memory follows the bytes actually sent, so
+    announcing a huge body costs nothing until its bytes come (at the price of
+    one joining copy for bodies over ``step``).
+    """
+    if n <= step:
+        return bytes(recv_exact(sock, n))
+    pieces = []
+    left = n
+    while left:
+        piece = recv_exact(sock, min(step, left))
+        pieces.append(piece)
+        left -= len(piece)
+    return b"".join(pieces)
+
+
+def recv_discard(sock: socket.socket, n: int, step: int = GROW_STEP_BYTES) -> None:
+    """Read ``n`` bytes and drop them, through one buffer of at most ``step`` bytes."""
+    sink = bytearray(min(n, step))
+    view = memoryview(sink)
+    while n:
+        k = min(n, len(sink))
+        recv_buffers(sock, [view[:k]])
+        n -= k
+
+
+def _cut(sock: socket.socket) -> None:
+    """Wake and end whatever a thread does on ``sock`` (the raw fd's shutdown: also right for a TLS socket)."""
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _last_data_s(sock: socket.socket) -> float | None:
+    """Seconds since the peer last sent data (the kernel's ``tcpi_last_data_recv``); None if unknown."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+    except (OSError, AttributeError):
+        return None
+    if len(info) < _LAST_DATA_RECV_OFFSET + 4:
+        return None
+    return struct.unpack_from("<I", info, _LAST_DATA_RECV_OFFSET)[0] / 1000.0
+
+
+WAITING, READING, SERVING = "waiting", "reading", "serving"
+
+
+class Connection:
+    """One accepted connection as its ``serve`` function sees it: the socket and the request cycle.
+
+    A serve function loops on :meth:`next_request` (the next request's
+    header, or ``b""``: return) and calls :meth:`serving` once the request
+    is read in full. The states decide what the listener may do to it:
+
+    - ``waiting`` (between requests, or before the first): the listener may
+      close it to make room for a newcomer, longest-waiting first;
+    - ``reading`` (a request's bytes are arriving, nothing of it applied):
+      closed to make room only if the peer sent nothing for ``STALL_S``;
+    - ``serving`` (being applied and answered): never closed to make room.
+
+    Deadlines (the listener's watchdog cuts a connection past its deadline,
+    whatever it is doing): until the connection is *trusted* (its first
+    header arrived and, with an auth file, it authenticated) everything must
+    happen within ``FIRST_FRAME_S`` of the accept; then each request, from
+    its first byte to its reply's last, gets the listener's
+    ``request_deadline_s``; between requests ``IDLE_TIMEOUT_S``.
     """
 
-    def __init__(self, name: str, host: str, port: int, serve: Callable[[socket.socket], None], *,
-                 max_connections: int = 64, refusal: Callable[[str], bytes] | None = None,
-                 fallback_port: bool = False, tls: ssl.SSLContext | None = None):
+    __slots__ = ("sock", "host", "thread", "state", "trusted", "cut", "headers", "accepted", "since",
+                 "request_start", "deadline", "_listener")
+
+    def __init__(self, listener: TcpListener, sock: socket.socket, host: str):
+        now = time.monotonic()
+        self.sock = sock
+        self.host = host
+        self.thread: threading.Thread | None = None
+        self.state = WAITING
+        self.trusted = False
+        self.cut = False  # set (under the listener's lock) when the listener ended it
+        self.headers = 0  # request headers read so far
+        self.accepted = now
+        self.since = now  # when the current state began
+        self.request_start = now
+        self.deadline = now + FIRST_FRAME_S
+        self._listener = listener
+
+    def _set_deadline(self) -> None:
+        if not self.trusted:
+            self.deadline = self.accepted + FIRST_FRAME_S
+        elif self.state == WAITING:
+            self.deadline = self.since + IDLE_TIMEOUT_S
+        else:
+            self.deadline = self.request_start + self._listener.request_deadline_s
+
+    def _left(self) -> float:
+        return max(0.001, self.deadline - time.monotonic())
+
+    def next_request(self, header_bytes: int, *, authenticated: bool = True) -> bytes:
+        """Wait for the next request and read its header (exactly ``header_bytes``); ``b""``: close the connection.
+
+        ``authenticated``: the connection may make requests (False on a
+        listener with an auth file until its AUTH was accepted: it then stays
+        under the first-frame deadline). A peer that closes, falls silent past
+        a deadline, or a connection the listener closed to make room, is
+        ``b""``; a header cut short raises ``ConnectionError``.
+        """
+        lock = self._listener.lock
+        with lock:
+            if self.cut:
+                return b""
+            self.state, self.since = WAITING, time.monotonic()
+            if authenticated and self.headers:  # a header arrived before, and now it may ask
+                self.trusted = True
+            self._set_deadline()
+            left = self._left()
+        set_io_timeout(self.sock, left)
+        try:
+            first = self.sock.recv(header_bytes)
+        except OSError as exc:
+            if is_timeout(exc):
+                return b""
+            raise
+        with lock:
+            if self.cut or not first:
+                return b""
+            self.state = READING
+            self.since = self.request_start = time.monotonic()
+            self._set_deadline()
+            left = self._left()
+        set_io_timeout(self.sock, min(IO_TIMEOUT_S, left))
+        header = first if len(first) == header_bytes else first + recv_exact(self.sock, header_bytes - len(first))
+        with lock:
+            if self.cut:
+                return b""
+            self.headers += 1
+            if authenticated and not self.trusted:
+                self.trusted = True
+                self._set_deadline()
+        return header
+
+    def serving(self) -> None:
+        """The request was read in full; from now on it is applied and answered (never closed to make room)."""
+        with self._listener.lock:
+            if self.state == READING:
+                self.state, self.since = SERVING, time.monotonic()
+
+    def _rank(self, now: float) -> tuple[int, float] | None:
+        """How readily the listener closes this connection to make room (lowest first); None: never."""
+        if self.cut or self.state == SERVING:
+            return None
+        if not self.trusted:  # silent or unauthenticated: first, once past its grace
+            return (0, self.accepted) if now - self.accepted >= EVICT_GRACE_S else None
+        if self.state == WAITING:
+            return (1, self.since)
+        quiet = _last_data_s(self.sock)
+        if quiet is None:
+            quiet = now - self.since
+        return (2, self.since) if quiet >= STALL_S else None
+
+
+class TcpListener:
+    """Accepts connections on ``host:port`` and runs ``serve(conn)`` for each in its own thread.
+
+    ``serve`` owns the exchange (see :class:`Connection` for the request
+    cycle it follows); the listener closes the socket when it returns.
+
+    Room: at most ``max_connections`` at once. When full, a newcomer takes
+    the place of the connection that is readiest to go (see
+    :meth:`Connection._rank`: a silent or unauthenticated one past
+    ``EVICT_GRACE_S``, else the one waiting longest between requests, else a
+    request whose peer stalled for ``STALL_S``), which is closed: a client
+    whose pooled connection that was retries on a fresh one. Only when every
+    connection is busy is the newcomer refused: ``refusal(message, head)``
+    (a protocol error frame, in the protocol ``head``, the first bytes the
+    peer sent within ``REFUSAL_PEEK_S``, speaks) is sent from a short-lived
+    thread that then drains the connection, so the reply is not lost to a
+    reset (at most ``MAX_REFUSING`` at once; beyond, plain close).
+
+    Deadlines: a watchdog thread cuts every connection past its deadline
+    (:class:`Connection`); ``errors`` (optional) counts ``request_deadline``,
+    ``first_frame_deadline`` and ``refused`` connections.
+
+    ``port`` 0 binds any free port; with ``fallback_port`` a taken port falls
+    back to any free one (logged). With ``tls`` each connection does its TLS
+    handshake in its own thread (within ``FIRST_FRAME_S``) before ``serve``
+    sees it (one that fails is closed); a refused connection is then closed
+    without a refusal frame (it could not be read before a handshake).
+    """
+
+    def __init__(self, name: str, host: str, port: int, serve: Callable[[Connection], None], *,
+                 max_connections: int = 64, refusal: Callable[..., bytes] | None = None,
+                 fallback_port: bool = False, tls: ssl.SSLContext | None = None,
+                 request_deadline_s: float | None = None, errors: Any = None):
         if max_connections < 1:
             raise ValueError(f"{name} listener: max_connections must be at least 1, got {max_connections}")
         self.name = name
         self.max_connections = max_connections
+        self.request_deadline_s = REQUEST_DEADLINE_S if request_deadline_s is None else request_deadline_s
+        if not self.request_deadline_s > 0:
+            raise ValueError(f"{name} listener: request_deadline_s must be > 0, got {self.request_deadline_s}")
+        self.errors = errors
         self._serve = serve
         self._refusal = refusal
         self._tls = tls
-        self._lock = threading.Lock()
-        self._conns: dict[socket.socket, threading.Thread] = {}
+        self.lock = threading.Lock()
+        self._conns: dict[socket.socket, Connection] = {}
+        self._refusing = 0
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
         self._listener = self._bind(host, port, fallback_port)
         self.port: int = self._listener.getsockname()[1]
 
@@ -207,12 +414,15 @@ class TcpListener:
 
     @property
     def connections(self) -> int:
-        with self._lock:
+        """Connections whose thread is still running (one the listener closed counts until its thread ends)."""
+        with self.lock:
             return len(self._conns)
 
-    def start(self) -> "TcpListener":
+    def start(self) -> TcpListener:
         self._thread = threading.Thread(target=self._accept_loop, name=f"kvpool-{self.name}-accept", daemon=True)
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._watch, name=f"kvpool-{self.name}-watchdog", daemon=True)
+        self._watchdog.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -223,23 +433,27 @@ class TcpListener:
         except OSError:
             pass
         self._listener.close()
-        if self._thread is not None:
-            self._thread.join(timeout)
-        with self._lock:
-            conns = list(self._conns.items())
-        for sock, _ in conns:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv or send
-            except OSError:
-                pass
+        for thread in (self._thread, self._watchdog):
+            if thread is not None:
+                thread.join(timeout)
+        with self.lock:
+            conns = list(self._conns.values())
+            for conn in conns:
+                conn.cut = True
+                _cut(conn.sock)  # wakes a thread blocked in recv or send
         deadline = time.monotonic() + timeout
-        for _, thread in conns:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        for conn in conns:
+            if conn.thread is not None:
+                conn.thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _count(self, kind: str) -> None:
+        if self.errors is not None:
+            self.errors.count(kind)
 
     def _accept_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except OSError:
                 if self._stopping.is_set():
                     return
@@ -247,45 +461,102 @@ class TcpListener:
                 time.sleep(0.1)  # e.g. out of file descriptors: do not spin
                 continue
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    thread = threading.Thread(target=self._run, args=(sock,), name=f"kvpool-{self.name}-conn",
-                                              daemon=True)
-                    self._conns[sock] = thread
-            if full:
-                self._refuse(sock, f"too many {self.name} connections (limit {self.max_connections}); retry later")
+            conn = Connection(self, sock, str(addr[0]) if addr else "")
+            with self.lock:
+                admitted = self._make_room(conn.accepted)
+                if admitted:
+                    conn.thread = threading.Thread(target=self._run, args=(conn,), name=f"kvpool-{self.name}-conn",
+                                                   daemon=True)
+                    self._conns[sock] = conn
+            if admitted:
+                assert conn.thread is not None, "listener: an admitted connection without its thread"
+                conn.thread.start()
             else:
-                thread.start()
+                self._count("refused")
+                self._refuse(sock, f"too many {self.name} connections (limit {self.max_connections}); retry later")
+
+    def _make_room(self, now: float) -> bool:
+        """Under the lock: whether a newcomer fits, closing the readiest connection if the listener is full."""
+        live = [c for c in self._conns.values() if not c.cut]
+        if len(live) < self.max_connections:
+            return len(self._conns) < 2 * self.max_connections  # cut ones still winding down count, up to a point
+        ranked = [(rank, c) for c in live if (rank := c._rank(now)) is not None]
+        if not ranked:
+            return False
+        _, victim = min(ranked, key=lambda rc: rc[0])
+        victim.cut = True
+        _cut(victim.sock)
+        log.debug("%s listener: full; closed a %s connection from %s to make room", self.name, victim.state,
+                  victim.host)
+        return len(self._conns) < 2 * self.max_connections
 
     def _refuse(self, sock: socket.socket, message: str) -> None:
+        """Refuse a newcomer: a refusal frame from a short-lived thread (see the class docstring), or a plain close."""
+        with self.lock:
+            deliver = self._refusal is not None and self._tls is None and self._refusing < MAX_REFUSING
+            if deliver:
+                self._refusing += 1
+        if not deliver:
+            sock.close()
+            return
+        threading.Thread(target=self._deliver_refusal, args=(sock, message), name=f"kvpool-{self.name}-refuse",
+                         daemon=True).start()
+
+    def _deliver_refusal(self, sock: socket.socket, message: str) -> None:
         try:
-            if self._refusal is not None and self._tls is None:
-                sock.settimeout(1.0)
-                sock.sendall(self._refusal(message))
-        except OSError:
-            pass
+            head = b""
+            try:
+                sock.settimeout(REFUSAL_PEEK_S)
+                head = sock.recv(4, socket.MSG_PEEK)
+            except OSError:
+                pass
+            assert self._refusal is not None, "listener: delivering a refusal without a refusal frame"
+            send_final(sock, self._refusal(message, head))
         finally:
             sock.close()
+            with self.lock:
+                self._refusing -= 1
 
-    def _run(self, sock: socket.socket) -> None:
+    def _watch(self) -> None:
+        """The watchdog: cut connections past their deadline (see :class:`Connection`)."""
+        while not self._stopping.wait(WATCH_INTERVAL_S):
+            now = time.monotonic()
+            expired = []
+            with self.lock:
+                for conn in self._conns.values():
+                    if not conn.cut and now >= conn.deadline:
+                        conn.cut = True
+                        _cut(conn.sock)
+                        expired.append(conn)
+            for conn in expired:
+                if not conn.trusted:
+                    self._count("first_frame_deadline")
+                elif conn.state != WAITING:
+                    self._count("request_deadline")
+                log.debug("%s listener: cut a %s connection from %s at its deadline", self.name, conn.state, conn.host)
+
+    def _run(self, conn: Connection) -> None:
         try:
             if self._tls is not None:
-                with self._lock:  # registered under the wrapper, so stop() can cut the handshake too
-                    thread = self._conns.pop(sock)
-                    sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-                    self._conns[sock] = thread
+                with self.lock:  # registered under the wrapper, so the watchdog and stop() can cut the handshake too
+                    if conn.cut:
+                        return
+                    raw = conn.sock
+                    tls_sock = self._tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+                    conn.sock = tls_sock
+                    self._conns[tls_sock] = self._conns.pop(raw)
                 try:
-                    sock.settimeout(IO_TIMEOUT_S)
-                    sock.do_handshake()
+                    tls_sock.settimeout(max(0.001, conn.deadline - time.monotonic()))
+                    tls_sock.do_handshake()
                 except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
                     log.debug("%s listener: TLS handshake failed: %s", self.name, exc)
                     return
-            self._serve(sock)
+            self._serve(conn)
         finally:
-            with self._lock:
-                self._conns.pop(sock, None)
-            sock.close()
+            with self.lock:  # closed under the lock: nobody cuts a closed (maybe reused) descriptor
+                self._conns.pop(conn.sock, None)
+                conn.cut = True
+                conn.sock.close()
 
 
 # -- client side ----------------------------------------------------------------------------------
@@ -293,6 +564,14 @@ class TcpListener:
 
 class ConnectFailed(ConnectionError):
     """No connection to the address could be made."""
+
+
+class Refused(ConnectFailed):
+    """The listener was full and refused the connection: nothing of the request was read or applied.
+
+    Raised by an exchange function (or a ``hello``) that recognises its
+    protocol's refusal; the caller may send the request another way.
+    """
 
 
 class Exchange:
@@ -315,12 +594,13 @@ class ConnectionPool:
         self._idle: dict[str, list[socket.socket]] = {}
         self._closed = False
 
-    def _acquire(self, address: str) -> tuple[socket.socket, bool]:
+    def _acquire(self, address: str, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """A connection to ``address`` and whether it was pooled (``fresh``: a new one, whatever is pooled)."""
         with self._lock:
             if self._closed:
                 raise ConnectFailed("connection pool is closed")
             idle = self._idle.get(address)
-            if idle:
+            if idle and not fresh:
                 return idle.pop(), True
         host, _, port = address.rpartition(":")
         try:
@@ -338,6 +618,9 @@ class ConnectionPool:
         if self.hello is not None:
             try:
                 self.hello(sock)
+            except ConnectFailed:  # e.g. Refused: already says what happened
+                sock.close()
+                raise
             except OSError as exc:
                 sock.close()
                 raise ConnectFailed(f"{address} closed the connection at its first frame: {exc}") from exc
@@ -361,7 +644,8 @@ class ConnectionPool:
         whatever ``fn`` raises otherwise (the connection is then dropped).
         """
         for attempt in range(2):
-            sock, reused = self._acquire(address)
+            sock, reused = self._acquire(address, fresh=attempt > 0)  # the retry: a new connection, not another
+            # pooled one (the listener may have closed several idle ones to make room)
             state = Exchange()
             try:
                 result = fn(sock, state, *args)

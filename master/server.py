@@ -145,10 +145,10 @@ class MasterServer:
             port = self.port + 2 if self.config.port else 0
         handler = CallHandler(self.servicer, master_pb2.DESCRIPTOR.services_by_name["Master"], MASTER_CALLS,
                               max_body_bytes=max_message_bytes(self.config), authority=self.authority,
-                              errors=self.errors)
+                              errors=self.errors, max_keys=self.config.max_keys_per_call)
         return TcpListener("master-calls", self.config.host, port, handler.serve,
                            fallback_port=self.config.call_port < 0, max_connections=self.config.max_connections,
-                           refusal=refusal_frame, tls=self._tls)
+                           refusal=refusal_frame, tls=self._tls, errors=self.errors)
 
     def _sweep(self) -> None:
         interval = min(self.config.node_timeout_s, self.config.worker_timeout_s) / 4

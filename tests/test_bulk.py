@@ -6,6 +6,7 @@ import importlib.util
 import os
 import socket
 import struct
+import threading
 
 import grpc
 import numpy as np
@@ -204,14 +205,33 @@ def test_connections_are_pooled_and_a_dropped_one_is_replaced(node, bulk_client)
 
 
 def test_too_many_connections_get_an_error(tmp_path, arena_name):
+    """Every connection mid-request: a newcomer is refused with a message, and the request is not cut.
+
+    (An idle or silent connection is closed to make room instead: tests/test_listener_limits.py.)
+    """
     with PoolNode(node_config(tmp_path, arena_name)) as n:
         n.bulk._listener.max_connections = 1
+        entered, release = threading.Event(), threading.Event()
+        flush = n.bulk.after_change
+
+        def slow_flush():
+            entered.set()
+            release.wait(10)
+            return flush()
+
+        n.bulk.after_change = slow_flush  # the PUT below is being served while the second one arrives
+        value = block(1, 100)
         with raw(n) as first:
-            wait_until(lambda: n.bulk.connections == 1)
-            with raw(n) as second:
-                assert "too many" in read_error(second)
-            first.sendall(bulk.request_header(bulk.OP_GET, 1) + key(1))
-            bulk.read_reply_header(first, bulk.OP_GET, 1)  # the first one is still served
+            first.sendall(bulk.request_header(bulk.OP_PUT, 1) + key(1)
+                          + struct.pack("<QQ", value.size, block_checksum(value)) + value.tobytes())
+            assert entered.wait(10)
+            try:
+                with raw(n) as second:
+                    assert "too many" in read_error(second)
+            finally:
+                release.set()
+            bulk.read_reply_header(first, bulk.OP_PUT, 1)  # the first one is still served
+            assert first.recv(1) == b"\x01"
 
 
 def test_an_unreachable_listener_is_bulk_unavailable(bulk_client):

@@ -43,18 +43,34 @@ Invariants:
 - PUT receives each block that fits a DRAM slot straight into a slot the
   node reserved for it (``recvmsg_into``), then commits the lease: the key
   becomes visible only after its bytes match its checksum. The listener's
-  own leases have no deadline; they are released in a ``finally`` if the
-  request fails, so a client that disconnects mid-request leaves nothing
-  behind. Blocks with no DRAM slot (larger than a slot, or no room) go
-  through a scratch buffer to ``TieredStore.put`` (SSD). PUT replies only
-  after the master link flushed, as gRPC ``Put`` does.
+  own leases last as long as their request: they are released in a
+  ``finally`` if the request fails, so a client that disconnects, or whose
+  request passes its deadline (below), leaves nothing behind. Blocks with no
+  DRAM slot (larger than a slot, or no room) go through a scratch buffer to
+  ``TieredStore.put`` (SSD). PUT replies only after the master link
+  flushed, as gRPC ``Put`` does.
+- Deadlines and room (:class:`kvpool.framing.TcpListener`): a connection's
+  first header (with an auth file: its AUTH) must arrive within
+  ``FIRST_FRAME_S``; each request, from its first byte to its reply's last,
+  within ``REQUEST_DEADLINE_S`` (30 s): the connection is then cut, and a
+  PUT's reserved slots are released. A full listener closes its readiest
+  connection (silent, idle longest, stalled mid-request) for a newcomer.
+- Memory follows bytes that arrived: keys and sizes are allocated as they
+  come, never from the header's count. A GET's hits may hold at most
+  ``MAX_GET_BYTES`` or ``max_request_bytes``, whichever is larger (ERROR
+  otherwise, before anything is sent; a client asks for less), and a
+  request holds at most ``SCRATCH_BYTES`` of scratch (or one block) and a
+  sendmsg's worth of views at once, so a peer that never reads its reply
+  pins little besides its kernel buffers, and only until its deadline.
 - Bad input (bad magic or version, unknown op, too many keys, a size of 0 or
   one no tier takes) gets an ERROR reply naming the problem, counted as
   ``invalid_argument``; the node then half-closes, drops what the peer still
   sends (for up to ``ERROR_DRAIN_S``) and closes. Nothing a peer sends stops
   the listener.
-- One thread per connection, at most ``max_connections``; a connection
-  beyond that gets an ERROR reply and is closed.
+- One thread per connection, at most ``max_connections``; a newcomer the
+  listener has no room for (every connection mid-request) gets an ERROR
+  reply, or, if its first bytes are a fast call, a fast-call refusal
+  (RESOURCE_EXHAUSTED, flagged refused), and is closed.
 - With an auth file the first frame on a connection must be AUTH (bulk op 3
   or the fast-call AUTH frame) with a known token; anything else, or an
   unknown token, gets an ERROR reply starting "unauthenticated" and the
@@ -77,12 +93,21 @@ from typing import Any
 import numpy as np
 
 from kvpool.auth import MAX_TOKEN_BYTES, Authority, Peer
+from kvpool.calls import CALL_MAGIC, CallHandler, refusal_frame
 from kvpool.checksum import block_checksum
-from kvpool.framing import IDLE_TIMEOUT_S, IO_TIMEOUT_S, TcpListener, send_final, recv_buffers, recv_exact, send_buffers, set_io_timeout
+from kvpool.framing import (
+    IOV_MAX,
+    Connection,
+    TcpListener,
+    recv_buffers,
+    recv_exact,
+    recv_incremental,
+    send_buffers,
+    send_final,
+)
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
-from kvpool.calls import CALL_MAGIC, CallHandler
 from kvpool.metrics import ErrorMetrics
-from kvpool.node.quota import QuotaLedger
+from kvpool.node.quota import Charge, QuotaLedger
 from kvpool.rpc import MISS
 from kvpool.tiers.base import Tier
 from kvpool.tiers.tiered import TieredStore
@@ -100,7 +125,11 @@ HEADER = struct.Struct("<4sHBBII")  # magic, version, op|status, flags|op, count
 assert HEADER.size == 16, "bulk: the header must stay 16 bytes"
 _ERROR_LEN = struct.Struct("<I")
 MAX_ERROR_BYTES = 64 << 10
-SCRATCH_BYTES = 64 << 20  # most bytes a request holds in scratch buffers at once (SSD reads, no-slot puts)
+SCRATCH_BYTES = 16 << 20  # most bytes a request holds in scratch buffers at once (SSD reads, no-slot puts),
+# or one block if larger: what a connection whose peer stops reading pins, besides its kernel buffers
+DISCARD_BYTES = 1 << 20  # the buffer a PUT's held or refused blocks are read past through
+MAX_GET_BYTES = 256 << 20  # a GET's hits may hold at most this (or max_request_bytes if larger): clients ask for less
+GET_BATCH_KEYS = 4096  # a GET looks its keys up this many at a time (per-key Python objects for one batch only)
 
 
 class ProtocolError(ValueError):
@@ -140,6 +169,11 @@ def read_reply_header(sock: socket.socket, op: int, count: int) -> None:
 
 def request_header(op: int, count: int) -> bytes:
     return HEADER.pack(MAGIC, VERSION, op, 0, count, 0)
+
+
+def _unpack(packed: bytes, lo: int, hi: int) -> list[BlockKey]:
+    """Keys ``lo`` to ``hi`` of a packed batch."""
+    return unpack_keys(packed[lo * KEY_BYTES : hi * KEY_BYTES])
 
 
 # -- the listener ----------------------------------------------------------------------------------
@@ -182,11 +216,15 @@ class BulkServer:
         self.after_change = after_change
         self.calls = calls
         self._listener = TcpListener("bulk", host, port, self._serve, max_connections=max_connections,
-                                     refusal=lambda message: error_frame(0, message), fallback_port=fallback_port,
-                                     tls=tls)
+                                     refusal=self._refusal, fallback_port=fallback_port, tls=tls, errors=errors)
         self.port: int = self._listener.port
 
-    def start(self) -> "BulkServer":
+    @staticmethod
+    def _refusal(message: str, head: bytes = b"") -> bytes:
+        """A full listener's refusal, in the protocol the peer's first bytes speak (bulk if none came)."""
+        return refusal_frame(message) if head[:4] == CALL_MAGIC else error_frame(0, message)
+
+    def start(self) -> BulkServer:
         self._listener.start()
         return self
 
@@ -200,22 +238,18 @@ class BulkServer:
 
     # -- one connection ------------------------------------------------------------------------------
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, conn: Connection) -> None:
         op = 0
         peer = Peer(self.authority)
+        sock = conn.sock
         try:
             while not self._listener.stopping:
-                set_io_timeout(sock, IDLE_TIMEOUT_S)
-                first = sock.recv(HEADER.size)
-                if not first:
-                    return  # the client closed its (pooled) connection
-                set_io_timeout(sock, IO_TIMEOUT_S)
-                header = bytearray(first)
-                if len(header) < HEADER.size:
-                    header += recv_exact(sock, HEADER.size - len(header))
+                header = conn.next_request(HEADER.size, authenticated=not peer.needs_auth)
+                if not header:
+                    return  # the client closed its (pooled) connection, or the listener cut it
                 magic, version, op, flags, count, _ = HEADER.unpack(header)
                 if magic == CALL_MAGIC and self.calls is not None:
-                    if not self.calls.serve_frame(sock, header, peer):
+                    if not self.calls.serve_frame(sock, header, peer, conn):
                         return
                     continue
                 if magic != MAGIC:
@@ -224,7 +258,7 @@ class BulkServer:
                     raise ProtocolError(f"bulk protocol version {version} is not supported "
                                         f"(this node speaks {VERSION})")
                 if op == OP_AUTH:
-                    self._auth(sock, peer, count)
+                    self._auth(conn, peer, count)
                     continue
                 if peer.needs_auth:
                     raise Unauthenticated("unauthenticated: the first request on a connection must be AUTH "
@@ -232,9 +266,9 @@ class BulkServer:
                 if count > self.max_keys_per_call:
                     raise ProtocolError(f"{count} keys in one request; the limit is {self.max_keys_per_call}")
                 if op == OP_GET:
-                    self._get(sock, count, peer)
+                    self._get(conn, count, peer)
                 elif op == OP_PUT:
-                    self._put(sock, count, peer)
+                    self._put(conn, count, peer)
                 else:
                     raise ProtocolError(f"unknown bulk op {op} (GET is {OP_GET}, PUT is {OP_PUT}, "
                                         f"AUTH is {OP_AUTH})")
@@ -245,7 +279,7 @@ class BulkServer:
             self._send_error(sock, op, str(exc))
         except (ConnectionError, TimeoutError, OSError) as exc:
             log.debug("bulk: connection dropped: %s", exc)
-        except Exception as exc:  # noqa: BLE001 - a bug here must not take the node down
+        except Exception as exc:  # a bug here must not take the node down
             log.exception("bulk: request failed")
             self._send_error(sock, op, f"internal error: {type(exc).__name__}: {exc}")
 
@@ -254,55 +288,68 @@ class BulkServer:
         """Send an ERROR reply; the connection closes after it (see :func:`kvpool.framing.send_final`)."""
         send_final(sock, error_frame(op, message))
 
-    def _auth(self, sock: socket.socket, peer: Peer, length: int) -> None:
+    def _auth(self, conn: Connection, peer: Peer, length: int) -> None:
         """AUTH: take the token; an unknown one is refused (and the connection closed)."""
         if length > MAX_TOKEN_BYTES:
             raise Unauthenticated(f"unauthenticated: a token of {length} bytes (at most {MAX_TOKEN_BYTES})")
-        if not peer.login(recv_exact(sock, length)):
+        if not peer.login(bytes(recv_exact(conn.sock, length))):
             raise Unauthenticated("unauthenticated: unknown token")
-        send_buffers(sock, [HEADER.pack(MAGIC, VERSION, STATUS_OK, OP_AUTH, 0, 0)])
+        conn.serving()
+        send_buffers(conn.sock, [HEADER.pack(MAGIC, VERSION, STATUS_OK, OP_AUTH, 0, 0)])
 
     def _keys(self, sock: socket.socket, count: int, peer: Peer) -> list[BlockKey]:
-        """The request's keys as stored: the client's tenant's (unchanged with auth off)."""
-        return unpack_keys(peer.keys(bytes(recv_exact(sock, count * KEY_BYTES))))
+        """The request's keys as stored: the client's tenant's (unchanged with auth off).
+
+        Allocated as they arrive: a header announcing many keys costs nothing until they come.
+        """
+        return unpack_keys(peer.keys(recv_incremental(sock, count * KEY_BYTES)))
 
     # -- GET -------------------------------------------------------------------------------------------
 
-    def _get(self, sock: socket.socket, count: int, peer: Peer) -> None:
+    def _get(self, conn: Connection, count: int, peer: Peer) -> None:
         start = time.perf_counter()
-        keys = self._keys(sock, count, peer)
+        sock = conn.sock
+        packed = peer.keys(recv_incremental(sock, count * KEY_BYTES))  # as stored; allocated as the keys arrive
+        conn.serving()
         dram = self.store.dram
         arena = dram.arena
-        refs = dram.refs_for_read(keys)
         sizes = np.zeros(count, dtype="<u8")
         sums = np.zeros(count, dtype="<u8")
         tiers = np.full(count, MISS, dtype=np.uint8)
         valid = np.zeros(count, dtype=np.uint8)
-        lower: list[int] = []  # keys not in DRAM now
-        for i, found in enumerate(refs):
-            if found is None:
-                lower.append(i)
-            else:
-                ref, checksum = found
-                sizes[i], sums[i], tiers[i] = ref.length, checksum, Tier.DRAM
-        if lower and self.store.ssd is not None:
-            for i, meta in zip(lower, self.store.ssd_meta([keys[i] for i in lower])):
-                if meta is not None:
-                    sizes[i], sums[i], tiers[i] = meta.size, meta.checksum, Tier.SSD
+        slots = np.zeros(count, dtype=np.int64)
+        gens = np.zeros(count, dtype=np.uint64)
+        for lo in range(0, count, GET_BATCH_KEYS):  # per-key Python objects for one batch at a time
+            keys = _unpack(packed, lo, min(count, lo + GET_BATCH_KEYS))
+            lower: list[int] = []  # keys not in DRAM now
+            for i, found in enumerate(dram.refs_for_read(keys), lo):
+                if found is None:
+                    lower.append(i)
+                else:
+                    ref, checksum = found
+                    sizes[i], sums[i], tiers[i] = ref.length, checksum, Tier.DRAM
+                    slots[i], gens[i] = ref.slot, ref.gen
+            if lower and self.store.ssd is not None:
+                for i, meta in zip(lower, self.store.ssd_meta([keys[i - lo] for i in lower])):
+                    if meta is not None:
+                        sizes[i], sums[i], tiers[i] = meta.size, meta.checksum, Tier.SSD
+        total, limit = int(sizes.sum()), max(MAX_GET_BYTES, self.max_request_bytes)
+        if total > limit:
+            raise ProtocolError(f"a GET of {total} bytes; the limit is {limit} per request")
         send_buffers(sock, [HEADER.pack(MAGIC, VERSION, STATUS_OK, OP_GET, count, 0), sizes, sums, tiers])
 
         pending: list[Any] = []  # buffers gathered for the next sendmsg
-        sent_dram: list[int] = []  # keys whose slot gens are checked once their bytes are out
-        ssd = [i for i in range(count) if tiers[i] == Tier.SSD]
+        ssd = np.flatnonzero(tiers == Tier.SSD).tolist()
         loaded: dict[int, np.ndarray] = {}  # SSD key index -> scratch with its bytes
         next_ssd = 0
         scratch: np.ndarray | None = None  # taken from the store's pool, given back when replaced or done
         try:
             for i in range(count):
                 if tiers[i] == Tier.DRAM:
-                    ref = refs[i][0]  # type: ignore[index]
-                    pending.append(arena.data[ref.slot, : ref.length])
-                    sent_dram.append(i)
+                    pending.append(arena.data[slots[i], : sizes[i]])
+                    if len(pending) >= IOV_MAX:  # a sendmsg's worth: few views alive at once
+                        send_buffers(sock, pending)
+                        pending.clear()
                 elif tiers[i] == Tier.SSD:
                     if i not in loaded:
                         send_buffers(sock, pending)  # scratch is about to be replaced
@@ -311,7 +358,7 @@ class BulkServer:
                         if scratch is not None:
                             self.store.scratch.give(scratch)
                             scratch = None
-                        next_ssd, scratch = self._load_ssd(keys, ssd, next_ssd, sizes, loaded, valid)
+                        next_ssd, scratch = self._load_ssd(packed, ssd, next_ssd, sizes, loaded, valid)
                     pending.append(loaded[i])
             send_buffers(sock, pending)
             pending.clear()
@@ -319,27 +366,25 @@ class BulkServer:
             loaded.clear()
             if scratch is not None:
                 self.store.scratch.give(scratch)
-        n_bytes = 0
-        for i in sent_dram:
-            ref = refs[i][0]  # type: ignore[index]
-            if int(arena.gens[ref.slot]) == ref.gen:
-                valid[i] = 1
-                n_bytes += ref.length
-        hits = len(sent_dram) and int(valid[sent_dram].sum())
-        dram.record_reads(hits, len(sent_dram) - hits, n_bytes)
+        sent_dram = np.flatnonzero(tiers == Tier.DRAM)
+        intact = sent_dram[arena.gens[slots[sent_dram]] == gens[sent_dram]]  # not reused while it was sent
+        valid[intact] = 1
+        dram.record_reads(len(intact), len(sent_dram) - len(intact), int(sizes[intact].sum()))
         send_buffers(sock, [valid])
         if self.quota is not None:
-            self.quota.touch(keys)
+            for lo in range(0, count, GET_BATCH_KEYS):
+                self.quota.touch(_unpack(packed, lo, min(count, lo + GET_BATCH_KEYS)))
         if self.get_seconds is not None:
             self.get_seconds.observe(time.perf_counter() - start)
 
-    def _load_ssd(self, keys: list[BlockKey], ssd: list[int], pos: int, sizes: np.ndarray,
+    def _load_ssd(self, packed: bytes, ssd: list[int], pos: int, sizes: np.ndarray,
                   loaded: dict[int, np.ndarray], valid: np.ndarray) -> tuple[int, np.ndarray]:
         """Read the next run of SSD-resident blocks (at most SCRATCH_BYTES, at least one) into scratch.
 
         Returns the next position in ``ssd`` and the scratch buffer (the caller gives it back).
         """
-        run, total = [], 0
+        run: list[int] = []
+        total = 0
         while pos < len(ssd) and (not run or total + int(sizes[ssd[pos]]) <= SCRATCH_BYTES):
             run.append(ssd[pos])
             total += int(sizes[ssd[pos]])
@@ -350,17 +395,19 @@ class BulkServer:
             n = int(sizes[i])
             loaded[i] = scratch[offset : offset + n]
             offset += n
-        served = self.store.get_into([keys[i] for i in run], [loaded[i] for i in run])  # promotes into DRAM
+        keys = [BlockKey(packed[i * KEY_BYTES : (i + 1) * KEY_BYTES]) for i in run]
+        served = self.store.get_into(keys, [loaded[i] for i in run])  # promotes into DRAM
         for i, tier in zip(run, served):
             valid[i] = tier is not None  # a miss: the (unspecified) scratch bytes go out flagged invalid
         return pos, scratch
 
     # -- PUT -------------------------------------------------------------------------------------------
 
-    def _put(self, sock: socket.socket, count: int, peer: Peer) -> None:
+    def _put(self, conn: Connection, count: int, peer: Peer) -> None:
         start = time.perf_counter()
+        sock = conn.sock
         keys = self._keys(sock, count, peer)
-        meta = recv_exact(sock, 16 * count)
+        meta = recv_incremental(sock, 16 * count)
         sizes = np.frombuffer(meta, dtype="<u8", count=count).tolist()
         sums = np.frombuffer(meta, dtype="<u8", count=count, offset=8 * count).tolist()
         store = self.store
@@ -375,19 +422,22 @@ class BulkServer:
         held = [t is not None for t in store.where(keys)]
         refused: set[int] = set()  # over the tenant's quota: read past, not stored
         tenant = peer.tenant
+        charge: Charge | None = None  # what this PUT's reserved slots cost the tenant's quota: ends with the lease
         if self.quota is not None and tenant:
             new = [i for i in range(count) if not held[i]]
-            ok = self.quota.admit(tenant, [keys[i] for i in new], [sizes[i] for i in new])
-            refused = {i for i, admitted in zip(new, ok) if not admitted}
+            charge = self.quota.reserve(tenant, [keys[i] for i in new], [sizes[i] for i in new])
+            refused = {i for i, admitted in zip(new, charge.admitted) if not admitted}
         fit = [i for i in range(count) if not held[i] and i not in refused and store.fits_dram(sizes[i])]
         stored = held[:]
-        res = store.dram.reserve([keys[i] for i in fit], [sizes[i] for i in fit], None)  # ours: released below
+        res = store.dram.reserve([keys[i] for i in fit], [sizes[i] for i in fit], None,  # ours: released below
+                                 charge=charge)
         slot_of = {i: s for i, s, g in zip(fit, res.slots, res.gens) if g}
         for i, h in zip(fit, res.held):
             stored[i] = stored[i] or h
         committed = False
-        try:
+        try:  # the reservation ends with the request: its deadline cuts the connection, and this releases it
             self._receive(sock, keys, sizes, sums, slot_of, stored, refused)
+            conn.serving()
             if slot_of:
                 idx = list(slot_of)
                 ok = store.commit(res.lease, [keys[i] for i in idx], [slot_of[i] for i in idx], [sums[i] for i in idx])
@@ -418,7 +468,7 @@ class BulkServer:
         plan: list[Any] = []
         scratch: list[tuple[int, np.ndarray]] = []
         scratch_bytes = 0
-        discard: np.ndarray | None = None
+        discard = np.empty(0, dtype=np.uint8)
 
         def flush() -> None:
             nonlocal scratch_bytes
@@ -432,10 +482,10 @@ class BulkServer:
         for i, n in enumerate(sizes):
             if i in slot_of:
                 plan.append(arena.data[slot_of[i], :n])
-            elif stored[i] or i in refused:  # held already, or over quota: read past its bytes
-                if discard is None or discard.size < n:
-                    discard = np.empty(max(n, 1 << 20), dtype=np.uint8)
-                plan.append(discard[:n])
+            elif stored[i] or i in refused:  # held already, or over quota: read past its bytes, a piece at a time
+                if discard.size < min(n, DISCARD_BYTES):
+                    discard = np.empty(DISCARD_BYTES, dtype=np.uint8)
+                plan += [discard[: min(DISCARD_BYTES, n - o)] for o in range(0, n, DISCARD_BYTES)]
             else:
                 if scratch and scratch_bytes + n > SCRATCH_BYTES:
                     flush()
