@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Install what the tests need on a fresh machine, then run them: `bash tests/run.sh [pytest args]`.
+#
+# - Debian's prometheus package (prometheus + promtool: the operations tests start a real Prometheus),
+#   if either is missing. Needs apt-get and root (or sudo); anything else fails here, loudly.
+# - The CPU build of torch (pinned: an unpinned torch pulls a multi-GB CUDA build) and kvpool with its
+#   client and test extras, into the Python that runs this script (`python3`, or $PYTHON).
+# Then `python -m pytest` with the arguments given. README.md tells new users this command; .ci/run calls it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+
+need_packages=()
+command -v prometheus >/dev/null && command -v promtool >/dev/null || need_packages+=(prometheus)
+if [ ${#need_packages[@]} -gt 0 ]; then
+    if ! command -v apt-get >/dev/null; then
+        echo "tests/run.sh: needs ${need_packages[*]} (Debian/Ubuntu package names) and found no apt-get;" \
+             "install them by hand, then run this again" >&2
+        exit 1
+    fi
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then
+        command -v sudo >/dev/null || { echo "tests/run.sh: installing ${need_packages[*]} needs root or sudo" >&2; exit 1; }
+        SUDO="sudo"
+    fi
+    echo "tests/run.sh: installing Debian packages: ${need_packages[*]}" >&2
+    added_policy=""
+    if [ ! -e /usr/sbin/policy-rc.d ]; then  # keep the packages' own daemons from starting
+        printf '#!/bin/sh\nexit 101\n' | $SUDO tee /usr/sbin/policy-rc.d >/dev/null
+        $SUDO chmod +x /usr/sbin/policy-rc.d
+        added_policy=1
+        trap '$SUDO rm -f /usr/sbin/policy-rc.d' EXIT
+    fi
+    $SUDO apt-get update -qq
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_packages[@]}" >/dev/null
+    if [ -n "$added_policy" ]; then $SUDO rm -f /usr/sbin/policy-rc.d; trap - EXIT; fi
+fi
+
+"$PYTHON" -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e ".[client,test]"
+exec "$PYTHON" -m pytest "$@"
