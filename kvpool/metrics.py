@@ -45,14 +45,17 @@ class LookupMetrics:
         self.hit_blocks = Counter(
             "kvpool_hit_blocks", "Blocks of the leading hit run, by serving tier", ["tier"], registry=registry
         )
-        self.hit_tokens = Counter("kvpool_hit_tokens", "Tokens of the leading hit run, by tier", ["tier"], registry=registry)
+        self.hit_tokens = Counter(
+            "kvpool_hit_tokens", "Tokens of the leading hit run, by tier", ["tier"], registry=registry
+        )
         self.miss_blocks = Counter("kvpool_miss_blocks", "Blocks after the leading hit run", registry=registry)
         for tier in TIER_LABELS:  # export zeros from the start: rates need both ends
             self.hit_blocks.labels(tier)
             self.hit_tokens.labels(tier)
 
     def record(self, hits_by_tier: dict[str, int], requested: int, block_tokens: int, lookups: int = 1) -> None:
-        """Count ``lookups`` lookups of ``requested`` blocks in all, whose leading runs were served as ``hits_by_tier``."""
+        """Count ``lookups`` lookups of ``requested`` blocks in all, whose leading runs were served as
+        ``hits_by_tier``."""
         self.lookups.inc(lookups)
         self.lookup_blocks.inc(requested)
         self.lookup_tokens.inc(requested * block_tokens)
@@ -141,10 +144,16 @@ class TierCollector(Collector):
 
 
 class MetricsServer:
-    """An HTTP ``/metrics`` endpoint for one registry, on 127.0.0.1 unless told otherwise."""
+    """An HTTP ``/metrics`` endpoint for one registry, on 127.0.0.1 unless told otherwise.
 
-    def __init__(self, registry: CollectorRegistry, port: int, host: str = "127.0.0.1"):
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+    A port that cannot be bound is a ValueError naming ``name``'s endpoint and the address (a refused start).
+    """
+
+    def __init__(self, registry: CollectorRegistry, port: int, host: str = "127.0.0.1", *, name: str = "the"):
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            raise ValueError(f"{name} metrics endpoint cannot listen on {host}:{port}: {exc.strerror}") from exc
         self.port = self._server.server_port
 
     def close(self) -> None:

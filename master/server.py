@@ -115,11 +115,7 @@ class MasterServer:
                 servicer.call_port = self._calls.port
                 if self.config.metrics_port != 0:
                     port = 0 if self.config.metrics_port == EPHEMERAL_METRICS_PORT else self.config.metrics_port
-                    try:
-                        self._metrics_server = MetricsServer(self.registry, port, host=self.config.host)
-                    except OSError as exc:
-                        raise ValueError(f"master metrics endpoint cannot listen on {self.config.host}:{port}: "
-                                         f"{exc.strerror}") from exc
+                    self._metrics_server = MetricsServer(self.registry, port, host=self.config.host, name="master")
                     self.metrics_port = self._metrics_server.port
                 self._server.start()
                 self._calls.start()

@@ -280,11 +280,8 @@ class PoolNode:
         try:
             port = self.config.metrics_port
             if port != 0:  # first: the one port not bound yet, so a refusal leaves nothing started
-                try:
-                    self._metrics = MetricsServer(self.registry, 0 if port < 0 else port, host=self.config.host)
-                except OSError as exc:
-                    raise ValueError(f"node metrics endpoint cannot listen on {self.config.host}:{port}: "
-                                     f"{exc.strerror}") from exc
+                self._metrics = MetricsServer(self.registry, 0 if port < 0 else port, host=self.config.host,
+                                              name="node")
                 self.metrics_port = self._metrics.port
             self.server.start()
             self.bulk.start()
