@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 HERE = Path(__file__).resolve().parent
 VENV = HERE / ".mooncake-venv"
@@ -64,7 +65,8 @@ def wait_port(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}")
+            program = cast("list[str]", proc.args)[0]  # every process here is started from a list of str
+            raise RuntimeError(f"{program} exited with {proc.returncode}")
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
@@ -149,12 +151,14 @@ def run_mooncake(args: argparse.Namespace, python: Path, labels: list[str]) -> d
         owner = subprocess.Popen([str(python), str(HERE / "mooncake_side.py"), "owner", *ports,
                                   "--segment-mib", str(segment_mib(args, labels))],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert owner.stdin is not None and owner.stdout is not None  # both are pipes
         if owner.stdout.readline().strip() != "ready":
             raise RuntimeError("mooncake owner did not start")
         result = run_json([str(python), str(HERE / "mooncake_side.py"), "client", *ports,
                            *workload_flags(args, ";".join(labels), args.lookups)])
     finally:
         if owner is not None:
+            assert owner.stdin is not None  # a pipe
             owner.stdin.close()
             stop(owner)
         stop(master)
@@ -171,8 +175,9 @@ def render(labels: list[str], memcpy: dict, shm: dict, net: dict, mc: dict) -> s
 
     big = {label for label in labels if SIZES[label] >= 1 << 20}
     lines = [
-        "| value | memcpy GB/s | kvpool put | kvpool get (same host) | kvpool get (network) | Mooncake put | Mooncake get "
-        "| put: kvpool/Mooncake | get same host: kvpool/Mooncake | get same host: kvpool/memcpy | get network: kvpool/Mooncake |",
+        "| value | memcpy GB/s | kvpool put | kvpool get (same host) | kvpool get (network) "
+        "| Mooncake put | Mooncake get | put: kvpool/Mooncake | get same host: kvpool/Mooncake "
+        "| get same host: kvpool/memcpy | get network: kvpool/Mooncake |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label in labels:

@@ -14,11 +14,11 @@ import json
 import sys
 
 import numpy as np
+from workload import add_common_arguments, run_side
 
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig
 from kvpool.keys import opaque_key
-from workload import add_common_arguments, run_side
 
 
 class KvpoolClient:

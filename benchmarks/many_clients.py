@@ -25,11 +25,11 @@ sys.path.insert(0, str(HERE))
 
 def child(args: argparse.Namespace) -> int:
     import numpy as np
+    from workload import aligned
 
     from kvpool.client.pool import PoolClient
     from kvpool.config import ClientConfig
     from kvpool.keys import opaque_key
-    from workload import aligned
 
     config = ClientConfig(master=args.master, shared_memory=not args.no_shared_memory, io_timeout_s=30)
     src = aligned(args.blocks, args.size)
@@ -105,12 +105,14 @@ def main() -> int:
     errors = sum(sum(r["errors"].values()) for r in results)
     wrong = sum(r["wrong_blocks"] for r in results)
     path = "network (bulk TCP)" if args.no_shared_memory else "same host (shared memory)"
-    print("| clients | path | aggregate put GB/s | aggregate get GB/s | per-client put GB/s (min-max) | errors | wrong blocks |")
+    print("| clients | path | aggregate put GB/s | aggregate get GB/s | per-client put GB/s (min-max) "
+          "| errors | wrong blocks |")
     print("|---|---|---|---|---|---|---|")
     print(f"| {args.clients} | {path} | {moved / put_wall / 1e9:.2f} | {moved / get_wall / 1e9:.2f} "
           f"| {min(r['put_gbps'] for r in results):.2f}-{max(r['put_gbps'] for r in results):.2f} "
           f"| {errors:.0f} | {wrong} |")
-    print(f"\n{moved >> 20} MiB each way in {wall:.1f} s of wall time; aggregate = all bytes / the slowest client's time")
+    print(f"\n{moved >> 20} MiB each way in {wall:.1f} s of wall time; "
+          "aggregate = all bytes / the slowest client's time")
     return 0 if errors == 0 and wrong == 0 else 1
 
 

@@ -16,7 +16,6 @@ import sys
 
 import numpy as np
 from mooncake.store import MooncakeDistributedStore
-
 from workload import add_common_arguments, run_side
 
 METADATA = "http://127.0.0.1:{port}/metadata"
@@ -41,8 +40,8 @@ class MooncakeClient:
 
     def _register(self, arrays: list[np.ndarray]) -> None:
         for a in arrays:
-            base = a.base if a.base is not None else a
-            while getattr(base, "base", None) is not None:
+            base = a
+            while base.base is not None:  # the array that owns the memory
                 base = base.base
             addr = base.ctypes.data
             if addr not in self._registered:

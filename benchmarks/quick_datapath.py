@@ -137,6 +137,7 @@ def main() -> int:
                                              lookup_timeout_s=5)) as pool:
                     wait_ready(pool, proc)
                     if grpc_only:
+                        # this client only: no node has a bulk address, so remote gets take gRPC
                         pool.nodes.data_address = lambda address: None  # type: ignore[method-assign]
                     if shm:  # map the arena into this process before measuring (a one-off cost per process)
                         pool.store([opaque_key("warm-up")], [values[0]])

@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 
 KV_LAYOUT_BYTES = 2 * 28 * 128 * 4 * 128 * 2  # K+V, 28 layers, block 128, 4 KV heads, head dim 128, bf16
-SIZES = {"4 KiB": 4 << 10, "256 KiB": 256 << 10, "1 MiB": 1 << 20, "8 MiB": 8 << 20, "KV block (7 MiB)": KV_LAYOUT_BYTES}
+SIZES = {
+    "4 KiB": 4 << 10, "256 KiB": 256 << 10, "1 MiB": 1 << 20, "8 MiB": 8 << 20, "KV block (7 MiB)": KV_LAYOUT_BYTES,
+}
 
 
 def blocks_for(size: int, total: int) -> int:
@@ -83,7 +85,8 @@ def measure(client: Any, size: int, *, total: int, batch: int, rounds: int, samp
             raise RuntimeError("latency get failed")
         gets.append(time.perf_counter() - t0)
     client.remove(lat_keys)
-    out.update(put_p50_us=_pct(puts, 50), put_p99_us=_pct(puts, 99), get_p50_us=_pct(gets, 50), get_p99_us=_pct(gets, 99))
+    out.update(put_p50_us=_pct(puts, 50), put_p99_us=_pct(puts, 99),
+               get_p50_us=_pct(gets, 50), get_p99_us=_pct(gets, 99))
     return out
 
 

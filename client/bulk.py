@@ -23,6 +23,7 @@ from __future__ import annotations
 import socket
 import ssl
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -41,6 +42,7 @@ from kvpool.keys import BlockKey
 from kvpool.node.bulk import OP_AUTH, OP_GET, OP_PUT, ProtocolError, read_reply_header, request_header
 
 # Per-block outcome of a GET.
+T = TypeVar("T")
 OK = 0
 GONE = 1  # the node does not hold it (any more), or its slot was reused while it was sent
 CHANGED = 2  # the node holds a block of another size or checksum under the key
@@ -86,7 +88,7 @@ class BulkClient:
                                     max_idle_per_address=max_idle_per_node, tls=tls,
                                     hello=auth_hello(token) if token else None)
 
-    def _exchange(self, address: str, fn, *args):  # type: ignore[no-untyped-def]
+    def _exchange(self, address: str, fn: Callable[..., T], *args: Any) -> T:
         try:
             return self._pool.exchange(address, fn, *args)
         except ConnectFailed as exc:

@@ -56,7 +56,7 @@ class KVCacheClient:
             self.hbm = HbmStore(self.layout, config.hbm_blocks, config.device, on_change=self._hbm_changed)
 
     @classmethod
-    def from_file(cls, path: str) -> "KVCacheClient":
+    def from_file(cls, path: str) -> KVCacheClient:
         """Build from a kvpool JSON config (its ``client`` section) plus ``KVPOOL_CLIENT_*`` variables."""
         return cls(load_config(path).client)
 
@@ -180,7 +180,7 @@ class KVCacheClient:
         self._report_hbm(wait=True)
         self.pool.close()
 
-    def __enter__(self) -> "KVCacheClient":
+    def __enter__(self) -> KVCacheClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -68,9 +68,9 @@ class PoolRun(Sequence[BlockLocation]):
     def __getitem__(self, i: int) -> BlockLocation: ...
 
     @overload
-    def __getitem__(self, i: slice) -> "PoolRun": ...
+    def __getitem__(self, i: slice) -> PoolRun: ...
 
-    def __getitem__(self, i: int | slice) -> "BlockLocation | PoolRun":
+    def __getitem__(self, i: int | slice) -> BlockLocation | PoolRun:
         if isinstance(i, slice):
             return PoolRun(self.keys[i], self.tiers[i], self.node_indexes[i], self.nodes, self.sizes[i],
                            self.checksums[i])
@@ -83,7 +83,7 @@ class PoolRun(Sequence[BlockLocation]):
                                                    self.checksums):
             yield BlockLocation(key, Tier(tier), nodes[node], size, checksum)
 
-    def count(self, tier: Tier) -> int:  # type: ignore[override]
+    def count(self, tier: Tier) -> int:
         """How many blocks of the run ``tier`` holds."""
         return self.tiers.count(int(tier))
 

@@ -108,7 +108,8 @@ class PoolClient:
         """The leading run of ``keys`` the pool holds, with locations; empty if the master fails."""
         keys = check_keys(keys)
         request = master_pb2.LookupRequest(
-            keys=b"".join(keys), worker_id=self.worker_id, hbm_prefix_blocks=hbm_prefix_blocks, block_tokens=block_tokens
+            keys=b"".join(keys), worker_id=self.worker_id, hbm_prefix_blocks=hbm_prefix_blocks,
+            block_tokens=block_tokens,
         )
         start = time.perf_counter()
         try:
@@ -154,11 +155,16 @@ class PoolClient:
         )
         if not wait:
             future = self._master.ReportHbm.future(request, timeout=self.config.lookup_timeout_s)
-            future.add_done_callback(lambda f: f.exception() and self.faults.count(_report_kind(f.exception())))
+            future.add_done_callback(self._count_report_failure)
             return
         try:
             self._master.ReportHbm(request, timeout=self.config.lookup_timeout_s)
         except grpc.RpcError as exc:
+            self.faults.count(_report_kind(exc))
+
+    def _count_report_failure(self, future: grpc.Future[master_pb2.ReportHbmResponse]) -> None:
+        exc = future.exception()
+        if exc is not None:
             self.faults.count(_report_kind(exc))
 
     # -- reads ---------------------------------------------------------------------------
@@ -303,7 +309,7 @@ class PoolClient:
         if self._metrics_server is not None:
             self._metrics_server.close()
 
-    def __enter__(self) -> "PoolClient":
+    def __enter__(self) -> PoolClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

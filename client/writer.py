@@ -87,7 +87,8 @@ class WriteBehindQueue:
             self._cond.wait_for(lambda: self._items or self._closed)
             if not self._items:
                 return None
-            batch, size = [], 0
+            batch: list[tuple[BlockKey, np.ndarray]] = []
+            size = 0
             while self._items and (not batch or size + self._items[0][1].size <= self._batch_bytes):
                 item = self._items.popleft()
                 batch.append(item)
@@ -99,7 +100,7 @@ class WriteBehindQueue:
         while (batch := self._take_batch()) is not None:
             try:
                 self._sink([k for k, _ in batch], [a for _, a in batch])
-            except Exception:  # noqa: BLE001 - a failed write-behind is a lost cache entry
+            except Exception:  # a failed write-behind is a lost cache entry
                 log.exception("write-behind: dropping %d blocks", len(batch))
             with self._cond:
                 self._done += len(batch)

@@ -37,7 +37,7 @@ import hmac
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 import numpy as np
@@ -171,7 +171,7 @@ class Authority:
         self._tokens = {hashlib.sha256(t).digest(): (t, identity) for t, identity in tokens}
 
     @classmethod
-    def load(cls, path: str) -> "Authority":
+    def load(cls, path: str) -> Authority:
         """Read an auth file; ValueError naming the problem if it is unreadable or malformed."""
         data = read_json_object(path, "auth file")
         unknown = sorted(set(data) - {"secret", "node_tokens", "clients"})
@@ -270,7 +270,12 @@ class AuthInterceptor(grpc.ServerInterceptor):
         self._authority = authority
         self._on_refused = on_refused
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def, override]
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        # Any: one interceptor serves every method, each with request and reply messages of its own.
         method = handler_call_details.method
         handler = continuation(handler_call_details)
         if handler is None or method.startswith(OPEN_PREFIX):
@@ -282,7 +287,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
             if self._on_refused is not None:
                 self._on_refused(code.name.lower())
 
-            def refuse(request, context):  # type: ignore[no-untyped-def]
+            def refuse(request: Any, context: grpc.ServicerContext) -> NoReturn:
                 context.abort(code, details)
 
             return grpc.unary_unary_rpc_method_handler(refuse, request_deserializer=lambda raw: raw)
@@ -290,7 +295,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
             return handler
         inner = handler.unary_unary
 
-        def as_caller(request, context):  # type: ignore[no-untyped-def]
+        def as_caller(request: Any, context: grpc.ServicerContext) -> Any:
             with acting_as(identity):
                 return inner(request, context)
 
@@ -303,6 +308,10 @@ class AuthInterceptor(grpc.ServerInterceptor):
 # -- the client side ----------------------------------------------------------------------------------
 
 
+_Request = TypeVar("_Request")
+_Call = TypeVar("_Call")  # what the channel returns for a call: a grpc.Call that is also a grpc.Future
+
+
 class BearerInterceptor(grpc.UnaryUnaryClientInterceptor):
     """Adds ``authorization: Bearer <token>`` to every unary call of a channel."""
 
@@ -311,8 +320,13 @@ class BearerInterceptor(grpc.UnaryUnaryClientInterceptor):
             raise ValueError(f"a token must be 16-512 printable ASCII characters with no spaces; {TOKEN_HINT}")
         self._entry = ("authorization", f"Bearer {token}")
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
-        metadata = [*(client_call_details.metadata or ()), self._entry]
+    def intercept_unary_unary(
+        self,
+        continuation: Callable[[grpc.ClientCallDetails, _Request], _Call],
+        client_call_details: grpc.ClientCallDetails,
+        request: _Request,
+    ) -> _Call:
+        metadata = (*(client_call_details.metadata or ()), self._entry)
         details = _CallDetails(client_call_details.method, client_call_details.timeout, metadata,
                                client_call_details.credentials, getattr(client_call_details, "wait_for_ready", None),
                                getattr(client_call_details, "compression", None))
@@ -320,7 +334,9 @@ class BearerInterceptor(grpc.UnaryUnaryClientInterceptor):
 
 
 class _CallDetails(grpc.ClientCallDetails):
-    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):  # type: ignore[no-untyped-def]
+    def __init__(self, method: str, timeout: float | None, metadata: tuple[tuple[str, str | bytes], ...] | None,
+                 credentials: grpc.CallCredentials | None, wait_for_ready: bool | None,
+                 compression: grpc.Compression | None):
         self.method = method
         self.timeout = timeout
         self.metadata = metadata

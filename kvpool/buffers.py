@@ -8,11 +8,25 @@ side (:mod:`kvpool.client`), so the service never imports torch.
 from __future__ import annotations
 
 import threading
-from typing import Union
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-BufferLike = Union[bytes, bytearray, memoryview, np.ndarray]
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # PEP 688's protocol: collections.abc.Buffer from Python 3.12
+
+BufferLike = bytes | bytearray | memoryview | np.ndarray
+
+
+def as_buffer(buf: BufferLike) -> Buffer:
+    """``buf`` as the type checker's ``Buffer``, for APIs typed with it (memoryview, xxhash).
+
+    No conversion: every ``BufferLike`` has the buffer protocol. numpy's stubs declare
+    ``ndarray.__buffer__`` only for Python >= 3.12 (where the protocol became visible to
+    Python code), so for the Python 3.10 that kvpool is checked against an ndarray is
+    not a ``Buffer`` without this cast.
+    """
+    return cast("Buffer", buf)
 
 
 def byte_view(buf: BufferLike, *, writable: bool = False) -> memoryview:
@@ -22,7 +36,7 @@ def byte_view(buf: BufferLike, *, writable: bool = False) -> memoryview:
     or (with ``writable=True``) is read-only.
     """
     try:
-        view = memoryview(buf)
+        view = memoryview(as_buffer(buf))
     except TypeError as exc:
         raise ValueError(f"expected a buffer (bytes, memoryview, numpy array), got {type(buf).__name__}") from exc
     if not view.c_contiguous:

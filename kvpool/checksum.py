@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from kvpool.buffers import BufferLike
+from kvpool.buffers import BufferLike, as_buffer
 
 
 def block_checksum(data: BufferLike) -> int:
     """Return the 64-bit checksum of ``data`` (any C-contiguous buffer)."""
-    return xxhash.xxh3_64_intdigest(data)
+    return xxhash.xxh3_64_intdigest(as_buffer(data))
 
 
 _CHUNK = 256 << 10  # fits in L2 beside its source: the hash reads the copy while it is hot
@@ -30,10 +30,10 @@ def copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> int:
     """
     if dst.size <= _CHUNK:
         np.copyto(dst, src)
-        return xxhash.xxh3_64_intdigest(dst)
+        return xxhash.xxh3_64_intdigest(as_buffer(dst))
     h = xxhash.xxh3_64()
     for start in range(0, dst.size, _CHUNK):
         piece = dst[start : start + _CHUNK]
         np.copyto(piece, src[start : start + _CHUNK])
-        h.update(piece)
+        h.update(as_buffer(piece))
     return h.intdigest()

@@ -20,7 +20,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NewType
+from typing import NewType, cast
 
 import numpy as np
 
@@ -136,10 +136,14 @@ def check_key(key: object) -> BlockKey:
 
 def check_keys(keys: Iterable[object]) -> list[BlockKey]:
     """Validate a batch of keys (all or nothing)."""
-    keys = list(keys)
-    if not keys or (set(map(type, keys)) == {bytes} and set(map(len, keys)) == {KEY_BYTES}):
-        return keys  # type: ignore[return-value]
-    return [check_key(k) for k in keys]
+    items = list(keys)
+    if not items:
+        return []
+    if set(map(type, items)) == {bytes}:  # the fast path: no Python call per key
+        raw = cast("list[bytes]", items)  # every item is exactly bytes (checked just above)
+        if set(map(len, raw)) == {KEY_BYTES}:
+            return cast("list[BlockKey]", raw)  # a BlockKey is any bytes of KEY_BYTES
+    return [check_key(k) for k in items]
 
 
 def pack_keys(keys: Iterable[BlockKey]) -> bytes:

@@ -128,7 +128,7 @@ class KVLayout:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "KVLayout":
+    def from_dict(cls, data: Mapping[str, Any]) -> KVLayout:
         """Build a layout from config; unknown or missing fields are a ValueError."""
         fields = set(cls.__dataclass_fields__)
         unknown = set(data) - fields

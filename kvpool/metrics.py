@@ -19,10 +19,10 @@ client: its own; node and client: get and put) and told apart by ``job``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvpool.tiers.base import TierStats
@@ -115,7 +115,7 @@ class TierCollector(Collector):
         self._prefix = prefix
         self._gauges_only = gauges_only
 
-    def collect(self):  # type: ignore[override]
+    def collect(self) -> Iterator[Metric]:
         names = [*self._label_names, "tier"]
         p = self._prefix
         families = {

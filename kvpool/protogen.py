@@ -44,7 +44,8 @@ def stale_files() -> list[str]:
         fresh = {p.name: p for p in generate(Path(tmp))}
         current = {p.name: p for p in (ROOT / OUT_PACKAGE).glob("*_pb2*.py*")}
         names = sorted(set(fresh) | set(current))
-        return [n for n in names if n not in fresh or n not in current or not filecmp.cmp(fresh[n], current[n], shallow=False)]
+        return [n for n in names
+                if n not in fresh or n not in current or not filecmp.cmp(fresh[n], current[n], shallow=False)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import logging
 import socket
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, Protocol, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -42,10 +42,21 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ]
 
 
+class _StatusOf(Protocol):
+    """``grpc.ServicerContext.code()``: in grpcio (an experimental API), not declared by types-grpcio."""
+
+    def code(self) -> grpc.StatusCode | None: ...
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Turns exceptions raised by servicers into gRPC statuses (see module docstring)."""
 
-    def intercept_service(self, continuation, handler_call_details):  # type: ignore[override]
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        # Any: one interceptor serves every method, each with request and reply messages of its own.
         handler = continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
             return handler
@@ -53,7 +64,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         deserialize = handler.request_deserializer
 
-        def guarded(raw, context):  # type: ignore[no-untyped-def]
+        def guarded(raw: bytes, context: grpc.ServicerContext) -> Any:
             # Decode here, not in gRPC: its own decode failure is INTERNAL ("Exception deserializing request!").
             try:
                 request = raw if deserialize is None else deserialize(raw)
@@ -64,7 +75,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             except ValueError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except Exception as exc:  # the one place that turns bugs into INTERNAL
-                if context.code() is not None:  # the servicer aborted with a status of its own
+                if cast(_StatusOf, context).code() is not None:  # the servicer aborted with a status of its own
                     raise
                 log.exception("%s failed", method)
                 context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -204,9 +215,19 @@ def flags_from_bytes(data: bytes) -> list[bool]:
     return [b != 0 for b in data]
 
 
+def proto_tier(tier: Tier) -> common_pb2.Tier:
+    """``tier`` as the wire enum ``kvpool.v1.Tier`` (the same numbers: see common.proto).
+
+    The generated stubs type an enum field as its enum class; at run time that
+    class is an ``EnumTypeWrapper`` (no constructor) and the field takes any int.
+    """
+    return cast("common_pb2.Tier", int(tier))
+
+
 def tier_usage(stats: TierStats) -> common_pb2.TierUsage:
     return common_pb2.TierUsage(
-        tier=int(stats.tier), capacity_bytes=stats.capacity_bytes, used_bytes=stats.used_bytes, blocks=stats.blocks
+        tier=proto_tier(stats.tier), capacity_bytes=stats.capacity_bytes, used_bytes=stats.used_bytes,
+        blocks=stats.blocks,
     )
 
 

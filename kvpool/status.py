@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvpool.metrics import TIER_LABELS
-from kvpool.v1 import master_pb2, master_pb2_grpc
+from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 
 LATE_HEARTBEAT_S = 2.0  # two default heartbeat intervals: still listed, but worth a look
 
@@ -105,12 +105,13 @@ def render_status(master: str, status: master_pb2.ClusterStatusResponse) -> str:
         (f"kvpool master {master}: {len(status.nodes)} node(s), {status.indexed_blocks} blocks indexed, "
          f"{status.workers} worker(s) holding {status.hbm_blocks} blocks in HBM"),
         "",
-        f"{'NODE':<24} {'ADDRESS':<22} {'HEALTH':<6} {'HEARTBEAT':>11}  {'DRAM used / capacity':<40} SSD used / capacity",
+        f"{'NODE':<24} {'ADDRESS':<22} {'HEALTH':<6} {'HEARTBEAT':>11}  "
+        f"{'DRAM used / capacity':<40} SSD used / capacity",
     ]
     for node in status.nodes:
         tiers = {t.tier: t for t in node.tiers}
         cells = []
-        for tier in (1, 2):
+        for tier in (common_pb2.TIER_DRAM, common_pb2.TIER_SSD):
             t = tiers.get(tier)
             if t is None or not t.capacity_bytes:
                 cells.append("-")
@@ -241,7 +242,8 @@ def run_status(master: str, timeout: float = 3.0, prometheus: str | None = None,
     code = 0
     try:
         with make_channel(master, max_message_bytes=64 << 20, token=token, tls_ca=tls_ca) as channel:
-            reply = master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=timeout)
+            stub = master_pb2_grpc.MasterStub(channel)
+            reply = stub.ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=timeout)
         print(render_status(master, reply))
     except grpc.RpcError as exc:
         print(f"kvpool status: cannot reach the master at {master}: {exc.code().name}", file=sys.stderr)

@@ -72,9 +72,8 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool.keys import KEY_BYTES, BlockKey
-from kvpool.tiers.base import Tier
-
 from kvpool.master.keytable import KeyTable, Rows
+from kvpool.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +212,10 @@ class BlockIndex:
         """
         run = self.leading_run_arrays(b"".join(keys) if len(keys) else b"")
         tiers, nodes = run.tiers.tolist(), run.nodes.tolist()
-        return list(map(_new_hit, zip(map(_TIERS.__getitem__, tiers), nodes, run.sizes.tolist(), run.checksums.tolist())))
+        columns = zip(map(_TIERS.__getitem__, tiers), nodes, run.sizes.tolist(), run.checksums.tolist())
+        return list(map(_new_hit, columns))
 
-    def leading_run_arrays(self, packed: bytes) -> "RunArrays":
+    def leading_run_arrays(self, packed: bytes) -> RunArrays:
         """:meth:`leading_run` of packed keys, as numpy columns (no Python object per block)."""
         if len(packed) % KEY_BYTES:
             raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
@@ -304,7 +304,7 @@ class BlockIndex:
                     self._copies += 1
         fresh = int(np.count_nonzero(new))
         if fresh:
-            columns = {
+            columns: dict[str, npt.NDArray[np.generic]] = {
                 "loc1": np.full(fresh, loc, np.uint32),
                 "loc2": np.full(fresh, _NONE, np.uint32),
                 "size": size[new],

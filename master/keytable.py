@@ -128,7 +128,7 @@ class KeyTable:
 
     # -- changes ------------------------------------------------------------------------
 
-    def insert(self, k0: U64, k1: U64, payload: Mapping[str, npt.NDArray], refuse: bool = True) -> int:  # type: ignore[type-arg]
+    def insert(self, k0: U64, k1: U64, payload: Mapping[str, npt.NDArray[np.generic]], refuse: bool = True) -> int:
         """Insert distinct, absent keys with their payload (one array per field); returns how many went in.
 
         Rows may move. A key that finds no room although the table is sparse (more than H keys share
@@ -166,7 +166,8 @@ class KeyTable:
             pending = lost
         return n - refused
 
-    def _write(self, slot: Rows, k0: U64, k1: U64, payload: Mapping[str, npt.NDArray]) -> None:  # type: ignore[type-arg]
+    def _write(self, slot: Rows, k0: U64, k1: U64, payload: Mapping[str, npt.ArrayLike]) -> None:
+        """Fill rows ``slot``: ``payload`` has a value per field, an array (one per row) or one scalar."""
         self.k0[slot] = k0
         self.k1[slot] = k1
         for name, values in payload.items():
@@ -174,7 +175,7 @@ class KeyTable:
         self.fp[slot] = fingerprint(np.asarray(k0, np.uint64))
         self.live += np.size(slot)
 
-    def _displace(self, k0: int, k1: int, payload: Mapping[str, object]) -> bool:
+    def _displace(self, k0: int, k1: int, payload: Mapping[str, npt.ArrayLike]) -> bool:
         """Hopscotch: hop keys forward within their own neighbourhoods until a slot near ``k0``'s home
         is free, then put the key there. False (nothing moved) if no free slot is within reach."""
         home = self._home_one(k0)
@@ -194,7 +195,7 @@ class KeyTable:
         for src, dst in hops:  # from the free slot backwards: each destination is empty when written
             self.rec[dst], self.fp[dst] = self.rec[src], self.fp[src]
             self.fp[src] = 0
-        self._write(np.array([free]), np.array([k0], np.uint64), np.array([k1], np.uint64), payload)  # type: ignore[arg-type]
+        self._write(np.array([free]), np.array([k0], np.uint64), np.array([k1], np.uint64), payload)
         return True
 
     def delete(self, rows: Rows) -> None:

@@ -31,12 +31,11 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvpool.tiers.base import Tier, TierStats
-
 from kvpool.master.index import BlockIndex, HbmIndex
+from kvpool.tiers.base import Tier, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ class Membership:
         *,
         node_timeout_s: float,
         worker_timeout_s: float,
-        clock=time.monotonic,  # type: ignore[no-untyped-def]
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if node_timeout_s <= 0 or worker_timeout_s <= 0:
             raise ValueError("node_timeout_s and worker_timeout_s must be positive")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -37,14 +38,13 @@ from kvpool import __version__
 from kvpool.auth import caller, caller_keys
 from kvpool.config import MasterConfig
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
-from kvpool.rpc import flag_bytes, tier_usage
-from kvpool.tiers.base import Tier, TierStats
-from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
-
 from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership, NodeAddress
 from kvpool.master.placement import TOO_LARGE, Candidate, NoPoolNodes, place
 from kvpool.master.stats import MasterMetrics
+from kvpool.rpc import flag_bytes, tier_usage
+from kvpool.tiers.base import Tier, TierStats
+from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 
 _NODE_TIERS = (Tier.DRAM, Tier.SSD)
 MAX_REF_CHARS = 1024  # longest NodeRef string field RegisterNode accepts
@@ -109,12 +109,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     @staticmethod
     def _node_ref(ref: NodeAddress) -> common_pb2.NodeRef:
         return common_pb2.NodeRef(
-            node_id=ref.node_id, address=ref.address, host_id=ref.host_id, arena=ref.arena, data_address=ref.data_address
+            node_id=ref.node_id, address=ref.address, host_id=ref.host_id, arena=ref.arena,
+            data_address=ref.data_address,
         )
 
     # -- nodes ----------------------------------------------------------------------------
 
-    def RegisterNode(self, request, context):  # type: ignore[no-untyped-def]
+    def RegisterNode(self, request: master_pb2.RegisterNodeRequest, context: Any) -> master_pb2.RegisterNodeResponse:
         ref = request.node
         if not ref.node_id:
             raise ValueError("RegisterNode: node.node_id must not be empty")
@@ -136,12 +137,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             node_timeout_s=self._config.node_timeout_s,
         )
 
-    def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
+    def Heartbeat(self, request: master_pb2.HeartbeatRequest, context: Any) -> master_pb2.HeartbeatResponse:
         tiers = self._tier_stats(request.tiers)
         known = self._membership.heartbeat(request.node_id, request.incarnation, tiers)
         return master_pb2.HeartbeatResponse(known=known)
 
-    def ReportBlocks(self, request, context):  # type: ignore[no-untyped-def]
+    def ReportBlocks(self, request: master_pb2.ReportBlocksRequest, context: Any) -> master_pb2.ReportBlocksResponse:
         tier = self._tier(request.tier)
         added = self._keys(request.added_keys, "added_keys")
         removed = self._keys(request.removed_keys, "removed_keys")
@@ -159,13 +160,15 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             known = self._index.remove(slot, tier, removed) and known
         return master_pb2.ReportBlocksResponse(known=known)
 
-    def UnregisterNode(self, request, context):  # type: ignore[no-untyped-def]
+    def UnregisterNode(
+        self, request: master_pb2.UnregisterNodeRequest, context: Any
+    ) -> master_pb2.UnregisterNodeResponse:
         self._membership.unregister(request.node_id, request.incarnation)
         return master_pb2.UnregisterNodeResponse()
 
     # -- clients --------------------------------------------------------------------------
 
-    def Lookup(self, request, context):  # type: ignore[no-untyped-def]
+    def Lookup(self, request: master_pb2.LookupRequest, context: Any) -> master_pb2.LookupResponse:
         started = time.perf_counter()
         n_keys = self._count_keys(request.keys)
         if request.worker_id:
@@ -210,11 +213,11 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self._metrics.lookup_seconds.observe(time.perf_counter() - started)
         return response
 
-    def Exists(self, request, context):  # type: ignore[no-untyped-def]
+    def Exists(self, request: master_pb2.ExistsRequest, context: Any) -> master_pb2.ExistsResponse:
         keys = self._client_keys(request.keys)
         return master_pb2.ExistsResponse(present=flag_bytes(self._index.exists(keys)))
 
-    def PlaceBlocks(self, request, context):  # type: ignore[no-untyped-def]
+    def PlaceBlocks(self, request: master_pb2.PlaceBlocksRequest, context: Any) -> master_pb2.PlaceBlocksResponse:
         keys = self._client_keys(request.keys)
         self._same_length(keys, "sizes", request.sizes)
         if any(size == 0 for size in request.sizes):
@@ -252,7 +255,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             response.node_indexes.append(used[c])
         return response
 
-    def ReportHbm(self, request, context):  # type: ignore[no-untyped-def]
+    def ReportHbm(self, request: master_pb2.ReportHbmRequest, context: Any) -> master_pb2.ReportHbmResponse:
         if not request.worker_id:
             raise ValueError("ReportHbm: worker_id must not be empty")
         added = self._client_keys(request.added_keys, "added_keys")
@@ -266,12 +269,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     # -- status ---------------------------------------------------------------------------
 
-    def Info(self, request, context):  # type: ignore[no-untyped-def]
+    def Info(self, request: master_pb2.MasterInfoRequest, context: Any) -> master_pb2.MasterInfoResponse:
         who = caller()
         return master_pb2.MasterInfoResponse(call_port=self.call_port, version=__version__,
                                              tenant_mask=who.mask if who is not None else b"")
 
-    def ClusterStatus(self, request, context):  # type: ignore[no-untyped-def]
+    def ClusterStatus(self, request: master_pb2.ClusterStatusRequest, context: Any) -> master_pb2.ClusterStatusResponse:
         now = self._membership.now()
         response = master_pb2.ClusterStatusResponse()
         for info in self._membership.live_nodes():

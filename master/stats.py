@@ -22,13 +22,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
-
-from kvpool.metrics import CLUSTER_TIER_PREFIX, ErrorMetrics, LookupMetrics, TierCollector, latency_histogram
-from kvpool.tiers.base import TierStats
 
 from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
+from kvpool.metrics import CLUSTER_TIER_PREFIX, ErrorMetrics, LookupMetrics, TierCollector, latency_histogram
+from kvpool.tiers.base import TierStats
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class _UsageGauges(Collector):
             for stats in info.tiers.values():
                 yield {"node": info.ref.node_id}, stats
 
-    def collect(self):  # type: ignore[override]
+    def collect(self) -> Iterator[Metric]:
         return self._tiers.collect()
 
 

@@ -87,9 +87,11 @@ ALLOWED = {OK, INVALID, EXHAUSTED}
 REJECTED = {INVALID, EXHAUSTED}
 
 # KVPOOL_FUZZ_EXPLORE=1: random examples instead (reproduce a run with pytest's --hypothesis-seed=N).
-FUZZ_SETTINGS = dict(deadline=None, derandomize=os.environ.get("KVPOOL_FUZZ_EXPLORE") != "1", database=None,
-                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                            HealthCheck.filter_too_much, HealthCheck.large_base_example])
+FUZZ_SETTINGS: dict[str, Any] = dict(
+    deadline=None, derandomize=os.environ.get("KVPOOL_FUZZ_EXPLORE") != "1", database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much,
+                           HealthCheck.large_base_example],
+)
 
 
 def fuzz_settings(max_examples: int) -> settings:
@@ -146,9 +148,14 @@ class Pool:
         return channel
 
     @property
+    def running_node(self) -> PoolNode:
+        """The node, once started (the fuzzers run only then)."""
+        assert self.node is not None, "fuzz pool: the node is not started"
+        return self.node
+
+    @property
     def real_incarnation(self) -> int:
-        assert self.node is not None
-        return self.node.link.incarnation
+        return self.running_node.link.incarnation
 
     # -- calls ------------------------------------------------------------------------------------------
 
@@ -156,8 +163,9 @@ class Pool:
     def call_raw(channel: grpc.Channel, path: str, body: bytes, reply_type: Any = None,
                  timeout: float = 15.0) -> tuple[grpc.StatusCode, Any]:
         """Send ``body`` as the whole serialized request; (status, reply or error details). Never raises RpcError."""
-        fn = channel.unary_unary(path, request_serializer=None,
-                                 response_deserializer=None if reply_type is None else reply_type.FromString)
+        fn: grpc.UnaryUnaryMultiCallable[bytes, Any] = channel.unary_unary(
+            path, request_serializer=None, response_deserializer=None if reply_type is None else reply_type.FromString
+        )
         try:
             return OK, fn(body, timeout=timeout)
         except grpc.RpcError as exc:
@@ -360,7 +368,7 @@ def seed_request(request_type) -> bytes:
     keys = b"".join(bytes([0x33, i]) + bytes(30) for i in range(3))
     fill = {
         "node": common_pb2.NodeRef(node_id="fuzz-raw", address="fuzz.invalid:1", host_id="h", arena="a"),
-        "tiers": [common_pb2.TierUsage(tier=1, capacity_bytes=1 << 20, used_bytes=1, blocks=1)],
+        "tiers": [common_pb2.TierUsage(tier=common_pb2.TIER_DRAM, capacity_bytes=1 << 20, used_bytes=1, blocks=1)],
         "keys": keys, "added_keys": keys, "removed_keys": keys[:32], "data": b"d" * 30,
         "sizes": [10, 10, 10], "added_sizes": [1, 2, 3], "checksums": [1, 2, 3], "added_checksums": [1, 2, 3],
         "slots": [1, 2, 3], "node_id": "fuzz-raw", "worker_id": "w", "incarnation": 7, "lease": 3,

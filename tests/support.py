@@ -12,7 +12,6 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-
 _handed_out: set[int] = set()
 
 
@@ -124,7 +123,7 @@ class PoolProcesses:
     def master(self) -> str:
         return f"127.0.0.1:{self.master_port}"
 
-    def _flags(self, flags: dict) -> list[str]:
+    def _flags(self, flags: dict[str, object]) -> list[str]:
         """``{"port": 5, "write-through": "true", "ssd": "false"}`` -> ``--port 5 --write-through --no-ssd``."""
         args: list[str] = []
         for k, v in flags.items():
@@ -135,7 +134,7 @@ class PoolProcesses:
                 args += [f"--{k}", str(v)]
         return args
 
-    def _node_flags(self, name: str) -> dict:
+    def _node_flags(self, name: str) -> dict[str, object]:
         node = self.nodes.setdefault(name, {"port": free_port(), "metrics": free_port(), "data": free_port()})
         return {
             "port": node["port"], "metrics-port": node["metrics"], "data-port": node["data"], "node-id": name,
@@ -155,16 +154,16 @@ class PoolProcesses:
         return proc
 
     def start_master(self, **flags: str) -> subprocess.Popen:
-        flags = {"port": self.master_port, "metrics-port": self.master_metrics_port,
-                 "call-port": self.master_call_port, **flags}
-        proc = kvpool_process("master", *self._flags(flags), log_path=self.tmp / f"master-{len(self.procs)}.log")
+        values: dict[str, object] = {"port": self.master_port, "metrics-port": self.master_metrics_port,
+                                     "call-port": self.master_call_port, **flags}
+        proc = kvpool_process("master", *self._flags(values), log_path=self.tmp / f"master-{len(self.procs)}.log")
         self.procs.append(proc)
         wait_serving(self.master, proc=proc)
         return proc
 
     def start_node(self, name: str, **flags: str) -> subprocess.Popen:
-        flags = {**self._node_flags(name), "master": self.master, **flags}
-        proc = kvpool_process("node", *self._flags(flags), log_path=self.tmp / f"node-{name}-{len(self.procs)}.log")
+        values = {**self._node_flags(name), "master": self.master, **flags}
+        proc = kvpool_process("node", *self._flags(values), log_path=self.tmp / f"node-{name}-{len(self.procs)}.log")
         self.procs.append(proc)
         wait_serving(self.node_address(name), proc=proc)
         return proc

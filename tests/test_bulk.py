@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import threading
+from typing import Any
 
 import grpc
 import numpy as np
@@ -36,9 +37,10 @@ def block(i: int, size: int) -> np.ndarray:
 
 
 def node_config(tmp_path, arena: str, **over) -> NodeConfig:
-    values = dict(master=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, metrics_port=0, data_port=0,
-                  arena=arena, dram_bytes=6 * SLOT, slot_bytes=SLOT, high_watermark=1.0, low_watermark=1.0,
-                  ssd_dir=str(tmp_path / "ssd"), ssd_bytes=128 * MIB)
+    values: dict[str, Any] = dict(
+        master=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena,
+        dram_bytes=6 * SLOT, slot_bytes=SLOT, high_watermark=1.0, low_watermark=1.0, ssd_dir=str(tmp_path / "ssd"),
+        ssd_bytes=128 * MIB)
     values.update(over)
     return NodeConfig(**values)
 

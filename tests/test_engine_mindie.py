@@ -10,19 +10,23 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
 
-from support import PoolProcesses, free_port  # noqa: E402
+from support import PoolProcesses, free_port
 
-from kvpool.client.kvclient import KVCacheClient  # noqa: E402
-from kvpool.config import load_config  # noqa: E402
-from kvpool.engines.mindie import KVPoolMempool, create_pool  # noqa: E402
-from kvpool.keys import opaque_key  # noqa: E402
-from kvpool.layout import KVLayout  # noqa: E402
+from kvpool.client.kvclient import KVCacheClient
+from kvpool.config import load_config
+from kvpool.engines.mindie import KVPoolMempool, create_pool
+from kvpool.keys import opaque_key
+from kvpool.layout import KVLayout
 
 LAYOUT = KVLayout("bfloat16", num_layers=3, num_kv_heads=2, head_dim=16, block_size=16)  # 1 KiB a piece, 6 KiB a block
 NUM_BLOCKS = 12

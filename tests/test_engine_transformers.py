@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -65,7 +66,7 @@ def procs(tmp_path):
 
 
 def client(model, master: str, **over) -> KVCacheClient:
-    values = {"master": master, "layout": kv_layout(model, BLOCK), "model": hf_model.model_id(model),
+    values: dict[str, Any] = {"master": master, "layout": kv_layout(model, BLOCK), "model": hf_model.model_id(model),
               "lookup_timeout_s": 5.0, "io_timeout_s": 10.0}
     values.update(over)
     return KVCacheClient(ClientConfig(**values))

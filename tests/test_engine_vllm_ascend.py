@@ -10,15 +10,19 @@ from __future__ import annotations
 import json
 import signal
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import pytest
 
-torch = pytest.importorskip("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
 
-from support import PoolProcesses  # noqa: E402
+from support import PoolProcesses
 
-from kvpool.engines.vllm_ascend import ERR_FAILED, ERR_INVALID, OK, KVPoolStoreBackend  # noqa: E402
-from kvpool.layout import KVLayout  # noqa: E402
+from kvpool.engines.vllm_ascend import ERR_FAILED, ERR_INVALID, OK, KVPoolStoreBackend
+from kvpool.layout import KVLayout
 
 LAYOUT = KVLayout("float16", num_layers=2, num_kv_heads=2, head_dim=16, block_size=16)  # 1 KiB a piece, 4 KiB a block
 NUM_BLOCKS = 10
@@ -59,7 +63,8 @@ class KVCaches:
         self.tensors = [t for kv in self.layers for t in kv]  # the order of kv_caches_base_addr
 
     def register(self, backend: KVPoolStoreBackend) -> None:
-        backend.register_buffer([t.data_ptr() for t in self.tensors], [t.numel() * t.element_size() for t in self.tensors])
+        backend.register_buffer([t.data_ptr() for t in self.tensors],
+                                [t.numel() * t.element_size() for t in self.tensors])
 
     def addrs(self, block_ids) -> tuple[list[list[int]], list[list[int]]]:
         """prepare_value(): for each block, every layer's K and V address and size."""

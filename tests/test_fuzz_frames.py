@@ -22,6 +22,7 @@ Deterministic: ``derandomize=True``. ``KVPOOL_FUZZ_SCALE=4`` runs four times as 
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import socket
 import struct
@@ -102,7 +103,7 @@ def pool(tmp_path_factory):
 
 
 def port_of(pool: Pool, server: str) -> int:
-    return pool.master.servicer.call_port if server == "master" else pool.node.bulk.port
+    return pool.master.servicer.call_port if server == "master" else pool.running_node.bulk.port
 
 
 def exchange(port: int, stream: bytes) -> bytes:
@@ -171,7 +172,7 @@ def call_frames(draw, server: str):
         if 1 <= method <= len(names):
             seed = seed_request(types[method - 1][0])
             known = KNOWN_BODIES.get((server, names[method - 1]))
-            body = draw(weighted((3, st.just(seed)), (3, mutations.map(lambda ops, s=seed: mutate(s, ops))),
+            body = draw(weighted((3, st.just(seed)), (3, mutations.map(functools.partial(mutate, seed))),
                                  (2, st.binary(max_size=200)), (2 if known else 0, st.just(known))))
         elif method == AUTH_METHOD:
             body = draw(weighted((3, st.binary(max_size=64)), (1, st.binary(min_size=MAX_TOKEN_BYTES + 1,
@@ -201,7 +202,7 @@ def expected_call_replies(frames, cut, limit: int) -> list[tuple[str, int]]:
     stream_len = sum(len(h) + len(b) for h, b, _ in frames) if cut is None else cut
     out: list[tuple[str, int]] = []
     pos = 0
-    for header, body, length in frames:
+    for header, _body, length in frames:
         if pos + len(header) > stream_len:
             return out + [("eof", 0)]
         magic, version, method, _, _ = FRAME.unpack(header)
@@ -267,7 +268,7 @@ def cheap_fast_call(pool: Pool, server: str) -> None:
     method = names.index(name) + 1
     body = types[method - 1][0](keys=b"".join(KNOWN_KEYS)).SerializeToString()
     if server == "master":
-        pool.node.link.flush()
+        pool.running_node.link.flush()
     data = exchange(port_of(pool, server), FRAME.pack(CALL_MAGIC, CALL_VERSION, method, 0, len(body)) + body)
     check_call_replies(data, [(b"", body, len(body))], [("reply", method), ("eof", 0)], server)
 
@@ -287,14 +288,14 @@ def test_fast_call_frames(pool, server):
         if cut is not None:
             stream = stream[:cut]
         expect = expected_call_replies(frames, cut, SERVERS[server][2])
-        pool.node.link.flush()  # Lookup / Exists of the known keys must find all of them
+        pool.running_node.link.flush()  # Lookup / Exists of the known keys must find all of them
         data = exchange(port_of(pool, server), stream)
         check_call_replies(data, frames, expect, server)
         cheap_fast_call(pool, server)
         pool.count(f"fast calls ({server})")
 
     run()
-    pool.node.store.dram.expire(time.monotonic() + 3600)  # fuzzed Reserve leases: do not wait for the reaper
+    pool.running_node.store.dram.expire(time.monotonic() + 3600)  # fuzzed Reserve leases: do not wait for the reaper
     pool.check_alive()
     pool.check_known()
 
@@ -345,8 +346,12 @@ def bulk_streams(draw, max_keys: int):
 
 def expected_bulk_replies(pool: Pool, reqs, cut) -> list[tuple]:
     """The bulk listener's answers to exactly these bytes (the protocol in kvpool/node/bulk.py, as a model)."""
-    node = pool.node
-    fits = lambda n: node.store.fits_dram(n) or node.store.ssd.fits(n)  # noqa: E731
+    node = pool.running_node
+    ssd = node.store.ssd
+
+    def fits(n: int) -> bool:
+        return node.store.fits_dram(n) or (ssd is not None and ssd.fits(n))
+
     stream = b"".join(h + b for h, b in reqs)
     end = len(stream) if cut is None else cut
     out: list[tuple] = []
@@ -441,12 +446,12 @@ def check_bulk_replies(data: bytes, expect: list[tuple], reqs) -> None:
 def cheap_bulk_get(pool: Pool) -> None:
     """A fresh connection: GET of the known keys answers their exact bytes (or an honest miss flag)."""
     keys = list(KNOWN_KEYS)
-    data = exchange(pool.node.bulk.port, bulk.request_header(bulk.OP_GET, len(keys)) + b"".join(keys))
+    data = exchange(pool.running_node.bulk.port, bulk.request_header(bulk.OP_GET, len(keys)) + b"".join(keys))
     check_bulk_replies(data, [("get", keys), ("eof",)], None)
 
 
 def test_bulk_requests(pool):
-    max_keys = pool.node.bulk.max_keys_per_call
+    max_keys = pool.running_node.bulk.max_keys_per_call
 
     @fuzz_settings(N)
     @given(case=bulk_streams(max_keys))
@@ -454,10 +459,10 @@ def test_bulk_requests(pool):
         reqs, cut = case
         stream = b"".join(h + b for h, b in reqs)
         expect = expected_bulk_replies(pool, reqs, cut)
-        data = exchange(pool.node.bulk.port, stream if cut is None else stream[:cut])
+        data = exchange(pool.running_node.bulk.port, stream if cut is None else stream[:cut])
         check_bulk_replies(data, expect, reqs)
         # the listener's own leases end with the request, whatever happened to it
-        assert pool.node.store.dram.leased_slots == 0, "a bulk PUT left DRAM slots leased"
+        assert pool.running_node.store.dram.leased_slots == 0, "a bulk PUT left DRAM slots leased"
         cheap_bulk_get(pool)
         pool.count("bulk")
 
@@ -472,13 +477,13 @@ def test_bulk_put_of_valid_fuzz_blocks_is_stored_and_read_back(pool):
     blocks = [det_bytes(i, n) for i, n in enumerate([1, SLOT, SLOT + 1, 40 << 10])]
     body = (b"".join(keys) + np.array([len(b) for b in blocks], "<u8").tobytes()
             + np.array([block_checksum(b) for b in blocks], "<u8").tobytes() + b"".join(blocks))
-    data = exchange(pool.node.bulk.port, bulk.request_header(bulk.OP_PUT, 4) + body
+    data = exchange(pool.running_node.bulk.port, bulk.request_header(bulk.OP_PUT, 4) + body
                     + bulk.request_header(bulk.OP_GET, 4) + b"".join(keys))
     r = Reader(data)
     assert bulk.HEADER.unpack(r.take(16, "header"))[2:5] == (bulk.STATUS_OK, bulk.OP_PUT, 4)
     assert r.take(4, "stored") == b"\x01" * 4
     check_bulk_replies(data[r.pos:], [("get", keys), ("eof",)], None)
-    got = pool.node.store.where(keys)
+    got = pool.running_node.store.where(keys)
     assert None not in got
     pool.count("bulk")
 

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
 
-from kvpool.client.devices import resolve_device  # noqa: E402
-from kvpool.client.hbm import HbmStore  # noqa: E402
-from kvpool.keys import BlockKey  # noqa: E402
-from kvpool.layout import KVLayout  # noqa: E402
-from kvpool.tiers.base import Tier  # noqa: E402
+from kvpool.client.devices import resolve_device
+from kvpool.client.hbm import HbmStore
+from kvpool.keys import BlockKey
+from kvpool.layout import KVLayout
+from kvpool.tiers.base import Tier
 
 BF16 = KVLayout("bfloat16", 2, 2, 8, 4)  # 2 layers * K,V * 4 tok * 2 heads * 8 dim * 2 B = 512 B
 F32 = KVLayout("float32", 2, 2, 8, 4)
@@ -146,7 +151,8 @@ def test_remove_frees_slot_for_reuse() -> None:
     assert store.stats().evictions == 0
 
 
-BAD_INPUTS = {
+# malformed on purpose (wrong types too): what HbmStore must refuse at run time
+BAD_INPUTS: dict[str, Callable[[], tuple[list[Any], list[Any]]]] = {
     "wrong_size": lambda: ([key(5)], [torch.zeros(BF16.block_bytes // 2 - 1, dtype=torch.bfloat16)]),
     "wrong_dtype": lambda: ([key(5)], [torch.zeros(BF16.block_bytes // 4, dtype=torch.float32)]),
     "non_contiguous": lambda: ([key(5)], [torch.zeros((BF16.block_bytes // 2, 2), dtype=torch.bfloat16)[:, 0]]),
@@ -189,15 +195,15 @@ def test_bad_out_leaves_other_outs_untouched() -> None:
 def test_bad_keys_rejected_by_contains_and_remove() -> None:
     store = HbmStore(BF16, capacity_blocks=1)
     with pytest.raises(ValueError):
-        store.contains([b"x" * 31])
+        store.contains([BlockKey(b"x" * 31)])
     with pytest.raises(ValueError):
-        store.remove(["not bytes"])  # type: ignore[list-item]
+        store.remove(["not bytes"])  # type: ignore[list-item]  # a wrong type on purpose: the check under test
 
 
 @pytest.mark.parametrize("capacity", [0, -1, 1.5, True])
 def test_capacity_must_be_positive_int(capacity: object) -> None:
     with pytest.raises(ValueError):
-        HbmStore(BF16, capacity_blocks=capacity)  # type: ignore[arg-type]
+        HbmStore(BF16, capacity_blocks=capacity)  # type: ignore[arg-type]  # wrong types on purpose
 
 
 def test_closed_store_raises() -> None:
@@ -241,4 +247,4 @@ def test_resolve_device_npu_needs_torch_npu() -> None:
 @pytest.mark.parametrize("spec", ["tpu", "", "cuda:", "cuda:-1", "cpu:0", " cpu", "CUDA", None])
 def test_resolve_device_rejects_unknown(spec: object) -> None:
     with pytest.raises(ValueError):
-        resolve_device(spec)  # type: ignore[arg-type]
+        resolve_device(spec)  # type: ignore[arg-type]  # wrong types on purpose (None)

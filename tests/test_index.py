@@ -38,7 +38,7 @@ class Reference:
     """What the index should say: key -> (size, checksum, {(tier, node)})."""
 
     def __init__(self) -> None:
-        self.entries: dict[bytes, tuple[int, int, set[tuple[int, int]]]] = {}
+        self.entries: dict[BlockKey, tuple[int, int, set[tuple[int, int]]]] = {}
 
     def add(self, node: int, tier: Tier, keys: list[BlockKey], sizes: list[int], checksums: list[int]) -> None:
         for key, size, checksum in zip(keys, sizes, checksums):
@@ -68,7 +68,7 @@ class Reference:
                 del self.entries[key]
         return removed
 
-    def hit(self, key: bytes) -> Hit:
+    def hit(self, key: BlockKey) -> Hit:
         size, checksum, locs = self.entries[key]
         tier, node = min(locs)  # DRAM before SSD, then the lowest node slot
         return Hit(Tier(tier), node, size, checksum)
@@ -255,7 +255,8 @@ def test_drop_node_after_growth_leaves_other_nodes_intact():
     rng = np.random.default_rng(3)
     index, ref = opened(0, 1, 2), Reference()
     keys = random_keys(60000, rng)
-    for node, lo, hi, tier in [(0, 0, 30000, DRAM), (1, 20000, 50000, DRAM), (2, 25000, 60000, SSD), (0, 40000, 45000, SSD)]:
+    spans = [(0, 0, 30000, DRAM), (1, 20000, 50000, DRAM), (2, 25000, 60000, SSD), (0, 40000, 45000, SSD)]
+    for node, lo, hi, tier in spans:
         sizes, sums = sizes_for(keys[lo:hi])
         assert index.add(node, tier, keys[lo:hi], sizes, sums)
         ref.add(node, tier, keys[lo:hi], sizes, sums)
@@ -277,7 +278,7 @@ def test_keytable_makes_room_by_hopping_and_by_growing(monkeypatch):
     hops = 0
     displace = KeyTable._displace
 
-    def counting(self, *args):  # type: ignore[no-untyped-def]
+    def counting(self, *args):
         nonlocal hops
         hops += 1
         return displace(self, *args)

@@ -170,13 +170,17 @@ def refusing_listener(frame: bytes):
     server = socket.create_server(("127.0.0.1", 0))
     stopping = threading.Event()
 
+    def refuse(conn: socket.socket) -> None:
+        send_final(conn, frame)
+        conn.close()
+
     def loop() -> None:
         while not stopping.is_set():
             try:
                 conn, _ = server.accept()
             except OSError:
                 return
-            threading.Thread(target=lambda c=conn: (send_final(c, frame), c.close()), daemon=True).start()
+            threading.Thread(target=refuse, args=(conn,), daemon=True).start()
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()

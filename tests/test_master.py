@@ -12,7 +12,8 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 import pytest
@@ -55,7 +56,9 @@ def register(
 ) -> int:
     reply = stub.RegisterNode(
         master_pb2.RegisterNodeRequest(
-            node=common_pb2.NodeRef(node_id=node_id, address=f"{node_id}.test:7610", host_id=f"host-{node_id}", arena=f"arena-{node_id}"),
+            node=common_pb2.NodeRef(
+                node_id=node_id, address=f"{node_id}.test:7610", host_id=f"host-{node_id}", arena=f"arena-{node_id}"
+            ),
             tiers=[dram_usage(capacity, used), common_pb2.TierUsage(tier=SSD, capacity_bytes=4 * GIB)],
             slot_bytes=slot_bytes,
             max_block_bytes=max_block_bytes,
@@ -69,9 +72,9 @@ def report(
     stub: master_pb2_grpc.MasterStub,
     node_id: str,
     incarnation: int,
-    tier: int,
-    added: list[BlockKey] = (),  # type: ignore[assignment]
-    removed: list[BlockKey] = (),  # type: ignore[assignment]
+    tier: common_pb2.Tier,
+    added: Sequence[BlockKey] = (),
+    removed: Sequence[BlockKey] = (),
     full_sync: bool = False,
 ) -> bool:
     reply = stub.ReportBlocks(
@@ -89,8 +92,13 @@ def report(
     return reply.known
 
 
-def lookup(stub: master_pb2_grpc.MasterStub, keys: list[BlockKey], **kw: int) -> master_pb2.LookupResponse:
-    return stub.Lookup(master_pb2.LookupRequest(keys=pack_keys(keys), **kw))
+def lookup(
+    stub: master_pb2_grpc.MasterStub, keys: list[BlockKey], *, worker_id: str = "", hbm_prefix_blocks: int = 0,
+    block_tokens: int = 0,
+) -> master_pb2.LookupResponse:
+    request = master_pb2.LookupRequest(keys=pack_keys(keys), worker_id=worker_id, hbm_prefix_blocks=hbm_prefix_blocks,
+                                       block_tokens=block_tokens)
+    return stub.Lookup(request)
 
 
 def run_of(reply: master_pb2.LookupResponse) -> list[tuple[Tier, str]]:
@@ -145,9 +153,9 @@ def start_master() -> Iterator[Callable[..., MasterServer]]:
     started: list[MasterServer] = []
 
     def start(**overrides: object) -> MasterServer:
-        settings: dict[str, object] = dict(host="127.0.0.1", port=0, metrics_port=-1)
+        settings: dict[str, Any] = dict(host="127.0.0.1", port=0, metrics_port=-1)
         settings.update(overrides)
-        server = MasterServer(MasterConfig(**settings)).start()  # type: ignore[arg-type]
+        server = MasterServer(MasterConfig(**settings)).start()
         started.append(server)
         return server
 
@@ -174,12 +182,12 @@ def connect() -> Iterator[Callable[[MasterServer], master_pb2_grpc.MasterStub]]:
 
 
 @pytest.fixture
-def master(start_master) -> MasterServer:  # type: ignore[no-untyped-def]
+def master(start_master) -> MasterServer:
     return start_master()
 
 
 @pytest.fixture
-def stub(master, connect) -> master_pb2_grpc.MasterStub:  # type: ignore[no-untyped-def]
+def stub(master, connect) -> master_pb2_grpc.MasterStub:
     return connect(master)
 
 
@@ -451,7 +459,7 @@ def test_silent_worker_loses_its_hbm_entries(start_master, connect):
 RAGGED = pack_keys(make_keys(2))[:-1]
 
 
-def _bad_requests(stub, incarnation):  # type: ignore[no-untyped-def]
+def _bad_requests(stub, incarnation):
     """(call, expected message fragment) for each kind of bad input."""
     k = make_keys(3)
     too_many = pack_keys(make_keys(9))  # max_keys_per_call = 8 below
@@ -461,7 +469,8 @@ def _bad_requests(stub, incarnation):  # type: ignore[no-untyped-def]
         (
             lambda: stub.ReportBlocks(
                 master_pb2.ReportBlocksRequest(
-                    node_id="a", incarnation=incarnation, tier=DRAM, added_keys=RAGGED, added_sizes=[1], added_checksums=[1]
+                    node_id="a", incarnation=incarnation, tier=DRAM, added_keys=RAGGED, added_sizes=[1],
+                    added_checksums=[1],
                 )
             ),
             "not a multiple of 32",
@@ -469,7 +478,8 @@ def _bad_requests(stub, incarnation):  # type: ignore[no-untyped-def]
         (
             lambda: stub.ReportBlocks(
                 master_pb2.ReportBlocksRequest(
-                    node_id="a", incarnation=incarnation, tier=DRAM, added_keys=pack_keys(k), added_sizes=[1, 2], added_checksums=[1, 2, 3]
+                    node_id="a", incarnation=incarnation, tier=DRAM, added_keys=pack_keys(k), added_sizes=[1, 2],
+                    added_checksums=[1, 2, 3],
                 )
             ),
             "added_sizes: 2 values for 3 keys",
@@ -477,33 +487,48 @@ def _bad_requests(stub, incarnation):  # type: ignore[no-untyped-def]
         (
             lambda: stub.ReportBlocks(
                 master_pb2.ReportBlocksRequest(
-                    node_id="a", incarnation=incarnation, tier=DRAM, added_keys=pack_keys(k), added_sizes=[1, 2, 3], added_checksums=[]
+                    node_id="a", incarnation=incarnation, tier=DRAM, added_keys=pack_keys(k), added_sizes=[1, 2, 3],
+                    added_checksums=[],
                 )
             ),
             "added_checksums: 0 values for 3 keys",
         ),
         (
-            lambda: stub.ReportBlocks(master_pb2.ReportBlocksRequest(node_id="a", incarnation=incarnation, tier=common_pb2.TIER_HBM)),
+            lambda: stub.ReportBlocks(
+                master_pb2.ReportBlocksRequest(node_id="a", incarnation=incarnation, tier=common_pb2.TIER_HBM)
+            ),
             "tier 0 is not one of TIER_DRAM, TIER_SSD",
         ),
-        (lambda: stub.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(k), sizes=[4096])), "sizes: 1 values for 3 keys"),
+        (
+            lambda: stub.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(k), sizes=[4096])),
+            "sizes: 1 values for 3 keys",
+        ),
         (lambda: stub.Lookup(master_pb2.LookupRequest(keys=too_many)), "too many keys"),
         (lambda: stub.Exists(master_pb2.ExistsRequest(keys=too_many)), "too many keys"),
         (
-            lambda: stub.ReportBlocks(master_pb2.ReportBlocksRequest(node_id="a", incarnation=incarnation, tier=DRAM, removed_keys=too_many)),
+            lambda: stub.ReportBlocks(
+                master_pb2.ReportBlocksRequest(node_id="a", incarnation=incarnation, tier=DRAM, removed_keys=too_many)
+            ),
             "too many keys",
         ),
         (
-            lambda: stub.RegisterNode(master_pb2.RegisterNodeRequest(node=common_pb2.NodeRef(node_id="", address="x:1"))),
+            lambda: stub.RegisterNode(
+                master_pb2.RegisterNodeRequest(node=common_pb2.NodeRef(node_id="", address="x:1"))
+            ),
             "node_id must not be empty",
         ),
         (
             lambda: stub.RegisterNode(
-                master_pb2.RegisterNodeRequest(node=common_pb2.NodeRef(node_id="c", address="x:1"), tiers=[dram_usage(), dram_usage()])
+                master_pb2.RegisterNodeRequest(
+                    node=common_pb2.NodeRef(node_id="c", address="x:1"), tiers=[dram_usage(), dram_usage()]
+                )
             ),
             "reported twice",
         ),
-        (lambda: stub.ReportHbm(master_pb2.ReportHbmRequest(worker_id="", added_keys=pack_keys(k))), "worker_id must not be empty"),
+        (
+            lambda: stub.ReportHbm(master_pb2.ReportHbmRequest(worker_id="", added_keys=pack_keys(k))),
+            "worker_id must not be empty",
+        ),
     ]
 
 
@@ -564,7 +589,8 @@ def test_metrics_endpoint_counts_lookups_and_agrees_with_cluster_status(master, 
 
     assert after[lookups_total] - before[lookups_total] == 3
     assert after[dram_hits] - before[dram_hits] == 3
-    assert after[("kvpool_hit_blocks_total", (("tier", "ssd"),))] - before[("kvpool_hit_blocks_total", (("tier", "ssd"),))] == 2
+    ssd_hits = ("kvpool_hit_blocks_total", (("tier", "ssd"),))
+    assert after[ssd_hits] - before[ssd_hits] == 2
     assert after[("kvpool_hit_blocks_total", (("tier", "hbm"),))] == 3
     assert after[("kvpool_lookup_blocks_total", ())] == (3 + 4) + 3 + 1
     assert after[("kvpool_lookup_seconds_count", ())] == 3
@@ -586,7 +612,8 @@ def test_cluster_status_describes_the_cluster(stub):
     a, b = register(stub, "a"), register(stub, "b", capacity=2 * GIB)
     assert report(stub, "a", a, DRAM, make_keys(3))
     assert report(stub, "b", b, SSD, make_keys(5))  # 3 of them also on a
-    assert stub.Heartbeat(master_pb2.HeartbeatRequest(node_id="b", incarnation=b, tiers=[dram_usage(2 * GIB, 7, 1)])).known
+    heartbeat = master_pb2.HeartbeatRequest(node_id="b", incarnation=b, tiers=[dram_usage(2 * GIB, 7, 1)])
+    assert stub.Heartbeat(heartbeat).known
     stub.ReportHbm(master_pb2.ReportHbmRequest(worker_id="w", added_keys=pack_keys(make_keys(2, "hbm"))))
     lookup(stub, make_keys(1), worker_id="w2", hbm_prefix_blocks=2, block_tokens=8)
 
@@ -618,9 +645,10 @@ def test_run_master_logs_its_address_and_stops_on_sigterm(tmp_path):
     try:
         pattern = re.compile(r"kvpool master listening on 127\.0\.0\.1:(\d+) \(fast calls :(\d+), metrics :(\d+)\)")
         assert poll(lambda: pattern.search(log_path.read_text()) is not None, deadline_s=30.0), log_path.read_text()
-        port = int(pattern.search(log_path.read_text()).group(1))  # type: ignore[union-attr]
+        port = int(pattern.search(log_path.read_text()).group(1))
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            assert master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=5).lookups == 0
+            status = master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=5)
+            assert status.lookups == 0
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
     finally:

@@ -8,6 +8,7 @@ import os
 import re
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -39,7 +40,7 @@ def block(i: int, size: int = SLOT) -> bytes:
 
 
 def config(tmp_path: Path, arena: str, **over) -> NodeConfig:
-    values = dict(
+    values: dict[str, Any] = dict(
         master=f"127.0.0.1:{free_port()}",  # nothing listens there unless a test says so
         host="127.0.0.1", port=0, metrics_port=-1, arena=arena, node_id="",
         dram_bytes=DRAM_SLOTS * SLOT, slot_bytes=SLOT, high_watermark=1.0, low_watermark=1.0,

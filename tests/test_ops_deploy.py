@@ -39,7 +39,9 @@ def _one(kind: str, name: str) -> dict:
 
 
 def _bytes(quantity: str) -> int:
-    number, unit = re.fullmatch(r"(\d+)([KMGT]i)", quantity).groups()  # type: ignore[union-attr]
+    match = re.fullmatch(r"(\d+)([KMGT]i)", quantity)
+    assert match is not None, f"not a quantity in Ki/Mi/Gi/Ti: {quantity!r}"
+    number, unit = match.groups()
     return int(number) * _QUANTITY[unit]
 
 
@@ -111,9 +113,13 @@ def test_prometheus_kubernetes_config_scrapes_the_services_on_the_metrics_ports(
     assert jobs["kvpool-node"]["port"] == config.node.metrics_port
 
 
+class _CaseKeepingParser(configparser.ConfigParser):
+    def optionxform(self, optionstr: str) -> str:
+        return optionstr  # systemd's keys are case-sensitive (ConfigParser lowercases them)
+
+
 def _unit(name: str) -> configparser.ConfigParser:
-    parser = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
-    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser = _CaseKeepingParser(strict=False, interpolation=None, delimiters=("=",))
     parser.read_string((SYSTEMD / name).read_text())
     return parser
 
@@ -152,6 +158,6 @@ def test_systemd_analyze_verify_finds_nothing_to_complain_about(tmp_path):
     names = ["kvpool-master.service", "kvpool-node.service"]
     for name in names:  # verify checks that ExecStart's binary exists: point it at this install
         (tmp_path / name).write_text((SYSTEMD / name).read_text().replace("/opt/kvpool/bin/kvpool", kvpool))
-    done = subprocess.run([analyze, "verify", "--man=no", *names], check=False, capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path)
+    done = subprocess.run([analyze, "verify", "--man=no", *names], check=False, capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr

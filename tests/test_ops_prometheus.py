@@ -215,7 +215,8 @@ def ops(tmp_path_factory):
         t2 = wait_until(scraped_after, timeout=DEADLINE_S, interval=0.2)
 
         def recorded_since(t: float) -> bool:
-            for name in (RECORDED["blocks_by_tier"], RECORDED["blocks"], RECORDED["tokens_by_tier"], RECORDED["tokens"]):
+            names = (RECORDED["blocks_by_tier"], RECORDED["blocks"], RECORDED["tokens_by_tier"], RECORDED["tokens"])
+            for name in names:
                 found = prometheus.series(f"{name}[1m]")
                 if not found or any(samples[-1][0] < t for samples in found.values()):
                     return False

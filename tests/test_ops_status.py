@@ -25,16 +25,19 @@ GIB = 1 << 30
 
 
 def _status() -> master_pb2.ClusterStatusResponse:
-    def usage(tier: int, used: int, cap: int, blocks: int) -> common_pb2.TierUsage:
+    dram, ssd = common_pb2.TIER_DRAM, common_pb2.TIER_SSD
+
+    def usage(tier: common_pb2.Tier, used: int, cap: int, blocks: int) -> common_pb2.TierUsage:
         return common_pb2.TierUsage(tier=tier, used_bytes=used, capacity_bytes=cap, blocks=blocks)
 
     return master_pb2.ClusterStatusResponse(
         nodes=[
             master_pb2.NodeStatus(node=common_pb2.NodeRef(node_id="host-a", address="10.0.0.1:7610"),
-                                  tiers=[usage(1, 48 * GIB, 64 * GIB, 24576), usage(2, 900 * GIB, 1024 * GIB, 460800)],
+                                  tiers=[usage(dram, 48 * GIB, 64 * GIB, 24576),
+                                         usage(ssd, 900 * GIB, 1024 * GIB, 460800)],
                                   seconds_since_heartbeat=0.25),
             master_pb2.NodeStatus(node=common_pb2.NodeRef(node_id="host-b", address="10.0.0.2:7610"),
-                                  tiers=[usage(1, 0, 64 * GIB, 0)], seconds_since_heartbeat=2.6),
+                                  tiers=[usage(dram, 0, 64 * GIB, 0)], seconds_since_heartbeat=2.6),
         ],
         indexed_blocks=485376, workers=8, hbm_blocks=1000,
         lookups=400, requested_blocks=1000, hit_blocks_hbm=100, hit_blocks_dram=500, hit_blocks_ssd=250,

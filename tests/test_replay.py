@@ -12,7 +12,7 @@ import pytest
 from kvpool.bench import progress as pg
 from kvpool.bench import replay as rp
 from kvpool.bench import trace as tr
-from kvpool.keys import KeyNamespace, chain_block_keys
+from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys
 
 BB = 4 << 10  # small blocks keep the embedded pools tiny and fast
 
@@ -31,7 +31,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def keys_of(requests: list[list[int]], tenant: str = "") -> list[list[bytes]]:
+def keys_of(requests: list[list[int]], tenant: str = "") -> list[list[BlockKey]]:
     maker = tr.KeyMaker(KeyNamespace(tr.MODEL, rp.block_layout(BB).fingerprint(), tenant=tenant))
     return [maker.keys(ids) for ids in requests]
 

@@ -16,6 +16,7 @@ import ssl
 import stat
 import subprocess
 import sys
+from typing import Any
 
 import grpc
 import numpy as np
@@ -72,8 +73,10 @@ def cluster(tmp_path, arena: str, *, master_over: dict | None = None, **node_ove
     master = MasterServer(MasterConfig(host="127.0.0.1", port=0, metrics_port=0, call_port=0,
                                        **(master_over or {}))).start()
     try:
-        values = dict(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena,
-                      dram_bytes=16 * MIB, slot_bytes=MIB, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 * MIB)
+        values: dict[str, Any] = dict(
+            master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena,
+            dram_bytes=16 * MIB, slot_bytes=MIB, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 * MIB,
+        )
         values.update(node_over)
         node = PoolNode(NodeConfig(**values)).start()
         try:
@@ -98,7 +101,8 @@ def secured(tmp_path, arena_name, auth_file):
 
 
 def client(master: MasterServer, token: str, **over) -> PoolClient:
-    values = dict(master=master.address, token=token, lookup_timeout_s=2.0, io_timeout_s=5.0, shared_memory=False)
+    values: dict[str, Any] = dict(master=master.address, token=token, lookup_timeout_s=2.0, io_timeout_s=5.0,
+                                  shared_memory=False)
     values.update(over)
     return PoolClient(ClientConfig(**values))
 

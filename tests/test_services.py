@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -42,7 +43,7 @@ def procs(tmp_path):
 
 
 def client(procs: PoolProcesses, **over) -> KVCacheClient:
-    values = dict(master=procs.master, lookup_timeout_s=2.0, io_timeout_s=5.0)
+    values: dict[str, Any] = dict(master=procs.master, lookup_timeout_s=2.0, io_timeout_s=5.0)
     values.update(over)
     return KVCacheClient(ClientConfig(**values))
 

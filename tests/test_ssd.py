@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvpool.buffers import BufferLike
 from kvpool.checksum import block_checksum
 from kvpool.keys import BlockKey, opaque_key
 from kvpool.tiers.base import Tier
@@ -43,9 +44,9 @@ def read_back(store: SsdStore, i: int, size: int = MIB) -> np.ndarray | None:
 def test_put_get_byte_exact(tmp_path: Path, size: int) -> None:
     with SsdStore(tmp_path / "s", 16 * MIB) as store:
         assert store.tier is Tier.SSD
-        values = [block(1, size), bytearray(block(2, size).tobytes())]
+        values: list[BufferLike] = [block(1, size), bytearray(block(2, size).tobytes())]
         assert store.put([key(1), key(2)], values) == [True, True]
-        outs = [np.full(size, 0xAB, dtype=np.uint8), bytearray(size)]
+        outs: list[BufferLike] = [np.full(size, 0xAB, dtype=np.uint8), bytearray(size)]
         assert store.get_into([key(1), key(2)], outs) == [True, True]
         assert np.array_equal(outs[0], block(1, size))
         assert bytes(outs[1]) == block(2, size).tobytes()
@@ -247,19 +248,19 @@ def test_bad_input_is_value_error_and_changes_nothing(tmp_path: Path) -> None:
         cases = [
             lambda: store.get_into([key(0)], [np.empty(MIB - 1, dtype=np.uint8)]),
             lambda: store.get_into([key(0), key(1)], [sentinel, np.empty(MIB + 1, dtype=np.uint8)]),
-            lambda: store.get_into([b"x" * 31], [sentinel]),
-            lambda: store.get_into(["not bytes" * 4], [sentinel]),
+            lambda: store.get_into([BlockKey(b"x" * 31)], [sentinel]),
+            lambda: store.get_into(["not bytes" * 4], [sentinel]),  # type: ignore[list-item]  # on purpose
             lambda: store.get_into([key(0)], [bytes(MIB)]),
             lambda: store.get_into([key(0)], [np.empty(2 * MIB, dtype=np.uint8)[::2]]),
             lambda: store.get_into([key(0), key(1)], [sentinel]),
-            lambda: store.put([key(2), b"short"], [block(2), block(3)]),
+            lambda: store.put([key(2), BlockKey(b"short")], [block(2), block(3)]),
             lambda: store.put([key(2)], [block(2), block(3)]),
-            lambda: store.put([key(2)], [object()]),
+            lambda: store.put([key(2)], [object()]),  # type: ignore[list-item]  # not a buffer, on purpose
             lambda: store.put([key(2)], [block(2)], checksums=[1, 2]),
             lambda: store.put([key(2)], [np.zeros(3 * MIB, dtype=np.uint8)]),
             lambda: store.put([key(2), key(3)], [block(2), np.zeros(3 * MIB, dtype=np.uint8)]),
-            lambda: store.remove([b"short"]),
-            lambda: store.contains([b"short"]),
+            lambda: store.remove([BlockKey(b"short")]),
+            lambda: store.contains([BlockKey(b"short")]),
         ]
         for i, case in enumerate(cases):
             with pytest.raises(ValueError):

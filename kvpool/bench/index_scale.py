@@ -59,6 +59,7 @@ WARMUP_CALLS = 20
 _LONG_S = 1e6  # node and worker timeouts of the bench master: never reached
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def _rss_bytes() -> int:
         return -1
 
 
-def _timed(call: Callable[[T], object], inputs: Sequence[T], check: Callable[[object], bool]) -> tuple[float, float]:
+def _timed(call: Callable[[T], R], inputs: Sequence[T], check: Callable[[R], bool]) -> tuple[float, float]:
     """p50 and p99 microseconds of ``call`` over ``inputs``, each call timed alone and its result checked."""
     for item in inputs[:WARMUP_CALLS]:
         call(item)
@@ -141,14 +142,12 @@ def bench_size(n: int, calls: int, width: int, batch: int, seed: int) -> Row:
         half = width // 2
         picks = rng.integers(0, len(sample), (calls, half)).tolist()
         batches = [[sample[i] for i in row] + _split(rng.bytes(KEY_BYTES * (width - half))) for row in picks]
-        run_us = _timed(index.leading_run, batches, lambda hits: len(hits) == half)  # type: ignore[arg-type]
-        exists_us = _timed(
-            index.exists, batches, lambda flags: all(flags[:half]) and not any(flags[half:])  # type: ignore[index]
-        )
+        run_us = _timed(index.leading_run, batches, lambda hits: len(hits) == half)
+        exists_us = _timed(index.exists, batches, lambda flags: all(flags[:half]) and not any(flags[half:]))
         requests = [master_pb2.LookupRequest(keys=pack_keys(keys), block_tokens=16) for keys in batches]
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = master_pb2_grpc.MasterStub(channel)
-            grpc_us = _timed(stub.Lookup, requests, lambda reply: len(reply.tiers) == half)  # type: ignore[attr-defined]
+            grpc_us = _timed(stub.Lookup, requests, lambda reply: len(reply.tiers) == half)
 
         start = time.perf_counter()
         dropped = index.drop_node(slots[1])
@@ -196,7 +195,8 @@ def render(rows: list[Row], width: int) -> str:
         first, last = rows[0], rows[-1]
         lines.append(
             f"p50 at {_count(last.blocks)} / p50 at {_count(first.blocks)}: "
-            f"leading_run {last.run_us[0] / first.run_us[0]:.2f}x, exists {last.exists_us[0] / first.exists_us[0]:.2f}x, "
+            f"leading_run {last.run_us[0] / first.run_us[0]:.2f}x, "
+            f"exists {last.exists_us[0] / first.exists_us[0]:.2f}x, "
             f"gRPC Lookup {last.grpc_us[0] / first.grpc_us[0]:.2f}x."
         )
     return "\n".join(lines)
@@ -221,8 +221,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max", type=parse_count, help="skip sizes above this many blocks")
     parser.add_argument("--calls", type=int, default=2000, help="timed calls per figure (default: %(default)s)")
-    parser.add_argument("--keys", type=int, default=512, help="keys per lookup, half of them present (default: %(default)s)")
-    parser.add_argument("--batch", type=int, default=65536, help="keys per BlockIndex.add while filling (default: %(default)s)")
+    parser.add_argument("--keys", type=int, default=512,
+                        help="keys per lookup, half of them present (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=65536,
+                        help="keys per BlockIndex.add while filling (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random keys (default: %(default)s)")
     parser.add_argument("--out", help="also write the markdown table to this file")
 

@@ -212,8 +212,9 @@ class HbmOnly:
     """
 
     def __init__(self, layout: KVLayout, hbm_blocks: int):
-        from kvpool.client.hbm import HbmStore
         from prometheus_client import CollectorRegistry
+
+        from kvpool.client.hbm import HbmStore
 
         self.layout = layout
         self.hbm = HbmStore(layout, hbm_blocks, "cpu") if hbm_blocks > 0 else None
@@ -518,12 +519,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-bytes", type=parse_bytes, default=DEFAULT_BLOCK_BYTES, metavar="SIZE",
                         help="payload of one 512-token block, a multiple of 1 KiB (default: 16K)")
     parser.add_argument("--hbm", type=_capacity_arg, default=parse_capacity(DEFAULT_HBM), metavar="CAP",
-                        help="the client's HBM tier: blocks (1000b: b means blocks, any case) or bytes (16M, 4096bytes); "
-                        "0: none (default: %s)" % DEFAULT_HBM)
+                        help="the client's HBM tier: blocks (1000b: b means blocks, any case) or bytes "
+                        f"(16M, 4096bytes); 0: none (default: {DEFAULT_HBM})")
     parser.add_argument("--dram", type=_capacity_arg, default=parse_capacity(DEFAULT_DRAM), metavar="CAP",
-                        help="the embedded node's DRAM tier; 0: no pool at all, HBM only (default: %s)" % DEFAULT_DRAM)
+                        help=f"the embedded node's DRAM tier; 0: no pool at all, HBM only (default: {DEFAULT_DRAM})")
     parser.add_argument("--ssd", type=_capacity_arg, default=parse_capacity(DEFAULT_SSD), metavar="CAP",
-                        help="the embedded node's SSD tier; 0: off (default: %s)" % DEFAULT_SSD)
+                        help=f"the embedded node's SSD tier; 0: off (default: {DEFAULT_SSD})")
     parser.add_argument("--ssd-dir", default=None,
                         help="where the embedded node's temporary SSD directory goes (default: the system temp dir)")
     parser.add_argument("--master", default=None, metavar="HOST:PORT",

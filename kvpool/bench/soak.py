@@ -237,9 +237,11 @@ class LocalPool:
     def _spawn(self, name: str, argv: list[str], metrics_port: int) -> PoolProcess:
         log = os.path.join(self.workdir, f"{name}.log")
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "--log-level", os.environ.get("KVPOOL_SOAK_LOG", "WARNING"), *argv],
+            level = os.environ.get("KVPOOL_SOAK_LOG", "WARNING")
+            # preexec_fn is unsafe with threads in general; this one only calls prctl
+            proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "--log-level", level, *argv],
                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl only
+                                    start_new_session=True, preexec_fn=_die_with_parent)
         p = PoolProcess(name, proc, log, metrics_port)
         self.processes.append(p)
         return p
@@ -537,7 +539,8 @@ def soak(settings: SoakSettings, command: str = "", progress: bool = True) -> So
             if not scraped_warm and t >= settings.warmup_s and pool is not None:
                 result.server_before = pool.scrape()  # right after a sample: its threads are gone by the next
                 scraped_warm = True
-            for proc in [*(pool.processes if pool else []), *workers]:
+            processes: list[PoolProcess | WorkerProcess] = [*(pool.processes if pool else []), *workers]
+            for proc in processes:
                 code = proc.proc.poll()
                 if code is not None and proc.name not in result.died:
                     result.died[proc.name] = code

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvpool.buffers import aligned_empty
 from kvpool.keys import BlockKey
+from kvpool.tiers.base import TierStore
 from kvpool.tiers.dram import DramStore
 from kvpool.tiers.ssd import SsdStore
 
@@ -69,17 +70,17 @@ def bench_size(size: int, total: int, rounds: int, batch: int, ssd_dir: str) -> 
 
     memcpy_gbps = _best_gbps(nbytes, rounds, memcpy)
 
-    def put_get(store: object, name: str) -> tuple[float, float]:
+    def put_get(store: TierStore[np.ndarray], name: str) -> tuple[float, float]:
         """(put, get) GB/s of one tier store over the working set, bytes checked."""
 
         def put() -> None:
-            store.remove(keys)  # type: ignore[attr-defined]
+            store.remove(keys)
             for s in slices:
-                store.put(keys[s], list(src[s]))  # type: ignore[attr-defined]
+                store.put(keys[s], list(src[s]))
 
         def get() -> None:
             for s in slices:
-                if not all(store.get_into(keys[s], list(dst[s]))):  # type: ignore[attr-defined]
+                if not all(store.get_into(keys[s], list(dst[s]))):
                     raise AssertionError(f"bench: {name} lost a block it was sized for")
 
         result = _best_gbps(nbytes, rounds, put), _best_gbps(nbytes, rounds, get)
@@ -87,7 +88,8 @@ def bench_size(size: int, total: int, rounds: int, batch: int, ssd_dir: str) -> 
             raise AssertionError(f"bench: {name} returned different bytes")
         return result
 
-    dram = DramStore.create(f"kvpool-bench-{uuid.uuid4().hex[:8]}", n * size, size, high_watermark=1.0, low_watermark=1.0)
+    dram = DramStore.create(f"kvpool-bench-{uuid.uuid4().hex[:8]}", n * size, size,
+                            high_watermark=1.0, low_watermark=1.0)
     try:
         dram_put_gbps, dram_get_gbps = put_get(dram, "DRAM")
     finally:
@@ -109,7 +111,8 @@ def _fmt_size(size: int) -> str:
 def render(rows: list[Row]) -> str:
     """A markdown table with ratios to memcpy and whether each aim (blocks >= 1 MiB) is met."""
     lines = [
-        "| block | memcpy GB/s | DRAM put | DRAM get | SSD put | SSD get (warm) | DRAM get / memcpy | SSD get / memcpy |",
+        "| block | memcpy GB/s | DRAM put | DRAM get | SSD put | SSD get (warm) "
+        "| DRAM get / memcpy | SSD get / memcpy |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -129,10 +132,13 @@ def render(rows: list[Row]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="256K,1M,8M", help="block sizes, e.g. 256K,1M,8M (default: %(default)s)")
-    parser.add_argument("--total-mib", type=int, default=512, help="working set per size in MiB (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=3, help="passes per figure; the best is kept (default: %(default)s)")
+    parser.add_argument("--total-mib", type=int, default=512,
+                        help="working set per size in MiB (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="passes per figure; the best is kept (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=16, help="blocks per put/get call (default: %(default)s)")
-    parser.add_argument("--ssd-dir", default=tempfile.gettempdir(), help="where the LMDB file goes (default: %(default)s)")
+    parser.add_argument("--ssd-dir", default=tempfile.gettempdir(),
+                        help="where the LMDB file goes (default: %(default)s)")
     parser.add_argument("--out", help="also write the markdown table to this file")
 
 

@@ -229,7 +229,8 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
             with torch.inference_mode():  # the ceiling's prefix, computed once
                 prefix_cache = empty_cache()
                 off.forward(torch.tensor([target[:cached]]), prefix_cache)
-                prefix = [tuple(t.clone() for t in layer_kv(prefix_cache, i)) for i in range(layout.num_layers)]
+                pairs = (layer_kv(prefix_cache, i) for i in range(layout.num_layers))
+                prefix = [(k.clone(), v.clone()) for k, v in pairs]
             filler_round = 0
 
             def push_out_of_dram() -> None:

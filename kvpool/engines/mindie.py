@@ -55,7 +55,7 @@ BACKEND_NAME = "kvpool"
 Block = Sequence[Sequence[torch.Tensor]]  # [num_layers][kv_parts] pieces of one block
 
 
-def create_pool(backend: str, config_path: str, role: str = "scheduler", **kwargs: Any) -> "KVPoolMempool":
+def create_pool(backend: str, config_path: str, role: str = "scheduler", **kwargs: Any) -> KVPoolMempool:
     """MindIE's ``MemPool.create_pool`` shape: the kvpool backend for ``backend == "kvpool"``, else ValueError."""
     if backend != BACKEND_NAME:
         raise ValueError(f"unknown MemPool backend {backend!r} (role {role!r}); this factory provides {BACKEND_NAME!r}")
@@ -183,7 +183,8 @@ class KVPoolMempool:
             for cache in caches[:parts]:
                 if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or \
                         tuple(cache.shape[1:]) != self.layout.piece_shape or cache.dtype != self._dtype:
-                    got = f"{tuple(cache.shape)} {cache.dtype}" if isinstance(cache, torch.Tensor) else type(cache).__name__
+                    got = (f"{tuple(cache.shape)} {cache.dtype}" if isinstance(cache, torch.Tensor)
+                           else type(cache).__name__)
                     raise ValueError(f"kv_caches[{layer}]: expected {expected}, got {got} "
                                      f"(layout {self.layout.fingerprint()})")
 

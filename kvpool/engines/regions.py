@@ -26,6 +26,7 @@ import ctypes
 import operator
 import threading
 from collections.abc import Sequence
+from typing import SupportsIndex, cast
 
 import numpy as np
 
@@ -37,7 +38,7 @@ def _as_int(value: object) -> int | None:
     if isinstance(value, bool):
         return None
     try:
-        return operator.index(value)  # type: ignore[arg-type]
+        return operator.index(cast(SupportsIndex, value))  # anything else raises TypeError, caught here
     except TypeError:
         return None
 

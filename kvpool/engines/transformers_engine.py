@@ -128,13 +128,14 @@ class PrefixCachedEngine:
         loaded = 0
         cache = None
         if self.client is not None:
-            keys = self._pool_call("hash", timings, lambda: self.client.block_keys(ids)) or []
-            usable = min(len(keys), (len(ids) - 1) // self.layout.block_size)  # leave a token to prefill
-            result = self._pool_call("lookup", timings, lambda: self.client.lookup(keys[:usable])) if usable else None
+            client, lay = self._pool()
+            keys = self._pool_call("hash", timings, lambda: client.block_keys(ids)) or []
+            usable = min(len(keys), (len(ids) - 1) // lay.block_size)  # leave a token to prefill
+            result = self._pool_call("lookup", timings, lambda: client.lookup(keys[:usable])) if usable else None
             if result is not None and result.hit_blocks:
                 loaded = self._pool_call("load", timings, lambda: self._load(keys, result)) or 0
                 if loaded:
-                    reused = _reused_by_tier(result, loaded, self.layout.block_size)
+                    reused = _reused_by_tier(result, loaded, lay.block_size)
                     t = time.perf_counter()
                     cache = self._cache_from_blocks(loaded)
                     timings["assemble"] = time.perf_counter() - t
@@ -170,6 +171,11 @@ class PrefixCachedEngine:
 
     # -- pool ----------------------------------------------------------------------------------
 
+    def _pool(self) -> tuple[KVCacheClient, KVLayout]:
+        """The client and its layout (only an engine with a client has a layout: ``__init__`` sets both)."""
+        assert self.client is not None and self.layout is not None, "transformers engine: no pool client"
+        return self.client, self.layout
+
     def _pool_call(self, what: str, timings: dict[str, float], call: Any) -> Any:
         """Run one client call, timed; a fault of any kind is logged and becomes a miss (None)."""
         t = time.perf_counter()
@@ -184,7 +190,7 @@ class PrefixCachedEngine:
 
     def _staging(self, n: int) -> torch.Tensor:
         """``n`` blocks of staging, ``[n, layers, 2, block, kv_heads, head_dim]``, grown when needed."""
-        lay = self.layout
+        _, lay = self._pool()
         if self._blocks is None or self._blocks.shape[0] < n:
             shape = (n, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
             self._blocks = torch.empty(shape, dtype=self.model.dtype)
@@ -193,17 +199,19 @@ class PrefixCachedEngine:
     def _load(self, keys: list[BlockKey], result: LookupResult) -> int:
         """Get the lookup's hit run into staging; how many leading blocks arrived."""
         n = result.hit_blocks
+        client, _ = self._pool()
         staging = self._staging(n)
-        return self.client.get(keys[:n], [staging[i] for i in range(n)], result)
+        return client.get(keys[:n], [staging[i] for i in range(n)], result)
 
     def _cache_from_blocks(self, n: int) -> Any:
         """The model's cache holding the first ``n`` staged blocks (read by the next forward: one request at a time)."""
+        assert self._blocks is not None, "transformers engine: nothing staged"  # _load staged the blocks
         staging = self._blocks[:n]  # [n, L, 2, B, H, D]
         if staging.device == self.model.device:
             cache = staged_cache(staging)
             if cache is not None:
                 return cache
-        lay = self.layout  # older transformers: one permuting copy of everything, then a plain cache
+        _, lay = self._pool()  # older transformers: one permuting copy of everything, then a plain cache
         kv = staging.permute(1, 2, 4, 0, 3, 5).contiguous()  # [L, 2, H, n, B, D]
         kv = kv.view(lay.num_layers, 2, 1, lay.num_kv_heads, n * lay.block_size, lay.head_dim)
         kv = kv.to(self.model.device)
@@ -211,7 +219,7 @@ class PrefixCachedEngine:
 
     def _store(self, keys: list[BlockKey], loaded: int, cache: Any) -> int:
         """Pack the prompt's full blocks after the loaded ones out of ``cache`` (one copy) and put them."""
-        lay = self.layout
+        client, lay = self._pool()
         n = len(keys) - loaded
         first, last = loaded * lay.block_size, len(keys) * lay.block_size
         staging = self._staging(n)
@@ -219,7 +227,7 @@ class PrefixCachedEngine:
             for part, tensor in enumerate(layer_kv(cache, layer)):
                 piece = tensor[0, :, first:last].reshape(lay.num_kv_heads, n, lay.block_size, lay.head_dim)
                 staging[:, layer, part].copy_(piece.permute(1, 2, 0, 3))
-        ok = self._pool_call("put", {}, lambda: self.client.put(keys[loaded:], [staging[i] for i in range(n)]))
+        ok = self._pool_call("put", {}, lambda: client.put(keys[loaded:], [staging[i] for i in range(n)]))
         return n if ok is not None else 0
 
 

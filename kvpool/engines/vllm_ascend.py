@@ -66,6 +66,7 @@ def _npu_present() -> bool:
     if sys.modules.get("torch_npu") is None:
         return False
     try:
+        # torch_npu adds torch.npu when it is imported: torch's own types cannot know it
         return bool(torch.npu.is_available())  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001
         return False
@@ -74,7 +75,7 @@ def _npu_present() -> bool:
 def _extra_config_path() -> str:
     """``kv_connector_extra_config["kvpool_config_path"]`` of the running vLLM, if vLLM is there and says so."""
     try:
-        from vllm.config import get_current_vllm_config  # type: ignore[import-not-found]
+        from vllm.config import get_current_vllm_config
 
         transfer = get_current_vllm_config().kv_transfer_config
         extra = getattr(transfer, "kv_connector_extra_config", None) or {}
@@ -115,7 +116,7 @@ class KVPoolStoreBackend:
         log.info("kvpool store backend %s ready (tp %d/%d, master %s)", role, self.tp_rank, self.tp_size, config.master)
 
     @classmethod
-    def create_scheduler_client(cls, parallel_config: Any = None, **kwargs: Any) -> "KVPoolStoreBackend":
+    def create_scheduler_client(cls, parallel_config: Any = None, **kwargs: Any) -> KVPoolStoreBackend:
         """The scheduler side's instance: answers ``exists`` only, holds no data memory."""
         return cls(parallel_config, role="scheduler", **kwargs)
 
@@ -130,7 +131,7 @@ class KVPoolStoreBackend:
             self.session.refuse("register_buffer", "only an open worker registers memory", None)
         elif not self.host_memory:
             self.session.refuse("register_buffer", "these are device (NPU) buffers; this backend reads and writes "
-                                                   "host-addressable memory only (see docs/engines/vllm-ascend.md)", None)
+                                "host-addressable memory only (see docs/engines/vllm-ascend.md)", None)
         elif not self.memory.register(ptrs, lengths):
             self.session.refuse("register_buffer", "need equally long lists of positive int pointers and lengths, "
                                                    "not partly overlapping registered regions", None)
@@ -214,13 +215,16 @@ class KVPoolStoreBackend:
                 return self.session.refuse(call, f"key {i}: addresses and sizes must be equally long non-empty lists",
                                     [ERR_INVALID] * n)
             views = [self.memory.view(a, s) for a, s in zip(key_addrs, key_sizes)]
-            if any(v is None for v in views):
-                return self.session.refuse(call, f"key {i}: a piece lies outside the registered buffers", [ERR_INVALID] * n)
-            total = sum(v.size for v in views)  # type: ignore[union-attr]
+            found = [v for v in views if v is not None]
+            if len(found) < len(views):
+                return self.session.refuse(call, f"key {i}: a piece lies outside the registered buffers",
+                                           [ERR_INVALID] * n)
+            total = sum(v.size for v in found)
             if self.layout is not None and total != self.layout.block_bytes:
                 return self.session.refuse(call, f"key {i}: pieces add up to {total} bytes; a block of "
-                                          f"{self.layout.fingerprint()} is {self.layout.block_bytes}", [ERR_INVALID] * n)
-            pieces.append(views)  # type: ignore[arg-type]
+                                           f"{self.layout.fingerprint()} is {self.layout.block_bytes}",
+                                           [ERR_INVALID] * n)
+            pieces.append(found)
             totals.append(total)
         return block_keys, pieces, totals
 

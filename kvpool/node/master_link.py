@@ -40,7 +40,7 @@ import grpc
 from kvpool.calls import MASTER_CALLS, FastStub, MasterCallAddress, auth_hello
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
-from kvpool.rpc import make_channel, tier_usage
+from kvpool.rpc import make_channel, proto_tier, tier_usage
 from kvpool.tiers.base import BlockMeta, ChangeListener, Tier, TierStats
 from kvpool.tls import client_context
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
@@ -285,7 +285,7 @@ class MasterLink:
             for tier, changes in batch.items():
                 keys = list(changes)
                 now = self._stores[tier].contains(keys)
-                added = [changes[k] for k, held in zip(keys, now) if held and changes[k] is not None]
+                added = [m for k, held in zip(keys, now) if held and (m := changes[k]) is not None]
                 removed = [k for k, held in zip(keys, now) if not held]
                 # held but with no add event queued: an earlier send reported it (see the module docstring)
                 self._report(tier, added, removed, full_sync=False)
@@ -311,7 +311,7 @@ class MasterLink:
             master_pb2.ReportBlocksRequest(
                 node_id=self.node_ref.node_id,
                 incarnation=self._incarnation,
-                tier=int(tier),
+                tier=proto_tier(tier),
                 full_sync=full_sync,
                 added_keys=b"".join(m.key for m in added),
                 added_sizes=[m.size for m in added],

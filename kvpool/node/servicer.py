@@ -201,10 +201,10 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
                              f"may carry ({self.max_message_bytes}); ask for fewer keys per call")
         buf = np.empty(total, dtype=np.uint8)
         want = [i for i, f in enumerate(found) if f is not None]
+        metas = [f for f in found if f is not None]  # (size, checksum) per wanted key
         spans: list[tuple[int, int]] = []  # (offset, size) in buf, per wanted key
         offset = 0
-        for i in want:
-            size = found[i][0]  # type: ignore[index]
+        for size, _ in metas:
             spans.append((offset, size))
             offset += size
         served = self.store.get_into([keys[i] for i in want], [buf[o : o + n] for o, n in spans]) if want else []
@@ -212,12 +212,12 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         sizes = [0] * len(keys)
         sums = [0] * len(keys)
         end = 0
-        for i, (o, n), tier in zip(want, spans, served):
+        for i, (o, n), (_, checksum), tier in zip(want, spans, metas, served):
             if tier is None:
                 continue  # evicted since we looked: a miss, its span is dropped below
             if o != end:  # close the gap a miss left (rare: only after a race with eviction)
                 buf[end : end + n] = buf[o : o + n]
-            tiers[i], sizes[i], sums[i] = tier, n, found[i][1]  # type: ignore[index]
+            tiers[i], sizes[i], sums[i] = tier, n, checksum
             end += n
         reply = node_pb2.GetResponse(tiers=tier_bytes(tiers), sizes=sizes, checksums=sums, data=buf[:end].tobytes())
         if self.quota is not None:

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.buffers import BufferLike, as_array
+from kvpool.buffers import BufferLike, as_array, as_buffer
 from kvpool.checksum import copy_with_checksum
 from kvpool.keys import KEY_BYTES, BlockKey
 
@@ -331,6 +331,8 @@ class SharedArena:
 
         Views handed out must be dropped first. Idempotent.
         """
+        # Drop the views so the mapping can close. They are typed as they are while open (every use): after
+        # close, a use fails loudly on None, a state the types do not follow.
         self.table = self.gens = self.data = None  # type: ignore[assignment]
         try:
             self._mm.close()
@@ -392,7 +394,7 @@ class SharedArena:
     def slot_view(self, slot: int, length: int | None = None) -> memoryview:
         """A writable byte view of a slot's data (for the owner, or a writer it handed the slot)."""
         n = self.slot_bytes if length is None else length
-        return memoryview(self.data[slot, :n])
+        return memoryview(as_buffer(self.data[slot, :n]))
 
     # -- owner-only state changes ------------------------------------------------
 

@@ -99,7 +99,7 @@ def notify(listener: ChangeListener | None, added: Sequence[BlockMeta], removed:
         return
     try:
         listener(added, removed)
-    except Exception:  # noqa: BLE001 - bookkeeping must never fail a store operation
+    except Exception:  # bookkeeping must never fail a store operation
         logging.getLogger(__name__).exception("%s: on_change listener failed", who)
 
 

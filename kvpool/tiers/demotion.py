@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvpool.buffers import BufferLike
 from kvpool.keys import BlockKey
 from kvpool.tiers.base import BlockMeta
 from kvpool.tiers.ssd import SsdStore
@@ -194,7 +195,7 @@ class DemotionQueue:
             for part in self._parts(batch):  # one SSD transaction each, so SSD's LRU sees them in order
                 try:
                     stored = self._write([k for k, _, _ in part], [b for _, b, _ in part], [c for _, _, c in part])
-                except Exception:  # noqa: BLE001 - a failed demotion drops the blocks: later misses, never an error
+                except Exception:  # a failed demotion drops the blocks: later misses, never an error
                     log.exception("demotion: writing %d blocks to SSD failed; dropping them", len(part))
                     stored = [False] * len(part)
                 self._settle(part, stored)  # before the next part: its evictions must see these as on SSD only
@@ -249,8 +250,8 @@ class DemotionQueue:
             return True
         return time.monotonic() - next(iter(self._queued.values())) >= self.delay_s
 
-    def _write(self, keys: list[BlockKey], bufs: Sequence[object], checksums: list[int]) -> list[bool]:
-        stored = self.ssd.put(keys, bufs, checksums)  # type: ignore[arg-type]
+    def _write(self, keys: list[BlockKey], bufs: Sequence[BufferLike], checksums: list[int]) -> list[bool]:
+        stored = self.ssd.put(keys, bufs, checksums)
         moved = sum(stored)
         if self.on_demote is not None and moved:
             self.on_demote(moved)

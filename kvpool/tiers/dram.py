@@ -50,7 +50,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 import numpy as np
 
@@ -60,10 +60,23 @@ from kvpool.keys import BlockKey, check_keys
 from kvpool.tiers.arena import SharedArena, SlotRef
 from kvpool.tiers.base import BlockMeta, ChangeListener, EvictionSink, Tier, TierStats, check_batch, notify
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
+
 log = logging.getLogger(__name__)
 
 
 LEASE_ID_BITS = 63  # fits the wire's uint64 and any signed 64-bit integer
+
+
+class StoreOptions(TypedDict, total=False):
+    """The keyword arguments of :class:`DramStore` (for :meth:`DramStore.create`)."""
+
+    high_watermark: float
+    low_watermark: float
+    on_evict: EvictionSink | None
+    on_change: ChangeListener | None
+    verify_reads: bool
 
 
 class LeaseCharge(Protocol):
@@ -132,7 +145,7 @@ class DramStore:
 
     @classmethod
     def create(cls, name: str, capacity_bytes: int, slot_bytes: int, *, mode: int = 0o600,
-               **kwargs: object) -> DramStore:
+               **kwargs: Unpack[StoreOptions]) -> DramStore:
         """A store over a new arena of ``capacity_bytes // slot_bytes`` slots (segment permissions ``mode``).
 
         A refused argument leaves no arena behind.
@@ -141,7 +154,7 @@ class DramStore:
             raise ValueError(f"DRAM capacity {capacity_bytes} B holds no {slot_bytes} B slot")
         arena = SharedArena.create(name, capacity_bytes // slot_bytes, slot_bytes, mode)
         try:
-            return cls(arena, **kwargs)  # type: ignore[arg-type]
+            return cls(arena, **kwargs)
         except BaseException:
             arena.close()
             raise
@@ -181,8 +194,8 @@ class DramStore:
                 refs.append(None if slot is None else self.arena.ref(slot))
         hits = []
         for key, ref, dst in zip(keys, refs, dsts):
-            ok = ref is not None and ref.length == dst.size
-            ok = ok and self.arena.read_into(ref, key, dst, verify=self.verify_reads)  # type: ignore[arg-type]
+            ok = (ref is not None and ref.length == dst.size
+                  and self.arena.read_into(ref, key, dst, verify=self.verify_reads))
             hits.append(ok)
         n_hit = sum(hits)
         with self._lock:

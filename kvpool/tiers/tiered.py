@@ -34,7 +34,6 @@ from kvpool.tiers.demotion import DemotionQueue
 from kvpool.tiers.dram import DramStore
 from kvpool.tiers.ssd import HEADER_BYTES, SsdStore
 
-
 SCRATCH_POOL_BYTES = 64 << 20  # idle temporaries kept warm for promotions and SSD reads
 
 
@@ -107,7 +106,7 @@ class TieredStore:
                 metas[i] = BlockMeta(key, entry[0].nbytes, entry[1])
         return metas
 
-    def ssd_inventory(self) -> "SsdInventory":
+    def ssd_inventory(self) -> SsdInventory:
         """The SSD tier as the master must see it: stored blocks plus blocks on their way there."""
         assert self.ssd is not None, "tiered: no SSD tier"
         return SsdInventory(self.ssd, self.demotions)

@@ -219,7 +219,8 @@ def stopped(proc: subprocess.Popen) -> Iterator[float]:
 
 @contextlib.contextmanager
 def throttled(proc: subprocess.Popen, stop_s: float, run_s: float) -> Iterator[None]:
-    """A slow ``proc`` for the block: SIGSTOP for ``stop_s``, SIGCONT for ``run_s``, over and over; SIGCONT at the end."""
+    """A slow ``proc`` for the block: SIGSTOP for ``stop_s``, SIGCONT for ``run_s``, over and over; SIGCONT at the
+    end."""
     done = threading.Event()
 
     def cycle() -> None:
@@ -266,7 +267,9 @@ def start_master(procs: PoolProcesses, **flags: str) -> subprocess.Popen:
     return _start(procs, procs.master, "master", all_flags, procs.tmp / f"master-{len(procs.procs)}.log")
 
 
-def start_node(procs: PoolProcesses, name: str, *, file_size_limit: int | None = None, **flags: str) -> subprocess.Popen:
+def start_node(
+    procs: PoolProcesses, name: str, *, file_size_limit: int | None = None, **flags: str
+) -> subprocess.Popen:
     """``kvpool node`` ``name`` (tracked by ``procs``), optionally with a cap on file sizes (a disk that fills up)."""
     all_flags = {**procs._node_flags(name), "master": procs.master, **flags}
     log = procs.tmp / f"node-{name}-{len(procs.procs)}.log"
@@ -301,15 +304,17 @@ class Child:
         """The child's JSON line (it is then blocked, halfway through what it was doing)."""
         done = threading.Event()
         line: list[bytes] = []
+        stdout, stderr = self.proc.stdout, self.proc.stderr
+        assert stdout is not None and stderr is not None  # both are pipes (__init__)
 
         def read() -> None:
-            line.append(self.proc.stdout.readline())  # type: ignore[union-attr]
+            line.append(stdout.readline())
             done.set()
 
         threading.Thread(target=read, daemon=True).start()
         if not done.wait(timeout) or not line[0]:
             self.kill()
-            raise RuntimeError(f"child gave no report: {self.proc.stderr.read().decode(errors='replace')[-2000:]}")  # type: ignore[union-attr]
+            raise RuntimeError(f"child gave no report: {stderr.read().decode(errors='replace')[-2000:]}")
         return json.loads(line[0])
 
     def kill(self) -> None:

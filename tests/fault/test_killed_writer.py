@@ -22,8 +22,6 @@ import time
 import grpc
 import numpy as np
 import pytest
-from support import wait_until
-
 from fault.faultkit import (
     KIB,
     Child,
@@ -36,6 +34,8 @@ from fault.faultkit import (
     start_master,
     start_node,
 )
+from support import wait_until
+
 from kvpool.client.pool import PoolClient
 from kvpool.keys import pack_keys
 from kvpool.tiers.arena import SharedArena

@@ -16,8 +16,6 @@ import time
 
 import grpc
 import numpy as np
-from support import wait_until
-
 from fault.faultkit import (
     KIB,
     client_errors,
@@ -30,6 +28,8 @@ from fault.faultkit import (
     start_master,
     start_node,
 )
+from support import wait_until
+
 from kvpool.client.pool import PoolClient
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.v1 import node_pb2, node_pb2_grpc

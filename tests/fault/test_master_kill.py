@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import time
 
-from support import wait_until
-
 from fault.faultkit import (
     KIB,
     MixedLoad,
@@ -21,6 +19,8 @@ from fault.faultkit import (
     start_master,
     start_node,
 )
+from support import wait_until
+
 from kvpool.client.kvclient import KVCacheClient
 from kvpool.client.pool import PoolClient
 from kvpool.layout import KVLayout

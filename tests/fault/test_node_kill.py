@@ -11,8 +11,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from support import wait_until
-
 from fault.faultkit import (
     KIB,
     MixedLoad,
@@ -26,6 +24,8 @@ from fault.faultkit import (
     start_node,
     wait_demoted,
 )
+from support import wait_until
+
 from kvpool.client.kvclient import KVCacheClient
 from kvpool.client.pool import PoolClient
 from kvpool.tiers.base import Tier

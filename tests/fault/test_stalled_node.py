@@ -15,8 +15,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from support import wait_until
-
 from fault.faultkit import (
     KIB,
     MixedLoad,
@@ -28,6 +26,8 @@ from fault.faultkit import (
     stopped,
     throttled,
 )
+from support import wait_until
+
 from kvpool.client.kvclient import KVCacheClient
 from kvpool.client.pool import PoolClient
 
