@@ -195,3 +195,7 @@ class PoolProcesses:
             except FileNotFoundError:
                 pass
         self.exit_codes = codes
+
+    def assert_stopped_cleanly(self) -> None:
+        """After :meth:`close`: every process exited 0 on SIGTERM (or was killed on purpose, -9)."""
+        assert all(code in (0, -signal.SIGKILL) for code in self.exit_codes), self.exit_codes

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import signal
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,7 +38,7 @@ def pool(tmp_path_factory):
     procs.serve()
     yield procs
     procs.close()
-    assert all(code in (0, -signal.SIGKILL) for code in procs.exit_codes), procs.exit_codes
+    procs.assert_stopped_cleanly()
 
 
 def write_config(path, master: str, layout: KVLayout | None = LAYOUT, **client) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -62,7 +61,7 @@ def procs(tmp_path):
     p = PoolProcesses(tmp_path)
     yield p
     p.close()
-    assert all(code in (0, -signal.SIGKILL) for code in p.exit_codes), p.exit_codes
+    p.assert_stopped_cleanly()
 
 
 def client(model, master: str, **over) -> KVCacheClient:

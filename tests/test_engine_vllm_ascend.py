@@ -8,7 +8,6 @@ registered by ``data_ptr()`` and moved with raw addresses, as the connector does
 from __future__ import annotations
 
 import json
-import signal
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
@@ -35,7 +34,7 @@ def pool(tmp_path_factory):
     procs.serve()
     yield procs
     procs.close()
-    assert all(code in (0, -signal.SIGKILL) for code in procs.exit_codes), procs.exit_codes
+    procs.assert_stopped_cleanly()
 
 
 def write_config(path, master: str, layout: KVLayout | None = LAYOUT) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -38,7 +37,7 @@ def procs(tmp_path: Path) -> Iterator[PoolProcesses]:
         yield p
     finally:
         p.close()
-    assert all(code in (0, -signal.SIGKILL) for code in p.exit_codes), p.exit_codes
+    p.assert_stopped_cleanly()
 
 
 @contextlib.contextmanager

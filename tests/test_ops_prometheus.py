@@ -25,7 +25,6 @@ import json
 import math
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -230,7 +229,7 @@ def ops(tmp_path_factory):
         if prometheus is not None:
             prometheus.stop()
         procs.close()
-    assert all(code in (0, -signal.SIGKILL) for code in procs.exit_codes), procs.exit_codes
+    procs.assert_stopped_cleanly()
 
 
 def _instant(prometheus: Prometheus, expr: str) -> dict[str, float]:

@@ -39,7 +39,7 @@ def procs(tmp_path):
     p = PoolProcesses(tmp_path)
     yield p
     p.close()
-    assert all(code in (0, -signal.SIGKILL) for code in p.exit_codes), p.exit_codes
+    p.assert_stopped_cleanly()
 
 
 def client(procs: PoolProcesses, **over) -> KVCacheClient:

@@ -6,8 +6,6 @@ path and this folder, without an ``__init__.py``, is a namespace package).
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 from support import PoolProcesses
 
@@ -22,7 +20,7 @@ def procs(tmp_path):
         yield p
     finally:
         p.close()
-    assert all(code in (0, -signal.SIGKILL) for code in p.exit_codes), p.exit_codes
+    p.assert_stopped_cleanly()
 
 
 @pytest.fixture
