@@ -19,7 +19,11 @@ log = logging.getLogger(__name__)
 
 
 class PoolFault(RuntimeError):
-    """A pool failure, raised only in strict mode (otherwise it is a counted miss)."""
+    """A pool failure, raised only in strict mode (otherwise it is a counted miss); ``kind`` as counted."""
+
+    def __init__(self, kind: str, detail: object = ""):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
 
 
 def error_kind(exc: BaseException) -> str:
@@ -46,7 +50,7 @@ class Faults:
         self.errors.count(kind, n)
         log.debug("pool fault (%s): %s", kind, detail)
         if self.strict:
-            raise PoolFault(f"{kind}: {detail}")
+            raise PoolFault(kind, detail)
 
     def count(self, kind: str, n: int = 1) -> None:
         """A failure that lost nothing (another path serves the blocks): counted only."""

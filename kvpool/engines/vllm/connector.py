@@ -1,0 +1,266 @@
+"""``KVPoolConnector``: kvpool as a vLLM KV connector (v1), the pool behind vLLM's own prefix cache.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector":"KVPoolConnector","kv_connector_module_path":"kvpool.engines.vllm",
+                           "kv_role":"kv_both","kv_connector_extra_config":{"kvpool_config_path":"/etc/kvpool/vllm.json"}}'
+
+``kv_connector_extra_config``:
+
+- ``kvpool_config_path``: a kvpool JSON config; its ``client`` section says
+  where the master is (``KVPOOL_CLIENT_*`` variables apply too). ``client.model``
+  names the model in every key (default: vLLM's served model name).
+- ``kvpool_strict`` (default false): a config that cannot be used stops vLLM
+  from starting, with the reason. Otherwise it is one ERROR line and vLLM
+  serves without the pool (every block computed).
+
+vLLM's prefix cache is the HBM tier: the scheduler side
+(:mod:`kvpool.engines.vllm.scheduler`) asks the pool only for the blocks
+after vLLM's own hit; the worker side (:mod:`kvpool.engines.vllm.worker`)
+loads them before the forward and saves every block that fills up, prompt
+and generated. A pool fault is a miss: a failed lookup answers 0 tokens, a
+block that does not load is reported (``get_block_ids_with_load_errors``)
+and vLLM recomputes it; the connector sets ``kv_load_failure_policy`` to
+``recompute`` (vLLM's default, ``fail``, would fail the request). Keys:
+:mod:`kvpool.engines.vllm.keys`. Stats: :mod:`kvpool.engines.vllm.stats`.
+
+Not supported (refused with a warning, vLLM then runs without the pool):
+models with more than one KV cache group (hybrid attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvpool.client.pool import PoolClient
+from kvpool.config import ClientConfig, load_config
+from kvpool.engines.vllm.keys import VllmKeySpace
+from kvpool.engines.vllm.scheduler import PoolScheduler, StepPlan
+from kvpool.engines.vllm.stats import KVPoolConnectorStats, KVPoolPromMetrics
+from kvpool.engines.vllm.worker import PoolWorker, block_layers
+from kvpool.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats, PromMetric, PromMetricT
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _log_through_vllm() -> None:
+    """kvpool's loggers write through vLLM's handler (its format, stream and level), unless set up already."""
+    ours = logging.getLogger("kvpool")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
+_log_through_vllm()
+
+EXTRA_FIELDS = ("kvpool_config_path", "kvpool_strict")
+
+
+@dataclass
+class KVPoolMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler side to the workers."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+def client_config(extra: dict[str, Any]) -> ClientConfig:
+    """The kvpool client config the extra config names; ValueError saying what is wrong with it."""
+    unknown = sorted(k for k in extra if k.startswith("kvpool_") and k not in EXTRA_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown kv_connector_extra_config field(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(EXTRA_FIELDS)}")
+    path = extra.get("kvpool_config_path")
+    if path is not None and not isinstance(path, str):
+        raise ValueError(f"kvpool_config_path must be a path, got {path!r}")
+    return load_config(path or None).client
+
+
+def key_space(vllm_config: VllmConfig, model: str) -> VllmKeySpace:
+    """What every block key of this vLLM deployment shares (see :mod:`kvpool.engines.vllm.keys`)."""
+    from vllm.platforms import current_platform
+
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    dtype = mc.dtype if cc.cache_dtype == "auto" else cc.cache_dtype
+    layout = KVLayout(str(dtype), mc.get_num_layers(pc), mc.get_num_kv_heads(pc), mc.get_head_size(),
+                      cc.block_size)
+    cache_layout = f"{current_platform.device_type}/{cc.kv_cache_layout or 'unresolved'}"
+    return VllmKeySpace(model, layout, cache_layout, pc.tensor_parallel_size, pc.pipeline_parallel_size)
+
+
+def model_name(vllm_config: VllmConfig, config: ClientConfig) -> str:
+    if config.model != ClientConfig.model:  # named in the kvpool config
+        return config.model
+    served = vllm_config.model_config.served_model_name
+    return str(served[0] if isinstance(served, list) else served)
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    """kvpool behind vLLM's prefix cache (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        strict = bool(extra.get("kvpool_strict", False))
+        self._block_size = vllm_config.cache_config.block_size
+        self._pool: PoolClient | None = None
+        self._scheduler: PoolScheduler | None = None
+        self._worker: PoolWorker | None = None
+        self._space: VllmKeySpace | None = None
+        self._num_blocks = kv_cache_config.num_blocks
+        self._unloadable: set[int] = set()  # planned loads this worker could not attempt (it has no pool)
+        try:
+            config = client_config(extra)
+            groups = len(kv_cache_config.kv_cache_groups)
+            if groups > 1:
+                raise ValueError(f"{groups} KV cache groups (hybrid attention) are not supported")
+        except ValueError as exc:
+            if strict:
+                raise ValueError(f"kvpool connector: {exc}") from None
+            log.error("kvpool connector: %s; vLLM runs without the pool (every block is computed)", exc)
+            config = None
+        self._model = model_name(vllm_config, config) if config is not None else ""
+        if role == KVConnectorRole.SCHEDULER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.info("kvpool connector: kv_load_failure_policy set to recompute (a block the pool fails to "
+                         "deliver is computed, never an error)")
+                self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            if config is not None:
+                # strict: a fault raises PoolFault, which the scheduler side answers with 0 tokens and a pause
+                self._pool = PoolClient(dataclasses.replace(config, hbm_blocks=0, shared_memory=False, strict=True,
+                                                            layout=None))
+            self._scheduler = PoolScheduler(self._key_space, self._pool, self._block_size)
+        elif config is not None:
+            self._pool = PoolClient(dataclasses.replace(config, hbm_blocks=0, strict=False, layout=None))
+        log.info("kvpool connector (%s): %s", role.name.lower(),
+                 f"pool at {config.master}, model {self._model!r}" if config is not None else "pool off")
+
+    def _key_space(self) -> VllmKeySpace:
+        if self._space is None:  # vLLM resolves its KV cache layout after building the scheduler's connector
+            self._space = key_space(self._vllm_config, self._model)
+        return self._space
+
+    # -- scheduler side ---------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None, "kvpool connector: scheduler call on a worker"
+        return self._scheduler.match(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None, "kvpool connector: scheduler call on a worker"
+        self._scheduler.allocated(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        assert self._scheduler is not None, "kvpool connector: scheduler call on a worker"
+        dram, ssd = self._scheduler.sources(request, num_external_tokens)
+        return {source: n for source, n in ((CacheHitSource.HOST, dram), (CacheHitSource.DISK, ssd)) if n}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None, "kvpool connector: scheduler call on a worker"
+        return KVPoolMetadata(self._scheduler.plan(scheduler_output))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.finished(request)
+        return False, None  # saves were copied out in the step that filled the blocks
+
+    # -- worker side ------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._pool is None:
+            return
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        try:
+            layers = block_layers(kv_caches, self._num_blocks)
+            expected = self._key_space().layout.block_bytes
+            got = layers[0].piece_bytes * len(layers)
+            if got != expected:
+                raise ValueError(f"vLLM's KV caches hold {got} bytes a block, the model's layout says {expected}")
+        except ValueError as exc:
+            log.error("kvpool connector: %s; this worker neither loads nor saves", exc)
+            return
+        pc = self._vllm_config.parallel_config
+        shard = get_pp_group().rank_in_group * pc.tensor_parallel_size + get_tensor_model_parallel_rank()
+        self._worker = PoolWorker(self._pool, layers, shard)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata), "kvpool connector: metadata of another connector"
+        if meta.plan.loads:
+            if self._worker is None:  # nothing can be loaded here: every planned block is recomputed
+                self._unloadable.update(b for job in meta.plan.loads for b in job.block_ids)
+            else:
+                self._worker.load(meta.plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loaded every layer (copies on the same cores gain nothing from overlapping)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # wait_for_save copies the step's full blocks out of every layer at once
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata), "kvpool connector: metadata of another connector"
+        if meta.plan.saves and self._worker is not None:
+            self._worker.save(meta.plan.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._unloadable = self._unloadable, set()
+        if self._worker is not None:
+            errors |= self._worker.take_load_errors()
+        return errors
+
+    # -- stats ------------------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._scheduler is not None:
+            stats = KVPoolConnectorStats.of(match=self._scheduler.take_stats())
+        elif self._worker is not None:
+            stats = KVPoolConnectorStats.of(transfer=self._worker.take_stats())
+        else:
+            return None
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVPoolConnectorStats(data=dict(data)) if data else KVPoolConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVPoolPromMetrics | None:
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.flush(5.0)
+            self._pool.close()
+            self._pool = None

@@ -1,0 +1,227 @@
+"""The scheduler side of the vLLM connector: which blocks each step loads from and saves to the pool.
+
+vLLM's scheduler asks, for each new request, how many tokens past its own
+prefix cache (the HBM tier) can be loaded; this side answers with one pool
+lookup for the full blocks after vLLM's hit, and then plans, step by step:
+
+- a *load* of the blocks it answered, into the blocks vLLM allocated for
+  them (with the locations the lookup returned, so the worker makes no
+  second master call);
+- a *save* of every block that becomes full in the step, prompt and
+  generated tokens alike: after a step, the KV of the first
+  ``num_computed_tokens + num_scheduled_tokens`` tokens exists, so each block
+  inside that range and not saved, loaded or hit before is saved once.
+
+Invariants:
+- An answer is a whole number of blocks and leaves at least one token of the
+  request to compute (vLLM needs its logits).
+- A pool fault or timeout answers 0 (the request is computed) and opens a
+  breaker: for ``backoff`` seconds (0.5 s doubling to 5 s) no lookup is
+  asked, so a dead pool costs no request its deadline twice.
+- Nothing here touches KV bytes or holds data memory: the worker moves them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvpool.client.faults import PoolFault
+from kvpool.client.lookup import BlockLocation, PoolRun
+from kvpool.engines.vllm.keys import RequestKeys, VllmKeySpace, request_tenant
+from kvpool.keys import BlockKey
+from kvpool.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 5.0
+MATCH_REUSE_S = 1.0  # a lookup answer is reused for a request asked about again this soon (it waited a step)
+
+
+class Lookups(Protocol):
+    """The part of :class:`kvpool.client.pool.PoolClient` this side uses (strict: faults raise PoolFault)."""
+
+    def lookup(self, keys: Sequence[BlockKey], *, hbm_prefix_blocks: int = 0, block_tokens: int = 0) -> PoolRun: ...
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    """Blocks of one request to copy from the pool into vLLM's blocks (same order), before its forward."""
+
+    req_id: str
+    keys: list[BlockKey]
+    block_ids: list[int]
+    locations: list[BlockLocation]  # where the scheduler's lookup found them (rank 0's keys)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveJob:
+    """Blocks of one request that are full after this step: copy them out of vLLM's blocks into the pool."""
+
+    req_id: str
+    keys: list[BlockKey]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step's loads and saves (the connector metadata's content)."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Request:
+    request: Any  # vLLM's Request (live: its tokens grow)
+    keys: RequestKeys
+    block_ids: list[int] = field(default_factory=list)
+    done_blocks: int = 0  # blocks [0, done_blocks) are in vLLM's cache by a hit, a load or a save
+    match: tuple[int, float, PoolRun] | None = None  # (first block asked, when, the run found)
+    load: LoadJob | None = None
+    sources: tuple[int, int] = (0, 0)  # tokens of the planned load from DRAM and from SSD
+
+
+@dataclass(slots=True)
+class MatchStats:
+    """What the lookups found since the last :meth:`PoolScheduler.take_stats`."""
+
+    lookups: int = 0
+    hit_blocks: dict[str, int] = field(default_factory=lambda: {"dram": 0, "ssd": 0})
+    faults: int = 0
+
+
+class PoolScheduler:
+    """Per-request planning of loads and saves (see the module docstring). Not thread-safe: vLLM's scheduler
+    calls it from one thread."""
+
+    def __init__(self, space: Callable[[], VllmKeySpace], pool: Lookups | None, block_size: int,
+                 clock: Callable[[], float] = time.monotonic):
+        self._space = space  # resolved at first use: vLLM settles its KV cache layout after building connectors
+        self._pool = pool  # None: the pool is off (a bad config), every answer is 0 and nothing is saved
+        self.block_size = block_size
+        self._clock = clock
+        self._requests: dict[str, _Request] = {}
+        self._closed_until = 0.0
+        self._backoff = BACKOFF_MIN_S
+        self.stats = MatchStats()
+
+    def _state(self, request: Any) -> _Request:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            namespace = self._space().namespace(request_tenant(request))
+            state = self._requests[request.request_id] = _Request(request, RequestKeys(namespace, self.block_size))
+        return state
+
+    # -- vLLM's scheduler calls --------------------------------------------------------------
+
+    def match(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens past ``num_computed_tokens`` (vLLM's own, block-aligned hit) that the pool can load."""
+        if self._pool is None:
+            return 0
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        end = (request.num_tokens - 1) // bs  # at least one token left to compute
+        if end <= start:
+            return 0
+        now = self._clock()
+        state = self._state(request)
+        if state.match is not None and state.match[0] == start and now - state.match[1] < MATCH_REUSE_S:
+            return len(state.match[2]) * bs
+        if now < self._closed_until:
+            return 0
+        keys = state.keys.upto(request.all_token_ids, end)[start:]
+        try:
+            run = self._pool.lookup(keys, hbm_prefix_blocks=start, block_tokens=bs)
+        except PoolFault as exc:
+            self._trip(exc)
+            return 0
+        self._backoff = BACKOFF_MIN_S
+        self.stats.lookups += 1
+        self.stats.hit_blocks["dram"] += run.count(Tier.DRAM)
+        self.stats.hit_blocks["ssd"] += run.count(Tier.SSD)
+        state.match = (start, now, run)
+        return len(run) * bs
+
+    def _trip(self, exc: PoolFault) -> None:
+        self.stats.faults += 1
+        level = logging.WARNING if self._backoff == BACKOFF_MIN_S else logging.DEBUG  # once per outage
+        log.log(level, "kvpool: lookup failed (%s); answering 0 tokens for %.1f s, then asking again",
+                exc.kind, self._backoff)
+        log.debug("kvpool: lookup failure: %s", exc)
+        self._closed_until = self._clock() + self._backoff
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+
+    def allocated(self, request: Any, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """vLLM gave the request its blocks: plan the load of the ``num_external_tokens`` the pool answered."""
+        if num_external_tokens <= 0 or self._pool is None:
+            return
+        state = self._state(request)
+        assert state.match is not None, "vllm connector: external tokens without a lookup"
+        start, _, run = state.match
+        n = num_external_tokens // self.block_size
+        assert n <= len(run), f"vllm connector: {n} blocks to load, the lookup found {len(run)}"
+        loaded = run[:n]
+        state.load = LoadJob(request.request_id, list(loaded.keys), list(block_ids[start : start + n]), list(loaded))
+        state.sources = (loaded.count(Tier.DRAM) * self.block_size, loaded.count(Tier.SSD) * self.block_size)
+        state.match = None
+
+    def sources(self, request: Any, num_external_tokens: int) -> tuple[int, int]:
+        """Of the ``num_external_tokens`` planned for ``request``: how many come from DRAM, and from SSD."""
+        state = self._requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return 0, 0
+        return state.sources
+
+    def plan(self, output: Any) -> StepPlan:
+        """The loads and saves of the step vLLM just scheduled (``SchedulerOutput``)."""
+        plan = StepPlan()
+        if self._pool is None:
+            return plan
+        scheduled = output.num_scheduled_tokens
+        for new in output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue  # never asked about (vLLM skipped the connector for it): nothing known to save
+            state.block_ids = list(new.block_ids[0])
+            self._step(plan, state, new.num_computed_tokens, scheduled.get(new.req_id, 0))
+        cached = output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # preempted and back: these are all of its blocks
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                state.block_ids += new_ids[0]
+            self._step(plan, state, cached.num_computed_tokens[i], scheduled.get(req_id, 0))
+        for req_id in output.finished_req_ids:
+            self._requests.pop(req_id, None)
+        return plan
+
+    def _step(self, plan: StepPlan, state: _Request, computed: int, scheduled: int) -> None:
+        if state.load is not None:
+            plan.loads.append(state.load)
+            state.load = None
+        bs = self.block_size
+        state.done_blocks = max(state.done_blocks, computed // bs)  # vLLM's hits and the pool's loads
+        full = min(computed + scheduled, len(state.request.all_token_ids)) // bs
+        full = min(full, len(state.block_ids))
+        if full > state.done_blocks:
+            keys = state.keys.upto(state.request.all_token_ids, full)
+            plan.saves.append(SaveJob(state.request.request_id, keys[state.done_blocks:full],
+                                      state.block_ids[state.done_blocks:full]))
+            state.done_blocks = full
+
+    def finished(self, request: Any) -> None:
+        """The request is done (its blocks are freed after this): forget it."""
+        self._requests.pop(request.request_id, None)
+
+    def take_stats(self) -> MatchStats:
+        stats, self.stats = self.stats, MatchStats()
+        return stats

