@@ -123,24 +123,26 @@ def req(rid: str, tokens: list[int], max_tokens: int = 8, salt: str | None = Non
 def test_a_fresh_vllm_process_loads_what_another_stored_generated_blocks_included(python, model, procs, tmp_path):
     procs.serve()
     kv = connector(procs.master, tmp_path)
-    p, q1, q2, shared = prompt(1, 300), prompt(2, 200), prompt(3, 50), prompt(4, 128)
+    p, q1, q2, shared, short = prompt(1, 300), prompt(2, 200), prompt(3, 50), prompt(4, 128), prompt(6, 20)
     a = drive(python, model, tmp_path, [
         {"name": "A", "kvpool": kv, "requests": [req("p", p), req("q1", q1, max_tokens=60),
-                                                  req("alice", shared, salt="alice")]},
+                                                  req("alice", shared, salt="alice"), req("short", short, 60)]},
     ])
-    o1 = a.tokens("A", "q1")
-    assert len(o1) == 60
+    o1, o_short = a.tokens("A", "q1"), a.tokens("A", "short")
+    assert len(o1) == len(o_short) == 60
     round2 = q1 + o1 + q2
     b_requests = [req("p+", p + prompt(5, 100)), req("round2", round2), req("bob", shared, salt="bob"),
-                  req("alice", shared, salt="alice")]
+                  req("alice", shared, salt="alice"), req("short2", short + o_short + q2)]
     hits_before = metric(scrape(procs.master_metrics_port), "kvpool_hit_blocks_total", tier="dram")
     b = drive(python, model, tmp_path, [
         {"name": "B", "kvpool": kv, "requests": b_requests},  # a fresh process: vLLM's own cache is empty
-        {"name": "ref", "kvpool": None, "requests": b_requests + [req("p", p), req("q1", q1, max_tokens=60)]},
+        {"name": "ref", "kvpool": None,
+         "requests": b_requests + [req("p", p), req("q1", q1, max_tokens=60), req("short", short, 60)]},
     ], in_process=False)  # vLLM's usual layout: scheduler, engine core and worker in their own processes
 
     # A (nothing in the pool yet) and B (loading from it) generate exactly what vLLM alone does.
     assert a.tokens("A", "p") == b.tokens("ref", "p") and o1 == b.tokens("ref", "q1")
+    assert o_short == b.tokens("ref", "short")
     for r in b_requests:
         assert b.tokens("B", r["id"]) == b.tokens("ref", r["id"]), r["id"]
     # What B loaded: the full blocks of P; round 1's prompt *and* output (its KV exists for 259 of the 260
@@ -149,8 +151,9 @@ def test_a_fresh_vllm_process_loads_what_another_stored_generated_blocks_include
     assert b.cached("B", "round2") == (len(q1) + len(o1) - 1) // BLOCK * BLOCK == 256 > len(q1) // BLOCK * BLOCK
     assert b.cached("B", "bob") == 0
     assert b.cached("B", "alice") == (len(shared) - 1) // BLOCK * BLOCK == 96
+    assert b.cached("B", "short2") == (len(short) + 60 - 1) // BLOCK * BLOCK == 64  # a prompt under one block
     assert b.cached("ref", "p+") == 0  # without the connector nothing is loaded
-    loaded = 9 + 8 + 3
+    loaded = 9 + 8 + 3 + 2
     assert b.metrics["B"]["vllm:kvpool_loaded_blocks"] == loaded, b.metrics["B"]
     assert b.metrics["B"]["vllm:kvpool_load_errors"] == 0
     assert b.metrics["B"]["vllm:kvpool_hit_blocks_dram"] == loaded

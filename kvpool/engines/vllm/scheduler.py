@@ -123,13 +123,13 @@ class PoolScheduler:
         """Tokens past ``num_computed_tokens`` (vLLM's own, block-aligned hit) that the pool can load."""
         if self._pool is None:
             return 0
+        state = self._state(request)  # even with nothing to look up: its generated blocks are saved
         bs = self.block_size
         start = num_computed_tokens // bs
         end = (request.num_tokens - 1) // bs  # at least one token left to compute
         if end <= start:
             return 0
         now = self._clock()
-        state = self._state(request)
         if state.match is not None and state.match[0] == start and now - state.match[1] < MATCH_REUSE_S:
             return len(state.match[2]) * bs
         if now < self._closed_until:
