@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.engines.vllm.keys import RequestKeys, VllmKeySpace, request_tenant, shard_key
+from kvpool.keys import BlockKey
 from kvpool.layout import KVLayout
 
 LAYOUT = KVLayout("bfloat16", num_layers=24, num_kv_heads=2, head_dim=64, block_size=32)
@@ -35,7 +36,7 @@ class Request:
     mm_features: list[Any] = field(default_factory=list)
 
 
-def keys(request: Request, tokens: list[int], space: VllmKeySpace = SPACE) -> list[bytes]:
+def keys(request: Request, tokens: list[int], space: VllmKeySpace = SPACE) -> list[BlockKey]:
     return RequestKeys(space.namespace(request_tenant(request)), 32).upto(tokens, len(tokens) // 32)
 
 

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvpool.client.lookup import BlockLocation
@@ -182,15 +183,28 @@ class PoolWorker:
 
 def _gather(layer: LayerCache, ids: torch.Tensor, out: torch.Tensor) -> None:
     """Copy blocks ``ids`` of ``layer`` into ``out`` (``[n, piece]`` bytes, host)."""
-    picked = layer.tensor.index_select(layer.block_dim, ids.to(layer.tensor.device))
-    picked = picked.movedim(layer.block_dim, 0).contiguous().view(len(ids), -1)
-    out.copy_(picked.view(torch.uint8).cpu())
+    t = layer.tensor
+    if t.device.type == "cpu":  # numpy's indexed copies: no OpenMP threads contending with vLLM's for the cores
+        blocks = np.moveaxis(_host_bytes(t), layer.block_dim, 0)
+        out.numpy()[:] = blocks[ids.numpy()].reshape(len(ids), -1)
+        return
+    picked = t.index_select(layer.block_dim, ids.to(t.device)).movedim(layer.block_dim, 0).contiguous()
+    out.copy_(picked.view(len(ids), -1).view(torch.uint8).cpu())
 
 
 def _scatter(layer: LayerCache, ids: torch.Tensor, src: torch.Tensor) -> None:
     """Copy ``src`` (``[n, piece]`` bytes, host) into blocks ``ids`` of ``layer``."""
     t = layer.tensor
+    if t.device.type == "cpu":
+        blocks = np.moveaxis(_host_bytes(t), layer.block_dim, 0)
+        blocks[ids.numpy()] = src.numpy().reshape(len(ids), *blocks.shape[1:])
+        return
     shape = list(t.shape)
     del shape[layer.block_dim]
-    values = src.contiguous().view(t.dtype).view(len(ids), *shape).to(t.device)
+    values = src.view(t.dtype).view(len(ids), *shape).to(t.device)  # a view: one copy, by index_copy_
     t.index_copy_(layer.block_dim, ids.to(t.device), values.movedim(0, layer.block_dim))
+
+
+def _host_bytes(t: torch.Tensor) -> np.ndarray:
+    """A host tensor's memory as numpy bytes, in its shape (the last dimension in bytes)."""
+    return t.view(torch.uint8).numpy()
