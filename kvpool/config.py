@@ -31,7 +31,7 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -529,12 +529,18 @@ def load_config(
     *,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    extra_sections: Collection[str] = (),
 ) -> PoolConfig:
-    """Defaults, then the JSON file at ``path``, then ``KVPOOL_*`` variables, then ``overrides``."""
+    """Defaults, then the JSON file at ``path``, then ``KVPOOL_*`` variables, then ``overrides``.
+
+    ``extra_sections`` name top-level objects of the file that an adapter reads itself (skipped here).
+    """
     sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     if path:
         data = read_json_object(os.fspath(path), "config file")
         for name, values in data.items():
+            if name in extra_sections:
+                continue
             if name not in _SECTIONS:
                 raise ValueError(f"unknown config section {name!r} in {path}; known: {', '.join(_SECTIONS)}")
             if not isinstance(values, dict):
