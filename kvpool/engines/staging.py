@@ -10,6 +10,10 @@ owns one reusable host buffer and moves a batch through it in chunks:
 - ``get``: the client fills byte views of the buffer; the backend's
   ``scatter`` copies back only the blocks that arrived.
 
+Backends whose blocks are engine tensors (on the host or a device) gather and
+scatter with a :class:`PieceCopier`: one ``copy_`` per piece into a typed view
+of the buffer, device copies enqueued and waited for once per chunk.
+
 Invariants:
 - The buffer is allocated on first use (a scheduler never has one), pinned
   where torch can pin, and reused; it grows only when one block is larger
@@ -51,11 +55,20 @@ Scatter = Callable[[Sequence[Any], torch.Tensor], None]
 
 
 def host_bytes(nbytes: int) -> torch.Tensor:
-    """A host uint8 tensor of ``nbytes``, page-locked if this torch has an accelerator to pin for."""
+    """A host uint8 tensor of ``nbytes``, page-locked if this torch has an accelerator to pin for.
+
+    Tries the factory's ``pin_memory=True``, then ``Tensor.pin_memory()`` (what MindIE itself
+    calls for its host KV cache under torch_npu); a CPU-only torch refuses both: plain memory.
+    """
     try:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        pass
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        return buffer.pin_memory()
     except RuntimeError:  # CPU-only torch: no pinned allocator
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return buffer
 
 
 class BlockStager:
@@ -75,6 +88,12 @@ class BlockStager:
         """Bytes of host buffer this stager holds now (0 until its first batch)."""
         buffer = self._buffer
         return 0 if buffer is None else buffer.numel()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the buffer (once allocated) is page-locked host memory."""
+        buffer = self._buffer
+        return buffer is not None and buffer.is_pinned()
 
     # -- the two flows -----------------------------------------------------------------
 
@@ -184,3 +203,80 @@ class BlockStager:
     def _fault(self, call: str, exc: object, blocks: int) -> None:
         self.stats["faults"] += 1
         log.warning("kvpool engine %s of %d blocks failed: %s", call, blocks, exc)
+
+
+# -- engine tensors <-> the staging region ---------------------------------------------------
+
+
+def host_views(region: torch.Tensor, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Consecutive views of the uint8 ``region``, one per piece, each of that piece's dtype and shape.
+
+    ValueError if the pieces' bytes do not add up to the region, or a piece's offset is not a
+    multiple of its element size (torch cannot view bytes there as that dtype).
+    """
+    total = sum(piece.numel() * piece.element_size() for piece in pieces)
+    if total != region.numel():
+        raise ValueError(f"pieces hold {total} bytes, the region {region.numel()}")
+    views, offset = [], 0
+    for piece in pieces:
+        if offset % piece.element_size():
+            raise ValueError(f"a {piece.dtype} piece at byte {offset} is not aligned to its element size")
+        nbytes = piece.numel() * piece.element_size()
+        views.append(region[offset : offset + nbytes].view(piece.dtype).view(piece.shape))
+        offset += nbytes
+    return views
+
+
+class PieceCopier:
+    """Copies engine tensors into and out of a host staging region, one batch per call.
+
+    Invariants:
+    - The region holds the pieces one after another, in the order given, each as
+      its own dtype and shape: a block's bytes are the concatenation of its pieces' bytes.
+    - Host pieces are copied at once. Device pieces are enqueued on their device's
+      current stream (``non_blocking``: asynchronous when the region is pinned), and
+      the call waits once per device before it returns, also when a copy fails: after
+      ``to_host`` the region holds every byte; after ``to_device`` the region may be
+      reused. No per-piece wait.
+    - :meth:`copy` and :meth:`synchronize` are the only calls into a device runtime
+      (torch's own ``copy_`` and stream, so CUDA and torch_npu alike); tests that have
+      no device replace them.
+    """
+
+    def to_host(self, pieces: Sequence[torch.Tensor], region: torch.Tensor) -> None:
+        """Copy ``pieces`` into ``region`` (their bytes, in order)."""
+        self._run(list(zip(host_views(region, pieces), pieces)))
+
+    def to_device(self, region: torch.Tensor, pieces: Sequence[torch.Tensor]) -> None:
+        """Copy ``region`` back into ``pieces`` (in place)."""
+        self._run(list(zip(pieces, host_views(region, pieces))))
+
+    def device_of(self, dst: torch.Tensor, src: torch.Tensor) -> torch.device | None:
+        """The device a copy runs on, or None for a host-to-host copy."""
+        for t in (dst, src):
+            if t.device.type != "cpu":
+                return t.device
+        return None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+        dst.copy_(src, non_blocking=non_blocking)
+
+    def synchronize(self, device: torch.device) -> None:
+        """Wait for the copies enqueued on ``device``'s current stream (``torch.<type>.current_stream``)."""
+        module = getattr(torch, device.type, None)
+        current_stream = getattr(module, "current_stream", None)
+        if current_stream is None:
+            raise RuntimeError(f"torch has no current_stream for {device}")
+        current_stream(device).synchronize()
+
+    def _run(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        pending: list[torch.device] = []
+        try:
+            for dst, src in pairs:
+                device = self.device_of(dst, src)
+                self.copy(dst, src, device is not None)
+                if device is not None and device not in pending:
+                    pending.append(device)
+        finally:
+            for device in pending:
+                self.synchronize(device)
