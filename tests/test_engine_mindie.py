@@ -262,3 +262,23 @@ def test_a_dead_pool_is_a_miss_never_an_exception(tmp_path):
     finally:
         worker.close()
         scheduler.close()
+
+
+def test_a_layout_and_the_same_cache_as_mindie_cache_share_blocks(pool, tmp_path, config):
+    """client.layout and mindie_cache are two spellings of one cache: one key namespace."""
+    spelled = tmp_path / "mindie-cache.json"
+    cache = {"dtype": "bf16", "num_layers": LAYOUT.num_layers, "block_size": LAYOUT.block_size,
+             "num_kv_heads": LAYOUT.num_kv_heads, "k_head_size": LAYOUT.head_dim, "v_head_size": LAYOUT.head_dim}
+    spelled.write_text(json.dumps({"client": {"master": pool.master, "model": MODEL}, "mindie_cache": cache}))
+    source = paged_cache(seed=7)
+    keys = mindie_keys("spelled", 2)
+    writer = create_pool("kvpool", config, "worker", kv_caches=source)
+    scheduler = create_pool("kvpool", str(spelled))
+    try:
+        assert writer.put(keys, blocks(source, [3, 4])) == [True, True]
+        assert writer.flush(timeout=10)
+        assert scheduler.batch_exist(keys) == [True, True]
+        assert scheduler.cache.fingerprint() == LAYOUT.fingerprint()
+    finally:
+        writer.close()
+        scheduler.close()

@@ -1,58 +1,191 @@
 """MindIE's MemPool backend on kvpool (``kvPoolConfig: {"backend": "kvpool", "configPath": ...}``).
 
 MindIE builds its pool with ``MemPool.create_pool(backend, config_path, role,
-**kwargs)``; :func:`create_pool` has that shape and :class:`KVPoolMempool` is
-the object it returns. ``config_path`` is a kvpool JSON config (its ``client``
-section: master address, model, tenant and the ``layout`` of MindIE's cache).
-See docs/engines/mindie.md for the registration MindIE needs.
+**kwargs)`` (``mindie_llm/text_generator/mempool/base.py``), which calls
+``CreatePool`` in ``factory.py``: a fixed ``match`` on the backend name, so
+``"kvpool"`` needs one added case (docs/engines/mindie.md). :func:`create_pool`
+has the same shape and :class:`KVPoolMempool` is the object it returns; like
+MindIE's own backends it matches ``MemPool``'s methods (nothing in MindIE
+checks the class). ``config_path`` is a kvpool JSON config: its ``client``
+section, plus the shape of MindIE's cache as ``client.layout`` or, for caches a
+layout cannot describe (MLA, NZ, int8 K), a ``mindie_cache`` object
+(:class:`MindIECache`). See docs/engines/mindie.md for the MindIE source lines
+each convention below comes from.
 
 Roles:
-- ``"scheduler"`` only asks which keys exist (``exists``/``batch_exist``). It
-  holds no data memory: no HBM tier, no staging buffer, no arena mapping
-  (its client has ``hbm_blocks=0`` and ``shared_memory=False``); its
-  ``put``/``get`` answer ``[False] * N``.
-- ``"worker"`` (kwargs ``device_id``, ``kv_caches``) also moves blocks.
-  ``tensors`` is ``[N][num_layers][2]``: the K and V of one block per layer,
-  views into the engine's paged cache (``npu_cache[layer][0][block_id]``),
-  each ``[block_size, num_kv_heads, head_dim]`` in the layout's dtype.
+- ``"scheduler"``: MindIE's C++ block manager (``create_pool(backend, path)``,
+  role defaulted) asks which keys exist through ``mem_pool.h`` ``LookUp``:
+  ``batch_exist`` if the object has it (it does), else ``exists`` until the
+  first miss. It holds no data memory; its ``put``/``get`` answer ``[False] * N``.
+- ``"worker"``: the prefix-cache plugin (kwargs ``device_id``, ``kv_caches`` =
+  its ``npu_cache``) ``get``s the blocks the scheduler counted and ``put``s new
+  ones, with ``tensors[i] = [[npu_cache[l][0][b], npu_cache[l][1][b]] for l in layers]``.
 
 Invariants:
-- A MindIE key string maps to a pool key with :func:`kvpool.keys.opaque_key`
-  in the client's namespace (model, layout, tenant): see :mod:`.keymap`. The
-  client, its role rules and the counters are :class:`~kvpool.engines.session.EngineSession`'s.
-- Bad arguments (wrong types, lengths, shapes, dtypes, mixed devices, a
-  closed pool) return ``[False]`` (``False`` for ``exists``), are counted in
-  ``stats["refused"]`` and change nothing: everything is checked before the
-  first byte moves. A pool fault is a False, never an exception.
-- A block moves as one contiguous buffer in the layout's byte order
-  (``layer_kv``: layer 0 K, layer 0 V, layer 1 K, ...) through a reusable host
-  staging buffer (:mod:`.staging`): one ``torch.stack(out=)`` per chunk from
-  host tensors, ``copy_`` per piece from and to device tensors.
-- ``get`` fills only blocks that hit and answers per key (see
-  :class:`~kvpool.engines.staging.BlockStager`); MindIE uses the leading run.
-- ``put`` returns once the blocks are copied and queued (kvpool's write-behind);
-  ``flush`` waits for the pool, ``close`` drains and releases everything.
+- Call shapes are MindIE's: ``keys`` a str (one block, ``tensors`` that block)
+  or a list of str (``tensors`` a list of as many blocks); a block is whatever
+  MindIE's ``flatten_tensors`` flattens (a Tensor, a list of them, a list of
+  lists, nested any depth), its bytes the concatenation of its tensors' bytes.
+  A block is accepted as exactly the cache's pieces (layer 0 K, layer 0 V,
+  layer 1 K, ..., each of its own shape and dtype) or as one contiguous tensor
+  of the block's bytes. Every method takes and ignores ``**kwargs``.
+- Bad arguments (wrong types, lengths, shapes, dtypes, mixed devices, a closed
+  pool) return ``[False]`` (``False`` for ``exists``), are counted in
+  ``stats["refused"]`` and change nothing: all is checked before a byte moves.
+  A pool fault is a False, never an exception.
+- Keys: a MindIE key string (``"{hash}_{tp_rank}_{tp_size}_{model}"``) maps to
+  :func:`kvpool.keys.opaque_key` in the namespace of the client's model and
+  tenant and the cache's :meth:`MindIECache.fingerprint`: a scheduler and its
+  workers agree, caches of another shape never share blocks.
+- Bytes move through a reusable host staging buffer (:mod:`.staging`, pinned
+  where torch can pin): per chunk, one copy per piece, device copies enqueued
+  and waited for once (:class:`~kvpool.engines.staging.PieceCopier`).
+- ``get`` fills only blocks that hit and answers per key (MindIE's plugin
+  ignores the answer, see docs); ``put`` returns once the blocks are copied and
+  queued (kvpool's write-behind); ``flush`` waits for the pool; ``close`` drains.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from kvpool.config import load_config
+from kvpool.config import ClientConfig, load_config, read_json_object
 from kvpool.engines.session import EngineSession
-from kvpool.engines.staging import DEFAULT_STAGING_BYTES
-from kvpool.keys import BlockKey
-from kvpool.layout import KVLayout
+from kvpool.engines.staging import DEFAULT_STAGING_BYTES, PieceCopier
+from kvpool.keys import BlockKey, KeyNamespace
+from kvpool.layout import KVLayout, canonical_dtype
 
 log = logging.getLogger(__name__)
 
 BACKEND_NAME = "kvpool"
+CACHE_SECTION = "mindie_cache"  # top-level object of the config file: a MindIECache
+NZ_ALIGN = 16  # kvcache_settings.py NZ_KV_CACHE_FORMAT: NZ rows of 16 elements
+NZ_ALIGN_INT8 = 32  # NZ_KV_CACHE_INT8_FORMAT: int8 NZ rows of 32
 
-Block = Sequence[Sequence[torch.Tensor]]  # [num_layers][kv_parts] pieces of one block
+Block = list[torch.Tensor]  # one block's tensors, flattened, in MindIE's order
+PieceSpec = tuple[tuple[int, ...], torch.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class MindIECache:
+    """One MindIE rank's KV cache, in the terms of MindIE's ``KVCacheSettings`` (valid once built).
+
+    ``npu_cache[layer]`` is ``(K, V)``, each ``[num_blocks, *block_shape]``:
+    ND ``(block_size, num_kv_heads, head_size)``; NZ (``nz``, acl format 29)
+    ``(ceil(num_kv_heads * head_size / 16), block_size, 16)``. K and V head sizes
+    may differ (MLA: DeepSeek-V2/V3/R1 have ``num_kv_heads`` 1, K ``kv_lora_rank``
+    512, V ``qk_rope_head_dim`` 64). Layers in ``quant_layers`` hold an int8 K
+    (NZ rows of 32). ``num_layers`` counts the MTP layer MindIE adds when
+    speculative tokens are on.
+    """
+
+    dtype: str
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    k_head_size: int
+    v_head_size: int
+    nz: bool = False
+    quant_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+        for name in ("num_layers", "block_size", "num_kv_heads", "k_head_size", "v_head_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{CACHE_SECTION}.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.nz, bool):
+            raise ValueError(f"{CACHE_SECTION}.nz must be true or false, got {self.nz!r}")
+        quant = self.quant_layers
+        if not isinstance(quant, (list, tuple)) or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers for i in quant):
+            raise ValueError(f"{CACHE_SECTION}.quant_layers must list layers in [0, {self.num_layers}), got {quant!r}")
+        object.__setattr__(self, "quant_layers", tuple(sorted(set(quant))))
+        offset = 0
+        for shape, dtype in self.pieces():
+            if offset % dtype.itemsize:
+                raise ValueError(f"{CACHE_SECTION}: a {dtype} piece would start at byte {offset} of a block")
+            offset += math.prod(shape) * dtype.itemsize
+
+    @classmethod
+    def from_dict(cls, data: object) -> MindIECache:
+        """From the config's ``mindie_cache`` object; ValueError for unknown, missing or bad fields."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{CACHE_SECTION} must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown {CACHE_SECTION} field(s): {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a missing field
+            raise ValueError(f"{CACHE_SECTION}: {exc}") from None
+
+    @classmethod
+    def from_layout(cls, layout: KVLayout) -> MindIECache:
+        """The cache a kvpool layout describes: equal K and V per layer, ND, in ``layer_kv`` order."""
+        if layout.kv_order != "layer_kv":
+            raise ValueError(f"MindIE's blocks are [layers][K, V] (layer_kv); layout {layout.fingerprint()} is not")
+        return cls(layout.dtype, layout.num_layers, layout.block_size, layout.num_kv_heads,
+                   layout.head_dim, layout.head_dim)
+
+    def _shape(self, head_size: int, align: int) -> tuple[int, ...]:
+        if self.nz:
+            return (math.ceil(self.num_kv_heads * head_size / align), self.block_size, align)
+        return (self.block_size, self.num_kv_heads, head_size)
+
+    def piece(self, layer: int, part: int) -> PieceSpec:
+        """Shape and dtype of ``layer``'s K (part 0) or V (part 1) in one block."""
+        dtype = getattr(torch, self.dtype)
+        if part == 0 and layer in self.quant_layers:
+            return self._shape(self.k_head_size, NZ_ALIGN_INT8), torch.int8
+        return self._shape(self.k_head_size if part == 0 else self.v_head_size, NZ_ALIGN), dtype
+
+    def pieces(self) -> list[PieceSpec]:
+        """Every piece of a block in byte order: layer 0 K, layer 0 V, layer 1 K, ..."""
+        return [self.piece(layer, part) for layer in range(self.num_layers) for part in (0, 1)]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.pieces())
+
+    def as_layout(self) -> KVLayout | None:
+        """The equivalent kvpool layout (equal K/V, ND, no int8 K), else None."""
+        if self.k_head_size != self.v_head_size or self.nz or self.quant_layers:
+            return None
+        return KVLayout(self.dtype, self.num_layers, self.num_kv_heads, self.k_head_size, self.block_size)
+
+    def fingerprint(self) -> str:
+        """The name of this block shape in key namespaces; a layout's own fingerprint where one describes it."""
+        layout = self.as_layout()
+        if layout is not None:
+            return layout.fingerprint()
+        quant = ":q" + ",".join(map(str, self.quant_layers)) if self.quant_layers else ""
+        return (f"mindie:{self.dtype}:L{self.num_layers}:H{self.num_kv_heads}:K{self.k_head_size}"
+                f":V{self.v_head_size}:B{self.block_size}{':nz' if self.nz else ''}{quant}")
+
+
+def load_mindie_config(path: str) -> tuple[ClientConfig, MindIECache]:
+    """The client config and MindIE cache of a kvpool config file; ValueError if either is missing or bad.
+
+    The cache comes from ``mindie_cache`` or, failing that, ``client.layout``; never both.
+    """
+    data = read_json_object(path, "MindIE kvpool config")
+    config = load_config(path, extra_sections=(CACHE_SECTION,)).client
+    if CACHE_SECTION in data:
+        if config.layout is not None:
+            raise ValueError(f"{path}: give the cache as {CACHE_SECTION} or as client.layout, not both")
+        return config, MindIECache.from_dict(data[CACHE_SECTION])
+    if config.layout is None:
+        raise ValueError(f"{path}: the cache's shape is missing: add {CACHE_SECTION} (or client.layout)")
+    return config, MindIECache.from_layout(config.layout)
 
 
 def create_pool(backend: str, config_path: str, role: str = "scheduler", **kwargs: Any) -> KVPoolMempool:
@@ -62,36 +195,52 @@ def create_pool(backend: str, config_path: str, role: str = "scheduler", **kwarg
     return KVPoolMempool(config_path, role, **kwargs)
 
 
+def flatten(item: object) -> Block | None:
+    """A block's tensors in order, as MindIE's ``flatten_tensors`` takes them; None if anything is not a tensor."""
+    if isinstance(item, torch.Tensor):
+        return [item]
+    if not isinstance(item, (list, tuple)):
+        return None
+    out: Block = []
+    for sub in item:
+        flat = flatten(sub)
+        if flat is None:
+            return None
+        out.extend(flat)
+    return out
+
+
 class KVPoolMempool:
     """A MindIE MemPool backed by a kvpool client (see module docstring)."""
 
     def __init__(self, config_path: str, role: str = "scheduler", *, device_id: int = 0,
                  kv_caches: Sequence[Sequence[torch.Tensor]] | None = None,
-                 staging_bytes: int = DEFAULT_STAGING_BYTES, **kwargs: Any):
-        """Connect to the pool described by ``config_path``; ValueError for a bad config, role or cache."""
+                 staging_bytes: int = DEFAULT_STAGING_BYTES, copier: PieceCopier | None = None, **kwargs: Any):
+        """Connect to the pool ``config_path`` names; ValueError for a bad config, role or cache.
+
+        ``copier`` moves bytes between engine tensors and staging (tests without a device replace it).
+        """
         if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
             raise ValueError(f"device_id must be a non-negative int, got {device_id!r}")
         if kwargs:
             log.debug("kvpool MemPool ignores kwargs %s", sorted(kwargs))
-        config = load_config(config_path).client
-        if config.layout is None:
-            raise ValueError(f"{config_path}: the client section needs a 'layout' (MindIE's KV cache block shape)")
+        config, self.cache = load_mindie_config(config_path)
         self.device_id = device_id
-        self.layout: KVLayout = config.layout
-        self._dtype = getattr(torch, self.layout.dtype)
-        self._order = sorted(((layer, part) for layer in range(self.layout.num_layers)
-                              for part in range(self.layout.kv_parts)), key=lambda lp: self.layout.piece_offset(*lp))
+        self._pieces = self.cache.pieces()
+        self._block_bytes = self.cache.block_bytes
+        self._copier = copier if copier is not None else PieceCopier()
         if role == "worker" and kv_caches is not None:
             self._check_cache(kv_caches)
         self.session = EngineSession(config, role, staging_bytes, "MindIE MemPool")
+        self.session.namespace = KeyNamespace(config.model, self.cache.fingerprint(), 0, 1, config.tenant)
         self.role = role
         self.stats = self.session.stats
-        log.info("kvpool MemPool %s ready (master %s, layout %s)", role, config.master, self.layout.fingerprint())
+        log.info("kvpool MemPool %s ready (master %s, cache %s)", role, config.master, self.cache.fingerprint())
 
     # -- MindIE's calls -------------------------------------------------------------------
 
     def exists(self, key: str, **kwargs: Any) -> bool:
-        """Whether the pool (or this worker's HBM tier) holds ``key``; False for a bad key or a fault."""
+        """Whether the pool holds ``key``; False for a bad key or a fault."""
         if not isinstance(key, str):
             return self.session.refuse("exists", f"key must be a str, got {type(key).__name__}", False)
         return self.batch_exist([key])[0]
@@ -104,111 +253,97 @@ class KVPoolMempool:
         return self.session.exists(block_keys)
 
     def put(self, keys: str | list[str], tensors: Any, **kwargs: Any) -> list[bool]:
-        """Store each key's block (``tensors[i]`` = ``[num_layers][2]`` pieces); per key, whether it was accepted."""
+        """Store each key's block; per key, whether it was accepted (``[False]`` for bad arguments)."""
         checked = self._check_call("put", keys, tensors)
         if checked is None:
             return [False]
         block_keys, blocks = checked
         if not self.session.moves_data:
             return self.session.refuse("put", "the scheduler role moves no data", [False] * len(block_keys))
-        return self.session.put(block_keys, blocks, [self.layout.block_bytes] * len(blocks), self._gather)
+        return self.session.put(block_keys, blocks, [self._block_bytes] * len(blocks), self._gather)
 
     def get(self, keys: str | list[str], tensors: Any, **kwargs: Any) -> list[bool]:
-        """Fill each hit's pieces in place; per key, whether its block was loaded (misses stay untouched)."""
+        """Fill each hit's tensors in place; per key, whether its block was loaded (misses stay untouched)."""
         checked = self._check_call("get", keys, tensors)
         if checked is None:
             return [False]
         block_keys, blocks = checked
         if not self.session.moves_data:
             return self.session.refuse("get", "the scheduler role moves no data", [False] * len(block_keys))
-        return self.session.get(block_keys, blocks, [self.layout.block_bytes] * len(blocks), self._scatter)
+        return self.session.get(block_keys, blocks, [self._block_bytes] * len(blocks), self._scatter)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every accepted put reached the pool (or was dropped); False on timeout or when closed."""
         return self.session.flush(timeout)
 
-    def close(self) -> None:
+    def close(self, **kwargs: Any) -> None:
         """Drain queued puts, release the client and staging buffers; later calls answer False. Idempotent."""
         self.session.close()
 
     # -- argument checks --------------------------------------------------------------------
 
     def _check_call(self, call: str, keys: object, tensors: object) -> tuple[list[BlockKey], list[Block]] | None:
-        """Keys and blocks if the arguments are well-formed for this layout, else None (refusal logged)."""
+        """Keys and flattened blocks if the arguments are well-formed for this cache, else None (refusal logged)."""
         if self.session.client is None:
             return self.session.refuse(call, "pool is closed", None)
-        if isinstance(keys, str):  # MemPool also takes one key with its one block
+        if isinstance(keys, str):  # one key with its one block (base.py's Union[str, List[str]])
             keys, tensors = [keys], [tensors]
         block_keys = self.session.keys(keys)
         if block_keys is None:
             return self.session.refuse(call, "keys must be a str or a list of non-empty str", None)
         if not isinstance(tensors, (list, tuple)) or len(tensors) != len(block_keys):
-            return self.session.refuse(call, f"need one [layers][2] block per key ({len(block_keys)})", None)
-        problem = self._check_blocks(tensors)
-        if problem:
-            return self.session.refuse(call, problem, None)
-        return block_keys, list(tensors)
-
-    def _check_blocks(self, blocks: Sequence[object]) -> str:
-        """'' if every block is ``[num_layers][kv_parts]`` tensors of the piece shape and dtype on one device."""
-        layers, parts, shape = self.layout.num_layers, self.layout.kv_parts, self.layout.piece_shape
+            return self.session.refuse(call, f"need a list of one block per key ({len(block_keys)})", None)
+        blocks: list[Block] = []
         device = None
-        for i, block in enumerate(blocks):
-            if not isinstance(block, (list, tuple)) or len(block) != layers:
-                return f"block {i} must be a list of {layers} layers"
-            for layer in block:
-                if not isinstance(layer, (list, tuple)) or len(layer) != parts:
-                    return f"block {i}: each layer must be a list of {parts} tensors"
-                for piece in layer:
-                    if not isinstance(piece, torch.Tensor):
-                        return f"block {i}: pieces must be tensors, got {type(piece).__name__}"
-                    if piece.shape != shape or piece.dtype != self._dtype or not piece.is_contiguous():
-                        return (f"block {i}: piece {tuple(piece.shape)} {piece.dtype} is not a contiguous "
-                                f"{shape} {self._dtype} (layout {self.layout.fingerprint()})")
-                    if device is None:
-                        device = piece.device
-                    elif piece.device != device:
-                        return f"block {i}: pieces on {device} and {piece.device}"
+        for i, item in enumerate(tensors):
+            block = flatten(item)
+            problem = "not a tensor or a (nested) list of tensors" if block is None else self._check_block(block)
+            if problem:
+                return self.session.refuse(call, f"block {i}: {problem} (cache {self.cache.fingerprint()})", None)
+            assert block is not None
+            for t in block:
+                if device is None:
+                    device = t.device
+                elif t.device != device:
+                    return self.session.refuse(call, f"block {i}: tensors on {device} and {t.device}", None)
+            blocks.append(block)
+        return block_keys, blocks
+
+    def _check_block(self, block: Block) -> str:
+        """'' if ``block`` is the cache's pieces, or one contiguous tensor of the block's bytes; else the problem."""
+        if len(block) == 1:
+            (t,) = block
+            if t.numel() * t.element_size() != self._block_bytes or not t.is_contiguous():
+                return f"one tensor of {tuple(t.shape)} {t.dtype} is not a contiguous {self._block_bytes}-byte block"
+            return ""
+        if len(block) != len(self._pieces):
+            return f"{len(block)} tensors, the cache's blocks have {len(self._pieces)} (K and V of each layer)"
+        for n, (t, (shape, dtype)) in enumerate(zip(block, self._pieces)):
+            if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+                return (f"layer {n // 2} {'KV'[n % 2]}: {tuple(t.shape)} {t.dtype} is not a contiguous {shape} "
+                        f"{dtype}")
         return ""
 
     def _check_cache(self, kv_caches: object) -> None:
-        """ValueError unless ``kv_caches`` is ``[num_layers][kv_parts]`` paged caches of this layout."""
-        layers, parts = self.layout.num_layers, self.layout.kv_parts
-        expected = f"[num_blocks, {', '.join(map(str, self.layout.piece_shape))}] {self._dtype}"
+        """ValueError unless ``kv_caches`` is ``npu_cache``: per layer K and V (an index cache may follow)."""
+        layers = self.cache.num_layers
         if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != layers:
-            raise ValueError(f"kv_caches must hold {layers} layers (layout {self.layout.fingerprint()})")
+            raise ValueError(f"kv_caches must hold {layers} layers (cache {self.cache.fingerprint()})")
         for layer, caches in enumerate(kv_caches):
-            if not isinstance(caches, (list, tuple, torch.Tensor)) or len(caches) < parts:
-                raise ValueError(f"kv_caches[{layer}] must hold {parts} tensors (K, V)")
-            for cache in caches[:parts]:
-                if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or \
-                        tuple(cache.shape[1:]) != self.layout.piece_shape or cache.dtype != self._dtype:
+            if not isinstance(caches, (list, tuple)) or len(caches) < 2:
+                raise ValueError(f"kv_caches[{layer}] must hold K and V tensors")
+            for part, cache in enumerate(caches[:2]):
+                shape, dtype = self.cache.piece(layer, part)
+                if not isinstance(cache, torch.Tensor) or tuple(cache.shape[1:]) != shape or cache.dtype != dtype:
                     got = (f"{tuple(cache.shape)} {cache.dtype}" if isinstance(cache, torch.Tensor)
                            else type(cache).__name__)
-                    raise ValueError(f"kv_caches[{layer}]: expected {expected}, got {got} "
-                                     f"(layout {self.layout.fingerprint()})")
+                    raise ValueError(f"kv_caches[{layer}][{part}]: expected [num_blocks, {', '.join(map(str, shape))}]"
+                                     f" {dtype}, got {got} (cache {self.cache.fingerprint()})")
 
     # -- byte movement (staging callbacks) ----------------------------------------------------
 
-    def _pieces(self, blocks: Sequence[Block]) -> list[torch.Tensor]:
-        """Every piece of ``blocks``, block after block, each block's pieces in the layout's byte order."""
-        order = self._order
-        return [block[layer][part] for block in blocks for layer, part in order]
-
-    def _typed(self, region: torch.Tensor, count: int) -> torch.Tensor:
-        """The staging bytes as ``[count, *piece_shape]`` pieces of the layout's dtype."""
-        return region.view(self._dtype).view(count, *self.layout.piece_shape)
-
     def _gather(self, blocks: Sequence[Block], region: torch.Tensor) -> None:
-        pieces = self._pieces(blocks)
-        out = self._typed(region, len(pieces))
-        if pieces[0].device.type == "cpu":
-            torch.stack(pieces, out=out)
-        else:  # device pieces: one device-to-host copy each
-            for dst, src in zip(out.unbind(0), pieces):
-                dst.copy_(src)
+        self._copier.to_host([t for block in blocks for t in block], region)
 
     def _scatter(self, blocks: Sequence[Block], region: torch.Tensor) -> None:
-        pieces = self._pieces(blocks)
-        for dst, src in zip(pieces, self._typed(region, len(pieces)).unbind(0)):
-            dst.copy_(src)
+        self._copier.to_device(region, [t for block in blocks for t in block])
