@@ -186,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="measure the pool against this machine's limits", parents=[common])
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
     from kvpool.bench import index_scale, replay, soak, tiers, ttft
+    from kvpool.bench import vllm as vllm_bench
 
     for name, module, help_text in (
         ("tiers", tiers, "DRAM and SSD put/get GB/s next to memcpy"),
@@ -193,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("index", index_scale, "master index: lookup cost and bytes per block, 1K to 10M blocks"),
         ("soak", soak, "many clients for minutes: memory, fds and threads of every process must stay flat, no errors"),
         ("ttft", ttft, "transformers engine: time to first token, prefix from each tier"),
+        ("vllm", vllm_bench, "real vLLM: time to first token, kvpool against vLLM's prefix cache and Mooncake"),
     ):
         bench_parser = benches.add_parser(name, help=help_text, parents=[common])
         module.add_arguments(bench_parser)

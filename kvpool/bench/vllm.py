@@ -1,0 +1,593 @@
+"""``kvpool bench vllm``: time to first token in the real vLLM, kvpool against vLLM's prefix cache and Mooncake.
+
+One run, one model: Qwen2-0.5B's shape (24 layers, 2 KV heads of 64) with
+vLLM's dummy weights (:func:`kvpool.bench.vllm_runtime.save_model`), prompts
+of ``--prompt-tokens`` (2,048) random token ids, ``max_tokens=1``, blocks of
+``--block-size`` (32) tokens (a block across all layers: 384 KiB in bf16).
+Each vLLM process is a child of the vLLM Python (:func:`vllm_python`), in
+the same environment (:func:`vllm_env`: OpenMP threads pinned to ``--cpus``,
+in-process engine core unless ``--multiprocess``), and serves, before
+anything is measured, one warm-up request of the same kind as its measured
+ones (prompt ``W``, which the process filling a store stores too). Then
+``--prompts`` (5) distinct prompts ``P1..Pn``, one request at a time:
+
+- ``vllm`` (no connector): each ``Pi`` cold (``cold``: nothing cached), then
+  again (``own``: vLLM's own prefix-cache hit in the same process, the
+  ceiling: only the last block is computed);
+- ``kvpool fill`` (``KVPoolConnector``; a pool this command starts, ``kvpool
+  serve`` on 127.0.0.1 with DRAM for twice the blocks and SSD in a temporary
+  directory): each ``Pi`` cold (``kvpool_cold``: the pool on, nothing to hit;
+  its blocks are saved), then again (``kvpool_own``: vLLM's own hit with the
+  connector loaded). The process exits (the connector flushes its saves);
+- ``kvpool DRAM``, a fresh process: each ``Pi`` (``kvpool_dram``: the prefix
+  loaded from the node's DRAM arena), then again (``own_after_dram``);
+- ``mooncake fill`` / ``mooncake hit`` (vLLM's in-tree
+  ``MooncakeStoreConnector``, ``mooncake_master`` and a separate
+  ``mooncake_client`` store process, :mod:`kvpool.bench.vllm_peers`): the same
+  as kvpool's fill and DRAM phases (``mooncake_cold``, ``mooncake``,
+  ``own_after_mooncake``);
+- ``kvpool SSD``: this process first puts as many filler blocks as the node's
+  DRAM holds, so every block of ``W`` and ``Pi`` is evicted from DRAM and
+  demoted to SSD (write-back), waits until the node has written them all
+  (``kvpool_demotion_queue_bytes`` 0), then a fresh vLLM process: each ``Pi``
+  (``kvpool_ssd``), then again (``own_after_ssd``).
+
+TTFT is vLLM's own: ``RequestOutput.metrics.first_token_latency``, from the
+request's arrival to its first token (the connector's lookup, the load and
+the forward are all inside it). Reported: medians over the prompts, the aims'
+ratios against ``own`` (``kvpool_dram <= 1.2 x own``, ``kvpool_dram <= 0.6 x
+mooncake``, ``kvpool_ssd <= 1.5 x own``) and, because the machine is shared,
+the same ratio per prompt against the ``own`` hit served right after it in
+the same process (``paired``). Every row is checked: cold rows computed every
+token, hit rows reused all but the last block (``RequestOutput.num_cached_tokens``),
+kvpool rows came whole from the tier they name (the connector's
+``vllm:kvpool_hit_blocks_{dram,ssd}`` and ``loaded_blocks`` counters), and
+the SSD phase's reads were SSD reads (the node's ``kvpool_promotions_total``
+and the master's SSD hit counter grew by the blocks read). A failed check is
+an error, not a number.
+
+The vLLM side runs this module with ``--driver SPEC`` (:func:`driver_main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpool.bench.vllm_runtime import MODELS, save_model, vllm_env, vllm_python
+
+MODEL = "qwen2-0.5b"
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+CASES = ("cold", "own", "kvpool_cold", "kvpool_own", "kvpool_dram", "kvpool_ssd", "mooncake_cold", "mooncake")
+LABELS = {
+    "cold": "cold prefill, vLLM alone",
+    "own": "vLLM's own prefix-cache hit (ceiling)",
+    "kvpool_cold": "cold prefill, kvpool connector on",
+    "kvpool_own": "vLLM's own hit, kvpool connector on",
+    "kvpool_dram": "kvpool hit from DRAM, fresh process",
+    "kvpool_ssd": "kvpool hit from SSD, fresh process",
+    "mooncake_cold": "cold prefill, Mooncake connector on",
+    "mooncake": "Mooncake Store hit, fresh process",
+}
+PAIRED = {"kvpool_dram": "own_after_dram", "kvpool_ssd": "own_after_ssd", "mooncake": "own_after_mooncake"}
+AIMS: list[tuple[str, str, float]] = [("kvpool_dram", "own", 1.2), ("kvpool_dram", "mooncake", 0.6),
+                                      ("kvpool_ssd", "own", 1.5)]
+PHASE_TIMEOUT_S = 1800.0
+
+
+@dataclass
+class Request:
+    """One measured (or warm-up) request as the driver saw it."""
+
+    case: str
+    prompt: int
+    ttft_s: float
+    cached: int
+    wall_s: float
+    queued_to_scheduled_s: float
+    scheduled_to_first_token_s: float
+    metrics: dict[str, float] = field(default_factory=dict)  # vLLM counters' growth over this request
+
+
+# -- the vLLM side -----------------------------------------------------------------------------------
+
+
+def _counters() -> dict[str, float]:
+    """vLLM's counters this benchmark reads (connector and prefix-cache), summed over engines and labels.
+
+    Read from the Prometheus registry itself: ``LLM.get_metrics()`` rounds counters to integers, which turns
+    ``vllm:kvpool_load_seconds`` into 0.
+    """
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        if family.type == "counter" and family.name.startswith(
+                ("vllm:kvpool_", "vllm:prefix_cache", "vllm:external_prefix_cache", "vllm:mooncake", "vllm:kv_")):
+            value = sum(s.value for s in family.samples if s.name == f"{family.name}_total")
+            out[family.name] = out.get(family.name, 0.0) + float(value)
+    return out
+
+
+_TRACE: dict[str, float] = {}
+
+
+def _trace_connector() -> None:
+    """Time the kvpool connector's parts in this process: wrap (never change) the pool lookup of the scheduler
+    side, the pool read and the per-layer scatter of the worker side. Each wrapper adds two ``perf_counter``
+    calls. Totals in seconds (and calls) go to ``_TRACE``, read per request like the counters."""
+    import functools
+
+    from kvpool.client.pool import PoolClient
+    from kvpool.engines.vllm import worker
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _TRACE[f"{name}_s"] = _TRACE.get(f"{name}_s", 0.0) + time.perf_counter() - start
+                _TRACE[f"{name}_calls"] = _TRACE.get(f"{name}_calls", 0.0) + 1
+        return wrapper
+
+    PoolClient.lookup = timed("lookup", PoolClient.lookup)  # type: ignore[method-assign]
+    PoolClient.get_into = timed("get", PoolClient.get_into)  # type: ignore[method-assign]
+    worker._scatter = timed("scatter", worker._scatter)
+    worker.PoolWorker._load = timed("load", worker.PoolWorker._load)  # type: ignore[method-assign]
+    worker.PoolWorker.save = timed("save", worker.PoolWorker.save)  # type: ignore[method-assign]
+
+
+def driver_main(spec_path: str) -> int:
+    """Run one vLLM process's requests (the spec :func:`_phase` writes) and write their :class:`Request` s."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    prompts = json.loads(Path(spec["prompts"]).read_text())
+    kv = None
+    if spec["connector"] == "kvpool":
+        kv = KVTransferConfig(kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.engines.vllm",
+                              kv_role="kv_both",
+                              kv_connector_extra_config={"kvpool_config_path": spec["kvpool_config"],
+                                                         "kvpool_strict": True})
+    elif spec["connector"] == "mooncake":
+        kv = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role="kv_both")
+    if spec["connector"] == "kvpool":
+        _trace_connector()
+    tokens = spec["prompt_tokens"]
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, block_size=spec["block_size"], dtype=spec["dtype"],
+              load_format="dummy", enforce_eager=True, disable_log_stats=False, max_model_len=tokens + 64,
+              max_num_batched_tokens=max(tokens + 64, 2048), max_num_seqs=4, seed=0, kv_transfer_config=kv)
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    results = []
+    for case, index in spec["requests"]:
+        before = dict(_counters(), **{f"trace:{k}": v for k, v in _TRACE.items()})
+        start = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompts[index])], params, use_tqdm=False)[0]
+        wall = time.perf_counter() - start
+        after = dict(_counters(), **{f"trace:{k}": v for k, v in _TRACE.items()})
+        m = out.metrics
+        if m is None or not m.first_token_latency:
+            raise RuntimeError("vLLM returned no request metrics (disable_log_stats must be False)")
+        grown = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+        results.append(Request(case, index, float(m.first_token_latency), int(out.num_cached_tokens or 0), wall,
+                               float(m.scheduled_ts - m.queued_ts), float(m.first_token_ts - m.scheduled_ts),
+                               grown))
+    Path(spec["result"]).write_text(json.dumps([asdict(r) for r in results]))
+    # The connectors' shutdown: kvpool flushes its write-behind saves, Mooncake waits for its sending thread.
+    # Then out without the interpreter's teardown: Mooncake's lookup thread keeps a zmq socket that makes
+    # the garbage collection of its context wait forever.
+    start = time.perf_counter()
+    llm.llm_engine.engine_core.shutdown()
+    print(f"bench vllm driver: engine shut down in {time.perf_counter() - start:.1f} s", flush=True)
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# -- this side: pools, phases, checks -------------------------------------------------------------------
+
+
+def _node_counter(metrics_port: int, name: str) -> float:
+    """A counter (``name`` with its ``_total``) on the pool node's /metrics, summed over labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            total += sum(s.value for s in family.samples if s.name in (name, f"{name}_total"))
+    return total
+
+
+def _master_counts(master: str) -> dict[str, int]:
+    """The master's ClusterStatus numbers this benchmark checks (what ``kvpool status`` prints)."""
+    import grpc
+
+    from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
+
+    with grpc.insecure_channel(master) as channel:
+        s = master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=10)
+    counts = {"lookups": s.lookups, "hit_blocks_dram": s.hit_blocks_dram, "hit_blocks_ssd": s.hit_blocks_ssd,
+              "indexed_blocks": s.indexed_blocks, "dram_blocks": 0, "ssd_blocks": 0}
+    for node in s.nodes:
+        for t in node.tiers:
+            if t.tier == common_pb2.TIER_DRAM:
+                counts["dram_blocks"] += t.blocks
+            elif t.tier == common_pb2.TIER_SSD:
+                counts["ssd_blocks"] += t.blocks
+    return counts
+
+
+def _status_text(master: str) -> str:
+    import grpc
+
+    from kvpool.status import render_status
+    from kvpool.v1 import master_pb2, master_pb2_grpc
+
+    with grpc.insecure_channel(master) as channel:
+        s = master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=10)
+    return render_status(master, s)
+
+
+class _Runner:
+    """Starts one driver process a phase, all alike but for the connector (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, python: str, work: Path, progress: Callable[[str], None]):
+        self.args, self.python, self.work, self.progress = args, python, work, progress
+        self.env = vllm_env(python, cpus=args.cpus, kv_cache_gib=args.kv_cache_gib, in_process=not args.multiprocess)
+        iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # the venv's own lib (vllm_env resolves the
+        if "LD_PRELOAD" not in self.env and iomp.exists():  # interpreter's symlink past the venv and misses it)
+            self.env["LD_PRELOAD"] = str(iomp)
+        self.env["VLLM_LOGGING_LEVEL"] = "WARNING"
+        self.env["PYTHONUNBUFFERED"] = "1"
+
+    def phase(self, name: str, connector: str | None, requests: list[tuple[str, int]],
+              extra_env: dict[str, str] | None = None, kvpool_config: str | None = None) -> list[Request]:
+        slug = name.replace(" ", "-")
+        spec = {"model": str(self.work / "model"), "prompts": str(self.work / "prompts.json"),
+                "prompt_tokens": self.args.prompt_tokens, "block_size": self.args.block_size,
+                "dtype": self.args.dtype, "connector": connector, "kvpool_config": kvpool_config,
+                "requests": requests, "result": str(self.work / f"{slug}.result.json")}
+        spec_path = self.work / f"{slug}.spec.json"
+        spec_path.write_text(json.dumps(spec))
+        log_path = self.work / f"{slug}.log"
+        env = dict(self.env, **(extra_env or {}))
+        argv = [self.python, "-m", "kvpool.bench.vllm", "--driver", str(spec_path)]
+        if self.args.profile and connector == "kvpool":
+            spy = shutil.which("py-spy")
+            if spy is None:
+                raise ValueError("--profile needs py-spy on PATH (pip install py-spy)")
+            out = Path(self.args.profile) / f"{slug}.folded"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            argv = [spy, "record", "--format", "raw", "--rate", "250", "--nonblocking", "--subprocesses",
+                    "-o", str(out), "--", *argv]
+        self.progress(f"{name}: a vLLM process, {len(requests)} requests")
+        start = time.monotonic()
+        with open(log_path, "wb") as log:
+            try:
+                done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.work,
+                                      timeout=PHASE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"bench vllm: {name} ran past {PHASE_TIMEOUT_S:.0f} s; log {log_path}") from None
+        if done.returncode != 0:
+            tail = log_path.read_bytes()[-4000:].decode(errors="replace")
+            raise RuntimeError(f"bench vllm: {name} exited with {done.returncode}:\n{tail}")
+        self.progress(f"{name}: done in {time.monotonic() - start:.0f} s")
+        return [Request(**r) for r in json.loads((self.work / f"{slug}.result.json").read_text())]
+
+
+def _check(requests: list[Request], expect_hit: int, block_size: int) -> None:
+    """Every request computed what its case says (see the module docstring); RuntimeError naming the first that
+    did not."""
+    for r in requests:
+        if r.case == "warmup":
+            continue
+        cold = r.case.endswith("cold") or r.case == "cold"
+        want = 0 if cold else expect_hit
+        if r.cached != want:
+            raise RuntimeError(f"bench vllm: {r.case} of prompt {r.prompt} had {r.cached} tokens cached, not {want}")
+        blocks = expect_hit // block_size
+        if r.case in ("kvpool_dram", "kvpool_ssd"):
+            tier = r.case.rsplit("_", 1)[1]
+            other = "ssd" if tier == "dram" else "dram"
+            m = r.metrics
+            got = (m.get(f"vllm:kvpool_hit_blocks_{tier}", 0), m.get(f"vllm:kvpool_hit_blocks_{other}", 0),
+                   m.get("vllm:kvpool_loaded_blocks", 0), m.get("vllm:kvpool_load_errors", 0))
+            if got != (blocks, 0, blocks, 0):
+                raise RuntimeError(f"bench vllm: {r.case} of prompt {r.prompt}: the connector found {got[0]:.0f} "
+                                   f"blocks in {tier} and {got[1]:.0f} in {other}, loaded {got[2]:.0f} with "
+                                   f"{got[3]:.0f} errors; expected all {blocks} from {tier}")
+
+
+def _push_out_of_dram(master: str, slots: int, block_bytes: int, metrics_port: int) -> None:
+    """Put ``slots`` filler blocks (LRU: every older block is evicted from DRAM, demoted to SSD); wait for the
+    node to finish writing them."""
+    import numpy as np
+
+    from kvpool.client.pool import PoolClient
+    from kvpool.config import ClientConfig
+    from kvpool.keys import opaque_key
+
+    junk = np.frombuffer(os.urandom(block_bytes), dtype=np.uint8)
+    config = ClientConfig(master=master, model="kvpool-bench-vllm-filler", lookup_timeout_s=5.0, io_timeout_s=30.0)
+    with PoolClient(config) as pool:
+        batch = 16
+        for first in range(0, slots, batch):
+            keys = [opaque_key(f"bench-vllm-filler-{i}") for i in range(first, min(slots, first + batch))]
+            pool.put(keys, [junk] * len(keys))
+            if not pool.flush(120):
+                raise RuntimeError("bench vllm: filler writes did not finish")
+    deadline = time.monotonic() + 300
+    while _node_counter(metrics_port, "kvpool_demotion_queue_bytes") > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError("bench vllm: the node did not finish demoting to SSD")
+        time.sleep(0.1)
+
+
+def cpu_dtype() -> str:
+    """bfloat16 where this CPU has bf16 instructions (vLLM's CPU kernels use them), else float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return "float32"
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+
+
+def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Every phase of the module docstring, in its order; the requests, the checks' evidence and the setup."""
+    import numpy as np
+
+    from kvpool.bench.ttft import LocalPool
+
+    python = vllm_python()
+    if python is None:
+        raise ValueError("no Python with vLLM: run `bash tests/vllm_env.sh` (or set KVPOOL_VLLM_PYTHON)")
+    python = str(Path(python).absolute())
+    if args.block_size % 32 or args.prompt_tokens <= args.block_size:
+        raise ValueError("--block-size must be a multiple of 32 (vLLM on CPU) and --prompt-tokens more than a block")
+    if args.prompts < 1:
+        raise ValueError("--prompts must be at least 1")
+    if args.dtype == "auto":
+        args.dtype = cpu_dtype()
+    versions = {}
+    if args.mooncake:
+        from kvpool.bench.vllm_peers import ensure_mooncake
+
+        versions["mooncake_check"] = ensure_mooncake(python, install=args.install)
+    shape = MODELS[MODEL]
+    layers, kv_heads = int(shape["num_hidden_layers"]), int(shape["num_key_value_heads"])  # type: ignore[call-overload]
+    head_dim = int(shape["hidden_size"]) // int(shape["num_attention_heads"])  # type: ignore[call-overload]
+    block_bytes = layers * 2 * kv_heads * head_dim * args.block_size * DTYPE_BYTES[args.dtype]
+    blocks = -(-args.prompt_tokens // args.block_size)  # the last, partial one too (it is never saved)
+    expect_hit = (args.prompt_tokens - 1) // args.block_size * args.block_size
+    dram_slots = 2 * (args.prompts + 1) * blocks + 16
+    work = Path(tempfile.mkdtemp(prefix="kvpool-bench-vllm-", dir=args.work_dir))
+    setup = {"model": f"{MODEL} shape, dummy weights", "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
+             "block_size": args.block_size, "block_bytes": block_bytes, "prompts": args.prompts,
+             "dram_slots": dram_slots, "cpus": args.cpus, "engine": "multiprocess" if args.multiprocess else
+             "in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)", "python": python, **versions}
+    evidence: dict[str, Any] = {}
+    try:
+        save_model(work / "model", MODEL)
+        rng = np.random.default_rng(args.seed)
+        vocab = int(shape["vocab_size"])  # type: ignore[call-overload]
+        prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(args.prompts + 1)]
+        (work / "prompts.json").write_text(json.dumps(prompts))
+        measured = range(1, args.prompts + 1)  # prompt 0 is W, the warm-up
+
+        def fill(case: str, repeat: str | None) -> list[tuple[str, int]]:
+            reqs = [("warmup", 0)]
+            for i in measured:
+                reqs += [(case, i)] + ([(repeat, i)] if repeat else [])
+            return reqs
+
+        runner = _Runner(args, python, work, progress)
+        requests: list[Request] = []
+        done = runner.phase("vllm", None, fill("cold", "own"))
+        _check(done, expect_hit, args.block_size)
+        requests += done
+        with LocalPool(dram_bytes=dram_slots * block_bytes, slot_bytes=block_bytes,
+                       ssd_bytes=max(4 << 30, 4 * dram_slots * block_bytes), ssd_parent=args.work_dir) as pool:
+            config = work / "kvpool.json"
+            config.write_text(json.dumps({"client": {"master": pool.address}}))
+            for name, case, repeat in (("kvpool fill", "kvpool_cold", "kvpool_own"),
+                                       ("kvpool DRAM", "kvpool_dram", "own_after_dram")):
+                done = runner.phase(name, "kvpool", fill(case, repeat), kvpool_config=str(config))
+                _check(done, expect_hit, args.block_size)
+                requests += done
+                evidence[f"master after {name}"] = _master_counts(pool.address)
+            if args.mooncake:
+                from kvpool.bench.vllm_peers import MooncakeStore
+
+                with MooncakeStore(python) as store:
+                    phases: list[tuple[str, str, str | None]] = [("mooncake fill", "mooncake_cold", None),
+                                                                  ("mooncake hit", "mooncake", "own_after_mooncake")]
+                    for name, case, again in phases:
+                        done = runner.phase(name, "mooncake", fill(case, again), extra_env=store.vllm_env())
+                        _check(done, expect_hit, args.block_size)
+                        requests += done
+                    if not store.alive():
+                        raise RuntimeError(f"bench vllm: a Mooncake process died:\n{store.log_tail()}")
+            progress(f"kvpool SSD: {dram_slots} filler blocks push every prompt block out of DRAM")
+            _push_out_of_dram(pool.address, dram_slots, block_bytes, pool.metrics_port)
+            before = _master_counts(pool.address)
+            promotions = _node_counter(pool.metrics_port, "kvpool_promotions")
+            done = runner.phase("kvpool SSD", "kvpool", fill("kvpool_ssd", "own_after_ssd"),
+                                kvpool_config=str(config))
+            _check(done, expect_hit, args.block_size)
+            requests += done
+            after = _master_counts(pool.address)
+            promoted = _node_counter(pool.metrics_port, "kvpool_promotions") - promotions
+            ssd_hits = after["hit_blocks_ssd"] - before["hit_blocks_ssd"]
+            read = (args.prompts + 1) * (expect_hit // args.block_size)
+            evidence.update({"master before kvpool SSD": before, "master after kvpool SSD": after,
+                             "node promotions in kvpool SSD": promoted, "blocks read in kvpool SSD": read,
+                             "kvpool status after kvpool SSD": _status_text(pool.address)})
+            if promoted < read or ssd_hits < read:
+                raise RuntimeError(f"bench vllm: the SSD phase read {read} blocks but the node promoted {promoted:.0f}"
+                                   f" from SSD and the master counted {ssd_hits} SSD hits")
+    finally:
+        if args.keep:
+            progress(f"logs and specs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return {"setup": setup, "requests": requests, "evidence": evidence}
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+
+PARTS = {"lookup": "trace:lookup_s", "read": "trace:get_s", "scatter": "trace:scatter_s",
+         "load": "vllm:kvpool_load_seconds"}
+
+
+def summarize(requests: list[Request]) -> dict[str, Any]:
+    """Medians per case; the aims' ratios of medians; per hit case, over its prompts, the median ratio to and
+    the median difference from the ``own`` hit of the same prompt served right after it in the same process
+    (``paired``, ``overhead_s``); the kvpool connector's parts (medians, seconds: ``lookup`` the scheduler's
+    pool lookup, ``read`` the pool read into staging, ``scatter`` the copies into vLLM's blocks, ``load`` the
+    connector's own load time, read plus scatter plus its bookkeeping)."""
+    by_case: dict[str, list[Request]] = {}
+    for r in requests:
+        if r.case != "warmup":
+            by_case.setdefault(r.case, []).append(r)
+    medians = {c: statistics.median(r.ttft_s for r in rs) for c, rs in by_case.items()}
+    paired: dict[str, float] = {}
+    overhead: dict[str, float] = {}
+    for case, ref in PAIRED.items():
+        own = {r.prompt: r.ttft_s for r in by_case.get(ref, [])}
+        pairs = [(r.ttft_s, own[r.prompt]) for r in by_case.get(case, []) if r.prompt in own]
+        if pairs:
+            paired[case] = statistics.median(t / o for t, o in pairs)
+            overhead[case] = statistics.median(t - o for t, o in pairs)
+    aims = []
+    for case, ref, limit in AIMS:
+        if case in medians and ref in medians:
+            ratio = medians[case] / medians[ref]
+            aims.append({"case": case, "reference": ref, "limit": limit, "ratio": ratio, "met": ratio <= limit})
+    parts = {c: {part: statistics.median(r.metrics.get(name, 0.0) for r in rs) for part, name in PARTS.items()}
+             for c, rs in by_case.items() if c.startswith("kvpool_")}
+    return {"median_s": medians, "paired": paired, "overhead_s": overhead, "aims": aims, "kvpool_parts_s": parts,
+            "n": {c: len(rs) for c, rs in by_case.items()}}
+
+
+def render(report: dict[str, Any]) -> str:
+    """The report as the table docs/benchmarks.md shows."""
+    setup, summary = report["setup"], report["summary"]
+    by_case: dict[str, list[Request]] = {}
+    for r in report["requests"]:
+        by_case.setdefault(r.case, []).append(r)
+    medians, overhead = summary["median_s"], summary["overhead_s"]
+    lines = [
+        (f"model {setup['model']}, {setup['dtype']}, prompt {setup['prompt_tokens']} tokens, blocks of "
+         f"{setup['block_size']} ({setup['block_bytes'] // 1024} KiB), {setup['prompts']} prompts, max_tokens 1; "
+         f"OpenMP on cpus {setup['cpus']}; {setup['engine']}"),
+        "",
+        "| case | TTFT ms median | min | max | cached tokens | / own (medians) | paired / own | paired +ms "
+        "| lookup ms | pool read ms | scatter ms | connector load ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for case in CASES:
+        rs = by_case.get(case)
+        if not rs:
+            continue
+        ttft = [r.ttft_s * 1e3 for r in rs]
+        vs = f"{medians[case] / medians['own']:.2f}" if "own" in medians and case != "own" else ""
+        paired = f"{summary['paired'][case]:.2f}" if case in summary["paired"] else ""
+        plus = f"{overhead[case] * 1e3:.1f}" if case in overhead else ""
+        parts = summary["kvpool_parts_s"].get(case)
+        part_cells = [f"{parts[p] * 1e3:.1f}" for p in PARTS] if parts else [""] * len(PARTS)
+        cells = [LABELS[case], f"{medians[case] * 1e3:.1f}", f"{min(ttft):.1f}", f"{max(ttft):.1f}",
+                 str(statistics.median(r.cached for r in rs)), vs, paired, plus, *part_cells]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "aims (ratio of medians, same run):"]
+    for aim in summary["aims"]:
+        lines.append(f"- {aim['case']} <= {aim['limit']} x {aim['reference']}: {aim['ratio']:.2f} "
+                     f"({'met' if aim['met'] else 'MISSED'})")
+    for case, ref, limit in AIMS:
+        if case not in medians or ref not in medians:
+            lines.append(f"- {case} <= {limit} x {ref}: not measured")
+    if "kvpool_dram" in overhead and "mooncake" in overhead and overhead["mooncake"] > 0:
+        lines.append(f"- what each store adds to vLLM's own hit (paired +ms): kvpool DRAM "
+                     f"{overhead['kvpool_dram'] * 1e3:.1f} ms, Mooncake {overhead['mooncake'] * 1e3:.1f} ms "
+                     f"({overhead['kvpool_dram'] / overhead['mooncake']:.2f} x)")
+    lines += ["", ("paired: median over prompts of TTFT / (and minus) the own hit of the same prompt served right "
+                   "after it in the same process. lookup, pool read, scatter: kvpool connector parts (medians).")]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", type=int, default=5, help="distinct measured prompts (default: %(default)s)")
+    parser.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (default: %(default)s)")
+    parser.add_argument("--block-size", type=int, default=32, help="vLLM block size, a multiple of 32 on CPU "
+                        "(default: %(default)s)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPE_BYTES)],
+                        help="model and KV dtype; auto: bfloat16 where the CPU has bf16 instructions (avx512_bf16, "
+                        "amx_bf16), else float32 (vLLM's bf16 falls back to a ~5x slower path) (default: auto)")
+    parser.add_argument("--cpus", default="0-1", help="cores vLLM's OpenMP threads are pinned to, the same in every "
+                        "process (default: %(default)s)")
+    parser.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (default: %(default)s)")
+    parser.add_argument("--multiprocess", action="store_true", help="vLLM's usual process layout (engine core in "
+                        "its own process; ~60 s a start here) instead of the in-process engine core (~20 s)")
+    parser.add_argument("--no-mooncake", dest="mooncake", action="store_false",
+                        help="skip the MooncakeStoreConnector phases")
+    parser.add_argument("--no-install", dest="install", action="store_false",
+                        help="fail instead of installing Mooncake (" + "mooncake-transfer-engine-non-cuda"
+                        + " into the vLLM Python, and its Debian libraries) when it is missing")
+    parser.add_argument("--seed", type=int, default=0, help="prompts (default: %(default)s)")
+    parser.add_argument("--work-dir", default=None, help="parent of the temporary directory (model config, logs, "
+                        "the pool's SSD directory; default: the system temp dir)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary directory (vLLM logs)")
+    parser.add_argument("--profile", metavar="DIR", default=None, help="run the kvpool phases' vLLM processes "
+                        "under py-spy (250 Hz, all threads) and write their folded stacks to DIR/<phase>.folded")
+    parser.add_argument("--json", action="store_true", help="print a JSON report instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = measure(args, progress=lambda s: print(f"bench vllm: {s}", file=sys.stderr, flush=True))
+    report["summary"] = summarize(report["requests"])
+    if args.json:
+        out = dict(report, requests=[asdict(r) for r in report["requests"]])
+        print(json.dumps(out, indent=2))
+    else:
+        print(render(report))
+        for name, value in report["evidence"].items():
+            if isinstance(value, str):
+                print(f"\n{name}:\n{value}")
+            else:
+                print(f"{name}: {value}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvpool.bench.vllm``: the same as ``kvpool bench vllm``."""
+    parser = argparse.ArgumentParser(prog="kvpool bench vllm", description=(__doc__ or "").splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as exc:
+        print(f"kvpool bench vllm: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--driver"]:
+        sys.exit(driver_main(sys.argv[2]))
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""``kvpool bench vllm``'s plumbing without vLLM: its checks, summary and table on made-up requests.
+
+The measurement itself needs the real vLLM for minutes (docs/benchmarks.md, "kvpool bench vllm"); what is
+tested here is what turns driver results into verdicts. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.bench.vllm import AIMS, Request, _check, render, summarize
+from kvpool.cli import build_parser
+
+HIT = 2016  # a 2,048-token prompt in blocks of 32: all but the last block
+BLOCKS = HIT // 32
+
+
+def req(case: str, prompt: int, ttft: float, cached: int = HIT, metrics: dict[str, float] | None = None) -> Request:
+    return Request(case, prompt, ttft, cached, ttft, 0.0, ttft, dict(metrics or {}))
+
+
+def loaded(tier: str) -> dict[str, float]:
+    return {f"vllm:kvpool_hit_blocks_{tier}": BLOCKS, "vllm:kvpool_loaded_blocks": BLOCKS,
+            "vllm:kvpool_load_seconds": 0.03, "trace:get_s": 0.02, "trace:scatter_s": 0.008, "trace:lookup_s": 0.001}
+
+
+def run_of(prompts: int = 3) -> list[Request]:
+    out = [req("warmup", 0, 9.0, 0)]
+    for p in range(1, prompts + 1):
+        out += [req("cold", p, 20.0, 0), req("own", p, 0.50),
+                req("kvpool_dram", p, 0.54, metrics=loaded("dram")), req("own_after_dram", p, 0.50),
+                req("kvpool_ssd", p, 0.60, metrics=loaded("ssd")), req("own_after_ssd", p, 0.50),
+                req("mooncake", p, 0.58), req("own_after_mooncake", p, 0.50)]
+    return out
+
+
+def test_summary_judges_every_aim_on_medians_and_pairs_each_hit_with_its_own_hit():
+    summary = summarize(run_of())
+    assert [(a["case"], a["reference"]) for a in summary["aims"]] == [(c, r) for c, r, _ in AIMS]
+    assert all(a["met"] for a in summary["aims"][::2]) and not summary["aims"][1]["met"]  # 0.54 / 0.58 > 0.6
+    assert summary["paired"]["kvpool_dram"] == pytest.approx(0.54 / 0.50)
+    assert summary["overhead_s"]["mooncake"] == pytest.approx(0.08)
+    assert summary["kvpool_parts_s"]["kvpool_ssd"]["read"] == pytest.approx(0.02)
+    assert "warmup" not in summary["n"]
+    table = render({"setup": {"model": "m", "dtype": "float32", "prompt_tokens": 2048, "block_size": 32,
+                              "block_bytes": 786432, "prompts": 3, "cpus": "0-1", "engine": "in-process"},
+                    "requests": run_of(), "summary": summary})
+    assert "| kvpool hit from DRAM, fresh process | 540.0 |" in table
+    assert "kvpool_dram <= 0.6 x mooncake: 0.93 (MISSED)" in table
+
+
+def test_a_row_that_did_not_come_whole_from_its_tier_is_an_error():
+    _check(run_of(1), HIT, 32)
+    with pytest.raises(RuntimeError, match="had 0 tokens cached"):
+        _check([req("kvpool_dram", 1, 0.5, 0)], HIT, 32)
+    with pytest.raises(RuntimeError, match="expected all 63 from ssd"):
+        _check([req("kvpool_ssd", 1, 0.5, metrics=loaded("dram"))], HIT, 32)
+    with pytest.raises(RuntimeError, match="had 2016 tokens cached, not 0"):
+        _check([req("mooncake_cold", 1, 9.0)], HIT, 32)
+
+
+def test_the_cli_knows_the_bench():
+    args = build_parser().parse_args(["bench", "vllm", "--prompts", "1", "--no-mooncake"])
+    assert (args.prompts, args.mooncake, args.install, args.dtype) == (1, False, True, "auto")
