@@ -81,8 +81,9 @@ class KVCaches:
 
 
 def pool_keys(tag: str, n: int) -> list[str]:
-    """PoolKey.to_string() of vllm-ascend."""
-    return [f"qwen2-test@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@{tag}{i:060x}" for i in range(n)]
+    """PoolKey.to_string() of vllm-ascend 0.23 (config_data.py): model@pcp@dcp@rank@pp@group@role@family@hash."""
+    return [f"qwen2-test@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@group:0@cache_role:kv@cache_family:default@"
+            f"{tag}{i:060x}" for i in range(n)]
 
 
 def test_put_from_one_worker_get_into_another_byte_exact(config):
@@ -93,18 +94,17 @@ def test_put_from_one_worker_get_into_another_byte_exact(config):
         src.register(writer)
         dst.register(reader)
         keys = pool_keys("a", 3)
-        assert writer.put(keys, *src.addrs([6, 1, 8])) is None  # vllm-ascend's backends return nothing
+        assert writer.put(keys, *src.addrs([6, 1, 8])) == [OK] * 3
         assert writer.flush(timeout=10)
         assert writer.exists(keys + pool_keys("never", 1)) == [1, 1, 1, 0]
-        assert reader.get(keys, *dst.addrs([0, 2, 4])) is None
+        assert reader.get(keys, *dst.addrs([0, 2, 4])) == [OK] * 3  # what pool_worker counts as loaded: 0 per key
         for s, d in zip([6, 1, 8], [0, 2, 4]):
             assert dst.block(d) == src.block(s)
         assert all(dst.block(b) == bytes(LAYOUT.block_bytes) for b in (1, 3, 5, 6, 7, 8, 9))
-        # Per-key results, Mooncake's convention: bytes read, or negative.
+        # A miss is non-zero for that key only (pool_worker's record_failed_blocks marks just that block).
         again = KVCaches(seed=None)
         again.register(reader)
-        assert reader.batch_get_into_multi_buffers(keys[:1] + pool_keys("never", 1), *again.addrs([3, 4])) == \
-            [LAYOUT.block_bytes, ERR_FAILED]
+        assert reader.get(keys[:1] + pool_keys("never", 1), *again.addrs([3, 4])) == [OK, ERR_FAILED]
         assert again.block(3) == src.block(6) and again.block(4) == bytes(LAYOUT.block_bytes)
     finally:
         writer.close()
@@ -120,7 +120,7 @@ def test_scheduler_client_answers_exists_only_and_takes_tp_from_the_parallel_con
         assert (worker.tp_rank, worker.tp_size) == (1, 2)
         cache.register(worker)
         keys = pool_keys("s", 2)
-        assert worker.batch_put_from_multi_buffers(keys, *cache.addrs([0, 1])) == [OK, OK]
+        assert worker.put(keys, *cache.addrs([0, 1])) == [OK, OK]
         assert worker.flush(timeout=10)
         assert scheduler.exists(keys + pool_keys("never", 1)) == [1, 1, 0]
         assert scheduler.batch_is_exist(keys) == [1, 1]
@@ -128,7 +128,7 @@ def test_scheduler_client_answers_exists_only_and_takes_tp_from_the_parallel_con
         assert scheduler.session.put_stager is None and scheduler.session.get_stager is None
         cache.register(scheduler)
         assert scheduler.memory.regions == []  # it maps nothing
-        assert scheduler.batch_put_from_multi_buffers(keys, *cache.addrs([0, 1])) == [ERR_INVALID] * 2
+        assert scheduler.put(keys, *cache.addrs([0, 1])) == [ERR_INVALID] * 2
     finally:
         worker.close()
         scheduler.close()
@@ -145,17 +145,17 @@ def test_unregistered_or_straddling_addresses_are_refused_and_nothing_moves(pool
         straddling = [list(a) for a in addrs]
         straddling[1][-1] = registered.tensors[-1].data_ptr() + (NUM_BLOCKS - 1) * BLOCK_LEN + 8  # runs off the end
         before = pool.status().indexed_blocks
-        assert backend.batch_put_from_multi_buffers(keys, [addrs[0], outside[1]], sizes) == [ERR_INVALID] * 2
-        assert backend.batch_put_from_multi_buffers(keys, straddling, sizes) == [ERR_INVALID] * 2
-        backend.put(keys, [addrs[0], outside[1]], sizes)  # the engine-facing call: refused, no exception
+        assert backend.put(keys, [addrs[0], outside[1]], sizes) == [ERR_INVALID] * 2
+        assert backend.put(keys, straddling, sizes) == [ERR_INVALID] * 2
+        assert backend.put(keys, [outside[0], addrs[1]], sizes) == [ERR_INVALID] * 2
         assert backend.flush(timeout=10)
         assert pool.status().indexed_blocks == before and backend.exists(keys) == [0, 0]
 
-        assert backend.batch_put_from_multi_buffers(keys, addrs, sizes) == [OK, OK]
+        assert backend.put(keys, addrs, sizes) == [OK, OK]
         assert backend.flush(timeout=10)
         snapshot = stranger.snapshot()
-        assert backend.batch_get_into_multi_buffers(keys, outside, sizes) == [ERR_INVALID] * 2
-        backend.get(keys, outside, sizes)
+        assert backend.get(keys, outside, sizes) == [ERR_INVALID] * 2
+        assert backend.get(keys, [outside[0], addrs[1]], sizes) == [ERR_INVALID] * 2
         assert stranger.unchanged_since(snapshot)  # never written
         assert backend.stats["refused"] == 5
         # A region partly overlapping a registered one is refused whole; registering again is a no-op.
@@ -169,13 +169,13 @@ def test_unregistered_or_straddling_addresses_are_refused_and_nothing_moves(pool
         backend.close()
 
 
-def test_device_buffers_are_refused_rather_than_dereferenced(config):
+def test_device_memory_without_a_device_runtime_is_refused_rather_than_dereferenced(config):
     cache = KVCaches(seed=7)
-    backend = KVPoolStoreBackend(None, config_path=config, host_memory=False)  # as on an NPU host
+    backend = KVPoolStoreBackend(None, config_path=config, host_memory=False)  # device memory, and no GPU/NPU here
     try:
         cache.register(backend)
-        assert backend.memory.regions == []
-        assert backend.batch_put_from_multi_buffers(pool_keys("npu", 1), *cache.addrs([0])) == [ERR_INVALID]
+        assert backend.memory.regions == [] and backend.copier is None
+        assert backend.put(pool_keys("npu", 1), *cache.addrs([0])) == [ERR_INVALID]
     finally:
         backend.close()
 
@@ -202,9 +202,10 @@ def test_bad_arguments_are_refused_whole(pool, config):
         before = pool.status().indexed_blocks
         snapshot = cache.snapshot()
         for call in bad_calls:
-            n = len(call[0]) if isinstance(call[0], list) else 1
-            assert backend.batch_put_from_multi_buffers(*call) == [ERR_INVALID] * n, call
-            assert backend.batch_get_into_multi_buffers(*call) == [ERR_INVALID] * n, call
+            # keys not a list: no per-key answer, None (pool_worker reads it as "every block failed")
+            expected = [ERR_INVALID] * len(call[0]) if isinstance(call[0], list) else None
+            assert backend.put(*call) == expected, call
+            assert backend.get(*call) == expected, call
         assert backend.exists("keys") == [] and backend.exists([1, 2]) == [0, 0]
         assert backend.flush(timeout=10)
         assert pool.status().indexed_blocks == before and cache.unchanged_since(snapshot)
@@ -215,7 +216,8 @@ def test_bad_arguments_are_refused_whole(pool, config):
     finally:
         backend.close()
     assert backend.exists(keys) == [0, 0]  # closed: refused, no exception
-    assert backend.batch_put_from_multi_buffers(keys, addrs, sizes) == [ERR_INVALID] * 2
+    assert backend.put(keys, addrs, sizes) == [ERR_INVALID] * 2
+    assert backend.get(keys, addrs, sizes) == [ERR_INVALID] * 2
 
 
 def test_without_a_layout_keys_are_raw_blocks_such_as_layerwise_ones(pool, tmp_path):
@@ -230,15 +232,15 @@ def test_without_a_layout_keys_are_raw_blocks_such_as_layerwise_ones(pool, tmp_p
         addrs = [[src.layers[layer][kv].data_ptr() + 5 * BLOCK_LEN for kv in (0, 1)] for layer in range(2)]
         into = [[dst.layers[layer][kv].data_ptr() + 2 * BLOCK_LEN for kv in (0, 1)] for layer in range(2)]
         sizes = [[BLOCK_LEN, BLOCK_LEN]] * 2
-        assert writer.batch_put_from_multi_buffers(keys, addrs, sizes) == [OK, OK]
+        assert writer.put(keys, addrs, sizes) == [OK, OK]
         assert writer.flush(timeout=10)
-        assert reader.batch_get_into_multi_buffers(keys, into, sizes) == [2 * BLOCK_LEN] * 2
+        assert reader.get(keys, into, sizes) == [OK, OK]
         assert dst.block(2) == src.block(5)
         # Without a layout to check totals against, the region bounds alone refuse a piece running off the end.
         last = src.tensors[-1]
         end = last.data_ptr() + last.numel() * last.element_size()
         assert writer.memory.view(end - 16, 16) is not None and writer.memory.view(end - 8, 16) is None
-        assert writer.batch_put_from_multi_buffers(["straddle"], [[end - 8]], [[16]]) == [ERR_INVALID]
+        assert writer.put(["straddle"], [[end - 8]], [[16]]) == [ERR_INVALID]
         # The same strings under a layout are other keys: raw and laid-out blocks never mix.
         laid_out = KVPoolStoreBackend(None, config_path=write_config(tmp_path / "laid.json", pool.master))
         try:
@@ -255,8 +257,9 @@ def test_config_path_comes_from_the_environment_when_not_passed(config, monkeypa
     with pytest.raises(ValueError, match="KVPOOL_CONFIG_PATH"):
         KVPoolStoreBackend(None)
     monkeypatch.setenv("KVPOOL_CONFIG_PATH", config)
-    backend = KVPoolStoreBackend(None)  # what vllm-ascend's backend_map does: cls(parallel_config)
+    # what vllm-ascend's pool_worker._init_backend does: cls(parallel_config, lazy_init=<bool>)
+    backend = KVPoolStoreBackend(None, lazy_init=True)
     try:
-        assert backend.exists(pool_keys("env", 1)) == [0]
+        assert backend.lazy_init is True and backend.exists(pool_keys("env", 1)) == [0]
     finally:
         backend.close()

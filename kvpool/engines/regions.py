@@ -11,11 +11,11 @@ Invariants:
   integer pointer and length, or partly overlapping a registered region)
   registers nothing. Registering a region again, or one inside a registered
   region, changes nothing.
-- Each region gets one numpy view, made once (ctypes ``from_address``);
-  pieces are slices of it: no copy and no ctypes work per call.
-- Regions must be host-addressable (CPU tensors, pinned or host-mapped
-  buffers): this process reads and writes them with the CPU. A device (NPU
-  HBM) pointer is not readable here and must not be registered.
+- A host region (``host=True``) gets one numpy view, made once (ctypes
+  ``from_address``); pieces are slices of it: no copy and no ctypes work per
+  call. A device region (GPU or NPU memory, ``host=False``) gets no view and
+  is never dereferenced here: :meth:`RegisteredMemory.piece` only checks
+  bounds, and :mod:`.device_copy` moves its bytes.
 - Lookups read an immutable snapshot, so registering during transfers is safe.
 """
 
@@ -49,15 +49,18 @@ class RegisteredMemory:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         # (starts, regions) replaced as a whole: regions are sorted, disjoint (start, end, view)
-        self._snapshot: tuple[tuple[int, ...], tuple[tuple[int, int, np.ndarray], ...]] = ((), ())
+        self._snapshot: tuple[tuple[int, ...], tuple[tuple[int, int, np.ndarray | None], ...]] = ((), ())
 
     @property
     def regions(self) -> list[tuple[int, int]]:
         """Registered ``(address, length)`` pairs, by address."""
         return [(start, end - start) for start, end, _ in self._snapshot[1]]
 
-    def register(self, ptrs: object, lengths: object) -> bool:
-        """Register each ``(ptrs[i], lengths[i])`` region; False (nothing registered) if any entry is bad."""
+    def register(self, ptrs: object, lengths: object, host: bool = True) -> bool:
+        """Register each ``(ptrs[i], lengths[i])`` region; False (nothing registered) if any entry is bad.
+
+        ``host`` says the memory is host-addressable (views are made); device memory gets none.
+        """
         if not isinstance(ptrs, Sequence) or not isinstance(lengths, Sequence) or len(ptrs) != len(lengths):
             return False
         pairs: list[tuple[int, int]] = []
@@ -80,14 +83,14 @@ class RegisteredMemory:
                 return True
             regions = list(self._snapshot[1])
             for start, end in new:
-                view = np.ctypeslib.as_array((ctypes.c_uint8 * (end - start)).from_address(start))
+                view = np.ctypeslib.as_array((ctypes.c_uint8 * (end - start)).from_address(start)) if host else None
                 regions.append((start, end, view))
             regions.sort(key=lambda r: r[0])
             self._snapshot = (tuple(r[0] for r in regions), tuple(regions))
         return True
 
-    def view(self, addr: object, size: object) -> np.ndarray | None:
-        """A writable uint8 view of ``[addr, addr + size)`` if it lies inside one registered region, else None."""
+    def _find(self, addr: object, size: object) -> tuple[int, int, int, np.ndarray | None] | None:
+        """(addr, size, region start, region view) if ``[addr, addr + size)`` lies inside one region, else None."""
         start_addr, nbytes = _as_int(addr), _as_int(size)
         if start_addr is None or nbytes is None or nbytes <= 0:
             return None
@@ -98,8 +101,20 @@ class RegisteredMemory:
         start, end, view = regions[i]
         if start_addr + nbytes > end:
             return None
-        offset = start_addr - start
-        return view[offset : offset + nbytes]
+        return start_addr, nbytes, start, view
+
+    def piece(self, addr: object, size: object) -> tuple[int, int] | None:
+        """``(addr, size)`` as ints if the range lies inside one registered region (host or device), else None."""
+        found = self._find(addr, size)
+        return None if found is None else (found[0], found[1])
+
+    def view(self, addr: object, size: object) -> np.ndarray | None:
+        """A writable uint8 view of ``[addr, addr + size)`` if it lies inside one registered host region, else None."""
+        found = self._find(addr, size)
+        if found is None or found[3] is None:
+            return None
+        start_addr, nbytes, start, view = found
+        return view[start_addr - start : start_addr - start + nbytes]
 
     def clear(self) -> None:
         """Forget every region (their memory is the engine's; nothing is freed)."""
