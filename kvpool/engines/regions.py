@@ -111,10 +111,10 @@ class RegisteredMemory:
     def view(self, addr: object, size: object) -> np.ndarray | None:
         """A writable uint8 view of ``[addr, addr + size)`` if it lies inside one registered host region, else None."""
         found = self._find(addr, size)
-        if found is None or found[3] is None:
+        if found is None:
             return None
         start_addr, nbytes, start, view = found
-        return view[start_addr - start : start_addr - start + nbytes]
+        return None if view is None else view[start_addr - start : start_addr - start + nbytes]
 
     def clear(self) -> None:
         """Forget every region (their memory is the engine's; nothing is freed)."""
