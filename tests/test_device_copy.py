@@ -282,11 +282,12 @@ def test_stream_copiers_queue_every_piece_then_synchronize_once(make):
     assert events == ["register", "set_device", "stream", "async", "async", "async", "sync", "async", "sync"]
     assert [e[1] for e in runtime.log if e[0] == "async"] == [2, 2, 2, 1]  # device to host, then host to device
     assert runtime.log[1][1] == 3  # the copier's device
-    # another thread makes the device current for itself, once
-    done = threading.Thread(target=lambda: copier.to_host(pieces[:1], staging.ctypes.data))
-    done.start()
-    done.join()
-    assert sum(1 for e in runtime.log if e[0] == "set_device") == 2
+    # another thread makes the device current for itself, once, and copies on a stream of its own
+    for _ in range(2):
+        other = threading.Thread(target=lambda: copier.to_host(pieces[:1], staging.ctypes.data))
+        other.start()
+        other.join()
+    assert sum(1 for e in runtime.log if e[0] == "set_device") == 3 and [e[0] for e in runtime.log].count("stream") == 3
 
 
 def test_acl_copies_unpinned_host_memory_synchronously_and_cuda_reports_failures():

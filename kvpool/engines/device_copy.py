@@ -27,7 +27,8 @@ Invariants:
   leaves the buffer usable, only slower (and, for ACL, copied synchronously).
 - Device copiers use the device that was current when they were made (the
   engine's worker thread has set it); each thread that copies makes it
-  current for itself once (the engine's transfer threads start without it).
+  current for itself once (the engine's transfer threads start without it)
+  and copies on a stream of its own.
 
 Neither device path has run on hardware in this repository's tests (no GPU or
 NPU here); both follow their runtime's documented C API, and their batching,
@@ -99,7 +100,7 @@ class HostCopier:
 
 
 class _StreamCopier:
-    """What the CUDA and ACL copiers share: a per-thread device, one stream, pinned host buffers."""
+    """What the CUDA and ACL copiers share: per thread a current device and a stream; pinned host buffers."""
 
     kind = ""
     to_host_kind = 0
@@ -111,7 +112,6 @@ class _StreamCopier:
         self._thread = threading.local()
         self._lock = threading.Lock()
         self._pinned: dict[int, int] = {}
-        self._stream: ctypes.c_void_p | None = None
 
     # -- runtime specifics -------------------------------------------------------------------
 
@@ -164,12 +164,13 @@ class _StreamCopier:
             return any(start <= addr < start + size for start, size in self._pinned.items() if size > 0)
 
     def _stream_handle(self) -> ctypes.c_void_p:
-        with self._lock:
-            if self._stream is None:
-                stream = ctypes.c_void_p()
-                self._check("create stream", self._create_stream(stream))
-                self._stream = stream
-            return self._stream
+        """This thread's stream (the engine's send and receive threads never wait on each other's copies)."""
+        stream = getattr(self._thread, "stream", None)
+        if stream is None:
+            stream = ctypes.c_void_p()
+            self._check("create stream", self._create_stream(stream))
+            self._thread.stream = stream
+        return stream
 
     def _batch(self, copies: list[tuple[int, int, int]], kind: int, host: int) -> None:
         self.set_device()
