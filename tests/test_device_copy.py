@@ -29,7 +29,8 @@ from kvpool.engines.device_copy import (
     Piece,
     copier_for,
 )
-from kvpool.engines.vllm_ascend import ERR_FAILED, ERR_INVALID, OK, KVPoolStoreBackend, register_backend
+from kvpool.engines.vllm_ascend import ERR_FAILED, ERR_INVALID, OK, KVPoolStoreBackend
+from kvpool.engines.vllm_ascend_plugin import register_backend
 
 PIECE = 1024
 PIECES_PER_KEY = 4

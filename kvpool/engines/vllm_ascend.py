@@ -5,8 +5,8 @@ docs/engines/vllm-ascend.md cites the lines) finds a backend by name in
 ``backend/__init__.py``'s ``backend_map`` and builds it as
 ``cls(parallel_config, lazy_init=<bool>)`` on a worker and
 ``cls.create_scheduler_client(parallel_config)`` on the scheduler. Installing
-kvpool adds ``"kvpool"`` to that map in every vLLM process:
-:func:`register_backend` is a ``vllm.general_plugins`` entry point.
+kvpool adds ``"kvpool"`` to that map in every vLLM process
+(:mod:`.vllm_ascend_plugin`, a ``vllm.general_plugins`` entry point).
 
 The connector calls the backend with raw addresses: ``put(keys, addrs, sizes)``
 where ``addrs[i]``/``sizes[i]`` are the pieces of key ``i`` (each layer's K
@@ -42,7 +42,6 @@ Invariants:
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from collections.abc import Sequence
@@ -59,37 +58,12 @@ from kvpool.keys import BlockKey
 
 log = logging.getLogger(__name__)
 
-BACKEND_NAME = "kvpool"
-BACKEND_MAP_MODULE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.backend"
 CONFIG_ENV = "KVPOOL_CONFIG_PATH"  # read when no config path is passed (vllm-ascend passes only parallel_config)
 EXTRA_CONFIG_KEY = "kvpool_config_path"  # the same path inside kv_connector_extra_config
 
 OK = 0
 ERR_FAILED = -1  # a miss, a pool fault, or a full write-behind queue
 ERR_INVALID = -2  # refused: bad arguments, unregistered memory, wrong size, scheduler role, closed
-
-
-def register_backend() -> None:
-    """vLLM general plugin: add ``"kvpool"`` to vllm-ascend's ``backend_map``; nothing where vllm-ascend is absent.
-
-    Idempotent (vLLM loads plugins in every process, possibly more than once);
-    an entry of that name that points elsewhere is left alone, with a warning.
-    """
-    try:
-        if importlib.util.find_spec("vllm_ascend") is None:
-            return
-        module = importlib.import_module(BACKEND_MAP_MODULE)
-    except Exception as exc:  # noqa: BLE001 - a vllm-ascend without this connector: nothing to register into
-        log.debug("kvpool: no vllm-ascend AscendStore backend map to register into (%s)", exc)
-        return
-    backend_map = getattr(module, "backend_map", None)
-    if not isinstance(backend_map, dict):
-        log.debug("kvpool: %s has no backend_map dict", BACKEND_MAP_MODULE)
-        return
-    entry = {"name": KVPoolStoreBackend.__name__, "path": __name__}
-    current = backend_map.setdefault(BACKEND_NAME, entry)
-    if current != entry:
-        log.warning("kvpool: vllm-ascend's backend_map already maps %r to %s; left as it is", BACKEND_NAME, current)
 
 
 def _extra_config_path() -> str:
