@@ -124,6 +124,7 @@ def test_a_fresh_vllm_ascend_worker_loads_what_another_stored_and_a_dead_pool_is
                  on_pause=pool_down)
     # A fresh process (its own caches zero): vllm-ascend's scheduler finds the 6 blocks, its worker loads them.
     assert read["hit_tokens"] == PROMPT_BLOCKS * BLOCK
+    assert read["scheduler_client_hit_tokens"] == PROMPT_BLOCKS * BLOCK  # batch_is_exist on the scheduler's client
     assert read["invalid_after_load"] == []  # every block counted as loaded
     assert read["loaded_equal"] == [True] * PROMPT_BLOCKS  # byte-exact, every layer's K and V
     assert read["untouched_zero"] is True  # no other block of the cache was written

@@ -189,7 +189,11 @@ def _load(spec: dict[str, Any]) -> None:
     loaded = [_block_bytes(d.caches, b) == _block_bytes(source, s) for b, s in zip(LOAD_IDS, STORE_IDS)]
     zero = bytes(len(_block_bytes(d.caches, 0)))
     others = [b for b in range(NUM_BLOCKS) if b not in LOAD_IDS[:PROMPT_BLOCKS]]
-    _say(hit_tokens=hit, invalid_after_load=invalid, loaded_equal=loaded[:PROMPT_BLOCKS],
+    # The scheduler's own backend instance (create_scheduler_client), asked with the keys the scheduler makes
+    # itself (what get_num_new_matched_tokens does in layer-wise mode): they are the worker's keys.
+    scheduler_hit = d.scheduler._get_store_lookup_hit_tokens(request, PROMPT_BLOCKS * BLOCK, 0)
+    _say(hit_tokens=hit, scheduler_client_hit_tokens=scheduler_hit, invalid_after_load=invalid,
+         loaded_equal=loaded[:PROMPT_BLOCKS],
          untouched_zero=all(_block_bytes(d.caches, b) == zero for b in others),
          get_hits=d.worker.m_store.stats["get_hits"])
 
