@@ -195,10 +195,10 @@ def test_the_host_copier_moves_pieces_back_to_back():
 
 
 def test_copier_choice_on_a_machine_without_a_gpu_or_npu():
-    assert isinstance(copier_for(4096), HostCopier)
-    assert isinstance(copier_for(4096, host_memory=True), HostCopier)
+    assert isinstance(copier_for([4096, 8192]), HostCopier)
+    assert isinstance(copier_for([4096], host_memory=True), HostCopier)
     with pytest.raises(DeviceCopyError, match="no NPU or GPU"):
-        copier_for(4096, host_memory=False)
+        copier_for([4096], host_memory=False)
 
 
 class FakeRuntime:

@@ -322,12 +322,13 @@ def npu_present() -> bool:
         return False
 
 
-def copier_for(addr: int, host_memory: bool | None = None) -> Copier:
-    """The copier for memory at ``addr``: NPU in a process that drives one, CUDA for CUDA memory, else host.
+def copier_for(addrs: Sequence[int], host_memory: bool | None = None) -> Copier:
+    """The copier for the memory at ``addrs``: NPU in a process that drives one, CUDA for CUDA memory, else host.
 
     ``host_memory`` True or False overrides the guess (True: host, False: the
     process's device). DeviceCopyError if device memory is said or seen but its
-    runtime library cannot be loaded.
+    runtime library cannot be loaded, or if ``addrs`` mix host memory and CUDA
+    devices (one registration, one copier).
     """
     torch = sys.modules.get("torch")
     if host_memory is True:
@@ -342,11 +343,14 @@ def copier_for(addr: int, host_memory: bool | None = None) -> Copier:
         lib = _cudart()
         if lib is None:
             raise DeviceCopyError("cuda: libcudart cannot be loaded")
-        device = _cuda_device_of(lib, addr)
+        devices = {_cuda_device_of(lib, addr) for addr in addrs}
+        if len(devices) > 1:
+            raise DeviceCopyError(f"cuda: one registration spans host memory and devices {sorted(map(str, devices))}")
+        device = devices.pop() if devices else None
         if device is not None:
             return CudaCopier(lib, device)
         if host_memory is False:
-            raise DeviceCopyError(f"cuda: {addr:#x} is not CUDA device memory")
+            raise DeviceCopyError("cuda: the registered memory is not CUDA device memory")
     elif host_memory is False:
         raise DeviceCopyError("device memory was said to be registered, but this process drives no NPU or GPU")
     return HostCopier()

@@ -62,7 +62,7 @@ CONFIG_ENV = "KVPOOL_CONFIG_PATH"  # read when no config path is passed (vllm-as
 EXTRA_CONFIG_KEY = "kvpool_config_path"  # the same path inside kv_connector_extra_config
 
 OK = 0
-ERR_FAILED = -1  # a miss, a pool fault, or a full write-behind queue
+ERR_FAILED = -1  # a miss, a pool fault, a failed device copy, or a full write-behind queue
 ERR_INVALID = -2  # refused: bad arguments, unregistered memory, wrong size, scheduler role, closed
 
 
@@ -138,9 +138,9 @@ class KVPoolStoreBackend:
             self.session.refuse("register_buffer", "only an open worker registers memory", None)
             return
         copier = self.copier
-        if copier is None and isinstance(ptrs, (list, tuple)) and ptrs and isinstance(ptrs[0], int):
+        if copier is None and isinstance(ptrs, (list, tuple)) and all(isinstance(p, int) for p in ptrs):
             try:
-                copier = copier_for(ptrs[0], self.host_memory)
+                copier = copier_for(ptrs, self.host_memory)
             except DeviceCopyError as exc:
                 self.session.refuse("register_buffer", f"no way to copy this memory: {exc}", None)
                 return
