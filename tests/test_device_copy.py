@@ -306,6 +306,7 @@ def test_acl_copies_unpinned_host_memory_synchronously_and_cuda_reports_failures
     cuda = CudaCopier(failing, 0)
     with pytest.raises(DeviceCopyError, match="memcpy async failed"):
         cuda.to_host([(memory.ctypes.data, 100)], staging.ctypes.data)
+    assert [e[0] for e in failing.log][-2:] == ["async", "sync"]  # nothing left in flight on the stream
     cuda.pin(staging.ctypes.data, staging.size, already_pinned=True)  # torch pinned it: nothing to register
     assert "register" not in [e[0] for e in failing.log]
 

@@ -20,7 +20,8 @@ Invariants:
 - One call is one batch: every piece of it is queued, then the call waits
   once (one stream synchronisation), so a call that returns has moved every
   byte, and one that raises :class:`DeviceCopyError` may have moved some: the
-  caller treats the whole batch as failed (a miss), never as loaded.
+  caller treats the whole batch as failed (a miss), never as loaded. Nothing
+  queued is still in flight when a call returns or raises.
 - A copier never checks bounds: callers copy only ranges inside registered
   regions (:mod:`.regions`), and the host side is the caller's buffer.
 - ``pin`` is idempotent per address; a registration the runtime refuses
@@ -184,7 +185,10 @@ class _StreamCopier:
                 return
         stream = self._stream_handle()
         for dst, src, size in copies:
-            self._check("memcpy async", self._copy_async(dst, src, size, kind, stream))
+            code = self._copy_async(dst, src, size, kind, stream)
+            if code != 0:
+                self._sync(stream)  # copies already queued finish before the caller reuses its buffer
+                self._check("memcpy async", code)
         self._check("stream synchronize", self._sync(stream))
 
     def to_host(self, pieces: Sequence[Piece], dst: int) -> None:
