@@ -17,8 +17,7 @@ steps through the controller's own threads and queues:
 - ``call``: one backend method with the given arguments (bad input), plus the pages' digests after.
 
 Each step prints one JSON line. Only Triton (a GPU kernel compiler, not installed) is stubbed, with
-SGLang's own stub for hosts without it; the L3 path never launches a kernel. ``--probe`` imports
-everything and builds SGLang's page-hash extension, then exits.
+SGLang's own stub for hosts without it; the L3 path never launches a kernel.
 """
 
 from __future__ import annotations
@@ -244,24 +243,7 @@ def prepare() -> None:
     declare_torchvision_ops()
 
 
-def probe() -> None:
-    """Import what the tests use and build SGLang's page-hash extension (once per venv)."""
-    prepare()
-    from sglang.srt.managers.cache_controller import HiCacheController  # noqa: F401
-    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: F401
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: F401
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: F401
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-    assert len(get_storage_hash_str(list(range(8)), None, page_size=4)) == 2
-
-    import kvpool.engines.sglang  # noqa: F401
-
-
 def main(argv: list[str]) -> int:
-    if argv[1:] == ["--probe"]:
-        probe()
-        return 0
     spec = json.loads(open(argv[1]).read())
     prepare()
     engines = {name: Engine(e) for name, e in spec["engines"].items()}
