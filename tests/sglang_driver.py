@@ -23,6 +23,7 @@ SGLang's own stub for hosts without it; the L3 path never launches a kernel.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -89,7 +90,6 @@ class Engine:
     """One SGLang rank's HiCache stack on CPU, with kvpool as its L3 storage."""
 
     def __init__(self, spec: dict[str, Any]):
-        from sglang.srt.managers.cache_controller import HiCacheController
         from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 
         self.spec = spec
@@ -100,16 +100,32 @@ class Engine:
         extra = {"backend_name": "kvpool", "module_path": "kvpool.engines.sglang",
                  "class_name": "KVPoolHiCacheStorage", "interface_v1": int(spec.get("interface_v1", 1)),
                  "kvpool_config_path": spec["config"]}
+        self.hybrid = spec.get("controller", "hicache") == "hybrid"
+        args = dict(page_size=self.page_size, tp_group=None, load_cache_event=threading.Event(), io_backend="direct",
+                    storage_backend="dynamic", model_name=spec.get("model", "test-model"),
+                    storage_backend_extra_config=extra, enable_storage_metrics=bool(spec.get("metrics", False)))
         with ranks(int(spec.get("tp_rank", 0)), int(spec.get("tp_size", 1))):
-            self.controller = HiCacheController(
-                allocator, self.host_pool, self.page_size, tp_group=None, load_cache_event=threading.Event(),
-                io_backend="direct", storage_backend="dynamic", model_name=spec.get("model", "test-model"),
-                storage_backend_extra_config=extra)
+            if self.hybrid:  # what UnifiedRadixCache builds (hybrid_pool_assembler.build_kv_only_stack)
+                from sglang.srt.mem_cache.hicache_storage import PoolName
+                from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+                from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import build_pool_entry
+                from sglang.srt.mem_cache.pool_host import HostPoolGroup
+
+                layers = self.device_pool.layer_num
+                group = HostPoolGroup([build_pool_entry(
+                    name=PoolName.KV, host_pool=self.host_pool, device_pool=self.device_pool,
+                    layer_mapping={i: i for i in range(layers)}, transfer_layer_id_max=layers, is_anchor=True)])
+                self.controller = HybridCacheController(allocator, group, **args)
+            else:  # the base controller (HiRadixCache's, and decode offload's)
+                from sglang.srt.managers.cache_controller import HiCacheController
+
+                self.controller = HiCacheController(allocator, self.host_pool, **args)
         self.backend = self.controller.storage_backend
 
     def info(self) -> dict[str, Any]:
         c = self.controller
-        return {"backend": type(self.backend).__module__ + "." + type(self.backend).__qualname__,
+        return {"controller": type(c).__name__,
+                "backend": type(self.backend).__module__ + "." + type(self.backend).__qualname__,
                 "page_get": c.page_get_func.__name__, "page_set": c.page_set_func.__name__,
                 "is_mla": c.storage_config.is_mla_model, "writer": c.storage_config.is_storage_writer,
                 "backup_skip": c.backup_skip, "host_pool": type(self.host_pool).__name__,
@@ -119,7 +135,7 @@ class Engine:
         from sglang.srt.mem_cache.utils import get_storage_hash_str
 
         n = len(tokens) // self.page_size * self.page_size
-        host_indices = self.host_pool.alloc(n)
+        host_indices = self.controller.mem_pool_host.alloc(n)
         fill_pages(self.host_pool, host_indices, seed)
         hashes = get_storage_hash_str(tokens[:n], None, page_size=self.page_size)  # as the radix tree keys pages
         op_id = self.controller.write_storage(host_indices, tokens[:n], hash_value=hashes)
@@ -127,12 +143,18 @@ class Engine:
         assert op.id == op_id, "driver: a backup ack of another operation"
         flushed = self.backend.flush(timeout=30) if hasattr(self.backend, "flush") else None
         digests = page_digests(self.host_pool, host_indices, self.page_size)
-        self.host_pool.free(host_indices)
+        self.controller.mem_pool_host.free(host_indices)
         return {"completed_tokens": op.completed_tokens, "digests": digests, "hashes": hashes, "flushed": flushed}
 
     def read(self, tokens: list[int]) -> dict[str, Any]:
         c = self.controller
-        op = c.prefetch(f"req-{id(tokens)}", tokens)
+        rid = f"req-{id(tokens)}"
+        if self.hybrid:
+            from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+            op = c.prefetch(CacheRequestHandle(rid=rid, attempt_id=0), tokens)
+        else:
+            op = c.prefetch(rid, tokens)
         queried = c.prefetch_hit_queue.get(timeout=TIMEOUT_S)
         assert queried is op, "driver: a hit query of another operation"
         hit = op.storage_hit_count
@@ -140,7 +162,7 @@ class Engine:
         if hit == 0:
             op.mark_terminate()
             return out
-        op.host_indices = c.mem_pool_host.alloc(hit)  # what the scheduler does for a hit (alloc_prefetch_host_buffers)
+        op.host_indices = c.alloc_prefetch_host_buffers(op, hit)  # the scheduler's allocation for a hit
         c.prefetch_buffer.put(op)
         completed = 0
         while True:
@@ -219,7 +241,7 @@ def page_digests(host_pool: Any, host_indices: torch.Tensor, page_size: int) -> 
 def decode(arg: Any, engine: Engine) -> Any:
     """Spec arguments: ``{"indices": n}`` -> n pages of fresh host indices, ``{"tensor": [shape, dtype]}``."""
     if isinstance(arg, dict) and "indices" in arg:
-        return engine.host_pool.alloc(int(arg["indices"]) * engine.page_size)
+        return engine.controller.mem_pool_host.alloc(int(arg["indices"]) * engine.page_size)
     if isinstance(arg, dict) and "index_tensor" in arg:
         return torch.tensor(arg["index_tensor"], dtype=torch.int64)
     if isinstance(arg, dict) and "float_tensor" in arg:
@@ -230,6 +252,8 @@ def decode(arg: Any, engine: Engine) -> Any:
 
 
 def encode(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
     if isinstance(value, torch.Tensor):
         return {"tensor": list(value.shape)}
     if isinstance(value, (list, tuple)):

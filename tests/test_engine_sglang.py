@@ -53,9 +53,11 @@ def write_config(path: Path, master: str) -> str:
 
 
 def engine(config: str, kind: str = "mha", layout: str = "layer_first", tp_rank: int = 0, tp_size: int = 1,
-           interface_v1: int = 1) -> dict[str, Any]:
+           interface_v1: int = 1, controller: str = "hicache", metrics: bool = False) -> dict[str, Any]:
+    """One SGLang rank: ``controller`` "hicache" (HiCacheController) or "hybrid" (UnifiedRadixCache's)."""
     return {"config": config, "kind": kind, "layout": layout, "tp_rank": tp_rank, "tp_size": tp_size,
-            "interface_v1": interface_v1, "page_size": PAGE, "model": MODEL}
+            "interface_v1": interface_v1, "page_size": PAGE, "model": MODEL, "controller": controller,
+            "metrics": metrics}
 
 
 def drive(python: str, tmp: Path, name: str, engines: dict[str, dict], steps: list[dict]) -> dict[str, Any]:
@@ -79,7 +81,7 @@ def drive(python: str, tmp: Path, name: str, engines: dict[str, dict], steps: li
 
 # Two SGLang processes for the whole module (each takes ~15 s to import SGLang): one stores, a fresh one reads.
 TEN, EIGHT = prompt(1, 10 * PAGE), prompt(2, 8 * PAGE)
-MLA_TOKENS, DOWN_TOKENS = prompt(4, 6 * PAGE), prompt(6, 4 * PAGE)
+MLA_TOKENS, DOWN_TOKENS, HYBRID_TOKENS = prompt(4, 6 * PAGE), prompt(6, 4 * PAGE), prompt(7, 5 * PAGE)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +97,9 @@ def runs(python, pool, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
         "tp1": engine(config, tp_rank=1, tp_size=2),
         "mla0": engine(config, kind="mla", tp_rank=0, tp_size=2),
         "mla1": engine(config, kind="mla", tp_rank=1, tp_size=2),
+        # The controller a 0.5.23 server runs (UnifiedRadixCache's HybridCacheController), storage metrics on.
+        "hybrid": engine(config, controller="hybrid", metrics=True),
+        "hybrid_mla1": engine(config, kind="mla", tp_rank=1, tp_size=2, controller="hybrid"),
     }
     status = [pool.status()]
     written = drive(python, tmp, "writer", engines, [
@@ -110,6 +115,10 @@ def runs(python, pool, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
          "args": [["d0", "d1"], {"indices": 2}]},
         {"name": "mla0_direct_exists", "op": "call", "engine": "mla0", "method": "batch_exists",
          "args": [["d0", "d1"]]},
+        {"name": "hybrid_mla1", "op": "write", "engine": "hybrid_mla1", "tokens": HYBRID_TOKENS, "seed": 8},
+        {"name": "hybrid_after_mla1", "op": "read", "engine": "mla0", "tokens": HYBRID_TOKENS},
+        {"name": "hybrid", "op": "write", "engine": "hybrid", "tokens": HYBRID_TOKENS, "seed": 9},
+        {"name": "hybrid_stats", "op": "call", "engine": "hybrid", "method": "get_stats"},
     ])
     status.append(pool.status())
     engines.update(down=engine(down), down_generic=engine(down, interface_v1=0))
@@ -119,6 +128,9 @@ def runs(python, pool, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
         {"name": "generic", "op": "read", "engine": "generic", "tokens": EIGHT},
         {"name": "mla0", "op": "read", "engine": "mla0", "tokens": MLA_TOKENS},
         {"name": "mla1", "op": "read", "engine": "mla1", "tokens": MLA_TOKENS},
+        {"name": "hybrid", "op": "read", "engine": "hybrid", "tokens": HYBRID_TOKENS},
+        {"name": "hybrid_stats", "op": "call", "engine": "hybrid", "method": "get_stats"},
+        {"name": "hybrid_from_base", "op": "read", "engine": "lf", "tokens": HYBRID_TOKENS},
         # A longer prompt hits its stored leading pages only; another first page breaks the chain at once.
         {"name": "longer", "op": "read", "engine": "lf", "tokens": TEN + prompt(9, 4 * PAGE)},
         {"name": "other", "op": "read", "engine": "lf", "tokens": prompt(3, PAGE) + TEN},
@@ -158,11 +170,13 @@ def test_sglang_builds_kvpools_backend_through_its_dynamic_loader_and_picks_the_
     assert info["generic"]["page_get"] == "_generic_page_get" and info["generic"]["page_set"] == "_generic_page_set"
     assert info["lf"]["host_pool"] == "MHATokenToKVPoolHost" and info["pf"]["layout"] == "page_first"
     assert info["mla0"]["host_pool"] == "MLATokenToKVPoolHost"
+    assert info["lf"]["controller"] == "HiCacheController" and info["hybrid"]["controller"] == "HybridCacheController"
+    assert info["hybrid"]["page_get"] == "_page_get_zero_copy"
 
 
 def test_pages_stored_by_one_sglang_process_are_byte_exact_hits_in_a_fresh_one(runs):
     written, read = runs["written"], runs["read"]
-    for name, pages in (("lf", 10), ("pf", 8), ("generic", 8)):
+    for name, pages in (("lf", 10), ("pf", 8), ("generic", 8), ("hybrid", 5)):
         assert written[name]["completed_tokens"] == pages * PAGE, name
         assert written[name]["flushed"] is True
         assert len(set(written[name]["digests"])) == pages  # random pages, all different
@@ -175,6 +189,8 @@ def test_only_the_leading_run_of_stored_pages_is_a_hit(runs):
     read = runs["read"]
     assert read["longer"]["storage_hit_count"] == 10 * PAGE and read["longer"]["completed_tokens"] == 10 * PAGE
     assert read["longer"]["digests"] == runs["written"]["lf"]["digests"]
+    # Pages the hybrid controller stored are the base controller's hits: same key space, same bytes.
+    assert read["hybrid_from_base"]["digests"] == runs["written"]["hybrid"]["digests"]
     assert read["other"]["storage_hit_count"] == 0  # SGLang's page hashes chain: a new first page, new keys
 
 
@@ -197,14 +213,23 @@ def test_an_mla_model_stores_once_from_the_writer_rank_and_every_rank_reads_it(r
     for rank in ("mla0", "mla1"):
         assert read[rank]["completed_tokens"] == 6 * PAGE, rank
         assert read[rank]["digests"] == written["mla0"]["digests"], rank
+    # The same under UnifiedRadixCache's controller: its rank 1 skips the KV backup too.
+    assert info["hybrid_mla1"]["backup_skip"] and written["hybrid_mla1"]["completed_tokens"] == 0
+    assert written["hybrid_after_mla1"]["storage_hit_count"] == 0
+
+
+def test_storage_metrics_count_the_pages_each_direction_moved(runs):
+    assert runs["written"]["hybrid_stats"]["answer"]["backup_pgs"] == [5]
+    assert runs["read"]["hybrid_stats"]["answer"]["prefetch_pgs"] == [5]
+    assert all(bw > 0 for bw in runs["read"]["hybrid_stats"]["answer"]["prefetch_bandwidth"])
 
 
 def test_the_pool_holds_one_block_per_page_and_counts_the_hits_kvpool_status_shows(runs):
     before, between, after = runs["status"]
-    assert between.indexed_blocks - before.indexed_blocks == 10 + 8 + 8 + 6  # MLA's 6 once, not once per rank
+    assert between.indexed_blocks - before.indexed_blocks == 10 + 8 + 8 + 6 + 5  # MLA's 6 once, not once per rank
     assert after.indexed_blocks == between.indexed_blocks  # the reader (bad input included) stored nothing
     hits = after.hit_blocks_dram - between.hit_blocks_dram
-    assert hits >= 10 + 8 + 8 + 6 + 6 + 10  # every page the reader loaded, counted by the master
+    assert hits >= 10 + 8 + 8 + 6 + 6 + 5 + 5 + 10  # every page the reader loaded, counted by the master
 
 
 def test_bad_input_is_refused_as_a_miss_and_changes_nothing(runs):

@@ -17,9 +17,12 @@ Invariants:
   pool's page buffers at the addresses ``host_pool.get_page_buffer_meta``
   gives (a page's pieces, in that order, are the block's bytes); generic
   calls move the flat page tensors SGLang hands over.
-- Memory safety: a piece is touched only if it lies wholly inside a host pool
-  tensor registered by ``register_mem_pool_host`` (:mod:`.regions`); anything
-  else refuses the call before a byte moves.
+- Memory safety: a zero-copy piece is touched only if it lies wholly inside a
+  host pool tensor registered by ``register_mem_pool_host`` (:mod:`.regions`);
+  a flat page must be a contiguous CPU tensor of exactly one page; anything
+  else refuses the call before a byte moves. Bytes move between those and the
+  session's staging buffer (:mod:`.staging`) by memmove
+  (:class:`~kvpool.engines.device_copy.HostCopier`): one host copy each way.
 - Keys: SGLang's page hash strings, scoped by SGLang's model name, the rank
   (``tp{rank}/{size}``; one scope for every rank of an MLA model, whose KV is
   replicated), the pipeline and context-parallel rank where those split pages,
