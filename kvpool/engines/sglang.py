@@ -65,7 +65,6 @@ from kvpool.keys import BlockKey, leading_hits
 
 log = logging.getLogger(__name__)
 
-BACKEND_NAME = "kvpool"
 CONFIG_ENV = "KVPOOL_CONFIG_PATH"  # read when the extra config names no path
 EXTRA_CONFIG_KEY = "kvpool_config_path"  # the path inside --hicache-storage-backend-extra-config
 
