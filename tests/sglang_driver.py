@@ -4,9 +4,10 @@
 the spec, what an SGLang scheduler builds at start-up with ``--enable-hierarchical-cache
 --hicache-storage-backend dynamic``: a device KV pool (``MHATokenToKVPool`` / ``MLATokenToKVPool`` on
 CPU) with its allocator, the host pool SGLang derives from it (``MHATokenToKVPoolHost`` /
-``MLATokenToKVPoolHost``), and a ``HiCacheController`` whose ``attach_storage_backend`` creates kvpool's
-backend through SGLang's ``StorageBackendFactory`` (the ``dynamic`` loader). Then it runs the spec's
-steps through the controller's own threads and queues:
+``MLATokenToKVPoolHost``), and a controller -- ``HiCacheController``, or UnifiedRadixCache's
+``HybridCacheController`` over a ``HostPoolGroup`` (``"controller": "hybrid"``) -- whose
+``attach_storage_backend`` creates kvpool's backend through SGLang's ``StorageBackendFactory`` (the
+``dynamic`` loader). Then it runs the spec's steps through the controller's own threads and queues:
 
 - ``write``: host pages filled with seeded random bytes, ``write_storage`` -> backup thread ->
   ``_page_backup`` -> the backend's ``batch_set_v1`` or ``batch_set``; answers completed tokens.
@@ -14,10 +15,12 @@ steps through the controller's own threads and queues:
   ``batch_exists``) -> host pages allocated as the scheduler does -> ``prefetch_io_aux``'s
   ``_page_transfer`` -> ``batch_get_v1`` or ``batch_get``; answers the hit count, the tokens loaded and
   a digest of each loaded page as SGLang's ``get_data_page`` sees it.
-- ``call``: one backend method with the given arguments (bad input), plus the pages' digests after.
+- ``call``: one backend method with the given arguments (bad input, ``get_stats``); its answer and the
+  backend's counters.
 
 Each step prints one JSON line. Only Triton (a GPU kernel compiler, not installed) is stubbed, with
-SGLang's own stub for hosts without it; the L3 path never launches a kernel.
+SGLang's own stub for hosts without it; the L3 path never launches a kernel. torchvision, which SGLang's
+model-config registry imports, gets the two op schemas its CUDA build cannot register here.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def install_triton_stub() -> None:
     """SGLang's Triton stub (``sglang._platform_stubs``), which it installs itself on hosts without Triton.
 
     ``install_platform_stubs`` does so only on Apple Silicon; here its checks are answered as there, for the
-    call only. It also adds MPS stand-ins to ``torch.mps``, unused on this path.
+    call only. It also adds MPS stand-ins to ``torch.mps`` and makes ``Tensor.to``/``copy_`` blocking for
+    MPS targets: neither matters on CPU.
     """
     if importlib.util.find_spec("triton") is not None:
         return
@@ -116,7 +120,7 @@ class Engine:
                     name=PoolName.KV, host_pool=self.host_pool, device_pool=self.device_pool,
                     layer_mapping={i: i for i in range(layers)}, transfer_layer_id_max=layers, is_anchor=True)])
                 self.controller = HybridCacheController(allocator, group, **args)
-            else:  # the base controller (HiRadixCache's, and decode offload's)
+            else:  # the base class (what the decode KV offload manager builds)
                 from sglang.srt.managers.cache_controller import HiCacheController
 
                 self.controller = HiCacheController(allocator, self.host_pool, **args)
