@@ -102,13 +102,17 @@ class Engine:
         allocator = PagedTokenToKVPoolAllocator(self.device_pool.size, self.page_size, self.device_pool.dtype,
                                                 "cpu", self.device_pool, need_sort=False)
         extra = {"backend_name": "kvpool", "module_path": "kvpool.engines.sglang",
-                 "class_name": "KVPoolHiCacheStorage", "interface_v1": int(spec.get("interface_v1", 1)),
-                 "kvpool_config_path": spec["config"]}
+                 "class_name": "KVPoolHiCacheStorage", "interface_v1": int(spec.get("interface_v1", 1))}
+        env = {}
+        if spec.get("config_from_env"):  # no path in the extra config: kvpool reads $KVPOOL_CONFIG_PATH
+            env["KVPOOL_CONFIG_PATH"] = spec["config"]
+        else:
+            extra["kvpool_config_path"] = spec["config"]
         self.hybrid = spec.get("controller", "hicache") == "hybrid"
         args = dict(page_size=self.page_size, tp_group=None, load_cache_event=threading.Event(), io_backend="direct",
                     storage_backend="dynamic", model_name=spec.get("model", "test-model"),
                     storage_backend_extra_config=extra, enable_storage_metrics=bool(spec.get("metrics", False)))
-        with ranks(int(spec.get("tp_rank", 0)), int(spec.get("tp_size", 1))):
+        with ranks(int(spec.get("tp_rank", 0)), int(spec.get("tp_size", 1))), mock.patch.dict("os.environ", env):
             if self.hybrid:  # what UnifiedRadixCache builds (hybrid_pool_assembler.build_kv_only_stack)
                 from sglang.srt.mem_cache.hicache_storage import PoolName
                 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController

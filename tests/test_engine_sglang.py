@@ -53,11 +53,13 @@ def write_config(path: Path, master: str) -> str:
 
 
 def engine(config: str, kind: str = "mha", layout: str = "layer_first", tp_rank: int = 0, tp_size: int = 1,
-           interface_v1: int = 1, controller: str = "hicache", metrics: bool = False) -> dict[str, Any]:
-    """One SGLang rank: ``controller`` "hicache" (HiCacheController) or "hybrid" (UnifiedRadixCache's)."""
+           interface_v1: int = 1, controller: str = "hicache", metrics: bool = False,
+           config_from_env: bool = False) -> dict[str, Any]:
+    """One SGLang rank: ``controller`` "hicache" (HiCacheController) or "hybrid" (UnifiedRadixCache's);
+    the kvpool config named in the extra config, or (``config_from_env``) by $KVPOOL_CONFIG_PATH only."""
     return {"config": config, "kind": kind, "layout": layout, "tp_rank": tp_rank, "tp_size": tp_size,
             "interface_v1": interface_v1, "page_size": PAGE, "model": MODEL, "controller": controller,
-            "metrics": metrics}
+            "metrics": metrics, "config_from_env": config_from_env}
 
 
 def drive(python: str, tmp: Path, name: str, engines: dict[str, dict], steps: list[dict]) -> dict[str, Any]:
@@ -121,9 +123,11 @@ def runs(python, pool, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
         {"name": "hybrid_stats", "op": "call", "engine": "hybrid", "method": "get_stats"},
     ])
     status.append(pool.status())
-    engines.update(down=engine(down), down_generic=engine(down, interface_v1=0))
+    engines.update(down=engine(down), down_generic=engine(down, interface_v1=0),
+                   lf_env=engine(config, config_from_env=True))
     read = drive(python, tmp, "reader", engines, [
         {"name": "lf", "op": "read", "engine": "lf", "tokens": TEN},
+        {"name": "lf_env", "op": "read", "engine": "lf_env", "tokens": TEN},
         {"name": "pf", "op": "read", "engine": "pf", "tokens": EIGHT},
         {"name": "generic", "op": "read", "engine": "generic", "tokens": EIGHT},
         {"name": "mla0", "op": "read", "engine": "mla0", "tokens": MLA_TOKENS},
@@ -176,6 +180,7 @@ def test_sglang_builds_kvpools_backend_through_its_dynamic_loader_and_picks_the_
 
 def test_pages_stored_by_one_sglang_process_are_byte_exact_hits_in_a_fresh_one(runs):
     written, read = runs["written"], runs["read"]
+    assert read["lf_env"]["digests"] == written["lf"]["digests"]  # the config found through $KVPOOL_CONFIG_PATH
     for name, pages in (("lf", 10), ("pf", 8), ("generic", 8), ("hybrid", 5)):
         assert written[name]["completed_tokens"] == pages * PAGE, name
         assert written[name]["flushed"] is True
@@ -229,7 +234,7 @@ def test_the_pool_holds_one_block_per_page_and_counts_the_hits_kvpool_status_sho
     assert between.indexed_blocks - before.indexed_blocks == 10 + 8 + 8 + 6 + 5  # MLA's 6 once, not once per rank
     assert after.indexed_blocks == between.indexed_blocks  # the reader (bad input included) stored nothing
     hits = after.hit_blocks_dram - between.hit_blocks_dram
-    assert hits >= 10 + 8 + 8 + 6 + 6 + 5 + 5 + 10  # every page the reader loaded, counted by the master
+    assert hits >= 10 + 10 + 8 + 8 + 6 + 6 + 5 + 5 + 10  # every page the reader loaded, counted by the master
 
 
 def test_bad_input_is_refused_as_a_miss_and_changes_nothing(runs):
