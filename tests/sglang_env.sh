@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The real SGLang for kvpool's HiCache tests: `bash tests/sglang_env.sh` makes build/sglang-venv (once, ~30 s;
-# a second run, or one after this file changed, checks a stamp and kvpool's pins: under a second).
+# a second run checks a stamp and kvpool's pins, under a second; a run after this file changed makes it anew).
 #
 # What goes in: sglang 0.5.23 without its dependencies (its full set pins torch 2.14, CUDA kernels, flashinfer
 # and more, gigabytes that its HiCache storage code does not use), plus exactly the packages the SGLang modules
