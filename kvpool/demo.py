@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if args.fresh:
         config = dataclasses.replace(config, tenant=f"demo-{os.urandom(8).hex()}")
     try:
-        nodes = f"{len(cluster_nodes(master, timeout=3.0))} node(s)"
+        nodes = f"{len(cluster_nodes(master, timeout=3.0, token=config.token, tls_ca=config.tls_ca))} node(s)"
     except ValueError:
         nodes = "NOT REACHABLE: every block is a miss, everything is computed"
     print(f"kvpool demo: pool at {master} ({nodes})")

@@ -231,22 +231,43 @@ def render_dashboard_rates(url: str, rates: DashboardRates) -> str:
     return "\n".join(lines)
 
 
+class MasterUnreachable(ValueError):
+    """The master could not be asked; ``code`` is gRPC's status code name."""
+
+    def __init__(self, master: str, code: str, details: str):
+        super().__init__(f"cannot ask the master at {master}: {code} ({details})")
+        self.code = code
+
+
+def cluster_status(master: str, *, token: str = "", tls_ca: str = "",
+                   timeout: float = 5.0) -> master_pb2.ClusterStatusResponse:
+    """The master's ``ClusterStatus``, asked over a channel with the caller's credentials (``token`` and
+    ``tls_ca`` as in a client config, so a master with an auth file or TLS answers too).
+
+    The one way every command and benchmark asks it. :class:`MasterUnreachable` (a ValueError) when the
+    master cannot be asked.
+    """
+    from kvpool.rpc import make_channel
+
+    try:
+        with make_channel(master, max_message_bytes=64 << 20, token=token, tls_ca=tls_ca) as channel:
+            return master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(),
+                                                                     timeout=timeout)
+    except grpc.RpcError as exc:
+        raise MasterUnreachable(master, exc.code().name, str(exc.details())) from None
+
+
 def run_status(master: str, timeout: float = 3.0, prometheus: str | None = None, *, token: str = "",
                tls_ca: str = "") -> int:
     """Print the status; 1 with a message on stderr for each source that cannot be reached.
 
     ``token`` / ``tls_ca``: the client config's, for a master with an auth file or TLS.
     """
-    from kvpool.rpc import make_channel
-
     code = 0
     try:
-        with make_channel(master, max_message_bytes=64 << 20, token=token, tls_ca=tls_ca) as channel:
-            stub = master_pb2_grpc.MasterStub(channel)
-            reply = stub.ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=timeout)
-        print(render_status(master, reply))
-    except grpc.RpcError as exc:
-        print(f"kvpool status: cannot reach the master at {master}: {exc.code().name}", file=sys.stderr)
+        print(render_status(master, cluster_status(master, token=token, tls_ca=tls_ca, timeout=timeout)))
+    except MasterUnreachable as exc:
+        print(f"kvpool status: cannot reach the master at {master}: {exc.code}", file=sys.stderr)
         code = 1
     if prometheus:
         try:

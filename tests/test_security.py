@@ -456,6 +456,22 @@ def test_tls_round_trip_over_grpc_fast_calls_and_bulk(tls_cluster, certs):
         assert got.data == b"".join(v.tobytes() for v in vs)
 
 
+def test_cluster_status_for_commands_and_benchmarks_uses_the_client_credentials(tls_cluster, certs):
+    """`kvpool demo`, `status` and the benches ask the master one way: with a TLS and auth master they see its
+    node when given the client's token and CA, and get a clear ValueError (not a hang, not a traceback) without."""
+    from kvpool.bench.replay import cluster_nodes
+    from kvpool.status import MasterUnreachable, cluster_status
+
+    master, node = tls_cluster
+    nodes = cluster_nodes(master.address, token=TOKEN_A, tls_ca=certs["ca.pem"])
+    assert [n for n, _ in nodes] == [node.node_ref.node_id]
+    assert len(cluster_status(master.address, token=TOKEN_A, tls_ca=certs["ca.pem"]).nodes) == 1
+    with pytest.raises(MasterUnreachable, match=f"cannot ask the master at {master.address}: UNAUTHENTICATED"):
+        cluster_status(master.address, tls_ca=certs["ca.pem"], timeout=5)
+    with pytest.raises(ValueError, match="cannot ask the master"):
+        cluster_nodes(master.address, timeout=2)  # plaintext to a TLS listener
+
+
 @pytest.mark.parametrize("ca", [None, "other-ca.pem"], ids=["no-ca", "wrong-ca"])
 def test_a_client_that_cannot_verify_the_servers_gets_misses_not_exceptions(tls_cluster, certs, ca):
     master, node = tls_cluster

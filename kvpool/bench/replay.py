@@ -291,18 +291,14 @@ class EmbeddedPool:
             self._tmp.cleanup()
 
 
-def cluster_nodes(master: str, timeout: float = 5.0) -> list[tuple[str, int]]:
-    """(node id, incarnation) of each live node the master knows; ValueError if it cannot be asked."""
-    import grpc
+def cluster_nodes(master: str, timeout: float = 5.0, *, token: str = "", tls_ca: str = "") -> list[tuple[str, int]]:
+    """(node id, incarnation) of each live node the master knows; ValueError if it cannot be asked.
 
-    from kvpool.v1 import master_pb2, master_pb2_grpc
+    ``token`` / ``tls_ca``: the client config's, for a master with an auth file or TLS.
+    """
+    from kvpool.status import cluster_status
 
-    with grpc.insecure_channel(master) as channel:
-        try:
-            reply = master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(),
-                                                                      timeout=timeout)
-        except grpc.RpcError as exc:
-            raise ValueError(f"cannot ask the master at {master}: {exc.code().name} ({exc.details()})") from None
+    reply = cluster_status(master, token=token, tls_ca=tls_ca, timeout=timeout)
     return [(n.node.node_id, n.incarnation) for n in reply.nodes]
 
 

@@ -217,12 +217,10 @@ def _node_counter(metrics_port: int, name: str) -> float:
 
 def _master_counts(master: str) -> dict[str, int]:
     """The master's ClusterStatus numbers this benchmark checks (what ``kvpool status`` prints)."""
-    import grpc
+    from kvpool.status import cluster_status
+    from kvpool.v1 import common_pb2
 
-    from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
-
-    with grpc.insecure_channel(master) as channel:
-        s = master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=10)
+    s = cluster_status(master, timeout=10)
     counts = {"lookups": s.lookups, "hit_blocks_dram": s.hit_blocks_dram, "hit_blocks_ssd": s.hit_blocks_ssd,
               "indexed_blocks": s.indexed_blocks, "dram_blocks": 0, "ssd_blocks": 0}
     for node in s.nodes:
@@ -235,13 +233,9 @@ def _master_counts(master: str) -> dict[str, int]:
 
 
 def _status_text(master: str) -> str:
-    import grpc
+    from kvpool.status import cluster_status, render_status
 
-    from kvpool.status import render_status
-    from kvpool.v1 import master_pb2, master_pb2_grpc
-
-    with grpc.insecure_channel(master) as channel:
-        s = master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=10)
+    s = cluster_status(master, timeout=10)
     return render_status(master, s)
 
 
