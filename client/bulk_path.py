@@ -56,7 +56,7 @@ class BulkPath:
             self.nodes.bulk_unreachable(node.address)
         except BulkFailed as exc:
             log.debug("bulk %s with %s failed (%s); using gRPC", call.__name__, node.address, exc)
-            self.faults.count("bulk_fallback", n)
+            self.faults.counted("bulk_fallback", n)
         return None
 
     def get(self, node: NodeAddress, idxs: list[int], locations: Sequence[BlockLocation],
@@ -101,7 +101,7 @@ class BulkPath:
                 result[i] = flag
             refused = stored.count(False)
             if refused:
-                self.faults.count("put_refused", refused)
+                self.faults.counted("put_refused", refused)
             done += len(run)
         return []
 

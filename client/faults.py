@@ -52,6 +52,8 @@ class Faults:
         if self.strict:
             raise PoolFault(kind, detail)
 
-    def count(self, kind: str, n: int = 1) -> None:
-        """A failure that lost nothing (another path serves the blocks): counted only."""
+    def counted(self, kind: str, n: int = 1) -> None:
+        """A failure counted, never raised: one that lost nothing (another path serves the blocks, a stats
+        report), or a block the pool declined by its settings (write-behind queue full, block too large, a
+        node out of room), which the caller sees in the flags it gets back. A lost write is :meth:`lost`."""
         self.errors.count(kind, n)

@@ -71,12 +71,12 @@ class GrpcPath:
             try:
                 reply = self.nodes.stub(node.address).Put(request, timeout=self.config.io_timeout_s)
             except grpc.RpcError as exc:
-                self.faults.count(error_kind(exc), len(run))
+                self.faults.counted(error_kind(exc), len(run))
                 continue
             stored = flags_from_bytes(reply.stored)
             for i, flag in zip(run, stored):
                 result[i] = flag
             refused = stored.count(False)
             if refused:
-                self.faults.count("put_refused", refused)
+                self.faults.counted("put_refused", refused)
         return []

@@ -160,12 +160,12 @@ class PoolClient:
         try:
             self._master.ReportHbm(request, timeout=self.config.lookup_timeout_s)
         except grpc.RpcError as exc:
-            self.faults.count(_report_kind(exc))
+            self.faults.counted(_report_kind(exc))
 
     def _count_report_failure(self, future: grpc.Future[master_pb2.ReportHbmResponse]) -> None:
         exc = future.exception()
         if exc is not None:
-            self.faults.count(_report_kind(exc))
+            self.faults.counted(_report_kind(exc))
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -209,7 +209,7 @@ class PoolClient:
         accepted = self._writer.submit(keys, values)
         dropped = accepted.count(False)
         if dropped:
-            self.faults.count("queue_full", dropped)
+            self.faults.counted("queue_full", dropped)
         return accepted
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -255,12 +255,12 @@ class PoolClient:
                 timeout=self.config.lookup_timeout_s,
             )
         except grpc.RpcError as exc:
-            self.faults.count(error_kind(exc), len(uniq))
+            self.faults.lost(error_kind(exc), exc, len(uniq))
             return result
         too_large = placed.too_large or bytes(len(uniq))  # empty: no block is
         if not len(placed.present) == len(placed.node_indexes) == len(too_large) == len(uniq) or \
                 any(n >= len(placed.nodes) and not big for n, big in zip(placed.node_indexes, too_large)):
-            self.faults.count("bad_reply", len(uniq))
+            self.faults.lost("bad_reply", "placement reply fields disagree", len(uniq))
             return result
         self.nodes.learn(placed.nodes)
         nodes = [NodeAddress(n.node_id, n.address, n.host_id, n.arena) for n in placed.nodes]
@@ -283,13 +283,14 @@ class PoolClient:
                 if not idxs:
                     break
                 if time.monotonic() >= deadline:
-                    self.faults.count("timeout", len(idxs))
+                    self.faults.lost("timeout", f"{len(idxs)} blocks for {nodes[node_index].address} past the deadline",
+                                     len(idxs))
                     break
         return [result[first[k]] for k in keys]
 
     def _too_large(self, sizes: list[int]) -> None:
         """Blocks no pool node takes: counted, and said once per size class so the user can fix the setting."""
-        self.faults.count("block_too_large", len(sizes))
+        self.faults.counted("block_too_large", len(sizes))
         largest = max(sizes)
         if largest > self._largest_refused:
             self._largest_refused = largest

@@ -137,7 +137,7 @@ class SharedMemoryPath:
         copied &= arena.gens[np.where(cand, slots, 0)] == gens  # not reused while we copied
         reused = int(cand.sum() - copied.sum())
         if reused:
-            self.faults.count("slot_reused", reused)
+            self.faults.counted("slot_reused", reused)
         for j in np.flatnonzero(copied).tolist():
             ok[idxs[j]] = True
         return [i for i in idxs if not ok[i]]
@@ -148,7 +148,7 @@ class SharedMemoryPath:
         try:
             reply = self.nodes.stub(node.address).Locate(request, timeout=self.config.io_timeout_s)
         except grpc.RpcError as exc:
-            self.faults.count(error_kind(exc), n)
+            self.faults.counted(error_kind(exc), n)
             return None
         if reply.arena != arena.name or not len(reply.slots) == len(reply.slot_gens) == n:
             return None
@@ -174,7 +174,7 @@ class SharedMemoryPath:
                 continue
             if reply.arena != arena.name or not len(reply.slots) == len(reply.slot_gens) == len(run) or \
                     len(reply.already_held) != len(run):
-                self.faults.count("bad_reply")
+                self.faults.counted("bad_reply")
                 left += run
                 continue
             gens = np.array(reply.slot_gens, dtype=np.uint64)
@@ -199,10 +199,11 @@ class SharedMemoryPath:
             try:
                 stored = stub.Commit(commit, timeout=self.config.io_timeout_s).stored
             except grpc.RpcError as exc:
-                self.faults.count(error_kind(exc), len(mine))  # the node reclaims the slots when the lease lapses
+                # a lost write (the node reclaims the slots when the lease lapses)
+                self.faults.lost(error_kind(exc), exc, len(mine))
                 continue
             if len(stored) != len(mine):
-                self.faults.count("bad_reply", len(mine))
+                self.faults.lost("bad_reply", "commit reply fields disagree", len(mine))
                 continue
             refused = 0
             hints = self.nodes.slot_hints(arena)
@@ -212,5 +213,5 @@ class SharedMemoryPath:
                 if flag:
                     hints[keys[run[j]]] = int(slots[j])
             if refused:
-                self.faults.count("put_refused", refused)
+                self.faults.counted("put_refused", refused)
         return left

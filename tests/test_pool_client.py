@@ -17,3 +17,20 @@ def test_a_failed_hbm_report_is_counted_apart_from_data_path_errors():
         assert counted and all(kind.startswith("report_") for kind in counted), counted
         assert len(pool.lookup([opaque_key("a")])) == 0  # a lookup is a miss, counted under its own kind
         assert any(not kind.startswith("report_") for kind in error_counts(pool.registry))
+
+
+def test_a_lost_write_is_a_counted_false_and_in_strict_mode_a_pool_fault():
+    import numpy as np
+    import pytest
+
+    from kvpool.client.faults import PoolFault
+
+    block = np.ones(4096, dtype=np.uint8)
+    address = f"127.0.0.1:{free_port()}"
+    with PoolClient(ClientConfig(master=address, lookup_timeout_s=0.3)) as pool:
+        assert pool.store([opaque_key("a")], [block]) == [False]
+        assert sum(error_counts(pool.registry).values()) == 1
+    with PoolClient(ClientConfig(master=address, lookup_timeout_s=0.3, strict=True)) as pool:
+        with pytest.raises(PoolFault) as fault:
+            pool.store([opaque_key("a")], [block])
+        assert fault.value.kind in ("unavailable", "timeout")
