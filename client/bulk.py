@@ -1,4 +1,4 @@
-"""The client end of a node's bulk TCP listener (protocol: :mod:`kvpool.node.bulk`).
+"""The client end of a node's bulk TCP listener (protocol: :mod:`kvpool.bulkwire`).
 
 - Connections are pooled per node address (at most ``max_idle_per_node``
   kept idle); one exchange at a time per connection.
@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvpool.bulkwire import OP_AUTH, OP_GET, OP_PUT, ProtocolError, read_reply_header, request_header
 from kvpool.checksum import block_checksum
 from kvpool.framing import (
     ConnectFailed,
@@ -39,7 +40,6 @@ from kvpool.framing import (
     set_io_timeout,
 )
 from kvpool.keys import BlockKey
-from kvpool.node.bulk import OP_AUTH, OP_GET, OP_PUT, ProtocolError, read_reply_header, request_header
 
 # Per-block outcome of a GET.
 T = TypeVar("T")

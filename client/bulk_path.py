@@ -8,7 +8,7 @@ or that a full listener refused, hands its blocks on too, counted as
 
 A GET asks for at most ``GET_CHUNK_BYTES`` of blocks (and ``MAX_KEYS`` keys)
 at a time, well under what a node serves in one GET
-(:data:`kvpool.node.bulk.MAX_GET_BYTES`, more if its ``max_request_bytes``
+(:data:`kvpool.bulkwire.MAX_GET_BYTES`, more if its ``max_request_bytes``
 is larger; a larger block goes alone). A PUT sends at most
 ``LEASE_CHUNK_BYTES``.
 """
@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvpool.bulkwire import MAX_GET_BYTES
 from kvpool.checksum import block_checksum
 from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
 from kvpool.client.datapath import LEASE_CHUNK_BYTES, MAX_KEYS, chunks
@@ -29,7 +30,6 @@ from kvpool.client.lookup import BlockLocation, NodeAddress
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
 from kvpool.keys import BlockKey
-from kvpool.node.bulk import MAX_GET_BYTES
 from kvpool.tls import client_context
 
 log = logging.getLogger(__name__)

@@ -15,11 +15,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import free_port, wait_until
 
+from kvpool import bulkwire
 from kvpool.checksum import block_checksum
 from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
 from kvpool.config import NodeConfig
 from kvpool.keys import BlockKey, opaque_key
-from kvpool.node import bulk
 from kvpool.node.daemon import PoolNode
 from kvpool.tiers.base import Tier
 
@@ -137,8 +137,8 @@ def test_blocks_larger_than_a_slot_and_ssd_resident_blocks_travel_too(node, bulk
 
 
 def read_error(sock: socket.socket) -> str:
-    with pytest.raises(bulk.ProtocolError) as err:
-        bulk.read_reply_header(sock, 0, 0)
+    with pytest.raises(bulkwire.ProtocolError) as err:
+        bulkwire.read_reply_header(sock, 0, 0)
     assert sock.recv(1) == b""  # and the node closed the connection
     return str(err.value)
 
@@ -186,7 +186,8 @@ def test_half_a_header_then_a_hang_up_is_dropped_quietly(node, bulk_client):
 
 def test_a_client_that_disconnects_mid_put_leaves_no_slot_leased(node, bulk_client):
     with raw(node) as sock:
-        sock.sendall(bulk.request_header(bulk.OP_PUT, 2) + key(1) + key(2) + struct.pack("<QQQQ", MIB, MIB, 0, 0))
+        sock.sendall(bulkwire.request_header(bulkwire.OP_PUT, 2) + key(1) + key(2)
+                     + struct.pack("<QQQQ", MIB, MIB, 0, 0))
         sock.sendall(b"x" * (MIB // 2))  # half of the first block, then hang up
         wait_until(lambda: node.store.dram.leased_slots == 2)
     wait_until(lambda: node.store.dram.leased_slots == 0 and node.bulk.connections == 0)
@@ -224,7 +225,7 @@ def test_too_many_connections_get_an_error(tmp_path, arena_name):
         n.bulk.after_change = slow_flush  # the PUT below is being served while the second one arrives
         value = block(1, 100)
         with raw(n) as first:
-            first.sendall(bulk.request_header(bulk.OP_PUT, 1) + key(1)
+            first.sendall(bulkwire.request_header(bulkwire.OP_PUT, 1) + key(1)
                           + struct.pack("<QQ", value.size, block_checksum(value)) + value.tobytes())
             assert entered.wait(10)
             try:
@@ -232,7 +233,7 @@ def test_too_many_connections_get_an_error(tmp_path, arena_name):
                     assert "too many" in read_error(second)
             finally:
                 release.set()
-            bulk.read_reply_header(first, bulk.OP_PUT, 1)  # the first one is still served
+            bulkwire.read_reply_header(first, bulkwire.OP_PUT, 1)  # the first one is still served
             assert first.recv(1) == b"\x01"
 
 

@@ -3,7 +3,8 @@
 - Fast calls (kvpool/calls.py) on the master's call port and on the node's bulk port: frames with
   random method ids (valid, 0, past the list, AUTH 0xFFFF, any u16), random / mutated / well-formed
   bodies, wrong versions, lengths over the limit, several frames on one connection, truncation anywhere.
-- Bulk (kvpool/node/bulk.py): requests with random magic, version, op, flags, count and reserved fields,
+- Bulk (kvpool/bulkwire.py, served by kvpool/node/bulk.py): requests with random magic, version, op,
+  flags, count and reserved fields,
   GET / PUT / AUTH bodies with boundary sizes (0, a slot, a slot + 1, more than any tier takes),
   right and wrong checksums, several requests on one connection, truncation anywhere.
 
@@ -53,10 +54,10 @@ from fuzz_support import (
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from kvpool import bulkwire
 from kvpool.auth import MAX_TOKEN_BYTES
 from kvpool.calls import AUTH_METHOD, CALL_MAGIC, CALL_VERSION, FRAME, MASTER_CALLS, NODE_CALLS
 from kvpool.checksum import block_checksum
-from kvpool.node import bulk
 from kvpool.rpc import MISS
 from kvpool.v1 import master_pb2, node_pb2
 
@@ -188,7 +189,7 @@ def call_frames(draw, server: str):
             length, body = limit + draw(st.sampled_from([1, 1000, 2**31])), b""
             length = min(length, 2**32 - 1)
         elif header == "magic":
-            magic = draw(st.binary(min_size=4, max_size=4).filter(lambda m: m not in (CALL_MAGIC, bulk.MAGIC)))
+            magic = draw(st.binary(min_size=4, max_size=4).filter(lambda m: m not in (CALL_MAGIC, bulkwire.MAGIC)))
         elif header == "flags":
             flags = draw(st.integers(1, 2**32 - 1))
         frames.append((FRAME.pack(magic, version, method, flags, length), body, length))
@@ -308,26 +309,26 @@ SIZE_EDGES = [0, 1, SLOT - 1, SLOT, SLOT + 1, 300 << 20, 2**40, 2**64 - 1]
 @st.composite
 def bulk_request(draw, max_keys: int):
     """(header, body, known keys named in a PUT with wrong checksums are fine: a held key is never overwritten)."""
-    op = draw(weighted((4, st.just(bulk.OP_GET)), (4, st.just(bulk.OP_PUT)), (1, st.just(bulk.OP_AUTH)),
+    op = draw(weighted((4, st.just(bulkwire.OP_GET)), (4, st.just(bulkwire.OP_PUT)), (1, st.just(bulkwire.OP_AUTH)),
                        (1, st.integers(0, 255))))
     count = draw(weighted((8, st.integers(0, 6)), (1, st.sampled_from([max_keys, max_keys + 1, 2**32 - 1]))))
-    magic = draw(weighted((10, st.just(bulk.MAGIC)),
-                          (1, st.binary(min_size=4, max_size=4).filter(lambda m: m not in (bulk.MAGIC, CALL_MAGIC)))))
-    version = draw(weighted((10, st.just(bulk.VERSION)), (1, st.integers(0, 0xFFFF))))
+    other = st.binary(min_size=4, max_size=4).filter(lambda m: m not in (bulkwire.MAGIC, CALL_MAGIC))
+    magic = draw(weighted((10, st.just(bulkwire.MAGIC)), (1, other)))
+    version = draw(weighted((10, st.just(bulkwire.VERSION)), (1, st.integers(0, 0xFFFF))))
     flags = draw(weighted((4, st.just(0)), (1, st.integers(0, 255))))
     reserved = draw(weighted((4, st.just(0)), (1, st.integers(0, 2**32 - 1))))
-    header = bulk.HEADER.pack(magic, version, op, flags, count, reserved)
+    header = bulkwire.HEADER.pack(magic, version, op, flags, count, reserved)
     n = min(count, 8) if count <= max_keys else 0  # keys actually sent (a huge count is cut short anyway)
-    if op == bulk.OP_GET:
+    if op == bulkwire.OP_GET:
         body = b"".join(draw(st.lists(any_key, min_size=n, max_size=n)))
-    elif op == bulk.OP_PUT:
+    elif op == bulkwire.OP_PUT:
         known = draw(st.booleans())
         keys = draw(st.lists(any_key if known else fuzz_key, min_size=n, max_size=n))
         sizes = [draw(weighted((12, st.integers(1, 48 << 10)), (1, st.sampled_from(SIZE_EDGES)))) for _ in keys]
         blocks = [det_bytes(draw(st.integers(0, 2**32)), s) if s <= 1 << 20 else b"" for s in sizes]
         sums = [block_checksum(b) ^ (draw(st.booleans()) or k in KNOWN) for k, b in zip(keys, blocks)]
         body = b"".join(keys) + np.array(sizes, "<u8").tobytes() + np.array(sums, "<u8").tobytes() + b"".join(blocks)
-    elif op == bulk.OP_AUTH:
+    elif op == bulkwire.OP_AUTH:
         body = det_bytes(count, min(count, 600))
     else:
         body = draw(st.binary(max_size=64))
@@ -345,7 +346,7 @@ def bulk_streams(draw, max_keys: int):
 
 
 def expected_bulk_replies(pool: Pool, reqs, cut) -> list[tuple]:
-    """The bulk listener's answers to exactly these bytes (the protocol in kvpool/node/bulk.py, as a model)."""
+    """The bulk listener's answers to exactly these bytes (the protocol in kvpool/bulkwire.py, as a model)."""
     node = pool.running_node
     ssd = node.store.ssd
 
@@ -359,11 +360,11 @@ def expected_bulk_replies(pool: Pool, reqs, cut) -> list[tuple]:
     for header, _ in reqs:
         if pos + len(header) > end:
             return out + [("eof",)]
-        magic, version, op, _, count, _ = bulk.HEADER.unpack(header)
+        magic, version, op, _, count, _ = bulkwire.HEADER.unpack(header)
         pos += len(header)
-        if magic != bulk.MAGIC or version != bulk.VERSION:
+        if magic != bulkwire.MAGIC or version != bulkwire.VERSION:
             return out + [("error",)]
-        if op == bulk.OP_AUTH:
+        if op == bulkwire.OP_AUTH:
             if count > MAX_TOKEN_BYTES:
                 return out + [("error",)]
             if pos + count > end:
@@ -373,13 +374,13 @@ def expected_bulk_replies(pool: Pool, reqs, cut) -> list[tuple]:
             continue
         if count > node.bulk.max_keys_per_call:
             return out + [("error",)]
-        if op == bulk.OP_GET:
+        if op == bulkwire.OP_GET:
             if pos + 32 * count > end:
                 return out + [("eof",)]
             keys = [stream[pos + 32 * i : pos + 32 * i + 32] for i in range(count)]
             pos += 32 * count
             out.append(("get", keys))
-        elif op == bulk.OP_PUT:
+        elif op == bulkwire.OP_PUT:
             if pos + 48 * count > end:
                 return out + [("eof",)]
             keys = [stream[pos + 32 * i : pos + 32 * i + 32] for i in range(count)]
@@ -404,28 +405,28 @@ def check_bulk_replies(data: bytes, expect: list[tuple], reqs) -> None:
         if kind == "eof":
             assert r.done(), f"bytes after the last reply the node owed: {data[r.pos:r.pos + 64]!r}"
             return
-        magic, version, status, op, count, _ = bulk.HEADER.unpack(r.take(bulk.HEADER.size, "a reply header"))
-        assert (magic, version) == (bulk.MAGIC, bulk.VERSION)
+        magic, version, status, op, count, _ = bulkwire.HEADER.unpack(r.take(bulkwire.HEADER.size, "a reply header"))
+        assert (magic, version) == (bulkwire.MAGIC, bulkwire.VERSION)
         if kind == "error":
-            assert status == bulk.STATUS_ERROR, status
+            assert status == bulkwire.STATUS_ERROR, status
             (length,) = struct.unpack("<I", r.take(4, "an error length"))
             text = r.take(length, "an error message").decode("utf-8", "replace")
             assert text.strip() and "internal error" not in text, text
             assert r.done(), "the connection should close after an ERROR reply"
             return
-        assert status == bulk.STATUS_OK, (status, r.data[r.pos : r.pos + 200])
+        assert status == bulkwire.STATUS_OK, (status, r.data[r.pos : r.pos + 200])
         if kind == "auth":
-            assert (op, count) == (bulk.OP_AUTH, 0)
+            assert (op, count) == (bulkwire.OP_AUTH, 0)
             continue
         keys = item[1]
         n = len(keys)
         assert count == n
         if kind == "put":
-            assert op == bulk.OP_PUT
+            assert op == bulkwire.OP_PUT
             stored = r.take(n, "stored flags")
             assert set(stored) <= {0, 1}
             continue
-        assert op == bulk.OP_GET
+        assert op == bulkwire.OP_GET
         sizes = np.frombuffer(r.take(8 * n, "sizes"), "<u8").tolist()
         sums = np.frombuffer(r.take(8 * n, "checksums"), "<u8").tolist()
         tiers = r.take(n, "tiers")
@@ -446,7 +447,7 @@ def check_bulk_replies(data: bytes, expect: list[tuple], reqs) -> None:
 def cheap_bulk_get(pool: Pool) -> None:
     """A fresh connection: GET of the known keys answers their exact bytes (or an honest miss flag)."""
     keys = list(KNOWN_KEYS)
-    data = exchange(pool.running_node.bulk.port, bulk.request_header(bulk.OP_GET, len(keys)) + b"".join(keys))
+    data = exchange(pool.running_node.bulk.port, bulkwire.request_header(bulkwire.OP_GET, len(keys)) + b"".join(keys))
     check_bulk_replies(data, [("get", keys), ("eof",)], None)
 
 
@@ -477,10 +478,10 @@ def test_bulk_put_of_valid_fuzz_blocks_is_stored_and_read_back(pool):
     blocks = [det_bytes(i, n) for i, n in enumerate([1, SLOT, SLOT + 1, 40 << 10])]
     body = (b"".join(keys) + np.array([len(b) for b in blocks], "<u8").tobytes()
             + np.array([block_checksum(b) for b in blocks], "<u8").tobytes() + b"".join(blocks))
-    data = exchange(pool.running_node.bulk.port, bulk.request_header(bulk.OP_PUT, 4) + body
-                    + bulk.request_header(bulk.OP_GET, 4) + b"".join(keys))
+    data = exchange(pool.running_node.bulk.port, bulkwire.request_header(bulkwire.OP_PUT, 4) + body
+                    + bulkwire.request_header(bulkwire.OP_GET, 4) + b"".join(keys))
     r = Reader(data)
-    assert bulk.HEADER.unpack(r.take(16, "header"))[2:5] == (bulk.STATUS_OK, bulk.OP_PUT, 4)
+    assert bulkwire.HEADER.unpack(r.take(16, "header"))[2:5] == (bulkwire.STATUS_OK, bulkwire.OP_PUT, 4)
     assert r.take(4, "stored") == b"\x01" * 4
     check_bulk_replies(data[r.pos:], [("get", keys), ("eof",)], None)
     got = pool.running_node.store.where(keys)

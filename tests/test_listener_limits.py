@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from support import PoolProcesses, free_port, wait_until
 
-from kvpool import framing
+from kvpool import bulkwire, framing
 from kvpool.calls import CALL_MAGIC, CALL_VERSION, FRAME, MASTER_CALLS, NODE_CALLS, FastStub, auth_hello, refusal_frame
 from kvpool.checksum import block_checksum
 from kvpool.client.bulk import BulkClient, BulkFailed
@@ -35,7 +35,7 @@ from kvpool.config import ClientConfig, MasterConfig, NodeConfig
 from kvpool.framing import ConnectionPool, send_final
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.master import MasterServer
-from kvpool.node import bulk
+from kvpool.node import bulk as bulk_listener
 from kvpool.node.daemon import PoolNode
 from kvpool.tiers.base import Tier
 from kvpool.v1 import master_pb2, master_pb2_grpc
@@ -138,7 +138,7 @@ def test_idle_and_half_sent_connections_do_not_lock_clients_out(tmp_path, auth):
         with contextlib.ExitStack() as held:
             silent = []
             for port, half in ((pool.master_call_port, FRAME.pack(CALL_MAGIC, CALL_VERSION, LOOKUP, 0, 64)[:7]),
-                               (node_bulk, bulk.request_header(bulk.OP_GET, 1)[:5])):
+                               (node_bulk, bulkwire.request_header(bulkwire.OP_GET, 1)[:5])):
                 silent += held.enter_context(held_sockets(port, 70))  # more than max_connections (64)
                 silent += held.enter_context(held_sockets(port, 8, half))  # half a header, then nothing
             for shared in (False, True):  # bulk TCP data path; same-host path (Reserve/Commit/Locate as fast calls)
@@ -348,7 +348,7 @@ def test_a_trickling_bulk_put_gives_its_slots_back_at_the_request_deadline(tmp_p
     with PoolNode(config) as node:
         stop = threading.Event()
         with socket.create_connection(("127.0.0.1", node.bulk.port), timeout=5) as sock:
-            sock.sendall(bulk.request_header(bulk.OP_PUT, 2) + key("t", 1) + key("t", 2)
+            sock.sendall(bulkwire.request_header(bulkwire.OP_PUT, 2) + key("t", 1) + key("t", 2)
                          + np.array([MIB, MIB, 0, 0], "<u8").tobytes())
             wait_until(lambda: node.registry.get_sample_value("kvpool_leased_slots") == 2)
             started = time.monotonic()
@@ -396,7 +396,7 @@ def test_frames_announcing_huge_bodies_do_not_allocate_them(tmp_path):
         before = rss_bytes(proc.pid)
         huge = FRAME.pack(CALL_MAGIC, CALL_VERSION, LOCATE, 0, (256 << 20) - 1) + b"k" * 100
         master_huge = FRAME.pack(CALL_MAGIC, CALL_VERSION, LOOKUP, 0, 8 << 20) + b"k" * 100
-        many_keys = bulk.request_header(bulk.OP_PUT, 65536) + b"k" * 100
+        many_keys = bulkwire.request_header(bulkwire.OP_PUT, 65536) + b"k" * 100
         with held_sockets(node_bulk, 6, huge), held_sockets(pool.master_call_port, 6, master_huge), \
                 held_sockets(node_bulk, 6, many_keys):
             top = max_rss_over(proc.pid, 3.0)
@@ -421,8 +421,8 @@ def test_unread_get_replies_do_not_pile_up_node_memory(tmp_path):
             tiers = list(client.lookup(keys).tiers)
             ssd, dram = keys[tiers.index(Tier.SSD)], keys[tiers.index(Tier.DRAM)]
             before = rss_bytes(proc.pid)
-            huge = [bulk.request_header(bulk.OP_GET, 65536) + k * 65536 for k in (ssd, ssd, dram, dram)]
-            large = [bulk.request_header(bulk.OP_GET, 100) + k * 100 for k in (ssd, ssd, dram, dram)]  # 200 MiB
+            huge = [bulkwire.request_header(bulkwire.OP_GET, 65536) + k * 65536 for k in (ssd, ssd, dram, dram)]
+            large = [bulkwire.request_header(bulkwire.OP_GET, 100) + k * 100 for k in (ssd, ssd, dram, dram)]  # 200 MiB
             socks = []
             try:
                 for request in huge + large:
@@ -456,7 +456,7 @@ def test_a_bulk_get_larger_than_a_node_serves_at_once_is_split_by_the_client(tmp
                             arena=arena_name, dram_bytes=16 * MIB, slot_bytes=MIB, ssd_enabled=False)
         with PoolNode(config) as node:
             wait_until(lambda: node.link.registered)
-            monkeypatch.setattr(bulk, "MAX_GET_BYTES", 4 * MIB, raising=False)
+            monkeypatch.setattr(bulk_listener, "MAX_GET_BYTES", 4 * MIB)
             node.bulk.max_request_bytes = 4 * MIB
             keys = [key("split", i) for i in range(10)]
             values = [block(i, MIB) for i in range(10)]

@@ -34,3 +34,16 @@ def test_a_lost_write_is_a_counted_false_and_in_strict_mode_a_pool_fault():
         with pytest.raises(PoolFault) as fault:
             pool.store([opaque_key("a")], [block])
         assert fault.value.kind in ("unavailable", "timeout")
+
+
+def test_an_inference_worker_imports_no_part_of_the_node():
+    """The client shares only the wire (kvpool.bulkwire, kvpool.calls) and the arena's layout with the node:
+    a worker process holds no tiers, quota ledger, LMDB or master."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvpool.client.kvclient, kvpool.client.pool; print(sorted(m for m in sys.modules if "
+            "m.startswith(('kvpool.node', 'kvpool.master', 'kvpool.tiers.tiered', 'kvpool.tiers.ssd', "
+            "'kvpool.tiers.dram', 'lmdb'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

@@ -24,6 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import free_port, kvpool_process, stop_process, wait_serving, wait_until
 
+from kvpool import bulkwire
 from kvpool.auth import Authority, mask_keys
 from kvpool.calls import AUTH_METHOD, CALL_MAGIC, CALL_VERSION, FRAME, MASTER_CALLS
 from kvpool.checksum import block_checksum
@@ -33,7 +34,6 @@ from kvpool.config import ClientConfig, MasterConfig, NodeConfig
 from kvpool.framing import recv_exact
 from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys, pack_keys
 from kvpool.master import MasterServer
-from kvpool.node import bulk
 from kvpool.node.daemon import PoolNode
 from kvpool.rpc import MISS, make_channel
 from kvpool.tiers.arena import shm_path
@@ -181,8 +181,8 @@ def test_no_token_or_a_wrong_token_is_refused_over_grpc_fast_calls_and_bulk(secu
 
     # Bulk: the same, on the node's data port (bulk frames and fast-call frames alike).
     data_port = node.bulk.port
-    get = bulk.request_header(bulk.OP_GET, 1) + prompt_keys(1)[0]
-    for first in (get, bulk.request_header(bulk.OP_AUTH, len(WRONG)) + WRONG.encode(),
+    get = bulkwire.request_header(bulkwire.OP_GET, 1) + prompt_keys(1)[0]
+    for first in (get, bulkwire.request_header(bulkwire.OP_AUTH, len(WRONG)) + WRONG.encode(),
                   fast_frame(1, node_pb2.LocateRequest(keys=prompt_keys(1)[0]).SerializeToString())):
         with socket.create_connection(("127.0.0.1", data_port), timeout=5) as sock:
             sock.sendall(first)
@@ -190,8 +190,8 @@ def test_no_token_or_a_wrong_token_is_refused_over_grpc_fast_calls_and_bulk(secu
                 status, text = read_fast_reply(sock)
                 assert status == UNAUTHENTICATED.value[0]
             else:
-                with pytest.raises(bulk.ProtocolError, match="^unauthenticated"):
-                    bulk.read_reply_header(sock, bulk.OP_GET, 1)
+                with pytest.raises(bulkwire.ProtocolError, match="^unauthenticated"):
+                    bulkwire.read_reply_header(sock, bulkwire.OP_GET, 1)
             assert closed(sock)
     for token in ("", WRONG):
         c = BulkClient(5.0, token=token)
@@ -378,10 +378,10 @@ def test_bulk_put_reservations_count_against_the_quota_while_their_bytes_are_on_
             for conn in range(4):  # four PUTs of 8 blocks each, stalled before their data
                 sock = socket.create_connection(("127.0.0.1", node.bulk.port), timeout=5)
                 socks.append(sock)
-                sock.sendall(bulk.request_header(bulk.OP_AUTH, len(TOKEN_A)) + TOKEN_A.encode())
-                bulk.read_reply_header(sock, bulk.OP_AUTH, 0)
+                sock.sendall(bulkwire.request_header(bulkwire.OP_AUTH, len(TOKEN_A)) + TOKEN_A.encode())
+                bulkwire.read_reply_header(sock, bulkwire.OP_AUTH, 0)
                 sizes, sums = np.full(8, MIB, dtype="<u8"), np.zeros(8, dtype="<u8")
-                sock.sendall(bulk.request_header(bulk.OP_PUT, 8) + pack_keys(prompt_keys(8, f"stall-{conn}"))
+                sock.sendall(bulkwire.request_header(bulkwire.OP_PUT, 8) + pack_keys(prompt_keys(8, f"stall-{conn}"))
                              + sizes.tobytes() + sums.tobytes())
                 # the node has taken this PUT's quota decision once it refused at least 6 of its 8 blocks
                 wait_until(lambda n=conn: errors(node, "quota_exceeded") >= refused + 6 * (n + 1), timeout=10)
@@ -510,9 +510,9 @@ def test_limits_are_refused_with_a_clear_status_and_change_nothing(tmp_path, are
                 mstub.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=five, sizes=[1] * 5), timeout=5)
             assert over.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_keys_per_call" in over.value.details()
         with socket.create_connection(("127.0.0.1", node.bulk.port), timeout=5) as sock:  # keys per bulk request
-            sock.sendall(bulk.request_header(bulk.OP_GET, 5) + five)
-            with pytest.raises(bulk.ProtocolError, match="5 keys in one request; the limit is 4"):
-                bulk.read_reply_header(sock, bulk.OP_GET, 5)
+            sock.sendall(bulkwire.request_header(bulkwire.OP_GET, 5) + five)
+            with pytest.raises(bulkwire.ProtocolError, match="5 keys in one request; the limit is 4"):
+                bulkwire.read_reply_header(sock, bulkwire.OP_GET, 5)
         vs = blocks(2, size=3 * MIB)
         c = BulkClient(5.0)
         try:  # bytes per bulk PUT
@@ -531,8 +531,8 @@ def test_limits_are_refused_with_a_clear_status_and_change_nothing(tmp_path, are
         # test_bulk.py and test_listener_limits.py).
         def ask(sock: socket.socket, read: str) -> None:
             if read == "bulk":
-                sock.sendall(bulk.request_header(bulk.OP_GET, 1) + prompt_keys(1)[0])
-                bulk.read_reply_header(sock, bulk.OP_GET, 1)
+                sock.sendall(bulkwire.request_header(bulkwire.OP_GET, 1) + prompt_keys(1)[0])
+                bulkwire.read_reply_header(sock, bulkwire.OP_GET, 1)
                 meta = recv_exact(sock, 17)  # size, checksum, tier of the one key
                 recv_exact(sock, int.from_bytes(meta[:8], "little") + 1)  # its bytes (if held) and valid flag
             else:

@@ -5,32 +5,8 @@ below what a socket carries, so remote reads and writes use this small
 binary protocol instead (gRPC ``Get``/``Put`` stay as the fallback). The
 listener's address is ``NodeRef.data_address``.
 
-Protocol, version 1. All integers little-endian; a key is 32 bytes. A
-connection carries any number of request/reply exchanges, one at a time.
-
-Request::
-
-    header   16 B  magic b"KVPB" | version u16 = 1 | op u8 | flags u8 = 0 | count u32 | reserved u32 = 0
-    GET (op 1)     keys       count x 32 B
-    PUT (op 2)     keys       count x 32 B
-                   sizes      count x u64   (each > 0)
-                   checksums  count x u64   (xxh3-64 of each block)
-                   data       sum(sizes) B  (the blocks, in key order)
-    AUTH (op 3)    token      count B       (UTF-8, at most 512 B; see kvpool.auth)
-
-Reply::
-
-    header   16 B  magic b"KVPB" | version u16 = 1 | status u8 | op u8 | count u32 | reserved u32 = 0
-    status 1 (ERROR): length u32 | UTF-8 message. The node closes the connection after it.
-    GET, status 0  sizes      count x u64   (0: the node does not hold the key)
-                   checksums  count x u64
-                   tiers      count x u8    (the Tier that served it; 255: miss)
-                   data       sum(sizes) B  (the hits, in key order)
-                   valid      count x u8    (1: the bytes sent are the block's; 0: its slot was
-                                             reused while it was sent, or its SSD copy vanished: a miss)
-    PUT, status 0  stored     count x u8    (1: stored or already held; 0: no room, the tenant's
-                                             quota refused it, or the bytes did not match their checksum)
-    AUTH, status 0 (nothing; count 0)
+The protocol (frames, ops, statuses) is :mod:`kvpool.bulkwire`'s, the one module the client
+shares with this listener.
 
 Invariants:
 - GET sends DRAM blocks from their arena slot (``sendmsg`` of the slot's
@@ -85,7 +61,6 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
-import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +68,18 @@ from typing import Any
 import numpy as np
 
 from kvpool.auth import MAX_TOKEN_BYTES, Authority, Peer
+from kvpool.bulkwire import (
+    HEADER,
+    MAGIC,
+    MAX_GET_BYTES,
+    OP_AUTH,
+    OP_GET,
+    OP_PUT,
+    STATUS_OK,
+    VERSION,
+    ProtocolError,
+    error_frame,
+)
 from kvpool.calls import CALL_MAGIC, CallHandler, refusal_frame
 from kvpool.checksum import block_checksum
 from kvpool.framing import (
@@ -114,61 +101,16 @@ from kvpool.tiers.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVPB"
-VERSION = 1
-OP_GET = 1
-OP_PUT = 2
-OP_AUTH = 3
-STATUS_OK = 0
-STATUS_ERROR = 1
-HEADER = struct.Struct("<4sHBBII")  # magic, version, op|status, flags|op, count, reserved
-assert HEADER.size == 16, "bulk: the header must stay 16 bytes"
-_ERROR_LEN = struct.Struct("<I")
-MAX_ERROR_BYTES = 64 << 10
 SCRATCH_BYTES = 16 << 20  # most bytes a request holds in scratch buffers at once (SSD reads, no-slot puts),
 # or one block if larger: what a connection whose peer stops reading pins, besides its kernel buffers
 DISCARD_BYTES = 1 << 20  # the buffer a PUT's held or refused blocks are read past through
-MAX_GET_BYTES = 256 << 20  # a GET's hits may hold at most this (or max_request_bytes if larger): clients ask for less
 GET_BATCH_KEYS = 4096  # a GET looks its keys up this many at a time (per-key Python objects for one batch only)
-
-
-class ProtocolError(ValueError):
-    """The peer sent something this protocol does not allow (the message says what)."""
-
-    kind = "invalid_argument"
 
 
 class Unauthenticated(ProtocolError):
     """No (valid) AUTH before a request on a listener with an auth file."""
 
     kind = "unauthenticated"
-
-
-# -- frames -----------------------------------------------------------------------------------------
-
-
-def error_frame(op: int, message: str) -> bytes:
-    text = message.encode("utf-8", "replace")[:MAX_ERROR_BYTES]
-    return HEADER.pack(MAGIC, VERSION, STATUS_ERROR, op, 0, 0) + _ERROR_LEN.pack(len(text)) + text
-
-
-def read_reply_header(sock: socket.socket, op: int, count: int) -> None:
-    """Read a reply header; raises ProtocolError with the node's message for an ERROR reply."""
-    header = recv_exact(sock, HEADER.size)
-    magic, version, status, reply_op, reply_count, _ = HEADER.unpack(header)
-    if magic != MAGIC or version != VERSION:
-        raise ProtocolError(f"not a kvpool bulk reply (magic {bytes(magic)!r}, version {version})")
-    if status == STATUS_ERROR:
-        (length,) = _ERROR_LEN.unpack(recv_exact(sock, _ERROR_LEN.size))
-        if length > MAX_ERROR_BYTES:
-            raise ProtocolError("error reply too long")
-        raise ProtocolError(recv_exact(sock, length).decode("utf-8", "replace"))
-    if status != STATUS_OK or reply_op != op or reply_count != count:
-        raise ProtocolError(f"unexpected reply (status {status}, op {reply_op}, count {reply_count})")
-
-
-def request_header(op: int, count: int) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, op, 0, count, 0)
 
 
 def _unpack(packed: bytes, lo: int, hi: int) -> list[BlockKey]:

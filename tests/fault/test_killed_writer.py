@@ -72,7 +72,7 @@ BULK_WRITER = r"""
 import json, socket, sys, time
 import numpy as np
 from kvpool.checksum import block_checksum
-from kvpool.node.bulk import OP_PUT, request_header
+from kvpool.bulkwire import OP_PUT, request_header
 from fault.faultkit import content, keys_of
 
 host, port, tag, n, size = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
