@@ -218,3 +218,17 @@ def test_unreachable_master_is_a_clear_error() -> None:
     keys = keys_of([[1, 2]])
     with pytest.raises(ValueError, match="cannot ask the master at 127.0.0.1:1"):
         rp.replay(keys, rp.TierConfig("ext", 0, 0, 0, BB), master="127.0.0.1:1", progress=False)
+
+
+def test_the_exact_lru_reference_refreshes_on_reads_and_counts_leading_runs():
+    from kvpool.bench.trace import lru_reference
+
+    # DRAM of 2: the read of "a" keeps it past "c" (insertion order would have dropped it)
+    ref = lru_reference([["a"], ["b"], ["a"], ["c"], ["a"]], hbm_blocks=0, dram_blocks=2)
+    assert (ref.lookups, ref.hbm_hits, ref.dram_hits) == (5, 0, 2)
+    # only the leading run counts: "b" is held, but after a miss
+    ref = lru_reference([["a", "b"], ["x", "b"]], hbm_blocks=0, dram_blocks=10)
+    assert (ref.hbm_hits, ref.dram_hits) == (0, 0)
+    # HBM in front: its hits are not DRAM hits, and a DRAM hit is copied into HBM
+    ref = lru_reference([["a", "b"], ["a", "b"], ["c"], ["a"]], hbm_blocks=2, dram_blocks=10)
+    assert (ref.hbm_hits, ref.dram_hits) == (2, 1)

@@ -64,7 +64,17 @@ from typing import Any, TextIO
 import numpy as np
 
 from kvpool.bench.progress import Progress
-from kvpool.bench.trace import BLOCK_TOKENS, MODEL, Bound, KeyMaker, Payloads, load_trace, unbounded_bound
+from kvpool.bench.trace import (
+    BLOCK_TOKENS,
+    MODEL,
+    Bound,
+    KeyMaker,
+    LruReference,
+    Payloads,
+    load_trace,
+    lru_reference,
+    unbounded_bound,
+)
 from kvpool.keys import BlockKey, KeyNamespace, leading_hits
 from kvpool.layout import KVLayout
 from kvpool.metrics import error_counts
@@ -501,6 +511,17 @@ def render(results: Sequence[RunResult], bound: Bound, key_bound: Bound, *, trac
     return "\n".join(lines)
 
 
+def render_reference(run: RunResult, reference: LruReference) -> str:
+    """kvpool's HBM + DRAM row beside exact LRUs of the same capacities (:func:`~kvpool.bench.trace.lru_reference`)."""
+    c = run.config
+    ours, best = run.ratio(run.hit_blocks), reference.ratio(reference.hit_blocks)
+    return (f"Exact LRU, HBM {c.hbm_blocks} + DRAM {c.dram_blocks} blocks (full capacity, every pool read and write "
+            f"refreshes): HBM {reference.ratio(reference.hbm_hits):.1%}, "
+            f"DRAM {reference.ratio(reference.dram_hits):.1%}, "
+            f"overall {best:.1%}. kvpool {c.label}: HBM {run.ratio(run.hits['hbm']):.1%}, "
+            f"DRAM {run.ratio(run.hits['dram']):.1%}, overall {ours:.1%} ({(ours - best) * 100:+.1f} points).")
+
+
 # -- command line -------------------------------------------------------------------------------
 
 
@@ -530,7 +551,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flush-every", type=int, default=1, metavar="N",
                         help="wait for the pool writes every N requests (default: 1, deterministic hit ratios)")
     parser.add_argument("--compare", action="store_true",
-                        help="run HBM only, HBM + DRAM and HBM + DRAM + SSD with these capacities: one table")
+                        help="run HBM only, HBM + DRAM and HBM + DRAM + SSD with these capacities: one table, and "
+                        "HBM + DRAM beside exact LRUs of the same capacities")
     parser.add_argument("--json", action="store_true", help="print a JSON summary instead of the table")
     parser.add_argument("--out", help="also write the markdown table to this file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -593,6 +615,14 @@ def run(args: argparse.Namespace) -> int:
         results.append(replay(request_keys, config, master=args.master, ssd_parent=args.ssd_dir,
                               flush_every=args.flush_every, tenant=args.tenant, progress=not args.no_progress))
     table = render(results, bound, key_bound, trace=args.trace, flush_every=args.flush_every)
+    exact_lru: dict[str, Any] = {}
+    dram_run = next((r for r in results if r.config.dram_blocks and not r.config.ssd_blocks), None)
+    if args.compare and dram_run is not None:
+        c = dram_run.config
+        reference = lru_reference(request_keys, c.hbm_blocks, c.dram_blocks)
+        table += "\n\n" + render_reference(dram_run, reference)
+        exact_lru = {"hbm_blocks": c.hbm_blocks, "dram_blocks": c.dram_blocks, "hbm_hits": reference.hbm_hits,
+                     "dram_hits": reference.dram_hits, "hit": reference.ratio(reference.hit_blocks)}
     if args.json:
         summary = {
             "trace": args.trace, "requests": len(requests), "block_lookups": bound.lookups,
@@ -601,6 +631,8 @@ def run(args: argparse.Namespace) -> int:
                       "keys_leading_run": key_bound.leading, "keys_per_block": key_bound.per_block},
             "runs": [r.to_json(bound) for r in results],
         }
+        if exact_lru:
+            summary["exact_lru"] = exact_lru
         print(json.dumps(summary, indent=2))
     else:
         print(table)

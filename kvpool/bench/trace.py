@@ -11,6 +11,7 @@ ratio of a cache that never evicts (leading run per request).
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -127,6 +128,61 @@ def unbounded_bound(sequences: Iterable[Sequence[Any]]) -> Bound:
         block += sum(hits)
         seen.update(seq)
     return Bound(lookups, lead, block)
+
+
+@dataclass(frozen=True)
+class LruReference:
+    """Hits of exact LRU caches shaped like kvpool's HBM + DRAM tiers (:func:`lru_reference`)."""
+
+    lookups: int
+    hbm_hits: int
+    dram_hits: int
+
+    @property
+    def hit_blocks(self) -> int:
+        return self.hbm_hits + self.dram_hits
+
+    def ratio(self, n: int) -> float:
+        return n / self.lookups if self.lookups else 0.0
+
+
+def lru_reference(sequences: Iterable[Sequence[Any]], hbm_blocks: int, dram_blocks: int) -> LruReference:
+    """What the replay's client would hit if both its tiers were exact LRUs of their full capacities.
+
+    Per request, as the replay's client does: the leading run held in HBM is a hit (each becomes HBM's most
+    recent); then the leading run of the rest held in DRAM is a hit (each becomes DRAM's most recent and is
+    put into HBM); every block after the loaded run is written to HBM and DRAM (each its most recent). A tier
+    over capacity drops its least recently used block. No watermarks, no SSD: the reference the DRAM tier's
+    hit rate is judged against.
+    """
+    hbm: OrderedDict[Any, None] = OrderedDict()
+    dram: OrderedDict[Any, None] = OrderedDict()
+
+    def use(cache: OrderedDict[Any, None], key: Any, capacity: int) -> None:
+        if capacity <= 0:
+            return
+        cache[key] = None
+        cache.move_to_end(key)
+        if len(cache) > capacity:
+            cache.popitem(last=False)
+
+    lookups = hbm_hits = dram_hits = 0
+    for seq in sequences:
+        keys = list(seq)
+        lookups += len(keys)
+        h = leading_hits([k in hbm for k in keys])
+        p = leading_hits([k in dram for k in keys[h:]])
+        for k in keys[:h]:
+            hbm.move_to_end(k)
+        for k in keys[h : h + p]:
+            use(dram, k, dram_blocks)
+            use(hbm, k, hbm_blocks)
+        for k in keys[h + p :]:
+            use(hbm, k, hbm_blocks)
+            use(dram, k, dram_blocks)
+        hbm_hits += h
+        dram_hits += p
+    return LruReference(lookups, hbm_hits, dram_hits)
 
 
 class Payloads:
