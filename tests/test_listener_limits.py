@@ -434,7 +434,8 @@ def test_unread_get_replies_do_not_pile_up_node_memory(tmp_path):
             finally:
                 for s in socks:
                     s.close()
-            assert top - before < 64 * MIB, f"RSS grew by {(top - before) >> 20} MiB"
+            # ~35 MiB here for all eight; before the fix ~77 MiB per connection (a CI machine under load: 64)
+            assert top - before < 96 * MIB, f"RSS grew by {(top - before) >> 20} MiB"
             # The node still serves a legitimate get (of what DRAM holds now: no promotion evicts what it sends).
             run = client.lookup(keys)
             held = [i for i, t in enumerate(run.tiers) if t == Tier.DRAM]

@@ -44,11 +44,22 @@ def test_a_failed_arena_mapping_is_retried_after_the_node_restarts(procs, client
         assert path_blocks(pool, "shared_memory", "put") == 0
 
         start_node(procs, "n1", **NODE)  # reclaims the stale file, registers again
-        assert wait_until(lambda: all(pool.store(keys, values)), timeout=30)
+        # Until the mapping's back-off (at most 5 s) has passed, a store goes over the bulk path; fresh probe
+        # blocks show when the shared-memory path is back, then the real blocks must all go over it.
+        probes = iter(range(1000))
+
+        def mapped_again() -> bool:
+            probe = keys_of(f"remap-probe-{next(probes)}", 1)
+            pool.store(probe, [content(k, BLOCK) for k in probe])
+            return path_blocks(pool, "shared_memory", "put") > 0
+
+        assert wait_until(mapped_again, timeout=30)
+        before = path_blocks(pool, "shared_memory", "put")
+        assert all(pool.store(keys, values))
         run = pool.lookup(keys)
         assert len(run) == len(keys)
         outs = [np.empty(BLOCK, dtype=np.uint8) for _ in keys]
         assert all(pool.get_into(list(run), outs))
         assert all(np.array_equal(out, v) for out, v in zip(outs, values))
-        assert path_blocks(pool, "shared_memory", "put") == len(keys)
+        assert path_blocks(pool, "shared_memory", "put") - before == len(keys)
         assert path_blocks(pool, "shared_memory", "get") == len(keys)
