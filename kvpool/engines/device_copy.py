@@ -43,6 +43,7 @@ import ctypes.util
 import logging
 import sys
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -100,8 +101,11 @@ class HostCopier:
             src += size
 
 
-class _StreamCopier:
-    """What the CUDA and ACL copiers share: per thread a current device and a stream; pinned host buffers."""
+class _StreamCopier(ABC):
+    """What the CUDA and ACL copiers share: per thread a current device and a stream; pinned host buffers.
+
+    Subclasses supply the five runtime calls (:class:`CudaCopier`, :class:`AclCopier`); each returns the
+    runtime's error code, 0 for success."""
 
     kind = ""
     to_host_kind = 0
@@ -120,20 +124,25 @@ class _StreamCopier:
         if code != 0:
             raise DeviceCopyError(f"{self.kind}: {call} failed with error {code}")
 
+    @abstractmethod
     def _set_device(self) -> int:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _create_stream(self, stream: ctypes.c_void_p) -> int:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _sync(self, stream: ctypes.c_void_p) -> int:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _copy_async(self, dst: int, src: int, size: int, kind: int, stream: ctypes.c_void_p) -> int:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def _register(self, addr: int, nbytes: int) -> int:
-        raise NotImplementedError
+        ...
 
     def _copy_sync(self, dst: int, src: int, size: int, kind: int) -> int | None:
         """A synchronous copy for unpinned host memory; None: the async path works for it too."""
