@@ -110,7 +110,7 @@ def run_kvpool(args: argparse.Namespace, labels: list[str]) -> tuple[dict, dict]
         serve = subprocess.Popen(
             [sys.executable, "-m", "kvpool.cli", "serve", "--master-port", str(port), "--master-metrics-port", "0",
              "--port", str(free_port()), "--metrics-port", "0", "--data-port", "0", "--no-ssd",
-             "--dram-bytes", str(dram), "--slot-bytes", str(slot), "--arena", f"kvpool-bench-{os.getpid()}-{i}",
+             "--dram-bytes", str(dram), "--max-block-bytes", str(slot), "--arena", f"kvpool-bench-{os.getpid()}-{i}",
              "--high-watermark", "0.95", "--low-watermark", "0.6"],
             stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -84,7 +84,7 @@ def main() -> int:
     serve = subprocess.Popen(
         [sys.executable, "-m", "kvpool.cli", "serve", "--master-port", str(port), "--master-metrics-port", "0",
          "--port", str(free_port()), "--metrics-port", "0", "--data-port", "0", "--no-ssd",
-         "--dram-bytes", str(dram), "--slot-bytes", str(args.size), "--arena", f"kvpool-many-{os.getpid()}"],
+         "--dram-bytes", str(dram), "--max-block-bytes", str(args.size), "--arena", f"kvpool-many-{os.getpid()}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_port(port, serve)

@@ -120,7 +120,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "kvpool.cli", "serve", "--master-port", str(master_port),
                "--master-metrics-port", "0", "--port", str(node_port), "--metrics-port", "0",
-               "--data-port", "0", "--arena", arena, "--dram-bytes", str(dram), "--slot-bytes", str(block),
+               "--data-port", "0", "--arena", arena, "--dram-bytes", str(dram), "--max-block-bytes", str(block),
                "--no-ssd", "--ssd-dir", os.path.join(tmp, "ssd")]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:

@@ -295,8 +295,8 @@ class PoolClient:
         if largest > self._largest_refused:
             self._largest_refused = largest
             log.warning("the pool refused blocks of %d bytes: no node takes blocks that large; set the nodes' "
-                        "slot_bytes (kvpool node --slot-bytes) to at least your block size, or give them an SSD "
-                        "tier (kvpool status shows what they take)", largest)
+                        "max_block_bytes (kvpool node --max-block-bytes) to at least your block size, or give them "
+                        "an SSD tier (kvpool status shows what they take)", largest)
 
     # -- lifecycle ---------------------------------------------------------------------
 

@@ -1,12 +1,15 @@
 """Same-host data path: block bytes straight between the node's shared-memory arena and the caller's buffers.
 
-Reads: which slot holds a block comes from this client's slot hints
+Reads: which slot (arena row: one block's extent) holds a block comes from this client's slot hints
 (blocks it wrote or located before) or, for the rest, from one ``Locate``
 call (which also promotes SSD blocks into DRAM). A slot is read only if its
 row (even gen, key, length, checksum) names exactly the block asked for, and
 a copy counts only if its checksum matches and the gen did not move
-meanwhile (the arena's seqlock): a stale hint costs a Locate, never wrong
-bytes. Blocks whose slot was reused meanwhile are handed to the next path.
+meanwhile (the arena's seqlock, :meth:`SharedArena.check_slots`): a stale
+hint costs a Locate, never wrong bytes. The slots about to be read are
+stamped read first (the node's LRU is every reader's, and the promotions a
+Locate causes then evict other blocks, not the ones this request reads).
+Blocks whose slot was reused meanwhile are handed to the next path.
 The checks run over the whole batch at once; only the copy-and-hash is per
 block.
 
@@ -40,7 +43,7 @@ from kvpool.client.lookup import BlockLocation, NodeAddress
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
 from kvpool.keys import BlockKey, pack_keys
-from kvpool.tiers.arena import SharedArena
+from kvpool.tiers.arena import KEY_DTYPE, SharedArena
 from kvpool.v1 import master_pb2, node_pb2
 
 log = logging.getLogger(__name__)
@@ -79,18 +82,6 @@ class TenantMask:
             return self._known
 
 
-def _check_rows(arena: SharedArena, slots: np.ndarray, keys: np.ndarray, sizes: np.ndarray,
-                sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The gens of ``slots`` (read first: the seqlock's "before") and whether each row holds exactly that block."""
-    valid = (slots >= 0) & (slots < arena.num_slots)
-    safe = np.where(valid, slots, 0)
-    table = arena.table
-    gens = table["gen"][safe]
-    held = valid & (gens % 2 == 0) & (table["key"][safe] == keys)
-    held &= (table["length"][safe] == sizes) & (table["checksum"][safe] == sums)
-    return gens, held
-
-
 class SharedMemoryPath:
     """The :class:`~kvpool.client.datapath.DataPath` through a same-host node's arena (see module docstring)."""
 
@@ -113,13 +104,14 @@ class SharedMemoryPath:
             return idxs
         n = len(idxs)
         packed = pack_keys([locations[i].key for i in idxs])
-        sent = np.frombuffer(packed, dtype=arena.table.dtype["key"])  # what the node is asked for
-        keys = np.frombuffer(mask_keys(packed, mask), dtype=arena.table.dtype["key"])  # what its rows hold
+        sent = np.frombuffer(packed, dtype=KEY_DTYPE)  # what the node is asked for
+        keys = np.frombuffer(mask_keys(packed, mask), dtype=KEY_DTYPE)  # what its rows hold
         sizes = np.fromiter((locations[i].size for i in idxs), dtype=np.uint64, count=n)
         sums = np.fromiter((locations[i].checksum for i in idxs), dtype=np.uint64, count=n)
         hints = self.nodes.slot_hints(arena)
         slots = np.fromiter((hints.get(locations[i].key, -1) for i in idxs), dtype=np.int64, count=n)
-        gens, cand = _check_rows(arena, slots, keys, sizes, sums)
+        gens, offsets, cand = arena.check_slots(slots, keys, sizes, sums)
+        arena.touch(slots[cand])  # read now: the promotions a Locate below causes evict other blocks first
         missing = np.flatnonzero(~cand)
         if missing.size:
             found = self.locate(node, arena, packed if missing.size == n else sent[missing].tobytes(), missing.size)
@@ -127,14 +119,15 @@ class SharedMemoryPath:
                 slots[missing] = found
                 for j in missing[found >= 0].tolist():
                     hints[locations[idxs[j]].key] = int(slots[j])
-                gens[missing], cand[missing] = _check_rows(arena, slots[missing], keys[missing], sizes[missing],
-                                                           sums[missing])
+                gens[missing], offsets[missing], cand[missing] = arena.check_slots(
+                    slots[missing], keys[missing], sizes[missing], sums[missing])
         copied = np.zeros(n, dtype=bool)
         data = arena.data
         for j in np.flatnonzero(cand).tolist():
             i = idxs[j]
-            copied[j] = copy_with_checksum(dsts[i], data[slots[j], : locations[i].size]) == locations[i].checksum
-        copied &= arena.gens[np.where(cand, slots, 0)] == gens  # not reused while we copied
+            at, size = int(offsets[j]), locations[i].size
+            copied[j] = copy_with_checksum(dsts[i], data[at : at + size]) == locations[i].checksum
+        copied &= arena.unchanged(slots, gens)  # not reused while we copied
         reused = int(cand.sum() - copied.sum())
         if reused:
             self.faults.counted("slot_reused", reused)
@@ -179,15 +172,17 @@ class SharedMemoryPath:
                 continue
             gens = np.array(reply.slot_gens, dtype=np.uint64)
             slots = np.array(reply.slots, dtype=np.int64)
-            usable = (gens != 0) & (slots >= 0) & (slots < arena.num_slots)
-            usable &= arena.gens[np.where(usable, slots, 0)] == gens  # still our turn on the slot
+            usable = (gens != 0) & arena.unchanged(slots, gens)  # still our turn on the slot
+            offsets = arena.table["offset"][np.where(usable, slots, 0)].astype(np.int64)  # set before the turn began
+            run_sizes = np.array([sizes[i] for i in run], dtype=np.int64)
+            usable &= offsets <= arena.data_bytes - run_sizes
             held = np.frombuffer(reply.already_held, dtype=np.uint8) != 0
             mine: list[int] = []
             sums: list[int] = []
             data = arena.data
             for j in np.flatnonzero(usable).tolist():
-                i = run[j]
-                sums.append(copy_with_checksum(data[slots[j], : sizes[i]], arrays[i]))
+                i, at = run[j], int(offsets[j])
+                sums.append(copy_with_checksum(data[at : at + sizes[i]], arrays[i]))
                 mine.append(j)
             for j in np.flatnonzero(held).tolist():
                 result[run[j]] = True

@@ -40,6 +40,7 @@ from kvpool.layout import KVLayout
 DEFAULT_MASTER_PORT = 7600
 DEFAULT_NODE_PORT = 7610
 DERIVED_PORT = -1  # metrics_port, call_port, data_port: follow ``port`` (see the module docstring)
+_MIN_DRAM_BYTES = 64 << 10
 _GIB = 1 << 30
 _SIZE_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
@@ -324,11 +325,13 @@ class NodeConfig:
     node_id: str = opt("", "this node's name in the cluster; empty: <hostname>:<port>")
     arena: str = opt("", "/dev/shm name of the DRAM arena (letters, digits, '_', '-', '.'); empty: kvpool-<port>",
                      check=arena_name_check)
-    dram_bytes: int = opt(0, "size of the DRAM arena (a whole number of slots); 0: a quarter of available memory, "
+    dram_bytes: int = opt(0, "size of the DRAM arena; 0: a quarter of available memory, "
                              "at most 8 GiB and half of /dev/shm's free space", size=True,
                           check=size_check(0, "automatic"))
-    slot_bytes: int = opt(2 << 20, "largest block the DRAM tier takes (one slot); set >= your block size", size=True,
-                          check=size_check(1))
+    max_block_bytes: int = opt(64 << 20, "largest block the DRAM tier takes; blocks of any size up to it share "
+                                         "the arena (larger ones live on SSD only)", size=True, check=size_check(1))
+    dram_slots: int = opt(0, "most blocks the DRAM arena can describe (one 72-byte row each); 0: one per 16 KiB "
+                             "of dram_bytes, at least 1024", check=at_least(0, "0: automatic"))
     ssd_dir: str = opt("./kvpool-data", "directory of the SSD tier (LMDB)")
     ssd_bytes: int = opt(0, "capacity of the SSD tier; 0: half the free disk at ssd_dir, at most 64 GiB", size=True,
                          check=size_check(0, "automatic"))
@@ -373,9 +376,9 @@ class NodeConfig:
         if self.low_watermark > self.high_watermark:
             raise ValueError(f"config node.low_watermark: must be <= high_watermark {self.high_watermark} "
                              f"(got {self.low_watermark})")
-        if self.dram_bytes and self.dram_bytes < self.slot_bytes:
-            raise ValueError(f"config node.dram_bytes: {format_size(self.dram_bytes)} holds no slot of slot_bytes "
-                             f"{format_size(self.slot_bytes)}; set dram_bytes >= slot_bytes, or 0 (automatic)")
+        if self.dram_bytes and self.dram_bytes < _MIN_DRAM_BYTES:
+            raise ValueError(f"config node.dram_bytes: {format_size(self.dram_bytes)} is below the least DRAM tier, "
+                             f"{format_size(_MIN_DRAM_BYTES)}; set more, or 0 (automatic)")
         if self.ssd_enabled and not self.ssd_dir.strip():
             raise ValueError("config node.ssd_dir: must not be empty while ssd_enabled (got '')")
 
@@ -399,7 +402,7 @@ class NodeConfig:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else available
         auto = min(available // 4, 8 * _GIB, shm_free // 2)
-        return max(self.slot_bytes, auto // self.slot_bytes * self.slot_bytes)
+        return max(_MIN_DRAM_BYTES, auto // _MIN_DRAM_BYTES * _MIN_DRAM_BYTES)
 
     def resolved_ssd_bytes(self) -> int:
         """The configured SSD size, or half the free disk at ssd_dir capped at 64 GiB."""
@@ -493,6 +496,11 @@ def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
     raise AssertionError(f"config: no coercion for field type {kind} of {where}")
 
 
+_REPLACED = {  # fields of earlier versions: what replaced them, said instead of "unknown"
+    ("node", "slot_bytes"): "DRAM takes blocks of any size now; max_block_bytes (default 64 MiB) is the largest",
+}
+
+
 def make_section(section: str, values: Mapping[str, Any]) -> Any:
     """A section's config from ``values`` over the defaults; ValueError on unknown fields or bad values.
 
@@ -504,6 +512,9 @@ def make_section(section: str, values: Mapping[str, Any]) -> Any:
         raise ValueError(f"unknown config section {section!r}; known: {', '.join(_SECTIONS)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
+    for name in unknown:
+        if (section, name) in _REPLACED:
+            raise ValueError(f"config {section}.{name} is gone: {_REPLACED[section, name]}")
     if unknown:
         raise ValueError(f"unknown {section} config field(s): {', '.join(unknown)}; known: {', '.join(fields)}")
     coerced = {name: _coerce(section, fields[name], v) for name, v in values.items()}

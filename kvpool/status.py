@@ -135,8 +135,8 @@ def render_status(master: str, status: master_pb2.ClusterStatusResponse) -> str:
         lines += [
             "",
             (f"REFUSED {status.blocks_too_large} blocks of up to {human_bytes(status.largest_refused_bytes)}: no node "
-             f"takes blocks larger than {human_bytes(status.largest_block_bytes)}; set the nodes' --slot-bytes to at "
-             "least your block size (or give them an SSD tier)"),
+             f"takes blocks larger than {human_bytes(status.largest_block_bytes)}; set the nodes' --max-block-bytes to "
+             "at least your block size (or give them an SSD tier)"),
         ]
     return "\n".join(lines)
 

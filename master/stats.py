@@ -115,8 +115,8 @@ class MasterMetrics:
             self.errors.count("block_too_large", blocks)
         if first:
             log.warning("refused blocks of up to %d bytes: no live node takes blocks larger than %d bytes; set the "
-                        "nodes' slot_bytes (kvpool node --slot-bytes) to at least your block size, or give them an "
-                        "SSD tier", largest_refused, largest_taken)
+                        "nodes' max_block_bytes (kvpool node --max-block-bytes) to at least your block size, or give "
+                        "them an SSD tier", largest_refused, largest_taken)
 
     def too_large_totals(self) -> TooLargeTotals:
         with self._lock:

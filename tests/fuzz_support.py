@@ -126,7 +126,7 @@ class Pool:
             self.arena = f"kvpool-fuzz-{uuid.uuid4().hex[:8]}"
             self.node = PoolNode(NodeConfig(
                 master=self.master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
-                node_id=REAL_NODE_ID, arena=self.arena, dram_bytes=DRAM_SLOTS * SLOT, slot_bytes=SLOT,
+                node_id=REAL_NODE_ID, arena=self.arena, dram_bytes=DRAM_SLOTS * SLOT, max_block_bytes=SLOT,
                 ssd_dir=str(tmp / "ssd"), ssd_bytes=256 << 20, max_message_bytes=NODE_MAX_MESSAGE,
                 lease_timeout_s=LEASE_TIMEOUT_S,
             )).start()

@@ -112,7 +112,7 @@ class PoolProcesses:
 
         self.tmp = tmp
         self.tag = uuid.uuid4().hex[:8]
-        self.node_flags = {"dram-bytes": "8M", "slot-bytes": "1M", "ssd-bytes": "64M", **node_flags}
+        self.node_flags = {"dram-bytes": "8M", "max-block-bytes": "1M", "ssd-bytes": "64M", **node_flags}
         self.procs: list[subprocess.Popen] = []
         self.master_port = free_port()
         self.master_metrics_port = free_port()

@@ -64,7 +64,7 @@ def test_another_process_maps_the_arena_and_reads_the_same_bytes(arena_name):
 
 
 def test_arena_is_private_to_its_user(arena_name):
-    arena = SharedArena.create(arena_name, 2, 4096)
+    arena = SharedArena.create(arena_name, 2 * 4096, 2)
     try:
         mode = stat.S_IMODE(os.stat(shm_path(arena_name)).st_mode)
         assert mode == 0o600
@@ -112,7 +112,7 @@ def test_bytes_changed_under_an_unchanged_generation_are_caught_by_the_checksum(
     try:
         store.put([KEY_A], [b"a" * 4096])
         ref = store.locate([KEY_A])[0]
-        store.arena.data[ref.slot, 100] ^= 0xFF  # what a torn or reordered copy would look like
+        store.arena.block(ref.slot)[100] ^= 0xFF  # what a torn or reordered copy would look like
         out = bytearray(4096)
         assert not store.arena.read_into(ref, KEY_A, out)
         assert store.get_into([KEY_A], [out]) == [False]
@@ -183,7 +183,7 @@ def test_attach_refuses_what_is_not_an_arena(arena_name):
 OWNER = """
 import sys
 from kvpool.tiers.arena import SharedArena
-arena = SharedArena.create(sys.argv[1], 4, 4096)
+arena = SharedArena.create(sys.argv[1], 4 * 4096, 4)
 print("ready", flush=True)
 sys.stdin.read()
 """
@@ -201,7 +201,7 @@ def test_an_arena_a_live_process_holds_is_never_replaced(arena_name, replace_sta
     try:
         inode = os.stat(shm_path(arena_name)).st_ino
         with pytest.raises(ValueError) as refused:
-            SharedArena.create(arena_name, 2, 4096, replace_stale=replace_stale)
+            SharedArena.create(arena_name, 2 * 4096, 2, replace_stale=replace_stale)
         message = str(refused.value)
         assert arena_name in message and f"pid {child.pid}" in message and "\n" not in message
         assert os.stat(shm_path(arena_name)).st_ino == inode  # still the live owner's segment
@@ -217,8 +217,8 @@ def test_a_killed_owners_arena_is_reclaimed_only_when_asked(arena_name):
     child.wait(timeout=30)
     inode = os.stat(shm_path(arena_name)).st_ino
     with pytest.raises(FileExistsError):
-        SharedArena.create(arena_name, 2, 4096)
-    arena = SharedArena.create(arena_name, 2, 4096, replace_stale=True)
+        SharedArena.create(arena_name, 2 * 4096, 2)
+    arena = SharedArena.create(arena_name, 2 * 4096, 2, replace_stale=True)
     try:
         assert os.stat(shm_path(arena_name)).st_ino != inode
         assert arena.owner_pid() == os.getpid()

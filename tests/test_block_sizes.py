@@ -19,7 +19,7 @@ import pytest
 from support import PoolProcesses, metric, scrape
 
 from kvpool.client.pool import PoolClient
-from kvpool.config import ClientConfig, NodeConfig
+from kvpool.config import ClientConfig
 from kvpool.keys import opaque_key
 from kvpool.metrics import error_counts
 
@@ -35,8 +35,8 @@ def procs(tmp_path):
 
 
 def test_readme_example_runs_on_a_default_kvpool_serve(procs, tmp_path):
-    default_slot = NodeConfig().slot_bytes
-    procs.node_flags.update({"slot-bytes": str(default_slot), "dram-bytes": "64M", "ssd-bytes": "256M"})
+    procs.node_flags.pop("max-block-bytes")  # the default serves any layout: no flag
+    procs.node_flags.update({"dram-bytes": "64M", "ssd-bytes": "256M"})
     procs.serve()
     example = re.search(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
     assert example, "README.md has no python example"
@@ -51,7 +51,7 @@ def test_readme_example_runs_on_a_default_kvpool_serve(procs, tmp_path):
 def test_a_block_no_node_takes_is_refused_counted_and_shown_by_status(procs, tmp_path):
     config = tmp_path / "dram-only.json"
     config.write_text(json.dumps({"node": {"ssd_enabled": False}}))
-    procs.node_flags.update({"slot-bytes": "1M", "dram-bytes": "8M", "config": str(config)})
+    procs.node_flags.update({"max-block-bytes": "1M", "dram-bytes": "8M", "config": str(config)})
     procs.serve()
     small = [opaque_key(f"fits-{i}") for i in range(3)]
     big = [opaque_key(f"too-large-{i}") for i in range(2)]
@@ -71,4 +71,4 @@ def test_a_block_no_node_takes_is_refused_counted_and_shown_by_status(procs, tmp
         status
     log = (tmp_path / "serve-0.log").read_text()
     assert log.count("refused blocks of up to") == 1, log  # said once, with the setting to change
-    assert "--slot-bytes" in log
+    assert "--max-block-bytes" in log

@@ -39,7 +39,7 @@ def block(i: int, size: int) -> np.ndarray:
 def node_config(tmp_path, arena: str, **over) -> NodeConfig:
     values: dict[str, Any] = dict(
         master=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena,
-        dram_bytes=6 * SLOT, slot_bytes=SLOT, high_watermark=1.0, low_watermark=1.0, ssd_dir=str(tmp_path / "ssd"),
+        dram_bytes=6 * SLOT, max_block_bytes=SLOT, high_watermark=1.0, low_watermark=1.0, ssd_dir=str(tmp_path / "ssd"),
         ssd_bytes=128 * MIB)
     values.update(over)
     return NodeConfig(**values)
@@ -105,7 +105,7 @@ def test_get_reports_misses_changed_blocks_and_corruption(node, bulk_client):
     assert status == [OK, GONE, CHANGED, CHANGED]  # 2: another size; the last: another checksum
     assert np.array_equal(outs[0], values[0])
     slot = node.store.dram.locate([key(1)])[0].slot
-    node.store.dram.arena.data[slot, 10] ^= 0xFF  # bytes rotting under an unchanged checksum
+    node.store.dram.arena.block(slot)[10] ^= 0xFF  # bytes rotting under an unchanged checksum
     status, _ = get(bulk_client, node, [1, 2], [1000, 2000], sums)
     assert status == [CORRUPT, OK]
 

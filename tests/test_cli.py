@@ -42,7 +42,7 @@ def _master_flags(prefix: str = "") -> list[str]:
         (["node", "--low-watermark", "0.9", "--high-watermark", "0.5"], "node.low_watermark"),
         (["node", "--lease-timeout-s", "inf"], "node.lease_timeout_s"),
         (["node", "--max-message-bytes", "0"], "node.max_message_bytes"),
-        (["serve", "--slot-bytes", "0"], "node.slot_bytes"),
+        (["serve", "--max-block-bytes", "0"], "node.max_block_bytes"),
         (["serve", "--master-node-timeout-s", "nan"], "master.node_timeout_s"),
         (["master", "--node-timeout-s", "nan"], "master.node_timeout_s"),
     ],
@@ -83,10 +83,11 @@ def _help(capsys, monkeypatch, *args: str) -> dict[str, str]:
 
 def test_help_shows_sizes_with_units_one_default_and_the_env_variable(capsys, monkeypatch):
     node = _help(capsys, monkeypatch, "node")
-    assert "(default: 2 MiB;" in node["--slot-bytes"] and "512M" in node["--slot-bytes"]
-    assert "K, M, G or T" in node["--slot-bytes"] and node["--slot-bytes"].startswith("--slot-bytes SIZE ")
+    largest = node["--max-block-bytes"]
+    assert "(default: 64 MiB;" in largest and "512M" in largest
+    assert "K, M, G or T" in largest and largest.startswith("--max-block-bytes SIZE ")
     assert "(default: 256 MiB;" in node["--max-message-bytes"]
-    assert "env KVPOOL_NODE_SLOT_BYTES" in node["--slot-bytes"]
+    assert "env KVPOOL_NODE_MAX_BLOCK_BYTES" in node["--max-block-bytes"]
     assert "env KVPOOL_NODE_SSD_ENABLED" in node["--ssd"] and node["--ssd"].startswith("--ssd, --no-ssd ")
     assert "--ssd-enabled" not in " ".join(node.values())
     assert "(default: --port + 1;" in node["--metrics-port"]
@@ -165,7 +166,7 @@ def test_two_serves_with_moved_ports_run_side_by_side(tmp_path):
         for i, base in enumerate(bases):  # only --master-port and --port: every other port follows them
             procs.append(kvpool_process(
                 "serve", "--master-port", str(base), "--port", str(base + 10), "--arena", f"kvpool-test-{tag}-{i}",
-                "--dram-bytes", "8M", "--slot-bytes", "1M", "--ssd-bytes", "64M",
+                "--dram-bytes", "8M", "--max-block-bytes", "1M", "--ssd-bytes", "64M",
                 "--ssd-dir", str(tmp_path / f"ssd{i}"),
                 log_path=tmp_path / f"serve{i}.log"))
         for proc, base in zip(procs, bases):

@@ -33,7 +33,7 @@ def rss_shmem() -> int:
 
 @pytest.fixture
 def procs(tmp_path):
-    p = PoolProcesses(tmp_path, **{"dram-bytes": str(ARENA), "slot-bytes": "1M"})
+    p = PoolProcesses(tmp_path, **{"dram-bytes": str(ARENA), "max-block-bytes": "1M"})
     yield p
     p.close()
 

@@ -74,8 +74,8 @@ def test_bad_sizes(text):
 
 def test_automatic_sizes_are_sane(tmp_path):
     cfg = load_config(None, env={}, overrides={"node": {"ssd_dir": str(tmp_path / "d")}}).node
-    assert cfg.slot_bytes <= cfg.resolved_dram_bytes() <= 8 << 30
-    assert cfg.resolved_dram_bytes() % cfg.slot_bytes == 0
+    assert 64 << 10 <= cfg.resolved_dram_bytes() <= 8 << 30
+    assert cfg.resolved_dram_bytes() % (64 << 10) == 0
     assert 64 << 20 <= cfg.resolved_ssd_bytes() <= 64 << 30
 
 
@@ -104,7 +104,8 @@ BAD_VALUES = {
     },
     NodeConfig: {
         "master": "no-port", "host": "two words", "port": -1, "metrics_port": 70000, "data_port": -5,
-        "advertise": "host", "node_id": 7, "arena": "../etc", "dram_bytes": -1, "slot_bytes": 0, "ssd_dir": 3,
+        "advertise": "host", "node_id": 7, "arena": "../etc", "dram_bytes": -1, "max_block_bytes": 0,
+        "dram_slots": -1, "ssd_dir": 3,
         "ssd_bytes": -1, "ssd_enabled": "false", "ssd_optional": 1, "ssd_sync": "no", "high_watermark": 2.0,
         "low_watermark": 0.0, "write_through": None, "demote_queue_bytes": -1, "max_message_bytes": 0,
         "max_keys_per_call": 0, "max_connections": -1, "max_concurrent_rpcs": -1, "auth_file": None, "token": 5,
@@ -132,7 +133,7 @@ def test_no_config_can_hold_a_bad_value(cls, name):
     "values,message",
     [
         ({"low_watermark": 0.9, "high_watermark": 0.5}, "low_watermark: must be <= high_watermark"),
-        ({"dram_bytes": 1 << 20, "slot_bytes": 2 << 20}, "dram_bytes: 1 MiB holds no slot"),
+        ({"dram_bytes": 1 << 10}, "dram_bytes: 1 KiB is below the least DRAM tier"),
         ({"port": 7700, "metrics_port": 7700}, "metrics_port: 7700 is also node.port"),
         ({"port": 7700, "data_port": 7701}, "data_port: 7701 is also node.metrics_port"),  # metrics: port + 1
         ({"tls_cert": "cert.pem"}, "set both or neither"),
@@ -146,8 +147,11 @@ def test_rules_between_fields(values, message):
 
 def test_values_from_files_env_and_flags_are_checked(tmp_path):
     path = tmp_path / "kvpool.json"
-    path.write_text(json.dumps({"node": {"slot_bytes": 0}}))
-    with pytest.raises(ValueError, match="node.slot_bytes"):
+    path.write_text(json.dumps({"node": {"max_block_bytes": 0}}))
+    with pytest.raises(ValueError, match="node.max_block_bytes"):
+        load_config(path, env={})
+    path.write_text(json.dumps({"node": {"slot_bytes": "2M"}}))  # an earlier version's field: said what replaced it
+    with pytest.raises(ValueError, match="node.slot_bytes is gone: .*max_block_bytes"):
         load_config(path, env={})
     with pytest.raises(ValueError, match="master.node_timeout_s"):
         load_config(None, env={"KVPOOL_MASTER_NODE_TIMEOUT_S": "nan"})

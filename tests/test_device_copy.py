@@ -38,7 +38,7 @@ PIECES_PER_KEY = 4
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    procs = PoolProcesses(tmp_path_factory.mktemp("device-pool"), **{"dram-bytes": "4M", "slot-bytes": "8K"})
+    procs = PoolProcesses(tmp_path_factory.mktemp("device-pool"), **{"dram-bytes": "4M", "max-block-bytes": "8K"})
     procs.serve()
     yield procs
     procs.close()

@@ -34,7 +34,7 @@ MODEL = "qwen2-test"
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    procs = PoolProcesses(tmp_path_factory.mktemp("mindie-pool"), **{"dram-bytes": "4M", "slot-bytes": "8K"})
+    procs = PoolProcesses(tmp_path_factory.mktemp("mindie-pool"), **{"dram-bytes": "4M", "max-block-bytes": "8K"})
     procs.serve()
     yield procs
     procs.close()

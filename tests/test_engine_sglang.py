@@ -39,7 +39,7 @@ def python() -> str:
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory: pytest.TempPathFactory):
-    procs = PoolProcesses(tmp_path_factory.mktemp("sglang-pool"), **{"dram-bytes": "8M", "slot-bytes": "8K"})
+    procs = PoolProcesses(tmp_path_factory.mktemp("sglang-pool"), **{"dram-bytes": "8M", "max-block-bytes": "8K"})
     procs.serve()
     yield procs
     procs.close()

@@ -23,7 +23,7 @@ from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python
 
 BLOCK = 32
 DRIVER = Path(__file__).resolve().parent / "vllm_driver.py"
-NODE = {"dram-bytes": "64M", "slot-bytes": "64K", "ssd-bytes": "256M"}  # a block of the test model: 64 KiB
+NODE = {"dram-bytes": "64M", "max-block-bytes": "64K", "ssd-bytes": "256M"}  # a block of the test model: 64 KiB
 pytestmark = pytest.mark.timeout(600)
 
 

@@ -30,7 +30,7 @@ BLOCK_LEN = LAYOUT.piece_bytes  # vllm-ascend's block_len: one block of one laye
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    procs = PoolProcesses(tmp_path_factory.mktemp("ascend-pool"), **{"dram-bytes": "4M", "slot-bytes": "8K"})
+    procs = PoolProcesses(tmp_path_factory.mktemp("ascend-pool"), **{"dram-bytes": "4M", "max-block-bytes": "8K"})
     procs.serve()
     yield procs
     procs.close()

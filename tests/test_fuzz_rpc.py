@@ -511,8 +511,8 @@ def test_commit(pool, data):
     rights = {}  # key -> (slot, checksum) for the keys that got a slot
     for k, slot, gen, size in zip(fresh, res.slots, res.slot_gens, sizes):
         if gen:
-            arena.data[slot, :size] = np.frombuffer(det_bytes(slot, size), np.uint8)  # as a same-host writer does
-            rights[k] = (slot, block_checksum(arena.data[slot, :size]))
+            arena.block(slot, size)[:] = np.frombuffer(det_bytes(slot, size), np.uint8)  # as a same-host writer does
+            rights[k] = (slot, block_checksum(arena.block(slot, size)))
     known_slots = [r.slot for r in pool.node.store.dram.locate(KNOWN_KEYS) if r is not None] or [0]
     lease_kind = data.draw(st.sampled_from(["right", "next", "zero", "any"]))
     any_lease = data.draw(u64)

@@ -52,7 +52,7 @@ def dram(arena_name):
 
 
 def write(store: DramStore, slot: int, value: np.ndarray) -> int:
-    return copy_with_checksum(store.arena.data[slot, : value.size], value)
+    return copy_with_checksum(store.arena.block(slot, value.size), value)
 
 
 # -- DramStore ---------------------------------------------------------------------------------------
@@ -267,7 +267,7 @@ NODE_SLOTS = 4
 @pytest.fixture
 def node(tmp_path, arena_name):
     cfg = NodeConfig(master=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, metrics_port=0, data_port=0,
-                     arena=arena_name, dram_bytes=NODE_SLOTS * NODE_SLOT, slot_bytes=NODE_SLOT,
+                     arena=arena_name, dram_bytes=NODE_SLOTS * NODE_SLOT, max_block_bytes=NODE_SLOT,
                      high_watermark=1.0, low_watermark=1.0, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"),
                      lease_timeout_s=0.3)
     n = PoolNode(cfg).start()
@@ -299,7 +299,7 @@ def test_node_reserve_write_commit_through_the_mapped_arena(node, stub):
     arena = SharedArena.attach(reply.arena)
     try:
         assert int(arena.gens[reply.slots[1]]) == reply.slot_gens[1]
-        checksum = copy_with_checksum(arena.data[reply.slots[1], :NODE_SLOT], block(2, NODE_SLOT))
+        checksum = copy_with_checksum(arena.block(reply.slots[1], NODE_SLOT), block(2, NODE_SLOT))
     finally:
         arena.close()
     done = stub.Commit(node_pb2.CommitRequest(lease=reply.lease, keys=pack_keys([key(2)]), slots=[reply.slots[1]],
@@ -314,7 +314,7 @@ def test_node_refuses_a_commit_whose_bytes_do_not_match(node, stub):
     reply = stub.Reserve(node_pb2.ReserveRequest(keys=pack_keys([key(1)]), sizes=[NODE_SLOT]), timeout=10)
     arena = SharedArena.attach(reply.arena)
     try:
-        checksum = copy_with_checksum(arena.data[reply.slots[0], :NODE_SLOT], block(1, NODE_SLOT))
+        checksum = copy_with_checksum(arena.block(reply.slots[0], NODE_SLOT), block(1, NODE_SLOT))
     finally:
         arena.close()
     done = stub.Commit(node_pb2.CommitRequest(lease=reply.lease, keys=pack_keys([key(1)]), slots=list(reply.slots),
@@ -369,7 +369,7 @@ def test_client_store_on_the_same_host_goes_through_the_arena(tmp_path, arena_na
 
     master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
     cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
-                     dram_bytes=16 << 20, slot_bytes=1 << 20, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 << 20)
+                     dram_bytes=16 << 20, max_block_bytes=1 << 20, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 << 20)
     try:
         with PoolNode(cfg) as n:
             wait_until(lambda: n.link.registered)
@@ -402,7 +402,7 @@ def test_a_restarted_node_gets_its_new_arena_mapped_by_the_client(tmp_path, aren
 
     master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
     cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
-                     dram_bytes=8 << 20, slot_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
+                     dram_bytes=8 << 20, max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
     try:
         with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
             monkeypatch.setattr(pool.bulk_path, "put",
@@ -429,7 +429,7 @@ def test_slot_hints_save_the_locate_call_and_a_stale_hint_is_never_trusted(tmp_p
 
     master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
     cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
-                     dram_bytes=8 << 20, slot_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
+                     dram_bytes=8 << 20, max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
     try:
         with PoolNode(cfg) as n, PoolClient(ClientConfig(master=master.address, strict=True)) as writer, \
                 PoolClient(ClientConfig(master=master.address, strict=True)) as reader:
@@ -470,7 +470,7 @@ def test_a_slot_reused_while_the_client_copies_is_a_miss_not_other_bytes(tmp_pat
 
     master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
     cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
-                     dram_bytes=8 << 20, slot_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
+                     dram_bytes=8 << 20, max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
     try:
         with PoolNode(cfg) as n, PoolClient(ClientConfig(master=master.address)) as pool:
             wait_until(lambda: n.link.registered)

@@ -32,7 +32,7 @@ START_TIMEOUT_S = 60.0  # a start on a busy 2-core machine can be slow
 
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[PoolProcesses]:
-    p = PoolProcesses(tmp_path, **{"dram-bytes": "1M", "slot-bytes": "64K", "ssd-bytes": "16M"})
+    p = PoolProcesses(tmp_path, **{"dram-bytes": "1M", "max-block-bytes": "64K", "ssd-bytes": "16M"})
     try:
         yield p
     finally:

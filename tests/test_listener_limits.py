@@ -344,7 +344,7 @@ def test_a_trickling_bulk_put_gives_its_slots_back_at_the_request_deadline(tmp_p
     """Issue 11.2: a bulk PUT sending a byte every few seconds held its reserved slots for ever (the I/O
     timeout applied per receive, not per request)."""
     config = NodeConfig(master=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, metrics_port=0, data_port=0,
-                        arena=arena_name, dram_bytes=8 * MIB, slot_bytes=MIB, ssd_enabled=False)
+                        arena=arena_name, dram_bytes=8 * MIB, max_block_bytes=MIB, ssd_enabled=False)
     with PoolNode(config) as node:
         stop = threading.Event()
         with socket.create_connection(("127.0.0.1", node.bulk.port), timeout=5) as sock:
@@ -368,7 +368,7 @@ def test_a_trickling_fast_call_frame_is_cut_at_the_request_deadline(tmp_path, ar
     """Issue 11.2: the same for fast-call frames, on the master's call port and a node's bulk port."""
     with MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0)) as master:
         config = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
-                            arena=arena_name, dram_bytes=4 * MIB, slot_bytes=MIB, ssd_enabled=False)
+                            arena=arena_name, dram_bytes=4 * MIB, max_block_bytes=MIB, ssd_enabled=False)
         with PoolNode(config) as node:
             stop = threading.Event()
             for port, method in ((master.servicer.call_port, LOOKUP), (node.bulk.port, LOCATE)):
@@ -408,7 +408,7 @@ def test_frames_announcing_huge_bodies_do_not_allocate_them(tmp_path):
 def test_unread_get_replies_do_not_pile_up_node_memory(tmp_path):
     """Issue 11.4: a bulk GET of 65,536 copies of one block whose reply is never read cost ~77 MiB of node
     memory per connection (an SSD-resident block: its scratch; a DRAM one: ~20 MiB of views)."""
-    pool = PoolProcesses(tmp_path, **{"slot-bytes": "2M", "dram-bytes": "8M"})
+    pool = PoolProcesses(tmp_path, **{"max-block-bytes": "2M", "dram-bytes": "8M"})
     try:
         proc = pool.serve()
         keys = [key("unread", i) for i in range(5)]
@@ -454,7 +454,7 @@ def test_a_bulk_get_larger_than_a_node_serves_at_once_is_split_by_the_client(tmp
     monkeypatch.setattr(bulk_path, "GET_CHUNK_BYTES", 3 * MIB, raising=False)  # (new in issue 11)
     with MasterServer(MasterConfig(port=0, metrics_port=0)) as master:
         config = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
-                            arena=arena_name, dram_bytes=16 * MIB, slot_bytes=MIB, ssd_enabled=False)
+                            arena=arena_name, dram_bytes=16 * MIB, max_block_bytes=MIB, ssd_enabled=False)
         with PoolNode(config) as node:
             wait_until(lambda: node.link.registered)
             monkeypatch.setattr(bulk_listener, "MAX_GET_BYTES", 4 * MIB)

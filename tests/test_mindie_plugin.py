@@ -56,7 +56,7 @@ NUM_BLOCKS = 10
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
-    procs = PoolProcesses(tmp_path_factory.mktemp("mindie-plugin"), **{"dram-bytes": "16M", "slot-bytes": "128K"})
+    procs = PoolProcesses(tmp_path_factory.mktemp("mindie-plugin"), **{"dram-bytes": "16M", "max-block-bytes": "128K"})
     procs.serve()
     yield procs
     procs.close()
@@ -352,7 +352,7 @@ def test_the_schedulers_probe_with_and_without_batch_exist_counts_only_blocks_ev
 
 
 def test_a_pool_that_goes_down_is_a_miss_and_never_an_exception(tmp_path):
-    procs = PoolProcesses(tmp_path, **{"dram-bytes": "8M", "slot-bytes": "128K"})
+    procs = PoolProcesses(tmp_path, **{"dram-bytes": "8M", "max-block-bytes": "128K"})
     procs.serve()
     config = write_config(tmp_path / "down.json", procs.master, lookup_timeout_s=0.5, io_timeout_s=1.0)
     source, target = npu_cache(R1, seed=6), npu_cache(R1, seed=None)

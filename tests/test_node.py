@@ -43,7 +43,7 @@ def config(tmp_path: Path, arena: str, **over) -> NodeConfig:
     values: dict[str, Any] = dict(
         master=f"127.0.0.1:{free_port()}",  # nothing listens there unless a test says so
         host="127.0.0.1", port=0, metrics_port=-1, arena=arena, node_id="",
-        dram_bytes=DRAM_SLOTS * SLOT, slot_bytes=SLOT, high_watermark=1.0, low_watermark=1.0,
+        dram_bytes=DRAM_SLOTS * SLOT, max_block_bytes=SLOT, high_watermark=1.0, low_watermark=1.0,
         ssd_dir=str(tmp_path / "ssd"), ssd_bytes=4 << 20, max_message_bytes=16 << 20,
     )
     values.update(over)
@@ -143,13 +143,19 @@ def test_locate_then_read_the_arena_directly(node, client):
     try:
         for i, b in enumerate(blocks):
             out = bytearray(len(b))
-            ref = SlotRef(reply.slots[i], reply.slot_gens[i], reply.sizes[i])
+            ref = located(arena, reply, i)
             assert arena.read_into(ref, key(i + 1), out) and bytes(out) == b
         client.node.Remove(node_pb2.RemoveRequest(keys=pack_keys([key(1)])), timeout=10)
-        stale = SlotRef(reply.slots[0], reply.slot_gens[0], reply.sizes[0])
+        stale = located(arena, reply, 0)
         assert not arena.read_into(stale, key(1), bytearray(5000))  # released: a miss, never other bytes
     finally:
         arena.close()
+
+
+def located(arena: SharedArena, reply: node_pb2.LocateResponse, i: int) -> SlotRef:
+    """The ref a same-host reader makes of a Locate reply's i-th block (its extent's offset from the row)."""
+    slot = reply.slots[i]
+    return SlotRef(slot, reply.slot_gens[i], int(arena.table["offset"][slot]), reply.sizes[i], reply.checksums[i])
 
 
 def fill_and_demote(client: Client, extra: int = 2) -> None:
@@ -171,7 +177,7 @@ def test_locate_with_promote_brings_an_ssd_block_into_dram(client):
     arena = SharedArena.attach(reply.arena)
     try:
         out = bytearray(SLOT)
-        assert arena.read_into(SlotRef(reply.slots[0], reply.slot_gens[0], SLOT), key(0), out)
+        assert arena.read_into(located(arena, reply, 0), key(0), out)
         assert bytes(out) == block(0)
     finally:
         arena.close()

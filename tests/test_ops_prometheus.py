@@ -173,7 +173,7 @@ def ops(tmp_path_factory):
     """serve + client + Prometheus, traffic done and scraped; yields (procs, prometheus, traffic)."""
     tmp = tmp_path_factory.mktemp("ops")
     block = LAYOUT.block_bytes
-    procs = PoolProcesses(tmp, **{"dram-bytes": str(16 * block), "slot-bytes": str(block), "ssd-bytes": "64M"})
+    procs = PoolProcesses(tmp, **{"dram-bytes": str(16 * block), "max-block-bytes": str(block), "ssd-bytes": "64M"})
     prometheus = None
     client = None
     try:

@@ -75,7 +75,7 @@ def cluster(tmp_path, arena: str, *, master_over: dict | None = None, **node_ove
     try:
         values: dict[str, Any] = dict(
             master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena,
-            dram_bytes=16 * MIB, slot_bytes=MIB, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 * MIB,
+            dram_bytes=16 * MIB, max_block_bytes=MIB, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 * MIB,
         )
         values.update(node_over)
         node = PoolNode(NodeConfig(**values)).start()
@@ -210,7 +210,7 @@ def test_a_client_token_cannot_call_node_only_rpcs_and_a_node_token_no_client_rp
     with channel:
         ref = common_pb2.NodeRef(node_id="intruder", address="127.0.0.1:1")
         calls = [
-            (stub.RegisterNode, master_pb2.RegisterNodeRequest(node=ref, slot_bytes=MIB)),
+            (stub.RegisterNode, master_pb2.RegisterNodeRequest(node=ref, max_block_bytes=MIB)),
             (stub.Heartbeat, master_pb2.HeartbeatRequest(node_id=node.node_ref.node_id,
                                                          incarnation=node.link.incarnation)),
             (stub.ReportBlocks, master_pb2.ReportBlocksRequest(
@@ -302,7 +302,7 @@ def test_the_arena_is_created_0600_or_exactly_the_group_mode_asked_for(tmp_path,
     old = os.umask(0o077)  # a strict umask must not take the group's access away
     try:
         node = PoolNode(NodeConfig(master=f"127.0.0.1:{free_port()}", port=0, metrics_port=0, data_port=0,
-                                   arena=arena_name, dram_bytes=4 * MIB, slot_bytes=MIB, ssd_enabled=False,
+                                   arena=arena_name, dram_bytes=4 * MIB, max_block_bytes=MIB, ssd_enabled=False,
                                    arena_mode="0660"))
         try:
             assert stat.S_IMODE(os.stat(shm_path(arena_name)).st_mode) == 0o660
@@ -313,7 +313,7 @@ def test_the_arena_is_created_0600_or_exactly_the_group_mode_asked_for(tmp_path,
     for mode in ("0666", "0604", "0400", "rw"):
         with pytest.raises(ValueError, match="arena_mode"):
             PoolNode(NodeConfig(port=0, metrics_port=0, data_port=0, arena=arena_name, dram_bytes=4 * MIB,
-                                slot_bytes=MIB, ssd_enabled=False, arena_mode=mode))
+                                max_block_bytes=MIB, ssd_enabled=False, arena_mode=mode))
         assert not os.path.exists(shm_path(arena_name))  # refused before anything was created
 
 
@@ -336,7 +336,7 @@ def put_via(path: str, master: MasterServer, node: PoolNode, token: str, keys, v
 def test_a_tenant_over_quota_loses_its_own_oldest_blocks_and_never_another_tenants(tmp_path, arena_name, path):
     auth = write_auth(tmp_path / "auth.json", quota_a="3M")
     with cluster(tmp_path, arena_name, master_over={"auth_file": auth}, auth_file=auth, token=NODE_TOKEN,
-                 write_through=True, slot_bytes=4 * MIB, dram_bytes=64 * MIB) as (master, node):
+                 write_through=True, max_block_bytes=4 * MIB, dram_bytes=64 * MIB) as (master, node):
         ka, kb = prompt_keys(5, "a"), prompt_keys(3, "b")
         va, vb = blocks(5, seed=5), blocks(3, seed=6)
         assert put_via(path, master, node, TOKEN_A, ka[:3], va[:3]) == [True] * 3
@@ -496,7 +496,7 @@ def test_a_client_that_cannot_verify_the_servers_gets_misses_not_exceptions(tls_
 
 def test_limits_are_refused_with_a_clear_status_and_change_nothing(tmp_path, arena_name):
     with cluster(tmp_path, arena_name, master_over={"max_keys_per_call": 4, "max_connections": 2},
-                 max_keys_per_call=4, max_message_bytes=4 * MIB, max_connections=2, slot_bytes=4 * MIB,
+                 max_keys_per_call=4, max_message_bytes=4 * MIB, max_connections=2, max_block_bytes=4 * MIB,
                  dram_bytes=32 * MIB) as (master, node):
         five = pack_keys(prompt_keys(5))
         channel, stub = node_stub(node)
@@ -573,7 +573,7 @@ def test_a_bad_auth_file_is_a_clear_error_before_anything_starts(tmp_path, arena
         with pytest.raises(ValueError, match="auth"):
             MasterServer(MasterConfig(port=0, metrics_port=0, auth_file=str(path)))
         with pytest.raises(ValueError, match="auth"):
-            PoolNode(NodeConfig(port=0, metrics_port=0, arena=arena_name, dram_bytes=4 * MIB, slot_bytes=MIB,
+            PoolNode(NodeConfig(port=0, metrics_port=0, arena=arena_name, dram_bytes=4 * MIB, max_block_bytes=MIB,
                                 ssd_enabled=False, auth_file=str(path)))
         assert not os.path.exists(shm_path(arena_name)), why
 
@@ -582,7 +582,7 @@ def test_kvpool_serve_with_an_auth_file_serves_token_holders_only(tmp_path, auth
     port, node_port = free_port(), free_port()
     arena = f"kvpool-test-{os.getpid()}-serve-auth"
     proc = kvpool_process("serve", "--master-port", str(port), "--master-metrics-port", "0", "--port", str(node_port),
-                          "--metrics-port", "0", "--arena", arena, "--dram-bytes", "8M", "--slot-bytes", "1M",
+                          "--metrics-port", "0", "--arena", arena, "--dram-bytes", "8M", "--max-block-bytes", "1M",
                           "--ssd-dir", str(tmp_path / "ssd"), "--ssd-bytes", "64M", "--auth-file", auth_file,
                           log_path=tmp_path / "serve.log")
     try:

@@ -65,7 +65,7 @@ def test_serve_then_put_and_get_byte_exact(procs, shared_memory):
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["same-host-arena", "remote-tcp"])
 def test_store_and_get_batches_of_blocks_up_to_8_mib_between_processes(procs, shared_memory):
-    procs.node_flags.update({"dram-bytes": "64M", "slot-bytes": "8M"})
+    procs.node_flags.update({"dram-bytes": "64M", "max-block-bytes": "8M"})
     procs.serve()
     sizes = [1, 4095, MIB, 8 * MIB, 3 * MIB + 7, 8 * MIB]
     ks = keys(f"big-{shared_memory}", len(sizes))
@@ -145,7 +145,7 @@ def test_a_restarted_master_is_refilled_by_the_nodes(procs):
 
 
 def test_placement_spreads_new_blocks_over_two_nodes(procs):
-    procs.node_flags.update({"dram-bytes": "32M", "slot-bytes": "64K"})
+    procs.node_flags.update({"dram-bytes": "32M", "max-block-bytes": "64K"})
     procs.start_master()
     procs.start_node("n0")
     procs.start_node("n1")

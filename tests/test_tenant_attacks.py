@@ -57,7 +57,7 @@ def pool(tmp_path_factory):
         "master": {"auth_file": str(auth)},
         "node": {"auth_file": str(auth), "token": NODE_TOKEN, "ssd_enabled": False, "lease_timeout_s": 60.0},
     }))
-    procs = PoolProcesses(tmp, **{"dram-bytes": str(SLOTS * SLOT), "slot-bytes": str(SLOT), "config": str(config)})
+    procs = PoolProcesses(tmp, **{"dram-bytes": str(SLOTS * SLOT), "max-block-bytes": str(SLOT), "config": str(config)})
     try:
         procs.start_master(config=str(config))
         procs.start_node("n0")
@@ -92,7 +92,7 @@ class Tenant:
         slots, sums = [], []
         for name, slot, gen in zip(names, reply.slots, reply.slot_gens):
             if gen:
-                sums.append(copy_with_checksum(self.arena.data[slot, :SLOT], value(name)))
+                sums.append(copy_with_checksum(self.arena.block(slot, SLOT), value(name)))
                 slots.append(slot)
         return slots, sums
 

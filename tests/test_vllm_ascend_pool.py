@@ -48,7 +48,7 @@ def python() -> str:
 
 @pytest.fixture
 def procs(tmp_path: Path):
-    p = PoolProcesses(tmp_path, **{"dram-bytes": "16M", "slot-bytes": "32K"})
+    p = PoolProcesses(tmp_path, **{"dram-bytes": "16M", "max-block-bytes": "32K"})
     yield p
     p.close()
     p.assert_stopped_cleanly()

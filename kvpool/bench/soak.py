@@ -261,7 +261,7 @@ class LocalPool:
             node = self._spawn(f"node{i}", [
                 "node", "--master", self.address, "--host", "127.0.0.1", "--port", str(port),
                 "--metrics-port", str(metrics), "--data-port", str(data), "--node-id", f"soak-n{i}",
-                "--arena", arena, "--dram-bytes", str(s.dram_bytes), "--slot-bytes", str(s.block_bytes),
+                "--arena", arena, "--dram-bytes", str(s.dram_bytes), "--max-block-bytes", str(s.block_bytes),
                 "--ssd-dir", os.path.join(self.workdir, f"ssd-n{i}"), "--ssd-bytes", str(s.ssd_bytes),
             ], metrics)
             self._wait(node, f"127.0.0.1:{port}")

@@ -99,7 +99,7 @@ class LocalPool:
         flags = {
             "master-port": self.address.rsplit(":", 1)[1], "master-metrics-port": 0, "port": _free_port(),
             "metrics-port": self.metrics_port, "data-port": 0, "arena": self.arena, "dram-bytes": dram_bytes,
-            "slot-bytes": slot_bytes, "ssd-dir": os.path.join(self._tmp, "ssd"), "ssd-bytes": ssd_bytes,
+            "max-block-bytes": slot_bytes, "ssd-dir": os.path.join(self._tmp, "ssd"), "ssd-bytes": ssd_bytes,
         }
         argv = [sys.executable, "-m", "kvpool.cli", "--log-level", "WARNING", "serve"]
         argv += [x for k, v in flags.items() for x in (f"--{k}", str(v))]

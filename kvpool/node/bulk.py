@@ -264,12 +264,11 @@ class BulkServer:
         for lo in range(0, count, GET_BATCH_KEYS):  # per-key Python objects for one batch at a time
             keys = _unpack(packed, lo, min(count, lo + GET_BATCH_KEYS))
             lower: list[int] = []  # keys not in DRAM now
-            for i, found in enumerate(dram.refs_for_read(keys), lo):
-                if found is None:
+            for i, ref in enumerate(dram.locate(keys, touch=True), lo):
+                if ref is None:
                     lower.append(i)
                 else:
-                    ref, checksum = found
-                    sizes[i], sums[i], tiers[i] = ref.length, checksum, Tier.DRAM
+                    sizes[i], sums[i], tiers[i] = ref.length, ref.checksum, Tier.DRAM
                     slots[i], gens[i] = ref.slot, ref.gen
             if lower and self.store.ssd is not None:
                 for i, meta in zip(lower, self.store.ssd_meta([keys[i - lo] for i in lower])):
@@ -288,7 +287,7 @@ class BulkServer:
         try:
             for i in range(count):
                 if tiers[i] == Tier.DRAM:
-                    pending.append(arena.data[slots[i], : sizes[i]])
+                    pending.append(arena.block(int(slots[i]), int(sizes[i])))
                     if len(pending) >= IOV_MAX:  # a sendmsg's worth: few views alive at once
                         send_buffers(sock, pending)
                         pending.clear()
@@ -309,7 +308,7 @@ class BulkServer:
             if scratch is not None:
                 self.store.scratch.give(scratch)
         sent_dram = np.flatnonzero(tiers == Tier.DRAM)
-        intact = sent_dram[arena.gens[slots[sent_dram]] == gens[sent_dram]]  # not reused while it was sent
+        intact = sent_dram[arena.unchanged(slots[sent_dram], gens[sent_dram])]  # not reused while it was sent
         valid[intact] = 1
         dram.record_reads(len(intact), len(sent_dram) - len(intact), int(sizes[intact].sum()))
         send_buffers(sock, [valid])
@@ -357,7 +356,7 @@ class BulkServer:
             if n == 0:
                 raise ProtocolError("a block of 0 bytes")
             if not store.fits_dram(n) and (store.ssd is None or not store.ssd.fits(n)):
-                raise ProtocolError(f"a {n}-byte block fits neither a DRAM slot ({store.dram.slot_bytes} B) "
+                raise ProtocolError(f"a {n}-byte block fits neither DRAM (at most {store.dram.max_block_bytes} B) "
                                     "nor the SSD tier")
         if sum(sizes) > self.max_request_bytes:
             raise ProtocolError(f"a PUT of {sum(sizes)} bytes; the limit is {self.max_request_bytes} per request")
@@ -423,7 +422,7 @@ class BulkServer:
 
         for i, n in enumerate(sizes):
             if i in slot_of:
-                plan.append(arena.data[slot_of[i], :n])
+                plan.append(arena.block(slot_of[i], n))
             elif stored[i] or i in refused:  # held already, or over quota: read past its bytes, a piece at a time
                 if discard.size < min(n, DISCARD_BYTES):
                     discard = np.empty(DISCARD_BYTES, dtype=np.uint8)

@@ -68,7 +68,7 @@ from kvpool.node.servicer import NodeServicer
 from kvpool.rpc import local_host_id, make_server
 from kvpool.tiers.arena import SharedArena
 from kvpool.tiers.base import Tier, TierStats
-from kvpool.tiers.dram import DramStore
+from kvpool.tiers.dram import DramStore, default_slots
 from kvpool.tiers.ssd import SsdInUse, SsdStore
 from kvpool.tiers.tiered import TieredStore
 from kvpool.tls import check_pair, server_context
@@ -92,12 +92,11 @@ def create_dram(config: NodeConfig, name: str, mode: int) -> DramStore:
 
     A stale arena under the name (its node killed with SIGKILL) is replaced.
     """
-    num_slots = config.resolved_dram_bytes() // config.slot_bytes
-    if num_slots < 1:
-        raise ValueError(f"DRAM capacity {config.resolved_dram_bytes()} B holds no {config.slot_bytes} B slot")
-    arena = SharedArena.create(name, num_slots, config.slot_bytes, mode, replace_stale=True)
+    capacity = config.resolved_dram_bytes()
+    arena = SharedArena.create(name, capacity, config.dram_slots or default_slots(capacity), mode, replace_stale=True)
     try:
-        return DramStore(arena, high_watermark=config.high_watermark, low_watermark=config.low_watermark)
+        return DramStore(arena, max_block_bytes=config.max_block_bytes, high_watermark=config.high_watermark,
+                         low_watermark=config.low_watermark)
     except BaseException:
         arena.close()
         raise
@@ -187,7 +186,8 @@ class PoolNode:
             stores: dict[Tier, Any] = {Tier.DRAM: dram}
             if ssd is not None:
                 stores[Tier.SSD] = self.store.ssd_inventory()  # pending demotions included
-            link = self.link = MasterLink(config.master, self.node_ref, stores, slot_bytes=config.slot_bytes,
+            link = self.link = MasterLink(config.master, self.node_ref, stores,
+                                          slot_bytes=self.store.dram.max_block_bytes,
                                           max_block_bytes=self.store.max_block_bytes(),
                                           max_message_bytes=config.max_message_bytes, token=config.token,
                                           tls_ca=config.tls_ca)
@@ -360,9 +360,9 @@ def run_node(config: NodeConfig) -> int:
     try:
         node.start()
         ssd = node.store.ssd
-        log.info("kvpool node %s serving on %s (bulk %s): DRAM %d MiB in /dev/shm/%s (%d B slots), SSD %s; "
+        log.info("kvpool node %s serving on %s (bulk %s): DRAM %d MiB in /dev/shm/%s (blocks up to %d B), SSD %s; "
                  "master %s; metrics %s", node.node_ref.node_id, node.address, node.data_address,
-                 node.store.dram.stats().capacity_bytes >> 20, node.node_ref.arena, config.slot_bytes,
+                 node.store.dram.stats().capacity_bytes >> 20, node.node_ref.arena, node.store.dram.max_block_bytes,
                  f"{ssd.capacity_bytes >> 20} MiB at {ssd.path}" if ssd is not None else "off",
                  config.master, f":{node.metrics_port}" if node.metrics_port else "off")
         wait_for_shutdown()

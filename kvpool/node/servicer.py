@@ -120,25 +120,10 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         if self.quota is not None and tenant:
             self.quota.trim(tenant, keys)
 
-    def _dram_meta(self, keys: Sequence[BlockKey]) -> list[tuple[int, int, int, int] | None]:
-        """Per key (slot, gen, size, checksum) of its DRAM copy now, or None (no recency change).
-
-        The checksum is read between two looks at the slot's gen (the arena's
-        seqlock), so it belongs to the block that (slot, gen) names.
-        """
-        arena = self.store.dram.arena
-        out: list[tuple[int, int, int, int] | None] = []
-        for ref in self.store.dram.locate(keys):
-            if ref is None:
-                out.append(None)
-                continue
-            checksum = int(arena.table["checksum"][ref.slot])
-            out.append((ref.slot, ref.gen, ref.length, checksum) if int(arena.gens[ref.slot]) == ref.gen else None)
-        return out
-
     def _sizes(self, keys: Sequence[BlockKey]) -> list[tuple[int, int] | None]:
         """Per key (size, checksum) from whichever tier holds it, or None (no recency change)."""
-        found: list[tuple[int, int] | None] = [None if m is None else (m[2], m[3]) for m in self._dram_meta(keys)]
+        found: list[tuple[int, int] | None] = [None if r is None else (r.length, r.checksum)
+                                               for r in self.store.dram.locate(keys)]
         missing = [i for i, f in enumerate(found) if f is None]
         if missing and self.store.ssd is not None:
             for i, meta in zip(missing, self.store.ssd_meta([keys[i] for i in missing])):
@@ -243,38 +228,15 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
     @_counted
     def Locate(self, request: node_pb2.LocateRequest, context: Any) -> node_pb2.LocateResponse:
         keys = self._keys(request.keys)
-        if request.promote and self.store.ssd is not None:
-            self._promote(keys)
         slots, gens, sizes, sums = [], [], [], []
-        for meta in self._dram_meta(keys):
-            slot, gen, size, checksum = meta if meta is not None else (0, 0, 0, 0)
+        for ref in self.store.locate(keys, promote=request.promote):
+            slot, gen, size, checksum = (0, 0, 0, 0) if ref is None else (ref.slot, ref.gen, ref.length, ref.checksum)
             slots.append(slot)
             gens.append(gen)
             sizes.append(size)
             sums.append(checksum)
         return node_pb2.LocateResponse(arena=self.store.dram.arena.name, slots=slots, slot_gens=gens, sizes=sizes,
                                        checksums=sums)
-
-    def _promote(self, keys: Sequence[BlockKey]) -> None:
-        """Bring SSD-only keys that fit a slot into DRAM by reading them through the TieredStore."""
-        assert self.store.ssd is not None, "node servicer: promote without an SSD tier"
-        unique = list(dict.fromkeys(keys))
-        on_ssd = [k for k, t in zip(unique, self.store.where(unique)) if t is Tier.SSD]
-        if not on_ssd:
-            return
-        todo = [(k, m.size) for k, m in zip(on_ssd, self.store.ssd_meta(on_ssd))
-                if m is not None and self.store.fits_dram(m.size)]
-        if not todo:
-            return
-        scratch = self.store.scratch.take(sum(n for _, n in todo))
-        try:
-            outs, offset = [], 0
-            for _, n in todo:
-                outs.append(scratch[offset : offset + n])
-                offset += n
-            self.store.get_into([k for k, _ in todo], outs)
-        finally:
-            self.store.scratch.give(scratch)
 
     @_counted
     def Reserve(self, request: node_pb2.ReserveRequest, context: Any) -> node_pb2.ReserveResponse:
@@ -324,5 +286,5 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         return node_pb2.InfoResponse(
             node=self.node_ref,
             tiers=[tier_usage(s) for s in self.store.stats()],
-            slot_bytes=self.store.dram.slot_bytes,
+            slot_bytes=self.store.dram.max_block_bytes,
         )

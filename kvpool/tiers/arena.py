@@ -1,13 +1,17 @@
-"""A shared-memory slot arena: the bytes of the DRAM tier, mappable by any process on the host.
+"""A shared-memory arena: the bytes of the DRAM tier, mappable by any process on the host.
 
 Layout of the segment (``/dev/shm/<name>``, mode 0600 unless the owner asks
 for its group too; exactly that mode, whatever the umask: whoever can map
 the segment reads every block in it)::
 
-    [header: 4 KiB][slot table: num_slots x 64 B][pad to 4 KiB][slot data: num_slots x slot_bytes]
+    [header: 4 KiB][slot table: num_slots x 64 B][stamps: num_slots x 8 B][pad to 4 KiB][data: data_bytes]
 
-Each slot-table row holds ``gen`` (u64), ``length`` (u64), ``checksum`` (u64)
-and the 32-byte ``key`` of the block in that slot.
+A *slot* is one row of the slot table: it names one block's bytes, an
+extent of the data region of any length. A row holds ``gen`` (u64),
+``length`` (u64), ``checksum`` (u64), the 32-byte ``key`` and ``offset``
+(u64, into the data region). Which extents are free is the owner's business
+(:class:`kvpool.tiers.extents.ExtentAllocator`); the segment only records
+where each committed block is.
 
 Generation protocol (a seqlock per slot):
 - ``gen`` is even iff the slot holds a committed block; odd while it is free
@@ -15,14 +19,25 @@ Generation protocol (a seqlock per slot):
   one block's bytes for as long as they last.
 - Only the arena's owner (the process that created it, through
   :class:`kvpool.tiers.dram.DramStore`) changes ``gen``, ``length``,
-  ``checksum`` and ``key``. Others may read any slot and may write the data of
-  a slot the owner has handed them while it is odd.
-- Each hand-over of a free slot (:meth:`SharedArena.claim`) moves its gen to
-  a new odd value, so (slot, odd gen) names one writer's turn: a writer
-  checks it before writing, and a slot taken back and handed on has another.
-- A reader checks ``gen`` and ``key``, copies, verifies the checksum of what it
-  copied and checks ``gen`` again: if the slot was reused under it, it sees a
-  miss, never another block's bytes.
+  ``checksum``, ``key`` and ``offset``. Others may read any slot and may
+  write the data of a slot the owner has handed them while it is odd.
+- Each hand-over of a free slot (:meth:`SharedArena.claim`) sets its extent
+  and moves its gen to a new odd value, so (slot, odd gen) names one writer's
+  turn: a writer checks it before writing, and a slot taken back and handed on
+  has another.
+- A reader checks ``gen``, ``key``, ``length`` and ``checksum`` against what
+  it was told (:meth:`SharedArena.check_slots`, the one place this check
+  lives), copies, verifies the checksum of what it copied and checks ``gen``
+  again: if the slot was reused under it, it sees a miss, never another
+  block's bytes. A row's ``offset`` and ``length`` are bounded by the data
+  region before any copy, so a torn row cannot send a reader out of it.
+
+Stamps: ``stamps[slot]`` is the ``CLOCK_MONOTONIC`` time (ns, the same clock
+in every process of the host) of the slot's last read. Any process may write
+it (:meth:`SharedArena.touch`), after or before it reads; the owner's LRU
+orders blocks by it, so same-host reads keep a block alive exactly like the
+owner's own reads. A stamp is only a hint of recency: a wrong one can make
+the owner evict the wrong block first, never serve wrong bytes.
 
 Ownership of the name (one live owner per ``/dev/shm/<name>``):
 - The owner holds an exclusive ``flock`` on the segment itself for as long as
@@ -65,16 +80,18 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _MAGIC = b"KVPARENA"
-_VERSION = 1
+_VERSION = 2
 _HEADER_BYTES = 4096
-_HEADER = struct.Struct("<8sIIQQQQ")  # magic, version, pad, slot_bytes, num_slots, table_off, data_off
-_OWNER = struct.Struct("<Q")  # the owner's pid, right after _HEADER (readers of version 1 ignore it)
+_HEADER = struct.Struct("<8sIIQQQQQ")  # magic, version, pad, data_bytes, num_slots, table_off, stamps_off, data_off
+_OWNER = struct.Struct("<Q")  # the owner's pid, at _OWNER_OFF in every version
+_OWNER_OFF = 64
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
 SLOT_DTYPE = np.dtype(
-    [("gen", "<u8"), ("length", "<u8"), ("checksum", "<u8"), ("key", f"V{KEY_BYTES}"), ("_pad", "V8")]
+    [("gen", "<u8"), ("length", "<u8"), ("checksum", "<u8"), ("key", f"V{KEY_BYTES}"), ("offset", "<u8")]
 )
+KEY_DTYPE = SLOT_DTYPE["key"]
 assert SLOT_DTYPE.itemsize == 64, "arena: slot table rows must stay 64 bytes"
 
 
@@ -120,9 +137,9 @@ def _header_pid(fd: int) -> int | None:
         raw = os.pread(fd, _HEADER_BYTES, 0)
     except OSError:
         return None
-    if len(raw) < _HEADER.size + _OWNER.size or raw[:8] != _MAGIC:
+    if len(raw) < _OWNER_OFF + _OWNER.size or raw[:8] != _MAGIC:
         return None
-    return _OWNER.unpack_from(raw, _HEADER.size)[0] or None
+    return _OWNER.unpack_from(raw, _OWNER_OFF)[0] or None
 
 
 def _in_use(name: str, path: str, fd: int) -> ValueError:
@@ -201,16 +218,18 @@ class SlotRef:
 
     slot: int
     gen: int
+    offset: int
     length: int
+    checksum: int
 
 
 class SharedArena:
     """One mapped arena segment. Create with :meth:`create` (owner) or :meth:`attach` (anyone)."""
 
-    def __init__(self, name: str, mm: mmap.mmap, slot_bytes: int, num_slots: int, table_off: int, data_off: int,
-                 owner: bool, lock_fd: int | None = None):
+    def __init__(self, name: str, mm: mmap.mmap, data_bytes: int, num_slots: int, table_off: int, stamps_off: int,
+                 data_off: int, owner: bool, lock_fd: int | None = None):
         self.name = name
-        self.slot_bytes = slot_bytes
+        self.data_bytes = data_bytes
         self.num_slots = num_slots
         self.owner = owner
         self.file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the segment, for attached mappings
@@ -219,30 +238,31 @@ class SharedArena:
         buf = np.frombuffer(mm, dtype=np.uint8)
         self.table = buf[table_off : table_off + num_slots * SLOT_DTYPE.itemsize].view(SLOT_DTYPE)
         self.gens = self.table["gen"]
-        self.data = buf[data_off : data_off + num_slots * slot_bytes].reshape(num_slots, slot_bytes)
+        self.stamps = buf[stamps_off : stamps_off + num_slots * 8].view(np.uint64)
+        self.data = buf[data_off : data_off + data_bytes]
 
     # -- lifecycle -------------------------------------------------------------
 
     @classmethod
-    def create(cls, name: str, num_slots: int, slot_bytes: int, mode: int = 0o600, *,
+    def create(cls, name: str, data_bytes: int, num_slots: int, mode: int = 0o600, *,
                replace_stale: bool = False) -> SharedArena:
         """Create and map a new arena; its memory is reserved up front (ENOSPC now, not SIGBUS later).
 
-        The segment gets exactly ``mode`` (owner read-write, optionally the
-        group's too; never other users: ValueError). A segment already under
-        ``name`` that a live process holds is a ValueError naming its pid; one
-        nobody holds (its owner died) is replaced with ``replace_stale``, else
-        a FileExistsError (see "Ownership" in the module docstring). A failure
-        after the name was taken (no room in /dev/shm) removes the new segment.
+        ``data_bytes`` of block data, described by at most ``num_slots``
+        rows. The segment gets exactly ``mode`` (owner read-write, optionally
+        the group's too; never other users: ValueError). A segment already
+        under ``name`` that a live process holds is a ValueError naming its
+        pid; one nobody holds (its owner died) is replaced with
+        ``replace_stale``, else a FileExistsError (see "Ownership" in the
+        module docstring). A failure after the name was taken (no room in
+        /dev/shm) removes the new segment.
         """
-        if num_slots < 1 or slot_bytes < 1:
-            raise ValueError(f"arena needs num_slots >= 1 and slot_bytes >= 1, got {num_slots}, {slot_bytes}")
+        if num_slots < 1 or data_bytes < 1:
+            raise ValueError(f"arena needs num_slots >= 1 and data_bytes >= 1, got {num_slots}, {data_bytes}")
         if mode & ~0o660 or mode & 0o600 != 0o600:
             raise ValueError(f"arena mode {mode:#o}: the owner reads and writes (0600), only its group may be added")
         path = shm_path(name)
-        table_off = _HEADER_BYTES
-        data_off = _round_up(table_off + num_slots * SLOT_DTYPE.itemsize, mmap.PAGESIZE)
-        total = data_off + num_slots * slot_bytes
+        table_off, stamps_off, data_off, total = _layout(data_bytes, num_slots)
         fd = _take_name(name, path, replace_stale)
         mm: mmap.mmap | None = None
         try:
@@ -252,18 +272,18 @@ class SharedArena:
             except OSError as exc:
                 raise ValueError(f"cannot reserve {total} bytes of shared memory for arena {name!r}: {exc}") from exc
             mm = mmap.mmap(fd, total)
-            _HEADER.pack_into(mm, 0, _MAGIC, _VERSION, 0, slot_bytes, num_slots, table_off, data_off)
-            _OWNER.pack_into(mm, _HEADER.size, os.getpid())
-            gens = np.frombuffer(mm, dtype=SLOT_DTYPE, count=num_slots, offset=table_off)
-            gens["gen"] = 1  # every slot starts free (odd)
-            del gens
+            _HEADER.pack_into(mm, 0, _MAGIC, _VERSION, 0, data_bytes, num_slots, table_off, stamps_off, data_off)
+            _OWNER.pack_into(mm, _OWNER_OFF, os.getpid())
+            rows = np.frombuffer(mm, dtype=SLOT_DTYPE, count=num_slots, offset=table_off)
+            rows["gen"] = 1  # every slot starts free (odd)
+            del rows
         except BaseException:
             if mm is not None:
                 mm.close()
             os.unlink(path)  # ours: we hold its lock
             os.close(fd)
             raise
-        return cls(name, mm, slot_bytes, num_slots, table_off, data_off, owner=True, lock_fd=fd)
+        return cls(name, mm, data_bytes, num_slots, table_off, stamps_off, data_off, owner=True, lock_fd=fd)
 
     @classmethod
     def attach(cls, name: str) -> SharedArena:
@@ -278,22 +298,21 @@ class SharedArena:
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        magic, version, _, slot_bytes, num_slots, table_off, data_off = _HEADER.unpack_from(mm, 0)
+        magic, version, _, data_bytes, num_slots, table_off, stamps_off, data_off = _HEADER.unpack_from(mm, 0)
         if magic != _MAGIC or version != _VERSION:
             mm.close()
             raise ValueError(f"{path} is not a kvpool arena of version {_VERSION}")
-        if data_off + num_slots * slot_bytes > size:
+        if num_slots < 1 or (table_off, stamps_off, data_off) != _layout(data_bytes, num_slots)[:3] \
+                or data_off + data_bytes > size:
             mm.close()
-            raise ValueError(f"{path} is truncated")
-        arena = cls(name, mm, slot_bytes, num_slots, table_off, data_off, owner=False)
+            raise ValueError(f"{path} is truncated or not laid out as a kvpool arena")
+        arena = cls(name, mm, data_bytes, num_slots, table_off, stamps_off, data_off, owner=False)
         arena.file_id = (st.st_dev, st.st_ino)
         return arena
 
     def owner_pid(self) -> int | None:
         """The pid of the process that created this segment, as its header records it."""
-        if len(self._mm) < _HEADER.size + _OWNER.size:
-            return None
-        return _OWNER.unpack_from(self._mm, _HEADER.size)[0] or None
+        return _OWNER.unpack_from(self._mm, _OWNER_OFF)[0] or None
 
     def is_current(self) -> bool:
         """Whether ``/dev/shm/<name>`` is still the segment this mapping holds (a restarted node makes a new one)."""
@@ -307,10 +326,10 @@ class SharedArena:
         """Map every page of the segment into this process now (in chunks; stops early once ``stop`` is set).
 
         A page's first touch in each process costs a page fault (~0.75 ms per
-        MiB on some VMs, several times a memcpy), so owners and long-lived
-        readers/writers call this once, in a background thread, instead of
-        paying it on the data path. Returns True if it went through the whole
-        segment. Call :meth:`close` only after it returned.
+        MiB on some VMs, several times a memcpy), so the owner calls this once,
+        in a background thread, instead of paying it on the data path. Returns
+        True if it went through the whole segment. Call :meth:`close` only
+        after it returned.
         """
         mm = self._mm
         size = len(mm)
@@ -333,7 +352,7 @@ class SharedArena:
         """
         # Drop the views so the mapping can close. They are typed as they are while open (every use): after
         # close, a use fails loudly on None, a state the types do not follow.
-        self.table = self.gens = self.data = None  # type: ignore[assignment]
+        self.table = self.gens = self.stamps = self.data = None  # type: ignore[assignment]
         try:
             self._mm.close()
         except BufferError:
@@ -352,21 +371,69 @@ class SharedArena:
     # -- reading (any process) ---------------------------------------------------
 
     def ref(self, slot: int) -> SlotRef | None:
-        """The committed block in ``slot`` now, or None if the slot is free or being written."""
+        """The committed block in ``slot`` now, or None if the slot is free or being written.
+
+        Its fields are read between two looks at the gen (the seqlock), so they
+        belong to the block that (slot, gen) names.
+        """
         gen = int(self.gens[slot])
-        length = int(self.table["length"][slot])
+        row = self.table[slot]
+        offset, length, checksum = int(row["offset"]), int(row["length"]), int(row["checksum"])
         if gen & 1 or int(self.gens[slot]) != gen:  # free, or reused while we looked
             return None
-        return SlotRef(slot, gen, length)
+        return SlotRef(slot, gen, offset, length, checksum)
 
     def find(self, key: BlockKey) -> SlotRef | None:
         """Scan the slot table for ``key`` (O(slots); for tools and tests, not the hot path)."""
-        want = np.frombuffer(key, dtype=f"V{KEY_BYTES}")[0]
+        want = np.frombuffer(key, dtype=KEY_DTYPE)[0]
         for slot in np.flatnonzero(self.table["key"] == want):
             ref = self.ref(int(slot))
             if ref is not None and self.table["key"][ref.slot] == want:
                 return ref
         return None
+
+    def check_slots(self, slots: np.ndarray, keys: np.ndarray, sizes: np.ndarray | None = None,
+                    sums: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The seqlock's "before" for a batch: (gens now, extent offsets, whether each row holds that block).
+
+        ``slots`` int64 (out-of-range ones, -1 included, are not held),
+        ``keys`` as rows store them (:data:`KEY_DTYPE`), ``sizes`` and
+        ``sums`` the length and checksum the reader was told (None: any).
+        A held row is committed (even gen), names the key (and size and
+        checksum) and its extent lies inside the data region, so
+        ``data[offset : offset + length]`` is safe to copy from whatever
+        happens to the row meanwhile. Read the gens before the bytes and
+        compare them after (:meth:`unchanged`): only then are the bytes the
+        block's.
+        """
+        valid = (slots >= 0) & (slots < self.num_slots)
+        rows = self.table[np.where(valid, slots, 0)]
+        gens, offsets, lengths = rows["gen"], rows["offset"], rows["length"]
+        held = valid & (gens % 2 == 0) & (rows["key"] == keys)
+        held &= (offsets <= self.data_bytes) & (lengths <= self.data_bytes - np.minimum(offsets, self.data_bytes))
+        if sizes is not None:
+            held &= lengths == sizes
+        if sums is not None:
+            held &= rows["checksum"] == sums
+        return gens, offsets.astype(np.int64), held
+
+    def unchanged(self, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """The seqlock's "after": whether each slot still has the gen :meth:`check_slots` read."""
+        valid = (slots >= 0) & (slots < self.num_slots)
+        return valid & (self.gens[np.where(valid, slots, 0)] == gens)
+
+    def block(self, slot: int, length: int | None = None) -> np.ndarray:
+        """The bytes of ``slot``'s extent (its committed length, or ``length`` for a writer), as a view.
+
+        For the owner, a writer it handed the slot, or a reader that checked
+        the row (:meth:`check_slots`) and checks it again after the copy.
+        """
+        row = self.table[slot]
+        offset = int(row["offset"])
+        n = int(row["length"]) if length is None else length
+        if offset + n > self.data_bytes:
+            raise AssertionError(f"arena: slot {slot}'s extent [{offset}, {offset + n}) leaves the data region")
+        return self.data[offset : offset + n]
 
     def read_into(self, ref: SlotRef, key: BlockKey, out: BufferLike, *, verify: bool = True) -> bool:
         """Copy the block ``ref`` names into ``out``; False if the slot no longer holds it.
@@ -381,42 +448,52 @@ class SharedArena:
             raise ValueError(f"output is {dst.size} bytes, block is {ref.length}")
         slot = ref.slot
         row = self.table[slot]
-        if int(self.gens[slot]) != ref.gen or row["key"].tobytes() != key:
+        if int(self.gens[slot]) != ref.gen or row["key"].tobytes() != key or int(row["offset"]) != ref.offset:
             return False
-        src = self.data[slot, : ref.length]
+        src = self.data[ref.offset : ref.offset + ref.length]
         if verify:
-            if copy_with_checksum(dst, src) != int(row["checksum"]):
+            if copy_with_checksum(dst, src) != ref.checksum:
                 return False
         else:
             np.copyto(dst, src)
         return int(self.gens[slot]) == ref.gen
 
-    def slot_view(self, slot: int, length: int | None = None) -> memoryview:
-        """A writable byte view of a slot's data (for the owner, or a writer it handed the slot)."""
-        n = self.slot_bytes if length is None else length
-        return memoryview(as_buffer(self.data[slot, :n]))
+    def view(self, slot: int, length: int) -> memoryview:
+        """A writable byte view of the first ``length`` bytes of ``slot``'s extent (see :meth:`block`)."""
+        return memoryview(as_buffer(self.block(slot, length)))
+
+    def touch(self, slots: np.ndarray | list[int], now_ns: int | None = None) -> None:
+        """Stamp ``slots`` as read now (any process; out-of-range slots are skipped)."""
+        idx = np.asarray(slots, dtype=np.int64)
+        idx = idx[(idx >= 0) & (idx < self.num_slots)]
+        self.stamps[idx] = time.monotonic_ns() if now_ns is None else now_ns
 
     # -- owner-only state changes ------------------------------------------------
 
-    def claim(self, slot: int) -> int:
-        """Hand free ``slot`` to one writer: returns the new odd gen naming this turn (owner only)."""
+    def claim(self, slot: int, offset: int) -> int:
+        """Hand free ``slot``, now naming the extent at ``offset``, to one writer: its new odd gen (owner only)."""
         assert self.owner, "arena: only the owner hands out slots"
         gen = int(self.gens[slot])
         assert gen & 1, f"arena: claim of slot {slot} that is not free (gen {gen})"
+        assert 0 <= offset < self.data_bytes, f"arena: claim of slot {slot} at offset {offset} outside the data"
+        self.table[slot]["offset"] = offset
         self.gens[slot] = gen + 2
         return gen + 2
 
     def commit(self, slot: int, key: BlockKey, length: int, checksum: int) -> SlotRef:
-        """Publish the bytes already written into free ``slot`` as ``key`` (owner only)."""
+        """Publish the bytes already written into claimed ``slot``'s extent as ``key`` (owner only)."""
         assert self.owner, "arena: only the owner commits slots"
         gen = int(self.gens[slot])
         assert gen & 1, f"arena: commit of slot {slot} that is not free (gen {gen})"
         row = self.table[slot]
-        row["key"] = np.frombuffer(key, dtype=f"V{KEY_BYTES}")[0]
+        offset = int(row["offset"])
+        assert offset + length <= self.data_bytes, f"arena: commit of slot {slot} past the data region"
+        row["key"] = np.frombuffer(key, dtype=KEY_DTYPE)[0]
         row["length"] = length
         row["checksum"] = checksum
+        self.stamps[slot] = time.monotonic_ns()
         self.gens[slot] = gen + 1  # even: readable. Written last.
-        return SlotRef(slot, gen + 1, length)
+        return SlotRef(slot, gen + 1, offset, length, checksum)
 
     def release(self, slot: int) -> None:
         """Mark a committed slot free; readers holding its old ref now miss (owner only)."""
@@ -425,3 +502,11 @@ class SharedArena:
         assert not gen & 1, f"arena: release of slot {slot} that is already free (gen {gen})"
         self.gens[slot] = gen + 1  # odd first, so no reader starts on the old bytes again
         self.table[slot]["length"] = 0
+
+
+def _layout(data_bytes: int, num_slots: int) -> tuple[int, int, int, int]:
+    """(table_off, stamps_off, data_off, total size) of an arena of these dimensions."""
+    table_off = _HEADER_BYTES
+    stamps_off = table_off + num_slots * SLOT_DTYPE.itemsize
+    data_off = _round_up(stamps_off + num_slots * 8, mmap.PAGESIZE)
+    return table_off, stamps_off, data_off, data_off + data_bytes

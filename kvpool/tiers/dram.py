@@ -1,34 +1,48 @@
-"""DRAM tier: the owner's index, LRU and watermarks over a :class:`SharedArena`.
+"""DRAM tier: the owner's index, allocator, LRU and watermarks over a :class:`SharedArena`.
 
 Invariants:
-- ``_lru`` maps every committed key to its slot, least recently *read or
-  written* first. ``contains`` and ``locate`` do not change the order.
-- A key becomes visible (in ``_lru`` and as an even slot gen) only after its
-  bytes and checksum are in the slot.
-- Eviction takes blocks from the LRU head. While a victim is being demoted
-  (handed to the eviction sink, e.g. the SSD tier) it stays readable; its
-  slot is released only after the sink returns, so a block is never absent
-  from both tiers while it moves down.
+- A block of any size up to ``max_block_bytes`` takes one slot (a row of the
+  arena's table) and one contiguous extent of the data region
+  (:class:`~kvpool.tiers.extents.ExtentAllocator`, 64-byte units); used
+  bytes count extents, so a block costs its size rounded up to 64 B.
+- ``_blocks`` maps every committed key to its slot. Recency is the arena's
+  per-slot stamp (the last read's time, written by whoever reads: this
+  store, the node's transports, or a same-host client straight from shared
+  memory). Eviction takes the block with the oldest stamp: an exact LRU over
+  every read on the host. ``_heap`` holds (stamp, slot, gen) entries, some
+  stale; an entry whose slot was read since is pushed again with its new
+  stamp, one whose block is gone is dropped, so the first live, current entry
+  is the least recently used block. ``contains`` and ``locate`` do not
+  change recency (``locate(touch=True)`` does: the caller is about to read).
+- A key becomes visible (in ``_blocks`` and as an even slot gen) only after
+  its bytes and checksum are in its extent.
+- While a victim is being demoted (handed to the eviction sink, e.g. the SSD
+  tier) it stays readable; its slot and extent are freed only after the sink
+  returns, so a block is never absent from both tiers while it moves down.
 - When a put would take usage above the high watermark, blocks are evicted
   (in LRU order, inline, by the putting thread) until usage is at the low
-  watermark with room for the new blocks.
-- ``_lock`` guards the index only; data copies and the sink run outside it.
+  watermark with room for the new blocks. A block that then finds no
+  contiguous extent (mixed sizes fragment the region) or no free slot evicts
+  further LRU blocks, a bounded number of rounds, before it is refused.
+- ``_lock`` guards the index and the allocator only; data copies and the
+  sink run outside it.
 - ``on_change`` hears of every change to the key set (committed puts as
   added, released victims and removes as removed), after the change and
   outside the lock.
 
 Leases (same-host writers, :meth:`DramStore.reserve` / :meth:`DramStore.commit`):
-- ``reserve`` takes free slots exactly as ``put`` does (evicting LRU blocks
-  past the high watermark) and hands each to the lease with a fresh odd gen
-  (:meth:`SharedArena.claim`): unreadable, owned by the lease, counted as used.
+- ``reserve`` takes slots and extents exactly as ``put`` does (evicting LRU
+  blocks past the high watermark) and hands each slot to the lease with a
+  fresh odd gen (:meth:`SharedArena.claim`): unreadable, owned by the lease,
+  counted as used.
 - A lease id is 63 random bits (:mod:`secrets`), never 0 and never the id of
   another live lease, so it cannot be guessed from one's own. A lease belongs
   to the ``owner`` that reserved it (the node passes the caller's identity;
   None with auth off, where the unguessable id is the only capability).
 - ``commit`` ends the lease: each named slot whose bytes match the claimed
   checksum is published like a put (key visible only once bytes and checksum
-  are in place); the lease's other slots go back to the free list. A lease
-  past its deadline commits nothing.
+  are in place); the lease's other slots are freed. A lease past its
+  deadline commits nothing.
 - ``commit`` and ``release`` by anyone but the owner (or of an unknown id)
   change nothing: nothing is stored, and the owner's lease lives on.
 - ``expire`` (the node's reaper) and ``release`` free a lease's slots, so a
@@ -43,11 +57,11 @@ Leases (same-host writers, :meth:`DramStore.reserve` / :meth:`DramStore.commit`)
 
 from __future__ import annotations
 
+import heapq
 import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypedDict
@@ -59,6 +73,7 @@ from kvpool.checksum import block_checksum
 from kvpool.keys import BlockKey, check_keys
 from kvpool.tiers.arena import SharedArena, SlotRef
 from kvpool.tiers.base import BlockMeta, ChangeListener, EvictionSink, Tier, TierStats, check_batch, notify
+from kvpool.tiers.extents import GRANULE, ExtentAllocator, units_for
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
@@ -67,11 +82,21 @@ log = logging.getLogger(__name__)
 
 
 LEASE_ID_BITS = 63  # fits the wire's uint64 and any signed 64-bit integer
+BYTES_PER_SLOT = 16 << 10  # default slot count: one row per this much capacity (smaller blocks then find fewer rows)
+MIN_SLOTS = 1024
+MAX_SLOTS = 1 << 22
+ALLOC_ROUNDS = 64  # evict-and-retry rounds before a block that finds no extent or slot is refused
+
+
+def default_slots(capacity_bytes: int) -> int:
+    """How many slots (rows) an arena of ``capacity_bytes`` gets unless told: one per 16 KiB, 1024 to 4 Mi."""
+    return max(MIN_SLOTS, min(MAX_SLOTS, capacity_bytes // BYTES_PER_SLOT))
 
 
 class StoreOptions(TypedDict, total=False):
     """The keyword arguments of :class:`DramStore` (for :meth:`DramStore.create`)."""
 
+    max_block_bytes: int | None
     high_watermark: float
     low_watermark: float
     on_evict: EvictionSink | None
@@ -91,7 +116,7 @@ class LeaseCharge(Protocol):
 
 @dataclass(slots=True)
 class Lease:
-    """Free slots handed to one writer until ``deadline`` (``time.monotonic``; None: no deadline)."""
+    """Slots handed to one writer until ``deadline`` (``time.monotonic``; None: no deadline)."""
 
     id: int
     deadline: float | None
@@ -107,6 +132,7 @@ class Reservation:
     lease: int  # 0: no slot reserved
     slots: list[int]  # the slot to write (0 where gens[i] == 0)
     gens: list[int]  # its odd gen (the writer's turn); 0: no slot
+    offsets: list[int]  # where its extent starts in the arena's data region (0 where gens[i] == 0)
     held: list[bool]  # the store already holds the key (nothing to write)
 
 
@@ -119,8 +145,9 @@ class DramStore:
         self,
         arena: SharedArena,
         *,
-        high_watermark: float = 0.95,
-        low_watermark: float = 0.85,
+        max_block_bytes: int | None = None,
+        high_watermark: float = 1.0,
+        low_watermark: float = 0.98,
         on_evict: EvictionSink | None = None,
         on_change: ChangeListener | None = None,
         verify_reads: bool = True,
@@ -129,44 +156,56 @@ class DramStore:
             raise ValueError("DramStore needs the arena's owner mapping (SharedArena.create)")
         if not 0.0 < low_watermark <= high_watermark <= 1.0:
             raise ValueError(f"need 0 < low <= high <= 1, got low={low_watermark} high={high_watermark}")
+        units = arena.data_bytes // GRANULE
+        if units < 1:
+            raise ValueError(f"a DRAM arena of {arena.data_bytes} B holds no {GRANULE}-byte unit")
+        largest = units * GRANULE
+        if max_block_bytes is not None and not 0 < max_block_bytes:
+            raise ValueError(f"max_block_bytes must be > 0, got {max_block_bytes}")
         self.arena = arena
+        self.max_block_bytes = largest if max_block_bytes is None else min(max_block_bytes, largest)
         self.on_evict = on_evict
         self.on_change = on_change
         self.verify_reads = verify_reads
-        self._high = max(1, int(arena.num_slots * high_watermark))
-        self._low = min(self._high, max(0, int(arena.num_slots * low_watermark)))
+        self._high = max(1, int(units * high_watermark))
+        self._low = min(self._high, max(0, int(units * low_watermark)))
         self._lock = threading.Lock()
-        self._lru: OrderedDict[BlockKey, int] = OrderedDict()
+        self._alloc = ExtentAllocator(units)
+        self._extent = np.zeros((arena.num_slots, 2), dtype=np.int64)  # slot -> (first unit, units); 0 units: free
+        self._used = 0  # units of committed, demoting and leased blocks
+        self._blocks: dict[BlockKey, int] = {}
+        self._key_of: list[BlockKey | None] = [None] * arena.num_slots  # committed or demoting key of each slot
+        self._heap: list[tuple[int, int, int]] = []  # (stamp, slot, gen), see the module docstring
         self._demoting: dict[BlockKey, int] = {}
         self._free: list[int] = list(range(arena.num_slots - 1, -1, -1))
         self._leases: dict[int, Lease] = {}
         self._leased = 0  # slots held by leases
-        self._stats = TierStats(Tier.DRAM, capacity_bytes=arena.num_slots * arena.slot_bytes)
+        self._stats = TierStats(Tier.DRAM, capacity_bytes=largest)
 
     @classmethod
-    def create(cls, name: str, capacity_bytes: int, slot_bytes: int, *, mode: int = 0o600,
-               **kwargs: Unpack[StoreOptions]) -> DramStore:
-        """A store over a new arena of ``capacity_bytes // slot_bytes`` slots (segment permissions ``mode``).
+    def create(cls, name: str, capacity_bytes: int, max_block_bytes: int | None = None, *, slots: int = 0,
+               mode: int = 0o600, **kwargs: Unpack[StoreOptions]) -> DramStore:
+        """A store over a new arena of ``capacity_bytes`` (segment permissions ``mode``).
 
+        ``max_block_bytes``: the largest block it takes (None: any that fits);
+        ``slots``: how many blocks it can describe (0: :func:`default_slots`).
         A refused argument leaves no arena behind.
         """
-        if slot_bytes < 1 or capacity_bytes // slot_bytes < 1:
-            raise ValueError(f"DRAM capacity {capacity_bytes} B holds no {slot_bytes} B slot")
-        arena = SharedArena.create(name, capacity_bytes // slot_bytes, slot_bytes, mode)
+        if capacity_bytes < GRANULE:
+            raise ValueError(f"DRAM capacity {capacity_bytes} B is below one {GRANULE}-byte unit")
+        if max_block_bytes is not None and max_block_bytes < 1:
+            raise ValueError(f"max_block_bytes must be > 0, got {max_block_bytes}")
+        arena = SharedArena.create(name, capacity_bytes, slots or default_slots(capacity_bytes), mode)
         try:
-            return cls(arena, **kwargs)
+            return cls(arena, max_block_bytes=max_block_bytes, **kwargs)
         except BaseException:
             arena.close()
             raise
 
-    @property
-    def slot_bytes(self) -> int:
-        return self.arena.slot_bytes
-
     # -- reads -------------------------------------------------------------------
 
     def _slot_of(self, key: BlockKey) -> int | None:
-        slot = self._lru.get(key)
+        slot = self._blocks.get(key)
         return self._demoting.get(key) if slot is None else slot
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -174,37 +213,162 @@ class DramStore:
         with self._lock:
             return [self._slot_of(k) is not None for k in keys]
 
-    def locate(self, keys: Sequence[BlockKey]) -> list[SlotRef | None]:
-        """Where each key's bytes are now, for a same-host reader (does not change recency)."""
+    def locate(self, keys: Sequence[BlockKey], *, touch: bool = False) -> list[SlotRef | None]:
+        """Where each key's bytes are now, for a reader; ``touch``: stamp them read (the caller reads them next)."""
         keys = check_keys(keys)
         with self._lock:
             slots = [self._slot_of(k) for k in keys]
-            return [None if s is None else self.arena.ref(s) for s in slots]
+        refs = [None if s is None else self.arena.ref(s) for s in slots]
+        if touch:
+            self.arena.touch([r.slot for r in refs if r is not None])
+        return refs
 
     def get_into(self, keys: Sequence[BlockKey], outs: Sequence[BufferLike]) -> list[bool]:
         keys = check_keys(keys)
         check_batch(keys, outs)
         dsts = [as_array(o, writable=True) for o in outs]
-        with self._lock:
-            refs: list[SlotRef | None] = []
-            for k in keys:
-                slot = self._slot_of(k)
-                if slot is not None and k in self._lru:
-                    self._lru.move_to_end(k)
-                refs.append(None if slot is None else self.arena.ref(slot))
+        refs = self.locate(keys, touch=True)
         hits = []
         for key, ref, dst in zip(keys, refs, dsts):
             ok = (ref is not None and ref.length == dst.size
                   and self.arena.read_into(ref, key, dst, verify=self.verify_reads))
             hits.append(ok)
-        n_hit = sum(hits)
-        with self._lock:
-            self._stats.hits += n_hit
-            self._stats.misses += len(hits) - n_hit
-            self._stats.bytes_out += sum(d.size for d, h in zip(dsts, hits) if h)
+        self.record_reads(sum(hits), len(hits) - sum(hits), sum(d.size for d, h in zip(dsts, hits) if h))
         return hits
 
+    def record_reads(self, hits: int, misses: int, bytes_out: int) -> None:
+        """Count reads served outside :meth:`get_into` (a transport sending from :meth:`locate`'s refs)."""
+        with self._lock:
+            self._stats.hits += hits
+            self._stats.misses += misses
+            self._stats.bytes_out += bytes_out
+
+    # -- allocation and eviction (slots, extents, LRU) ----------------------------
+
+    def _take(self, units: int) -> int | None:
+        """Under the lock: a free slot with an extent of ``units`` units, counted as used; None if none is free."""
+        if not self._free:
+            return None
+        start = self._alloc.alloc(units)
+        if start is None:
+            return None
+        slot = self._free.pop()
+        self._extent[slot] = (start, units)
+        self._used += units
+        return slot
+
+    def _give_back(self, slot: int) -> None:
+        """Under the lock: free ``slot`` and its extent (its row must be free/odd already)."""
+        start, units = (int(v) for v in self._extent[slot])
+        if units:
+            self._alloc.free(start, units)
+            self._used -= units
+            self._extent[slot] = (0, 0)
+        self._key_of[slot] = None
+        self._free.append(slot)
+
+    def _publish(self, slot: int, key: BlockKey, size: int, checksum: int) -> None:
+        """Under the lock: commit ``slot`` as ``key`` and enter it in the LRU."""
+        ref = self.arena.commit(slot, key, size, checksum)
+        self._blocks[key] = slot
+        self._key_of[slot] = key
+        heapq.heappush(self._heap, (int(self.arena.stamps[slot]), slot, ref.gen))
+        if len(self._heap) > 2 * len(self._blocks) + MIN_SLOTS:
+            self._compact_heap()
+
+    def _compact_heap(self) -> None:
+        """Under the lock: rebuild the heap from the live blocks (drops stale entries)."""
+        stamps, gens = self.arena.stamps, self.arena.gens
+        self._heap = [(int(stamps[s]), s, int(gens[s])) for s in self._blocks.values()]
+        heapq.heapify(self._heap)
+
+    def _pick_victims(self, units: int, count: int) -> list[tuple[BlockKey, int]]:
+        """Under the lock: least recently used blocks worth >= ``units`` units and >= ``count`` slots.
+
+        They move from ``_blocks`` to ``_demoting`` (still readable).
+        """
+        heap, stamps, gens = self._heap, self.arena.stamps, self.arena.gens
+        victims: list[tuple[BlockKey, int]] = []
+        freed = 0
+        while heap and (freed < units or len(victims) < count):
+            stamp, slot, gen = heap[0]
+            key = self._key_of[slot]
+            if int(gens[slot]) != gen or key is None or self._blocks.get(key) != slot:
+                heapq.heappop(heap)  # that block is gone (removed, evicted, or the slot reused)
+                continue
+            now = int(stamps[slot])
+            if now > stamp:
+                heapq.heapreplace(heap, (now, slot, gen))  # read since: it goes where its last read puts it
+                continue
+            heapq.heappop(heap)
+            del self._blocks[key]
+            self._demoting[key] = slot
+            victims.append((key, slot))
+            freed += int(self._extent[slot, 1])
+        return victims
+
+    def _allocate(self, sizes: Sequence[int]) -> tuple[list[int | None], list[BlockKey]]:
+        """A slot with an extent for each size (None: no room even after evicting), and the keys evicted for them.
+
+        Round one evicts down to the low watermark if the new blocks would
+        take usage above the high one; later rounds evict what the blocks
+        still left out need (fragmentation, no free slot), until they fit or
+        nothing is left to evict (see the module docstring).
+        """
+        want = [units_for(n) for n in sizes]
+        got: list[int | None] = [None] * len(sizes)
+        pending = list(range(len(sizes)))
+        released: list[BlockKey] = []
+        for attempt in range(ALLOC_ROUNDS):
+            with self._lock:
+                need = sum(want[i] for i in pending)
+                victims: list[tuple[BlockKey, int]] = []
+                if attempt == 0 and self._used + need > self._high:
+                    victims = self._pick_victims(self._used + need - max(self._low, need), 0)
+                if not victims:
+                    pending = [i for i in pending if not self._place(i, want, got)]
+                    if not pending:
+                        break
+                    need = sum(want[i] for i in pending)
+                    short = max(len(pending) - len(self._free), 0)
+                    victims = self._pick_victims(max(need - self._alloc.free_units, min(want[i] for i in pending)),
+                                                 short)
+                if not victims:
+                    break  # nothing left to evict: the rest find no room
+            released += self._demote(victims)
+        return got, released
+
+    def _place(self, i: int, want: list[int], got: list[int | None]) -> bool:
+        """Under the lock: a slot for block ``i`` if one is free now (into ``got``); whether it got one."""
+        got[i] = self._take(want[i])
+        return got[i] is not None
+
+    def _demote(self, victims: list[tuple[BlockKey, int]]) -> list[BlockKey]:
+        """Hand victims to the sink, then free them; returns the keys released."""
+        if self.on_evict is not None:
+            keys = [k for k, _ in victims]
+            views = [self.arena.view(s, int(self.arena.table["length"][s])) for _, s in victims]
+            sums = [int(self.arena.table["checksum"][s]) for _, s in victims]
+            try:
+                self.on_evict(keys, views, sums)
+            except Exception:  # a failed demotion drops the blocks: a later miss, not an error
+                log.exception("DRAM: demoting %d blocks failed; dropping them", len(keys))
+            del views
+        with self._lock:
+            released = []
+            for key, slot in victims:
+                if self._demoting.pop(key, None) == slot:
+                    self.arena.release(slot)
+                    self._give_back(slot)
+                    released.append(key)
+            self._stats.evictions += len(victims)
+        return released
+
     # -- writes ------------------------------------------------------------------
+
+    def _check_size(self, n: int) -> None:
+        if not 0 < n <= self.max_block_bytes:
+            raise ValueError(f"a {n}-byte block: the DRAM tier takes blocks of 1..{self.max_block_bytes} B")
 
     def put(
         self, keys: Sequence[BlockKey], values: Sequence[BufferLike], checksums: Sequence[int] | None = None
@@ -218,98 +382,48 @@ class DramStore:
         check_batch(keys, values)
         srcs = [as_array(v) for v in values]
         for src in srcs:
-            if src.size > self.arena.slot_bytes:
-                raise ValueError(f"block of {src.size} B exceeds the DRAM slot size {self.arena.slot_bytes} B")
+            self._check_size(src.size)
         if checksums is not None:
             check_batch(keys, checksums)
         sums = [block_checksum(s) for s in srcs] if checksums is None else [int(c) for c in checksums]
 
         result = [False] * len(keys)
         todo: list[int] = []
+        touched: list[int] = []
         with self._lock:
             seen: set[BlockKey] = set()
             for i, k in enumerate(keys):
-                if self._slot_of(k) is not None:
-                    if k in self._lru:
-                        self._lru.move_to_end(k)
+                slot = self._slot_of(k)
+                if slot is not None:
+                    touched.append(slot)
                     result[i] = True
                 elif k not in seen:
                     seen.add(k)
                     todo.append(i)
-            slots, victims = self._reserve(len(todo))
-        released: list[BlockKey] = []
-        if victims:
-            more, released = self._demote(victims, need=len(todo) - len(slots))
-            slots += more
-
+        self.arena.touch(touched)
+        slots, released = self._allocate([srcs[i].size for i in todo])
+        placed = [(i, s) for i, s in zip(todo, slots) if s is not None]
         with self._lock:
-            for slot in slots:
-                self.arena.claim(slot)
+            for _, slot in placed:
+                self.arena.claim(slot, int(self._extent[slot, 0]) * GRANULE)
+        for i, slot in placed:
+            np.copyto(self.arena.block(slot, srcs[i].size), srcs[i])
         stored: set[BlockKey] = set()
         added: list[BlockMeta] = []
-        written = 0
-        for i, slot in zip(todo, slots):
-            np.copyto(self.arena.data[slot, : srcs[i].size], srcs[i])
         with self._lock:
-            for i, slot in zip(todo, slots):
+            for i, slot in placed:
                 key = keys[i]
                 if self._slot_of(key) is not None:  # a concurrent put won the race
-                    self._free.append(slot)
+                    self._give_back(slot)
                 else:
-                    self.arena.commit(slot, key, srcs[i].size, sums[i])
-                    self._lru[key] = slot
+                    self._publish(slot, key, srcs[i].size, sums[i])
                     stored.add(key)
                     added.append(BlockMeta(key, srcs[i].size, sums[i]))
-                    written += srcs[i].size
             self._stats.puts += len(stored)
-            self._stats.bytes_in += written
+            self._stats.bytes_in += sum(m.size for m in added)
         notify(self.on_change, added, released, "DRAM")
         # Keys that found no slot stay False (no room); repeats of a key in the batch share its fate.
         return [r or k in stored for r, k in zip(result, keys)]
-
-    def _reserve(self, n: int) -> tuple[list[int], list[tuple[BlockKey, int]]]:
-        """Under the lock: take up to ``n`` free slots and pick LRU victims for the rest.
-
-        Victims move from ``_lru`` to ``_demoting`` (still readable).
-        """
-        used = len(self._lru) + len(self._demoting) + self._leased
-        evict = 0
-        if used + n > self._high:
-            evict = used + n - min(self._high, max(self._low, n))
-        evict = max(evict, n - len(self._free))
-        victims = []
-        while evict > 0 and self._lru:
-            key, slot = self._lru.popitem(last=False)
-            self._demoting[key] = slot
-            victims.append((key, slot))
-            evict -= 1
-        take = min(n, len(self._free))
-        slots = [self._free.pop() for _ in range(take)]
-        return slots, victims
-
-    def _demote(self, victims: list[tuple[BlockKey, int]], need: int) -> tuple[list[int], list[BlockKey]]:
-        """Hand victims to the sink, then release them; returns up to ``need`` freed slots and the released keys."""
-        if self.on_evict is not None:
-            keys = [k for k, _ in victims]
-            views = [self.arena.slot_view(s, int(self.arena.table["length"][s])) for _, s in victims]
-            sums = [int(self.arena.table["checksum"][s]) for _, s in victims]
-            try:
-                self.on_evict(keys, views, sums)
-            except Exception:  # a failed demotion drops the blocks: a later miss, not an error
-                log.exception("DRAM: demoting %d blocks failed; dropping them", len(keys))
-            del views
-        with self._lock:
-            freed = []
-            released = []
-            for key, slot in victims:
-                if self._demoting.pop(key, None) == slot:
-                    self.arena.release(slot)
-                    freed.append(slot)
-                    released.append(key)
-            self._stats.evictions += len(victims)
-            mine, spare = freed[:need], freed[need:]
-            self._free.extend(spare)
-        return mine, released
 
     # -- leases (same-host writers) -----------------------------------------------------
 
@@ -324,13 +438,14 @@ class DramStore:
         self, keys: Sequence[BlockKey], sizes: Sequence[int], timeout_s: float | None, *, owner: object = None,
         charge: LeaseCharge | None = None,
     ) -> Reservation:
-        """Lease free slots for blocks of ``sizes`` to ``owner`` (see the module docstring).
+        """Lease slots for blocks of ``sizes`` to ``owner`` (see the module docstring).
 
-        Per key: a slot and its odd gen, or gen 0 if the key is held already
-        (``held``), repeats an earlier key of the batch, or found no room.
-        ``timeout_s`` None: the lease lasts until committed or released.
-        ``charge`` (already charged for ``keys``) is narrowed to the keys that
-        got a slot, and ends with the lease (at once if no slot was reserved).
+        Per key: a slot, its extent's offset and its odd gen, or gen 0 if the
+        key is held already (``held``), repeats an earlier key of the batch,
+        or found no room. ``timeout_s`` None: the lease lasts until committed
+        or released. ``charge`` (already charged for ``keys``) is narrowed to
+        the keys that got a slot, and ends with the lease (at once if no slot
+        was reserved).
         """
         try:
             reservation, reserved, released = self._lease(keys, sizes, timeout_s, owner, charge)
@@ -355,8 +470,7 @@ class DramStore:
         check_batch(keys, sizes)
         sizes = [int(n) for n in sizes]
         for n in sizes:
-            if not 0 < n <= self.arena.slot_bytes:
-                raise ValueError(f"cannot reserve a {n}-byte block: DRAM slots hold 1..{self.arena.slot_bytes} B")
+            self._check_size(n)
         held = [False] * len(keys)
         todo: list[int] = []
         with self._lock:
@@ -367,27 +481,24 @@ class DramStore:
                 elif k not in seen:
                     seen.add(k)
                     todo.append(i)
-            slots, victims = self._reserve(len(todo))
-            self._leased += len(slots)  # used from now on, so concurrent puts evict for them
-        released: list[BlockKey] = []
-        more: list[int] = []
-        if victims:
-            more, released = self._demote(victims, need=len(todo) - len(slots))
-            slots += more
-        out_slots, gens = [0] * len(keys), [0] * len(keys)
+        slots, released = self._allocate([sizes[i] for i in todo])
+        out_slots, gens, offsets = [0] * len(keys), [0] * len(keys), [0] * len(keys)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         lease = Lease(0, deadline, {}, owner, charge)
         with self._lock:
-            self._leased += len(more)
             for i, slot in zip(todo, slots):
-                gens[i] = self.arena.claim(slot)
+                if slot is None:
+                    continue
+                offsets[i] = int(self._extent[slot, 0]) * GRANULE
+                gens[i] = self.arena.claim(slot, offsets[i])
                 out_slots[i] = slot
                 lease.slots[slot] = (keys[i], sizes[i])
+            self._leased += len(lease.slots)
             if lease.slots:
                 lease.id = self._new_lease_id()
                 self._leases[lease.id] = lease  # the last step: from here on the lease ends the charge
             reserved = [key for key, _ in lease.slots.values()]
-        return Reservation(lease.id, out_slots, gens, held), reserved, released
+        return Reservation(lease.id, out_slots, gens, offsets, held), reserved, released
 
     def _take_lease(self, lease_id: int, owner: object) -> Lease | None:
         """Remove and return the live lease ``lease_id`` if ``owner`` owns it; otherwise change nothing."""
@@ -429,7 +540,7 @@ class DramStore:
         good: list[tuple[int, int, int, int]] = []
         for item in todo:  # verify outside the lock: the slots are ours until published
             i, slot, size, checksum = item
-            if block_checksum(self.arena.data[slot, :size]) == checksum:
+            if block_checksum(self.arena.block(slot, size)) == checksum:
                 good.append(item)
             else:
                 lease.slots[slot] = (keys[i], size)  # refused: freed with the rest below
@@ -438,10 +549,9 @@ class DramStore:
             for i, slot, size, checksum in good:
                 key = keys[i]
                 if self._slot_of(key) is not None:  # another writer stored it meanwhile
-                    self._free.append(slot)
+                    self._give_back(slot)
                 else:
-                    self.arena.commit(slot, key, size, checksum)
-                    self._lru[key] = slot
+                    self._publish(slot, key, size, checksum)
                     added.append(BlockMeta(key, size, checksum))
             self._leased -= len(good)
             self._stats.puts += len(added)
@@ -467,10 +577,11 @@ class DramStore:
         return sum(self._end_lease(lease) for lease in leases)
 
     def _free_lease(self, lease: Lease) -> int:
-        """Return the slots still in ``lease`` (already out of ``_leases``) to the free list."""
+        """Free the slots still in ``lease`` (already out of ``_leases``); they are claimed (odd) and unpublished."""
         with self._lock:
             n = len(lease.slots)
-            self._free.extend(lease.slots)
+            for slot in lease.slots:
+                self._give_back(slot)
             self._leased -= n
             lease.slots.clear()
         return n
@@ -488,68 +599,50 @@ class DramStore:
         with self._lock:
             return self._leased
 
-    # -- reads for a sender (the bulk listener) ----------------------------------------
-
-    def refs_for_read(self, keys: Sequence[BlockKey]) -> list[tuple[SlotRef, int] | None]:
-        """Per key (ref, checksum) of its DRAM copy now, refreshing recency like a read; None if absent.
-
-        The caller sends the slot's bytes itself, re-checks the gen afterwards
-        and reports what it sent with :meth:`record_reads`.
-        """
-        keys = check_keys(keys)
-        out: list[tuple[SlotRef, int] | None] = []
-        with self._lock:
-            for k in keys:
-                slot = self._slot_of(k)
-                ref = None if slot is None else self.arena.ref(slot)
-                if ref is None:
-                    out.append(None)
-                    continue
-                if k in self._lru:
-                    self._lru.move_to_end(k)
-                out.append((ref, int(self.arena.table["checksum"][slot])))
-        return out
-
-    def record_reads(self, hits: int, misses: int, bytes_out: int) -> None:
-        """Count reads served outside :meth:`get_into` (see :meth:`refs_for_read`)."""
-        with self._lock:
-            self._stats.hits += hits
-            self._stats.misses += misses
-            self._stats.bytes_out += bytes_out
+    # -- removal and introspection ---------------------------------------------------
 
     def remove(self, keys: Sequence[BlockKey]) -> int:
         keys = check_keys(keys)
         gone: list[BlockKey] = []
         with self._lock:
             for k in keys:
-                slot = self._lru.pop(k, None)
+                slot = self._blocks.pop(k, None)
                 if slot is not None:
                     self.arena.release(slot)
-                    self._free.append(slot)
+                    self._give_back(slot)
                     gone.append(k)
         notify(self.on_change, (), gone, "DRAM")
         return len(gone)
 
-    # -- introspection -------------------------------------------------------------
+    def _by_recency(self) -> list[tuple[BlockKey, int]]:
+        """Under the lock: (key, slot) of every block held, being-demoted ones included, least recently read first."""
+        held = [*self._demoting.items(), *self._blocks.items()]
+        stamps = self.arena.stamps[np.fromiter((s for _, s in held), dtype=np.int64, count=len(held))]
+        return [held[i] for i in np.argsort(stamps, kind="stable").tolist()]
 
     def keys(self) -> list[BlockKey]:
         """Committed keys, least recently used first."""
         with self._lock:
-            return list(self._lru)
+            return [k for k, _ in self._by_recency() if k in self._blocks]
 
     def inventory(self) -> list[BlockMeta]:
         """Every block held (being-demoted ones included, as ``contains`` counts them), LRU first."""
         with self._lock:
-            held = [*self._demoting.items(), *self._lru.items()]
+            held = self._by_recency()
             slots = np.fromiter((s for _, s in held), dtype=np.int64, count=len(held))
             lengths = self.arena.table["length"][slots].tolist()
             sums = self.arena.table["checksum"][slots].tolist()
         return [BlockMeta(k, n, c) for (k, _), n, c in zip(held, lengths, sums)]
 
+    def usage(self) -> tuple[int, int, int]:
+        """(bytes in extents of held and leased blocks, free bytes, the longest free extent in bytes)."""
+        with self._lock:
+            return self._used * GRANULE, self._alloc.free_units * GRANULE, self._alloc.largest_free() * GRANULE
+
     def stats(self) -> TierStats:
         with self._lock:
             s = self._stats
-            blocks = len(self._lru) + len(self._demoting)
+            blocks = len(self._blocks) + len(self._demoting)
             used = int(self.arena.table["length"].sum())
             return TierStats(
                 Tier.DRAM, s.capacity_bytes, used, blocks, s.hits, s.misses, s.puts,
@@ -558,7 +651,7 @@ class DramStore:
 
     def close(self) -> None:
         with self._lock:
-            self._lru.clear()
+            self._blocks.clear()
             self._demoting.clear()
             leases = list(self._leases.values())
             self._leases.clear()

@@ -9,7 +9,7 @@ Invariants:
   drop (SSD already has the block, unless SSD's own LRU evicted it).
 - The tiers are inclusive after a promotion: the SSD copy stays until SSD's
   LRU evicts it, so demoting that block again costs no write.
-- A block larger than DRAM's slot size lives on SSD only: puts send it
+- A block larger than DRAM's ``max_block_bytes`` lives on SSD only: puts send it
   straight there and SSD hits on it are not promoted. Without an SSD tier it
   is a ValueError, as in DramStore.
 - ``on_demote(n)`` / ``on_promote(n)`` (optional) count blocks that actually
@@ -29,6 +29,7 @@ import numpy as np
 from kvpool.buffers import BufferLike, ScratchPool, byte_view
 from kvpool.checksum import copy_with_checksum
 from kvpool.keys import BlockKey, check_keys
+from kvpool.tiers.arena import SlotRef
 from kvpool.tiers.base import BlockMeta, Tier, TierStats, check_batch
 from kvpool.tiers.demotion import DemotionQueue
 from kvpool.tiers.dram import DramStore
@@ -74,15 +75,49 @@ class TieredStore:
 
     def fits_dram(self, nbytes: int) -> bool:
         """Whether a block of ``nbytes`` can live in DRAM (else it lives on SSD only)."""
-        return nbytes <= self.dram.slot_bytes
+        return nbytes <= self.dram.max_block_bytes
 
     def max_block_bytes(self) -> int:
-        """The largest block this node stores at all: a DRAM slot, or the largest value SSD takes."""
+        """The largest block this node stores at all: DRAM's largest, or the largest value SSD takes."""
         if self.ssd is None:
-            return self.dram.slot_bytes
+            return self.dram.max_block_bytes
         ssd = self.ssd
         largest = min(ssd.max_value_bytes, (ssd.capacity_bytes // ssd.page_size - 1) * ssd.page_size - HEADER_BYTES)
-        return max(self.dram.slot_bytes, largest)
+        return max(self.dram.max_block_bytes, largest)
+
+    def locate(self, keys: Sequence[BlockKey], *, promote: bool) -> list[SlotRef | None]:
+        """Where each key's DRAM copy is, for a reader about to read them (they are stamped read).
+
+        With ``promote``, SSD blocks that fit DRAM are brought in first. The
+        keys already in DRAM are stamped before any promotion, so the
+        evictions promotions cause take other blocks first: a request's own
+        reads do not evict the blocks it is about to read.
+        """
+        keys = check_keys(keys)
+        refs = self.dram.locate(keys, touch=True)
+        missing = [i for i, r in enumerate(refs) if r is None]
+        if promote and self.promote and self.ssd is not None and missing and self._promote([keys[i] for i in missing]):
+            for i, ref in zip(missing, self.dram.locate([keys[i] for i in missing], touch=True)):
+                refs[i] = ref
+        return refs
+
+    def _promote(self, keys: Sequence[BlockKey]) -> bool:
+        """Bring those of ``keys`` that are on SSD only and fit DRAM into DRAM; whether any was tried."""
+        unique = list(dict.fromkeys(keys))
+        metas = self.ssd_meta(unique)
+        todo = [(k, m.size) for k, m in zip(unique, metas) if m is not None and self.fits_dram(m.size)]
+        if not todo:
+            return False
+        scratch = self.scratch.take(sum(n for _, n in todo))
+        try:
+            outs, offset = [], 0
+            for _, n in todo:
+                outs.append(scratch[offset : offset + n])
+                offset += n
+            self.get_into([k for k, _ in todo], outs)
+        finally:
+            self.scratch.give(scratch)
+        return True
 
     def where(self, keys: Sequence[BlockKey]) -> list[Tier | None]:
         """The fastest tier holding each key (no recency change)."""
@@ -155,7 +190,7 @@ class TieredStore:
         views = [byte_view(v) for v in values]
         for v in views:  # checked before any write: bad input changes nothing
             if not self.fits_dram(v.nbytes) and not self.ssd.fits(v.nbytes):
-                raise ValueError(f"a {v.nbytes}-byte block fits neither a DRAM slot ({self.dram.slot_bytes} B) "
+                raise ValueError(f"a {v.nbytes}-byte block fits neither DRAM (at most {self.dram.max_block_bytes} B) "
                                  f"nor SSD store {self.ssd.path}")
         small = [i for i, v in enumerate(views) if self.fits_dram(v.nbytes)]  # the rest go to SSD only
         stored = [False] * len(keys)
@@ -180,7 +215,7 @@ class TieredStore:
             assert self.ssd is not None, "tiered: write-through without an SSD tier"
             picked = [(k, ref, int(c)) for k, ref, c, ok in zip(keys, self.dram.locate(keys), checksums, stored)
                       if ok and ref is not None]
-            views = [self.dram.arena.slot_view(ref.slot, ref.length) for _, ref, _ in picked]
+            views = [self.dram.arena.view(ref.slot, ref.length) for _, ref, _ in picked]
             # the checksums make SSD refuse bytes of a slot evicted and reused meanwhile
             self.ssd.put([k for k, _, _ in picked], views, [c for _, _, c in picked])
             del views

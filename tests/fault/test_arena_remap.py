@@ -17,7 +17,7 @@ from kvpool.client.pool import PoolClient
 from kvpool.tiers.arena import shm_path
 
 BLOCK = 64 * KIB
-NODE = {"dram-bytes": str(16 * BLOCK), "slot-bytes": str(BLOCK)}
+NODE = {"dram-bytes": str(16 * BLOCK), "max-block-bytes": str(BLOCK)}
 
 
 def path_blocks(pool: PoolClient, path: str, op: str) -> float:

@@ -22,7 +22,7 @@ from kvpool.tiers.base import Tier
 from kvpool.v1 import master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
 
 BLOCK = 64 * KIB
-NODE = {"dram-bytes": str(16 * BLOCK), "slot-bytes": str(BLOCK), "ssd-bytes": str(64 << 20)}
+NODE = {"dram-bytes": str(16 * BLOCK), "max-block-bytes": str(BLOCK), "ssd-bytes": str(64 << 20)}
 
 
 def remove(address: str, keys: list[BlockKey]) -> None:

@@ -61,7 +61,7 @@ reply = stub.Reserve(node_pb2.ReserveRequest(keys=pack_keys(keys), sizes=[size] 
 arena = SharedArena.attach(reply.arena)
 for key, slot, gen in zip(keys, reply.slots, reply.slot_gens):
     if gen:
-        arena.data[slot, : size // 2] = content(key, size)[: size // 2]  # half of each block...
+        arena.block(slot, size // 2)[:] = content(key, size)[: size // 2]  # half of each block...
 print(json.dumps({"arena": reply.arena, "lease": reply.lease, "slots": list(reply.slots),
                   "gens": list(reply.slot_gens), "checksums": [block_checksum(content(k, size)) for k in keys]}),
       flush=True)
@@ -102,7 +102,7 @@ def leased(procs) -> float:
 
 @pytest.mark.parametrize("path", ["lease", "bulk"])
 def test_a_writer_killed_mid_put_leaves_nothing_visible_and_its_slots_come_back(procs, client_config, path):
-    procs.node_flags.update({"dram-bytes": str(SLOTS * BLOCK), "slot-bytes": "64K", "ssd": "false",
+    procs.node_flags.update({"dram-bytes": str(SLOTS * BLOCK), "max-block-bytes": "64K", "ssd": "false",
                              "high-watermark": "1.0", "low-watermark": "1.0",
                              "lease-timeout-s": str(LEASE_TIMEOUT_S)})
     start_master(procs, **master_flags())

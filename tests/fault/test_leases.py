@@ -39,7 +39,7 @@ RACE_SLOTS = 8
 
 
 def test_readers_racing_slot_reuse_get_their_block_or_a_miss_never_other_bytes(procs, client_config):
-    procs.node_flags.update({"dram-bytes": str(RACE_SLOTS * RACE_BLOCK), "slot-bytes": "256K",
+    procs.node_flags.update({"dram-bytes": str(RACE_SLOTS * RACE_BLOCK), "max-block-bytes": "256K",
                              "ssd": "false"})  # evicted means gone: slots are reused at once
     start_master(procs, **master_flags())
     start_node(procs, "n0")
@@ -126,7 +126,7 @@ def look_without_reading(procs, pool: PoolClient, key: BlockKey) -> None:
 
 
 def test_lookups_do_not_keep_a_block_alive_but_reads_do(procs, client_config):
-    procs.node_flags.update({"dram-bytes": str(LRU_SLOTS * LRU_BLOCK), "slot-bytes": "64K", "ssd": "false",
+    procs.node_flags.update({"dram-bytes": str(LRU_SLOTS * LRU_BLOCK), "max-block-bytes": "64K", "ssd": "false",
                              "high-watermark": "1.0", "low-watermark": "1.0"})  # evict exactly what a put needs
     start_master(procs, **master_flags())
     start_node(procs, "n0")

@@ -31,7 +31,7 @@ RECOVERY_BOUND_S = 5.0  # from the restarted master serving to every block hitti
 
 def test_kill_9_of_the_master_degrades_to_misses_and_the_index_is_rebuilt(procs, client_config):
     assert LAYOUT.block_bytes == 64 * KIB
-    procs.node_flags.update({"dram-bytes": "4M", "slot-bytes": "64K"})  # 64 slots: every block stays in DRAM
+    procs.node_flags.update({"dram-bytes": "4M", "max-block-bytes": "64K"})  # 64 slots: every block stays in DRAM
     master = start_master(procs, **master_flags())
     start_node(procs, "n0")
     procs.wait_nodes(1)

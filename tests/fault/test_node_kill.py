@@ -37,7 +37,7 @@ NODE_TIMEOUT_S = 1.0  # short, to measure the drop
 
 
 def test_kill_9_of_a_node_under_load_loses_no_byte_and_its_ssd_comes_back(procs, client_config):
-    procs.node_flags.update({"dram-bytes": "1M", "slot-bytes": "64K", "ssd-bytes": str(SSD_BYTES)})  # 16 slots
+    procs.node_flags.update({"dram-bytes": "1M", "max-block-bytes": "64K", "ssd-bytes": str(SSD_BYTES)})  # 16 slots
     start_master(procs, **master_flags(node_timeout_s=NODE_TIMEOUT_S))
     victim = start_node(procs, "n0")
     start_node(procs, "n1")

@@ -56,7 +56,7 @@ SSD_OPTIONAL = {"ssd-optional": "true"}
 
 
 def small_node(procs, **flags: str) -> None:
-    procs.node_flags.update({"dram-bytes": str(DRAM_SLOTS * BLOCK), "slot-bytes": "64K", **flags})
+    procs.node_flags.update({"dram-bytes": str(DRAM_SLOTS * BLOCK), "max-block-bytes": "64K", **flags})
 
 
 def read_each(pool: PoolClient, keys) -> tuple[int, int]:

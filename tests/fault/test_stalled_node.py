@@ -39,7 +39,7 @@ SLACK_S = 1.0  # scheduling on a loaded 2-core machine; still below a second dea
 
 
 def test_a_stalled_node_costs_a_reader_at_most_its_deadline_and_nothing_hangs(procs, client_config):
-    procs.node_flags.update({"dram-bytes": "4M", "slot-bytes": "64K"})
+    procs.node_flags.update({"dram-bytes": "4M", "max-block-bytes": "64K"})
     start_master(procs, **master_flags(node_timeout_s=NODE_TIMEOUT_S))
     victim = start_node(procs, "n0")
     start_node(procs, "n1")
