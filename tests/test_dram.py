@@ -180,3 +180,115 @@ def test_a_refused_store_leaves_no_arena_behind(arena_name):
     with pytest.raises(ValueError, match="max_block_bytes must be > 0"):
         DramStore.create(arena_name, 1 << 20, 0)
     assert not os.path.exists(shm_path(arena_name))
+
+
+# -- any block size, and an LRU that sees every reader --------------------------------------------
+
+
+def test_blocks_of_any_size_share_the_arena_byte_exact(arena_name):
+    rng = np.random.default_rng(3)
+    sizes = [1, 63, 64, 65, 4096, 250_000, 7 << 20, 3 << 20]
+    s = DramStore.create(arena_name, 16 << 20, high_watermark=1.0, low_watermark=1.0)
+    try:
+        values = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+        keys = [key(i) for i in range(len(sizes))]
+        assert s.put(keys, values) == [True] * len(sizes)
+        outs = [np.empty_like(v) for v in values]
+        assert s.get_into(keys, outs) == [True] * len(sizes)
+        assert all((o == v).all() for o, v in zip(outs, values))
+        used, free, _ = s.usage()
+        assert used + free == 16 << 20 and used == sum(-(-n // 64) * 64 for n in sizes)
+        with pytest.raises(ValueError, match="takes blocks of 1"):
+            s.put([key(99)], [np.zeros((16 << 20) + 1, np.uint8)])  # larger than the whole arena
+        # a block larger than any free extent evicts LRU blocks until one is long enough
+        assert s.put([key(50)], [np.ones(9 << 20, np.uint8)]) == [True]
+        held = s.contains(keys + [key(50)])
+        assert held[-1] and not all(held[:-1])
+        assert s.usage()[0] <= 16 << 20
+    finally:
+        s.close()
+
+
+def test_max_block_bytes_bounds_what_dram_takes(arena_name):
+    s = DramStore.create(arena_name, 1 << 20, 64 << 10)
+    try:
+        assert s.max_block_bytes == 64 << 10
+        assert s.put([key(1)], [np.zeros(64 << 10, np.uint8)]) == [True]
+        with pytest.raises(ValueError, match=r"1\.\.65536 B"):
+            s.put([key(2)], [np.zeros((64 << 10) + 1, np.uint8)])
+        assert s.contains([key(2)]) == [False]
+    finally:
+        s.close()
+
+
+def test_eviction_is_exactly_lru_over_reads_and_writes(arena_name):
+    """A random mix of puts and reads: after every step DRAM holds exactly what an exact LRU would."""
+    from collections import OrderedDict
+
+    capacity = 16
+    s = DramStore.create(arena_name, capacity * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0)
+    model: OrderedDict[BlockKey, None] = OrderedDict()
+    rng = np.random.default_rng(11)
+    out = np.empty(SLOT, np.uint8)
+    try:
+        for _ in range(2000):
+            k = key(int(rng.integers(0, 40)))
+            if rng.random() < 0.5:
+                assert s.put([k], [block(k[0] + k[3])]) == [True]
+                model[k] = None
+            elif s.get_into([k], [out]) == [True]:
+                assert k in model
+            else:
+                assert k not in model
+                continue
+            model.move_to_end(k)
+            while len(model) > capacity:
+                model.popitem(last=False)
+            assert s.keys() == list(model)
+    finally:
+        s.close()
+
+
+READ_AND_STAMP = """
+import sys
+import numpy as np
+from kvpool.tiers.arena import SharedArena
+arena = SharedArena.attach(sys.argv[1])
+key = bytes.fromhex(sys.argv[2])
+ref = arena.find(key)
+out = bytearray(ref.length)
+ok = arena.read_into(ref, key, out)
+arena.touch([ref.slot])
+print("read" if ok else "miss", flush=True)
+arena.close()
+"""
+
+
+def test_a_read_in_another_process_keeps_its_block_alive(arena_name):
+    import subprocess
+    import sys
+
+    s = DramStore.create(arena_name, 4 * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0)
+    try:
+        assert s.put([key(i) for i in range(4)], [block(i) for i in range(4)]) == [True] * 4
+        done = subprocess.run([sys.executable, "-c", READ_AND_STAMP, arena_name, key(0).hex()], capture_output=True,
+                              text=True, timeout=60, check=True)
+        assert done.stdout.strip() == "read"
+        assert s.put([key(4)], [block(4)]) == [True]  # one must go: not key 0, the same-host reader just read it
+        assert s.contains([key(i) for i in range(5)]) == [True, False, True, True, True]
+    finally:
+        s.close()
+
+
+def test_locate_touch_refreshes_and_plain_locate_does_not(arena_name):
+    s = DramStore.create(arena_name, 2 * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0)
+    try:
+        s.put([key(0), key(1)], [block(0), block(1)])
+        s.locate([key(0)])
+        s.put([key(2)], [block(2)])
+        assert s.contains([key(0), key(1)]) == [False, True]
+        s.locate([key(1)], touch=True)
+        s.put([key(0)], [block(0)])
+        assert s.contains([key(1), key(2)]) == [True, False]
+    finally:
+        s.close()

@@ -160,3 +160,20 @@ def test_a_block_larger_than_a_slot_lives_on_ssd_only(arena_name, tmp_path):
         assert node.where([key(3), key(4)]) == [None, None]
     finally:
         node.close()
+
+
+def test_a_requests_promotions_do_not_evict_the_blocks_it_is_about_to_read(arena_name, tmp_path):
+    node = make(arena_name, tmp_path)
+    try:
+        for i in range(6):
+            node.put([key(i)], [block(i)])  # DRAM 2..5, SSD 0, 1
+        assert node.where([key(0), key(1), key(2), key(3)]) == [Tier.SSD, Tier.SSD, Tier.DRAM, Tier.DRAM]
+        # one request reads 2, 3 (DRAM, the least recently used there) and 0, 1 (SSD, promoted by this locate)
+        refs = node.locate([key(2), key(3), key(0), key(1)], promote=True)
+        assert all(r is not None for r in refs)
+        assert node.where([key(i) for i in range(6)]) == [Tier.DRAM] * 4 + [Tier.SSD] * 2  # 4 and 5 went instead
+        for i, ref in zip([2, 3, 0, 1], refs):
+            out = bytearray(SLOT)
+            assert node.dram.arena.read_into(ref, key(i), out) and bytes(out) == block(i)
+    finally:
+        node.close()
