@@ -274,7 +274,7 @@ class EmbeddedPool:
             node_config = NodeConfig(
                 master=self.master.address, host="127.0.0.1", port=0, metrics_port=0,
                 arena=f"kvpool-replay-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-                dram_bytes=config.dram_bytes, slot_bytes=config.block_bytes,
+                dram_bytes=config.dram_bytes,
                 ssd_dir=os.path.join(self._tmp.name, "ssd"), ssd_bytes=config.ssd_bytes or 0,
                 ssd_enabled=config.ssd_bytes > 0,
             )

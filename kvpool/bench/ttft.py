@@ -88,7 +88,7 @@ def _free_port() -> int:
 class LocalPool:
     """``kvpool serve`` in a child process on 127.0.0.1 with its own ports, arena and SSD directory."""
 
-    def __init__(self, *, dram_bytes: int, slot_bytes: int, ssd_bytes: int, write_through: bool = False,
+    def __init__(self, *, dram_bytes: int, max_block_bytes: int, ssd_bytes: int, write_through: bool = False,
                  ssd_parent: str | None = None, timeout_s: float = 60.0):
         from kvpool.bench.replay import cluster_nodes
 
@@ -99,7 +99,7 @@ class LocalPool:
         flags = {
             "master-port": self.address.rsplit(":", 1)[1], "master-metrics-port": 0, "port": _free_port(),
             "metrics-port": self.metrics_port, "data-port": 0, "arena": self.arena, "dram-bytes": dram_bytes,
-            "max-block-bytes": slot_bytes, "ssd-dir": os.path.join(self._tmp, "ssd"), "ssd-bytes": ssd_bytes,
+            "max-block-bytes": max_block_bytes, "ssd-dir": os.path.join(self._tmp, "ssd"), "ssd-bytes": ssd_bytes,
         }
         argv = [sys.executable, "-m", "kvpool.cli", "--log-level", "WARNING", "serve"]
         argv += [x for k, v in flags.items() for x in (f"--{k}", str(v))]
@@ -211,7 +211,7 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
     }
     samples = {case: Samples() for case in CASES}
     cached = args.cached_blocks * args.block_size
-    with LocalPool(dram_bytes=dram_slots * layout.block_bytes, slot_bytes=layout.block_bytes,
+    with LocalPool(dram_bytes=dram_slots * layout.block_bytes, max_block_bytes=layout.block_bytes,
                    ssd_bytes=max(1 << 30, 8 * dram_slots * layout.block_bytes), write_through=args.write_through,
                    ssd_parent=args.ssd_dir) as pool:
         base = ClientConfig(master=pool.address, layout=layout, model=hf_model.model_id(model),

@@ -396,7 +396,7 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
         done = runner.phase("vllm", None, fill("cold", "own"))
         _check(done, expect_hit, args.block_size)
         requests += done
-        with LocalPool(dram_bytes=dram_slots * block_bytes, slot_bytes=block_bytes,
+        with LocalPool(dram_bytes=dram_slots * block_bytes, max_block_bytes=block_bytes,
                        ssd_bytes=max(4 << 30, 4 * dram_slots * block_bytes), ssd_parent=args.work_dir) as pool:
             config = work / "kvpool.json"
             config.write_text(json.dumps({"client": {"master": pool.address}}))
