@@ -340,9 +340,11 @@ class NodeConfig:
                                     "instead of refusing to start")
     ssd_sync: bool = opt(False, "fsync every SSD commit; off: a power loss may lose recent entries, as a cache may "
                                 "(docs/architecture.md)")
-    high_watermark: float = opt(0.95, "DRAM usage fraction that starts eviction (demotion to SSD); "
-                                      "0 < low_watermark <= high_watermark <= 1", check=fraction_check)
-    low_watermark: float = opt(0.85, "DRAM usage fraction eviction brings usage down to", check=fraction_check)
+    high_watermark: float = opt(1.0, "DRAM usage fraction that starts eviction (demotion to SSD); "
+                                     "0 < low_watermark <= high_watermark <= 1", check=fraction_check)
+    low_watermark: float = opt(1.0, "DRAM usage fraction eviction brings usage down to; 1: evict only what each "
+                                    "put needs (an exact LRU; a gap only costs hit rate, docs/benchmarks.md)",
+                               check=fraction_check)
     write_through: bool = opt(False, "write every block to SSD at once, not only on eviction")
     demote_queue_bytes: int = opt(256 << 20, "write-back: DRAM's evicted blocks are written to SSD in the background, "
                                              "at most this many bytes queued; 0: inline, in the evicting call",

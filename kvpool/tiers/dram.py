@@ -147,7 +147,7 @@ class DramStore:
         *,
         max_block_bytes: int | None = None,
         high_watermark: float = 1.0,
-        low_watermark: float = 0.98,
+        low_watermark: float = 1.0,
         on_evict: EvictionSink | None = None,
         on_change: ChangeListener | None = None,
         verify_reads: bool = True,
