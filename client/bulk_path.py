@@ -16,7 +16,7 @@ is larger; a larger block goes alone). A PUT sends at most
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -26,7 +26,7 @@ from kvpool.checksum import block_checksum
 from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
 from kvpool.client.datapath import LEASE_CHUNK_BYTES, MAX_KEYS, chunks
 from kvpool.client.faults import Faults
-from kvpool.client.lookup import BlockLocation, NodeAddress
+from kvpool.client.lookup import NodeAddress, PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
 from kvpool.keys import BlockKey
@@ -59,30 +59,29 @@ class BulkPath:
             self.faults.counted("bulk_fallback", n)
         return None
 
-    def get(self, node: NodeAddress, idxs: list[int], locations: Sequence[BlockLocation],
-            dsts: list[np.ndarray], ok: list[bool]) -> list[int]:
+    def get(self, node: NodeAddress, idxs: list[int], run: PoolRun, dsts: list[np.ndarray],
+            ok: list[bool]) -> list[int]:
         data_address = self.nodes.data_address(node.address)
         if data_address is None:
             return idxs
         done = 0
-        sizes = [locations[i].size for i in idxs]
+        sizes = run.sizes[idxs].tolist()
         for positions in chunks(range(len(idxs)), sizes, GET_CHUNK_BYTES, MAX_KEYS):
-            run = [idxs[p] for p in positions]
-            status = self._call(node, len(run), self.bulk.get_into, data_address,
-                                [locations[i].key for i in run], [dsts[i] for i in run],
-                                [locations[i].checksum for i in run])
+            part = [idxs[p] for p in positions]
+            status = self._call(node, len(part), self.bulk.get_into, data_address,
+                                [run.keys[i] for i in part], [dsts[i] for i in part], run.checksums[part].tolist())
             if status is None:
                 return idxs[done:]
-            done += len(run)
-            for i, st in zip(run, status):
+            done += len(part)
+            for i, st in zip(part, status):
                 if st == OK:
                     ok[i] = True
                 elif st == GONE:
-                    self.faults.lost("block_gone", locations[i].key.hex()[:16])
+                    self.faults.lost("block_gone", run.keys[i].hex()[:16])
                 elif st == CHANGED:
-                    self.faults.lost("block_changed", locations[i].key.hex()[:16])
+                    self.faults.lost("block_changed", run.keys[i].hex()[:16])
                 elif st == CORRUPT:
-                    self.faults.lost("checksum", locations[i].key.hex()[:16])
+                    self.faults.lost("checksum", run.keys[i].hex()[:16])
         return []
 
     def put(self, node: NodeAddress, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],

@@ -4,8 +4,9 @@
 and offers each node's blocks to its paths in order (shared memory, bulk TCP,
 gRPC); a path moves what it can and hands back the rest for the next one:
 
-- ``get(node, idxs, locations, dsts, ok)``: copy ``locations[i]`` into
-  ``dsts[i]`` for ``i`` in ``idxs``, set ``ok[i]`` for each block that
+- ``get(node, idxs, run, dsts, ok)``: copy block ``i`` of ``run`` (a
+  :class:`~kvpool.client.lookup.PoolRun`: its columns, no object per block)
+  into ``dsts[i]`` for ``i`` in ``idxs``, set ``ok[i]`` for each block that
   arrived intact (its checksum is the one the master published), and return
   the indexes another path should try. A block the node reports gone is a
   counted miss, not handed on.
@@ -21,7 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpool.client.lookup import BlockLocation, NodeAddress
+from kvpool.client.lookup import NodeAddress, PoolRun
 from kvpool.keys import BlockKey
 
 MAX_KEYS = 65536  # keys per node call (the node's limit)
@@ -32,8 +33,8 @@ LEASE_CHUNK_BYTES = 256 << 20  # bytes per bulk PUT or Reserve/Commit lease (a l
 class DataPath(Protocol):
     """A way to move blocks to and from one node (see the module docstring)."""
 
-    def get(self, node: NodeAddress, idxs: list[int], locations: Sequence[BlockLocation],
-            dsts: list[np.ndarray], ok: list[bool]) -> list[int]: ...
+    def get(self, node: NodeAddress, idxs: list[int], run: PoolRun, dsts: list[np.ndarray],
+            ok: list[bool]) -> list[int]: ...
 
     def put(self, node: NodeAddress, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
             sizes: list[int], result: list[bool]) -> list[int]: ...

@@ -7,15 +7,13 @@ counted misses (reads) or unstored blocks (writes), never handed on.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import grpc
 import numpy as np
 
 from kvpool.checksum import block_checksum, copy_with_checksum
 from kvpool.client.datapath import GRPC_CHUNK_BYTES, chunks
 from kvpool.client.faults import Faults, error_kind
-from kvpool.client.lookup import BlockLocation, NodeAddress
+from kvpool.client.lookup import NodeAddress, PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
 from kvpool.keys import BlockKey, pack_keys
@@ -31,11 +29,11 @@ class GrpcPath:
         self.nodes = nodes
         self.faults = faults
 
-    def get(self, node: NodeAddress, idxs: list[int], locations: Sequence[BlockLocation],
-            dsts: list[np.ndarray], ok: list[bool]) -> list[int]:
-        sizes = [loc.size for loc in locations]
+    def get(self, node: NodeAddress, idxs: list[int], blocks: PoolRun, dsts: list[np.ndarray],
+            ok: list[bool]) -> list[int]:
+        sizes = blocks.sizes.tolist()
         for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES):
-            request = node_pb2.GetRequest(keys=pack_keys([locations[i].key for i in run]))
+            request = node_pb2.GetRequest(keys=pack_keys([blocks.keys[i] for i in run]))
             try:
                 reply = self.nodes.stub(node.address).Get(request, timeout=self.config.io_timeout_s)
             except grpc.RpcError as exc:
@@ -45,16 +43,17 @@ class GrpcPath:
             offset = 0
             for j, i in enumerate(run):
                 if j >= len(reply.tiers) or reply.tiers[j] == MISS:
-                    self.faults.lost("block_gone", locations[i].key.hex()[:16])
+                    self.faults.lost("block_gone", blocks.keys[i].hex()[:16])
                     continue
                 size = reply.sizes[j]
                 piece = data[offset : offset + size]
                 offset += size
-                if size != locations[i].size or reply.checksums[j] != locations[i].checksum:
-                    self.faults.lost("block_changed", locations[i].key.hex()[:16])
+                checksum = int(blocks.checksums[i])
+                if size != sizes[i] or reply.checksums[j] != checksum:
+                    self.faults.lost("block_changed", blocks.keys[i].hex()[:16])
                     continue
-                if copy_with_checksum(dsts[i], piece) != locations[i].checksum:
-                    self.faults.lost("checksum", locations[i].key.hex()[:16])
+                if copy_with_checksum(dsts[i], piece) != checksum:
+                    self.faults.lost("checksum", blocks.keys[i].hex()[:16])
                     continue
                 ok[i] = True
         return []

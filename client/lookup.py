@@ -5,9 +5,10 @@ order), the first ``hbm_blocks`` are in this worker's HBM, the next
 ``len(pool)`` are in the pool at ``pool[i]``, and every block after those is a
 miss: only a leading run can be reused, so nothing past the first miss counts.
 
-The pooled run is kept as the master sent it, in columns (:class:`PoolRun`):
-a lookup of hundreds of blocks builds no Python object per block; a
-:class:`BlockLocation` is made only when one is indexed.
+The pooled run is kept as the master sent it, in columns (:class:`PoolRun`),
+from the lookup reply to the copy: a lookup of hundreds of blocks builds no
+Python object per block; a :class:`BlockLocation` is made only when one is
+indexed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
+
+import numpy as np
 
 from kvpool.keys import BlockKey
 from kvpool.tiers.base import Tier
@@ -45,21 +48,35 @@ class PoolRun(Sequence[BlockLocation]):
     """The pooled blocks of a lookup, as columns (immutable; all columns have one entry per block).
 
     ``tiers`` holds one :class:`Tier` value per block; ``node_indexes[i]``
-    indexes ``nodes``. The caller that builds it has checked both.
+    indexes ``nodes``; ``sizes`` and ``checksums`` are uint64 arrays. The
+    caller that builds it has checked them. The data paths read the columns
+    (no Python object per block); a :class:`BlockLocation` is made only when
+    one is indexed.
     """
 
     __slots__ = ("keys", "tiers", "node_indexes", "nodes", "sizes", "checksums")
 
-    def __init__(self, keys: Sequence[BlockKey], tiers: bytes, node_indexes: Sequence[int],
-                 nodes: Sequence[NodeAddress], sizes: Sequence[int], checksums: Sequence[int]):
+    def __init__(self, keys: Sequence[BlockKey], tiers: bytes, node_indexes: Sequence[int] | np.ndarray,
+                 nodes: Sequence[NodeAddress], sizes: Sequence[int] | np.ndarray,
+                 checksums: Sequence[int] | np.ndarray):
         if not len(keys) == len(tiers) == len(node_indexes) == len(sizes) == len(checksums):
             raise ValueError("pool run: columns of different lengths")
         self.keys = keys
         self.tiers = tiers
-        self.node_indexes = node_indexes
+        self.node_indexes = np.asarray(node_indexes, dtype=np.int64)
         self.nodes = nodes
-        self.sizes = sizes
-        self.checksums = checksums
+        self.sizes = np.asarray(sizes, dtype=np.uint64)
+        self.checksums = np.asarray(checksums, dtype=np.uint64)
+
+    @classmethod
+    def of(cls, locations: Sequence[BlockLocation]) -> PoolRun:
+        """A run of the given locations (itself if it is one already)."""
+        if isinstance(locations, PoolRun):
+            return locations
+        nodes: dict[NodeAddress, int] = {}
+        indexes = [nodes.setdefault(loc.node, len(nodes)) for loc in locations]
+        return cls([loc.key for loc in locations], bytes(int(loc.tier) for loc in locations), indexes, list(nodes),
+                   [loc.size for loc in locations], [loc.checksum for loc in locations])
 
     def __len__(self) -> int:
         return len(self.tiers)
@@ -74,14 +91,11 @@ class PoolRun(Sequence[BlockLocation]):
         if isinstance(i, slice):
             return PoolRun(self.keys[i], self.tiers[i], self.node_indexes[i], self.nodes, self.sizes[i],
                            self.checksums[i])
-        return BlockLocation(self.keys[i], Tier(self.tiers[i]), self.nodes[self.node_indexes[i]], self.sizes[i],
-                             self.checksums[i])
+        return BlockLocation(self.keys[i], Tier(self.tiers[i]), self.nodes[int(self.node_indexes[i])],
+                             int(self.sizes[i]), int(self.checksums[i]))
 
     def __iter__(self) -> Iterator[BlockLocation]:
-        nodes = self.nodes
-        for key, tier, node, size, checksum in zip(self.keys, self.tiers, self.node_indexes, self.sizes,
-                                                   self.checksums):
-            yield BlockLocation(key, Tier(tier), nodes[node], size, checksum)
+        return (self[i] for i in range(len(self)))
 
     def count(self, tier: Tier) -> int:
         """How many blocks of the run ``tier`` holds."""

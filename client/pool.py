@@ -170,23 +170,29 @@ class PoolClient:
     # -- reads ---------------------------------------------------------------------------
 
     def get_into(self, locations: Sequence[BlockLocation], outs: Sequence[BufferLike]) -> list[bool]:
-        """Copy each located block into its output; per block, whether it arrived intact."""
+        """Copy each located block into its output; per block, whether it arrived intact.
+
+        ``locations`` is best a :class:`PoolRun` (a lookup's, or a slice of one): its columns go to the data
+        paths as they are; any other sequence is turned into one first.
+        """
         if len(locations) != len(outs):
             raise ValueError(f"{len(locations)} locations but {len(outs)} buffers")
-        locations = list(locations)  # a PoolRun makes a BlockLocation per index: make each once
+        run = PoolRun.of(locations)
         dsts = [as_array(o, writable=True) for o in outs]
-        for loc, dst in zip(locations, dsts):
-            if dst.size != loc.size:
-                raise ValueError(f"output is {dst.size} bytes, block {loc.key.hex()[:16]} is {loc.size}")
+        wrong = np.flatnonzero(np.fromiter((d.size for d in dsts), dtype=np.uint64, count=len(dsts)) != run.sizes)
+        if wrong.size:
+            i = int(wrong[0])
+            raise ValueError(f"output is {dsts[i].size} bytes, block {run.keys[i].hex()[:16]} is {int(run.sizes[i])}")
         start = time.perf_counter()
-        ok = [False] * len(locations)
-        by_node: dict[NodeAddress, list[int]] = defaultdict(list)
-        for i, loc in enumerate(locations):
-            by_node[loc.node].append(i)
-        for node, idxs in by_node.items():
+        ok = [False] * len(run)
+        order = np.argsort(run.node_indexes, kind="stable")
+        bounds = np.flatnonzero(np.diff(run.node_indexes[order])) + 1
+        for group in np.split(order, bounds) if len(run) else []:
+            node = run.nodes[int(run.node_indexes[group[0]])]
+            idxs = group.tolist()
             deadline = time.monotonic() + self.config.io_timeout_s  # one deadline per node, not one per path
             for path, moved in zip(self.paths, self._moved["get"]):
-                offered, idxs = idxs, path.get(node, idxs, locations, dsts, ok)
+                offered, idxs = idxs, path.get(node, idxs, run, dsts, ok)
                 moved.inc(sum(ok[i] for i in offered))
                 if not idxs:
                     break

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -39,7 +38,7 @@ from kvpool.auth import MASK_BYTES, mask_keys
 from kvpool.checksum import copy_with_checksum
 from kvpool.client.datapath import LEASE_CHUNK_BYTES, chunks
 from kvpool.client.faults import Faults, error_kind
-from kvpool.client.lookup import BlockLocation, NodeAddress
+from kvpool.client.lookup import NodeAddress, PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
 from kvpool.keys import BlockKey, pack_keys
@@ -94,8 +93,8 @@ class SharedMemoryPath:
 
     # -- reads ----------------------------------------------------------------------------
 
-    def get(self, node: NodeAddress, idxs: list[int], locations: Sequence[BlockLocation],
-            dsts: list[np.ndarray], ok: list[bool]) -> list[int]:
+    def get(self, node: NodeAddress, idxs: list[int], run: PoolRun, dsts: list[np.ndarray],
+            ok: list[bool]) -> list[int]:
         arena = self.nodes.arena(node)
         if arena is None:
             return idxs
@@ -103,13 +102,13 @@ class SharedMemoryPath:
         if mask is None:  # the rows hold stored keys we cannot compute yet
             return idxs
         n = len(idxs)
-        packed = pack_keys([locations[i].key for i in idxs])
+        wanted = [run.keys[i] for i in idxs]
+        packed = pack_keys(wanted)
         sent = np.frombuffer(packed, dtype=KEY_DTYPE)  # what the node is asked for
         keys = np.frombuffer(mask_keys(packed, mask), dtype=KEY_DTYPE)  # what its rows hold
-        sizes = np.fromiter((locations[i].size for i in idxs), dtype=np.uint64, count=n)
-        sums = np.fromiter((locations[i].checksum for i in idxs), dtype=np.uint64, count=n)
+        sizes, sums = run.sizes[idxs], run.checksums[idxs]
         hints = self.nodes.slot_hints(arena)
-        slots = np.fromiter((hints.get(locations[i].key, -1) for i in idxs), dtype=np.int64, count=n)
+        slots = np.fromiter((hints.get(k, -1) for k in wanted), dtype=np.int64, count=n)
         gens, offsets, cand = arena.check_slots(slots, keys, sizes, sums)
         arena.touch(slots[cand])  # read now: the promotions a Locate below causes evict other blocks first
         missing = np.flatnonzero(~cand)
@@ -118,15 +117,14 @@ class SharedMemoryPath:
             if found is not None:
                 slots[missing] = found
                 for j in missing[found >= 0].tolist():
-                    hints[locations[idxs[j]].key] = int(slots[j])
+                    hints[wanted[j]] = int(slots[j])
                 gens[missing], offsets[missing], cand[missing] = arena.check_slots(
                     slots[missing], keys[missing], sizes[missing], sums[missing])
         copied = np.zeros(n, dtype=bool)
         data = arena.data
         for j in np.flatnonzero(cand).tolist():
-            i = idxs[j]
-            at, size = int(offsets[j]), locations[i].size
-            copied[j] = copy_with_checksum(dsts[i], data[at : at + size]) == locations[i].checksum
+            at, size = int(offsets[j]), int(sizes[j])
+            copied[j] = copy_with_checksum(dsts[idxs[j]], data[at : at + size]) == int(sums[j])
         copied &= arena.unchanged(slots, gens)  # not reused while we copied
         reused = int(cand.sum() - copied.sum())
         if reused:

@@ -121,7 +121,8 @@ def test_suffix_after_a_loaded_prefix_gives_the_full_prefill_logits(model, torch
 
 
 def test_prefix_from_hbm_dram_and_ssd_generates_the_pool_off_tokens(procs, model, reference):
-    procs.serve()  # 8 one-MiB DRAM slots: a dozen more blocks push the prompt's out to SSD
+    procs.node_flags["dram-bytes"] = str(8 * kv_layout(model, BLOCK).block_bytes)
+    procs.serve()  # DRAM for 8 blocks: a dozen more push the prompt's out to SSD
     with client(model, procs.master, hbm_blocks=16) as c1, client(model, procs.master) as c2:
         one, two = PrefixCachedEngine(model, c1), PrefixCachedEngine(model, c2)
         first = one.generate(PROMPT, NEW_TOKENS)

@@ -94,9 +94,8 @@ def default_slots(capacity_bytes: int) -> int:
 
 
 class StoreOptions(TypedDict, total=False):
-    """The keyword arguments of :class:`DramStore` (for :meth:`DramStore.create`)."""
+    """The keyword arguments of :class:`DramStore` (for :meth:`DramStore.create`, which takes max_block_bytes itself)."""
 
-    max_block_bytes: int | None
     high_watermark: float
     low_watermark: float
     on_evict: EvictionSink | None
