@@ -162,6 +162,8 @@ def test_unknown_pattern_and_bad_counts_are_refused(capsys) -> None:
         tg.knobs_for("nope")
     with pytest.raises(ValueError, match="requests must be >= 1"):
         tg.generate("one-off", 0)
+    with pytest.raises(ValueError, match="do not fit pattern 'one-off'"):
+        tg.generate("one-off", 10, knobs=tg.MultiTurnKnobs())
     with pytest.raises(SystemExit):
         cli.main(["bench", "tracegen", "--pattern", "nope", "--out", "/dev/null"])
     assert "invalid choice" in capsys.readouterr().err

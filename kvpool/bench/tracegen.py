@@ -19,9 +19,10 @@ before, so a prompt that extends another shares exactly the other's *full*
 blocks, and its partial last block (which gains tokens) gets a new id. Ids are
 drawn in order of first appearance, 0, 1, 2, ...
 
-The same pattern, knobs, request count and seed give the same bytes. Default
-sizes put the distinct blocks of a few thousand requests in the tens of
-thousands, so LRU hit rates keep moving from 1k to 50k blocks of capacity.
+The same pattern, knobs, request count and seed give the same bytes. At the
+default knobs 4,000 requests touch 60k (system-prompt, multi-turn) to 130k
+(one-off) distinct blocks of 512 tokens, so an exact LRU's hit rate keeps
+moving from 1k to 50k blocks of capacity and a 50k cache still evicts.
 Knobs are set as ``--set NAME=VALUE`` (``--set system-prompt.prompts=50`` for a
 sub-pattern of ``mixed``); ``kvpool bench tracegen --pattern P --knobs`` lists them.
 """
@@ -86,8 +87,8 @@ def _check_range(name: str, lo: float, hi: float, floor: float) -> None:
 
 @dataclass(frozen=True)
 class SystemPromptKnobs:
-    prompts: int = 800  # distinct system prompts
-    zipf: float = 0.7  # popularity of the i-th prompt ~ 1 / (i + 1) ** zipf
+    prompts: int = 2000  # distinct system prompts
+    zipf: float = 0.8  # popularity of the i-th prompt ~ 1 / (i + 1) ** zipf
     min_system_tokens: int = 2048
     max_system_tokens: int = 32768
     min_user_tokens: int = 64
@@ -105,9 +106,9 @@ class SystemPromptKnobs:
 
 @dataclass(frozen=True)
 class MultiTurnKnobs:
-    sessions: int = 1000  # sessions open at once; a finished one is replaced by a new one
+    sessions: int = 2000  # sessions open at once; a finished one is replaced by a new one
     mean_turns: float = 8.0  # turns per session, geometric
-    rate_sigma: float = 1.5  # a session's turn rate is lognormal(0, sigma): spread of reuse distances
+    rate_sigma: float = 1.0  # a session's turn rate is lognormal(0, sigma): spread of reuse distances
     min_first_tokens: int = 1024  # the first prompt: instructions, a document, a question
     max_first_tokens: int = 32768
     min_user_tokens: int = 32
