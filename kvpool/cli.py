@@ -185,13 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="measure the pool against this machine's limits", parents=[common])
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
-    from kvpool.bench import fragmentation, index_scale, replay, soak, tiers, ttft
+    from kvpool.bench import fragmentation, index_scale, lru_sweep, replay, soak, tiers, tracegen, ttft
     from kvpool.bench import vllm as vllm_bench
 
     for name, module, help_text in (
         ("tiers", tiers, "DRAM and SSD put/get GB/s next to memcpy"),
         ("fragmentation", fragmentation, "DRAM under mixed block sizes: the usable fraction of its capacity"),
         ("replay", replay, "replay a Mooncake trace against a pool: hit ratio per tier"),
+        ("lru-sweep", lru_sweep, "HBM + DRAM hit rate beside an exact LRU, at several DRAM capacities"),
+        ("tracegen", tracegen, "write a Mooncake-format trace of a named reuse pattern (seeded)"),
         ("index", index_scale, "master index: lookup cost and bytes per block, 1K to 10M blocks"),
         ("soak", soak, "many clients for minutes: memory, fds and threads of every process must stay flat, no errors"),
         ("ttft", ttft, "transformers engine: time to first token, prefix from each tier"),
