@@ -94,7 +94,7 @@ def default_slots(capacity_bytes: int) -> int:
 
 
 class StoreOptions(TypedDict, total=False):
-    """The keyword arguments of :class:`DramStore` (for :meth:`DramStore.create`, which takes max_block_bytes itself)."""
+    """Keyword arguments of :class:`DramStore` for :meth:`DramStore.create` (which takes max_block_bytes itself)."""
 
     high_watermark: float
     low_watermark: float
