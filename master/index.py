@@ -1,6 +1,6 @@
 """The master's indexes: which pool node holds which block in which tier, and what workers hold in HBM.
 
-:class:`BlockIndex` maps a block key to its size, checksum and the (node slot,
+:class:`BlockIndex` maps a block key to its size, checksum and the (node number,
 tier) locations holding it. It keeps no Python object per block: its rows live
 in a :class:`~kvpool.master.keytable.KeyTable` (numpy arrays, 42 bytes a slot;
 at the table's load of 0.25-0.7 that is 60-170 bytes per indexed block, 60-120
@@ -18,11 +18,11 @@ verifies on every read (a mismatch is a miss too).
 
 :class:`BlockIndex` invariants (all hold whenever its lock is free):
 
-- A key has a row iff at least one (node slot, tier) location holds it; the
+- A key has a row iff at least one (node number, tier) location holds it; the
   last location removed frees the row.
-- A location is packed as ``tier << 30 | node`` (node slots are below
+- A location is packed as ``tier << 30 | node`` (node numbers are below
   ``2**30``), so numeric order is best-first order: lowest tier (DRAM before
-  SSD), then lowest node slot.
+  SSD), then lowest node number.
 - ``loc1[r]`` is the best location of row ``r``. ``loc2[r]`` is ``_NONE`` (one
   location), the second best (two, ``loc1 < loc2``), or ``_MORE`` (three or
   more: the full sorted list, starting with ``loc1``, is ``_more[key]``, keyed
@@ -31,10 +31,10 @@ verifies on every read (a mismatch is a miss too).
   common (write-through and promotions keep a block in DRAM and SSD) and costs
   no Python object; three or more (copies on several nodes) is rare.
 - ``_copies`` counts the locations over all rows.
-- Rows only name *open* node slots. Membership opens a slot when a node
-  registers and closes it by :meth:`BlockIndex.drop_node`; slots are never
+- Rows only name *open* node numbers. Membership opens a number when a node
+  registers and closes it by :meth:`BlockIndex.drop_node`; numbers are never
   reused, so a report still in flight for a dropped node is refused (its add
-  returns False) instead of landing on someone else's slot.
+  returns False) instead of landing on someone else's entries.
 - A key has one size and one checksum: those of its latest report (within one
   batch, of its last occurrence). Keys name their content (the namespaced hash
   of a token prefix), so copies on two nodes carry the same bytes; clients
@@ -78,8 +78,8 @@ from kvpool.tiers.base import Tier
 log = logging.getLogger(__name__)
 
 _NODE_BITS = 30
-NODE_SLOTS = 1 << _NODE_BITS  # node slots are 0 .. NODE_SLOTS - 1
-_NODE_MASK = np.uint32(NODE_SLOTS - 1)
+MAX_NODES = 1 << _NODE_BITS  # node numbers are 0 .. MAX_NODES - 1
+_NODE_MASK = np.uint32(MAX_NODES - 1)
 _NONE = np.uint32(0xFFFF_FFFF)  # loc2: the row has one location
 _MORE = np.uint32(0xFFFF_FFFE)  # loc2: three or more locations, listed in _more[key]
 _TIERS = tuple(Tier)  # Tier by value, without an enum lookup per block
@@ -90,7 +90,7 @@ _Match = tuple[Callable[[npt.NDArray[np.uint32]], npt.NDArray[np.bool_]], Callab
 
 
 def _location(node: int, tier: Tier) -> int:
-    """A (node slot, tier) pair packed into one uint32 whose order is best-first."""
+    """A (node number, tier) pair packed into one uint32 whose order is best-first."""
     return int(tier) << _NODE_BITS | node
 
 
@@ -98,16 +98,16 @@ class Hit(NamedTuple):
     """Where one block of a leading run is best served from, with what it must look like."""
 
     tier: Tier
-    node: int  # node slot, resolved to a NodeRef by membership
+    node: int  # node number, resolved to a NodeRef by membership
     size: int
     checksum: int
 
 
 class RunArrays(NamedTuple):
-    """A leading run as columns: per block its best tier, node slot, size and checksum."""
+    """A leading run as columns: per block its best tier, node number, size and checksum."""
 
     tiers: np.ndarray  # uint8 Tier values
-    nodes: np.ndarray  # uint32 node slots
+    nodes: np.ndarray  # uint32 node numbers
     sizes: np.ndarray  # uint64
     checksums: np.ndarray  # uint64
 
@@ -121,11 +121,11 @@ class IndexCounts:
 
     blocks: int  # distinct keys
     copies: int  # (key, node, tier) locations
-    nodes: int  # open node slots
+    nodes: int  # open node numbers
 
 
 class BlockIndex:
-    """Key -> size, checksum and the (node slot, tier) locations holding it. Thread-safe."""
+    """Key -> size, checksum and the (node number, tier) locations holding it. Thread-safe."""
 
     def __init__(self, min_capacity: int = 1024) -> None:
         self._lock = threading.Lock()
@@ -136,18 +136,18 @@ class BlockIndex:
         self._open: set[int] = set()
         self._copies = 0
 
-    # -- node slots -----------------------------------------------------------------
+    # -- node numbers -----------------------------------------------------------------
 
     def open_node(self, node: int) -> None:
-        """Allow entries for ``node``; slots must be fresh (never opened before)."""
-        if not 0 <= node < NODE_SLOTS:
-            raise ValueError(f"node slot {node} outside [0, {NODE_SLOTS})")
+        """Allow entries for ``node``; numbers must be fresh (never opened before)."""
+        if not 0 <= node < MAX_NODES:
+            raise ValueError(f"node number {node} outside [0, {MAX_NODES})")
         with self._lock:
-            assert node not in self._open, f"BlockIndex: node slot {node} opened twice (membership bug)"
+            assert node not in self._open, f"BlockIndex: node number {node} opened twice (membership bug)"
             self._open.add(node)
 
     def drop_node(self, node: int) -> int:
-        """Close ``node``'s slot and remove every entry it holds; returns how many locations went."""
+        """Close ``node``'s number and remove every entry it holds; returns how many locations went."""
         with self._lock:
             self._open.discard(node)
             if not self._table.live:
@@ -161,7 +161,7 @@ class BlockIndex:
     def add(
         self, node: int, tier: Tier, keys: Sequence[BlockKey], sizes: Sequence[int], checksums: Sequence[int]
     ) -> bool:
-        """Record that ``node`` holds ``keys`` in ``tier``; False (nothing changed) if the slot is not open."""
+        """Record that ``node`` holds ``keys`` in ``tier``; False (nothing changed) if the number is not open."""
         q0, q1, size, checksum = _report(keys, sizes, checksums)
         with self._lock:
             if node not in self._open:
@@ -171,7 +171,7 @@ class BlockIndex:
         return True
 
     def remove(self, node: int, tier: Tier, keys: Iterable[BlockKey]) -> bool:
-        """Record that ``node`` no longer holds ``keys`` in ``tier``; False if the slot is not open."""
+        """Record that ``node`` no longer holds ``keys`` in ``tier``; False if the number is not open."""
         q0, q1 = _prefixes(keys)
         loc = _location(node, tier)
         with self._lock:
@@ -187,7 +187,7 @@ class BlockIndex:
     def replace_node_tier(
         self, node: int, tier: Tier, keys: Sequence[BlockKey], sizes: Sequence[int], checksums: Sequence[int]
     ) -> bool:
-        """Full sync: afterwards ``node`` holds exactly ``keys`` in ``tier``; False if the slot is not open."""
+        """Full sync: afterwards ``node`` holds exactly ``keys`` in ``tier``; False if the number is not open."""
         q0, q1, size, checksum = _report(keys, sizes, checksums)
         loc = _location(node, tier)
         with self._lock:
@@ -208,7 +208,7 @@ class BlockIndex:
     def leading_run(self, keys: Sequence[BlockKey]) -> list[Hit]:
         """The best location of each key of the leading run of indexed keys (stops at the first miss).
 
-        Best = lowest tier (DRAM before SSD), then lowest node slot.
+        Best = lowest tier (DRAM before SSD), then lowest node number.
         """
         run = self.leading_run_arrays(b"".join(keys) if len(keys) else b"")
         tiers, nodes = run.tiers.tolist(), run.nodes.tolist()
@@ -273,7 +273,7 @@ class BlockIndex:
                 assert locs[0] == t.rec["loc1"][row] and locs[-1] >> _NODE_BITS < len(_TIERS), "BlockIndex: bad _more"
                 copies += len(locs) - 1
                 held.update(loc & int(_NODE_MASK) for loc in locs)
-            assert held <= self._open, f"BlockIndex: entries on closed node slots {sorted(held - self._open)}"
+            assert held <= self._open, f"BlockIndex: entries on closed node numbers {sorted(held - self._open)}"
             assert copies == self._copies, f"BlockIndex: {copies} locations but the counter says {self._copies}"
 
     # -- internals (caller holds the lock) --------------------------------------------

@@ -3,7 +3,7 @@
 Invariants:
 
 - A live node has exactly one :class:`NodeInfo`, keyed by node id, with a
-  node slot that the :class:`~kvpool.master.index.BlockIndex` has open.
+  node number that the :class:`~kvpool.master.index.BlockIndex` has open.
   Slots count up from 0 and are never reused within one master process, so
   an index entry can never be mistaken for another node's.
 - Every registration gets a fresh incarnation, strictly greater than any this
@@ -13,9 +13,9 @@ Invariants:
   and the node registers again.
 - Dropping a node (re-register, unregister, expiry) removes it from the
   membership table first, under the lock, and then drops its index entries
-  outside the lock. Between the two, lookups may still see entries on its slot;
-  :meth:`Membership.refs` no longer resolves the slot, and the caller treats
-  that as a miss. Reports still in flight are refused by the closed slot.
+  outside the lock. Between the two, lookups may still see entries on its number;
+  :meth:`Membership.refs` no longer resolves the number, and the caller treats
+  that as a miss. Reports still in flight are refused by the closed number.
 - A node silent (no heartbeat or report) for longer than ``node_timeout_s``
   is dropped by :meth:`Membership.expire`; a worker silent for longer than
   ``worker_timeout_s`` loses its HBM entries.
@@ -56,19 +56,19 @@ class NodeInfo:
     """One registered node. Copies handed out by :class:`Membership` are snapshots."""
 
     ref: NodeAddress
-    slot: int
+    number: int  # its node number in the BlockIndex (never reused)
     incarnation: int
     tiers: dict[Tier, TierStats]
-    slot_bytes: int
+    dram_max_block_bytes: int  # largest block its DRAM tier takes
     last_heartbeat: float  # time.monotonic()
-    max_block_bytes: int = 0  # largest block it stores at all (on SSD if larger than a slot); 0: slot_bytes
+    max_block_bytes: int = 0  # largest block it stores at all (on SSD if larger); 0: dram_max_block_bytes
 
     def snapshot(self) -> NodeInfo:
         return dataclasses.replace(self, tiers={t: dataclasses.replace(s) for t, s in self.tiers.items()})
 
 
 class Membership:
-    """Node and worker liveness; owns the node-slot namespace of a :class:`BlockIndex`. Thread-safe."""
+    """Node and worker liveness; owns the node numbers of a :class:`BlockIndex`. Thread-safe."""
 
     def __init__(
         self,
@@ -88,9 +88,9 @@ class Membership:
         self._clock = clock
         self._lock = threading.Lock()
         self._nodes: dict[str, NodeInfo] = {}
-        self._by_slot: dict[int, NodeInfo] = {}
+        self._by_number: dict[int, NodeInfo] = {}
         self._workers: dict[str, float] = {}  # worker id -> last seen (monotonic)
-        self._next_slot = 0
+        self._next_number = 0
         self._last_incarnation = 0
 
     def now(self) -> float:
@@ -99,7 +99,7 @@ class Membership:
 
     # -- nodes --------------------------------------------------------------------------
 
-    def register(self, ref: NodeAddress, tiers: Iterable[TierStats], slot_bytes: int,
+    def register(self, ref: NodeAddress, tiers: Iterable[TierStats], dram_max_block_bytes: int,
                  max_block_bytes: int = 0) -> NodeInfo:
         """Add (or re-add) a node; its previous incarnation's index entries are dropped first.
 
@@ -108,24 +108,24 @@ class Membership:
         with self._lock:
             old = self._nodes.pop(ref.node_id, None)
             if old is not None:
-                del self._by_slot[old.slot]
+                del self._by_number[old.number]
             self._last_incarnation = max(time.time_ns(), self._last_incarnation + 1)
             info = NodeInfo(
                 ref=ref,
-                slot=self._next_slot,
+                number=self._next_number,
                 incarnation=self._last_incarnation,
                 tiers={s.tier: s for s in tiers},
-                slot_bytes=slot_bytes,
+                dram_max_block_bytes=dram_max_block_bytes,
                 last_heartbeat=self._clock(),
                 max_block_bytes=max_block_bytes,
             )
-            self._next_slot += 1
-            self._index.open_node(info.slot)
+            self._next_number += 1
+            self._index.open_node(info.number)
             self._nodes[ref.node_id] = info
-            self._by_slot[info.slot] = info
+            self._by_number[info.number] = info
             snapshot = info.snapshot()
         if old is not None:
-            dropped = self._index.drop_node(old.slot)
+            dropped = self._index.drop_node(old.number)
             log.info("node %s re-registered: dropped %d entries of its previous incarnation", ref.node_id, dropped)
         return snapshot
 
@@ -137,7 +137,7 @@ class Membership:
         return self.touch(node_id, incarnation, tiers) is not None
 
     def touch(self, node_id: str, incarnation: int, tiers: Iterable[TierStats] = ()) -> int | None:
-        """Like :meth:`heartbeat`, returning the node's slot (None: unknown node or stale incarnation)."""
+        """Like :meth:`heartbeat`, returning the node's number (None: unknown node or stale incarnation)."""
         usage = {s.tier: s for s in tiers}
         with self._lock:
             info = self._nodes.get(node_id)
@@ -146,7 +146,7 @@ class Membership:
             info.last_heartbeat = self._clock()
             if usage:
                 info.tiers = usage
-            return info.slot
+            return info.number
 
     def unregister(self, node_id: str, incarnation: int) -> bool:
         """Remove a node and its entries now; False (nothing changes) for an unknown node or stale incarnation."""
@@ -155,8 +155,8 @@ class Membership:
             if info is None or info.incarnation != incarnation:
                 return False
             del self._nodes[node_id]
-            del self._by_slot[info.slot]
-        self._index.drop_node(info.slot)
+            del self._by_number[info.number]
+        self._index.drop_node(info.number)
         return True
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -167,13 +167,13 @@ class Membership:
             dead = [info for info in self._nodes.values() if now - info.last_heartbeat > self.node_timeout_s]
             for info in dead:
                 del self._nodes[info.ref.node_id]
-                del self._by_slot[info.slot]
+                del self._by_number[info.number]
             gone_workers = [w for w, seen in self._workers.items() if now - seen > self.worker_timeout_s]
             for worker in gone_workers:
                 del self._workers[worker]
                 self._hbm.drop_worker(worker)  # under the lock: a worker seen again cannot lose a fresh report
         for info in dead:
-            dropped = self._index.drop_node(info.slot)
+            dropped = self._index.drop_node(info.number)
             log.warning(
                 "node %s (%s) silent for %.1fs: dropped with %d index entries",
                 info.ref.node_id, info.ref.address, now - info.last_heartbeat, dropped,
@@ -185,10 +185,10 @@ class Membership:
         with self._lock:
             return [info.snapshot() for info in self._nodes.values()]
 
-    def refs(self, slots: Iterable[int]) -> dict[int, NodeAddress]:
-        """Addresses of the given node slots; slots of dropped nodes are absent."""
+    def refs(self, numbers: Iterable[int]) -> dict[int, NodeAddress]:
+        """Addresses of the given node numbers; numbers of dropped nodes are absent."""
         with self._lock:
-            return {slot: self._by_slot[slot].ref for slot in set(slots) if slot in self._by_slot}
+            return {n: self._by_number[n].ref for n in set(numbers) if n in self._by_number}
 
     def node_count(self) -> int:
         with self._lock:

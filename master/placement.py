@@ -15,8 +15,8 @@ Invariants:
   steady state) taking their share while a restarted empty node gets at most
   ~11x a full node's share, not everything.
 - A node is never chosen for a block larger than its ``max_block_bytes``
-  (its DRAM slot, or its SSD for blocks larger than a slot). Among the nodes
-  that take a block, one whose DRAM slot fits it is preferred (SSD-only
+  (its DRAM, or its SSD for blocks larger than DRAM takes). Among the nodes
+  that take a block, one whose DRAM takes it is preferred (SSD-only
   blocks cost an LMDB write on the put's path).
 - No live node is :class:`NoPoolNodes` (the servicer answers UNAVAILABLE); a
   block no live node takes is ``TOO_LARGE`` in the result (the rest of the
@@ -51,12 +51,12 @@ class Candidate:
     node_id: str
     dram_capacity_bytes: int
     dram_used_bytes: int
-    slot_bytes: int
-    max_block_bytes: int = 0  # largest block it stores at all (SSD); 0: slot_bytes
+    dram_max_block_bytes: int  # largest block its DRAM takes
+    max_block_bytes: int = 0  # largest block it stores at all (SSD); 0: dram_max_block_bytes
 
     @property
     def largest_block(self) -> int:
-        return max(self.slot_bytes, self.max_block_bytes)
+        return max(self.dram_max_block_bytes, self.max_block_bytes)
 
     @property
     def weight(self) -> float:
@@ -96,10 +96,10 @@ def place(keys: Sequence[BlockKey], sizes: Sequence[int], nodes: Sequence[Candid
     weights = np.array([n.weight for n in nodes], dtype=np.float64)
     scores = -weights[None, :] / np.log(u)
     sizes_arr = np.asarray(sizes, dtype=np.uint64)[:, None]
-    in_slot = sizes_arr <= np.array([n.slot_bytes for n in nodes], dtype=np.uint64)[None, :]
+    in_dram = sizes_arr <= np.array([n.dram_max_block_bytes for n in nodes], dtype=np.uint64)[None, :]
     stored = sizes_arr <= np.array([n.largest_block for n in nodes], dtype=np.uint64)[None, :]
-    # A node whose slot fits the block beats every node that would keep it on SSD only; among those, the same
+    # A node whose DRAM takes the block beats every node that would keep it on SSD only; among those, the same
     # rendezvous order, mapped below zero (ln(u) / weight < 0 rises with -weight / ln(u)).
-    scores = np.where(in_slot, scores, np.where(stored, np.log(u) / weights[None, :], -np.inf))
+    scores = np.where(in_dram, scores, np.where(stored, np.log(u) / weights[None, :], -np.inf))
     choice = np.argmax(scores, axis=1)
     return np.where(stored.any(axis=1), choice, TOO_LARGE).tolist()

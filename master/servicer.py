@@ -11,7 +11,7 @@ Invariants:
   an error: the answer is ``known = false`` and the node registers again.
   UnregisterNode of an unknown node is a no-op.
 - No live node for PlaceBlocks is UNAVAILABLE ("no pool nodes"). A block no
-  live node takes (larger than every node's slot and SSD limit) is flagged
+  live node takes (larger than every node's DRAM and SSD limits) is flagged
   ``too_large`` in the reply, counted (``kvpool_errors_total{kind=
   "block_too_large"}``, ``ClusterStatus.blocks_too_large``) and logged once
   with the setting to change; the rest of the batch is placed.
@@ -128,8 +128,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             raise ValueError(f"RegisterNode: node {ref.node_id!r} has no address")
         tiers = self._tier_stats(request.tiers)
         info = self._membership.register(
-            NodeAddress(ref.node_id, ref.address, ref.host_id, ref.arena, ref.data_address), tiers, request.slot_bytes,
-            request.max_block_bytes,
+            NodeAddress(ref.node_id, ref.address, ref.host_id, ref.arena, ref.data_address), tiers,
+            request.dram_max_block_bytes, request.max_block_bytes,
         )
         return master_pb2.RegisterNodeResponse(
             incarnation=info.incarnation,
@@ -148,16 +148,16 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         removed = self._keys(request.removed_keys, "removed_keys")
         self._same_length(added, "added_sizes", request.added_sizes)
         self._same_length(added, "added_checksums", request.added_checksums)
-        slot = self._membership.touch(request.node_id, request.incarnation)
-        if slot is None:
+        number = self._membership.touch(request.node_id, request.incarnation)
+        if number is None:
             return master_pb2.ReportBlocksResponse(known=False)
         sizes, checksums = list(request.added_sizes), list(request.added_checksums)
         if request.full_sync:
-            known = self._index.replace_node_tier(slot, tier, added, sizes, checksums)
+            known = self._index.replace_node_tier(number, tier, added, sizes, checksums)
         else:
-            known = self._index.add(slot, tier, added, sizes, checksums) if added else True
+            known = self._index.add(number, tier, added, sizes, checksums) if added else True
         if removed:  # after the additions: a key in both lists ends up absent
-            known = self._index.remove(slot, tier, removed) and known
+            known = self._index.remove(number, tier, removed) and known
         return master_pb2.ReportBlocksResponse(known=known)
 
     def UnregisterNode(
@@ -181,25 +181,25 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             end = end if refs else 0
             node_indexes: list[int] = [0] * end
         else:
-            slots, indexes = np.unique(run.nodes, return_inverse=True)
-            refs = self._membership.refs(slots.tolist())
-            alive = np.array([int(s) in refs for s in slots], dtype=bool)
+            numbers, indexes = np.unique(run.nodes, return_inverse=True)
+            refs = self._membership.refs(numbers.tolist())
+            alive = np.array([int(n) in refs for n in numbers], dtype=bool)
             if not alive.all():  # a node dropped while we looked: the run ends at its first block
                 end = int(np.flatnonzero(~alive[indexes])[0])
             # Renumber the nodes the run still uses, in order of first use.
             used, first = np.unique(indexes[:end], return_index=True)
             by_use = used[np.argsort(first)]
-            renumber = np.empty(len(slots), dtype=np.int64)
+            renumber = np.empty(len(numbers), dtype=np.int64)
             renumber[by_use] = np.arange(len(by_use))
             node_indexes = renumber[indexes[:end]].tolist()
-            order = [int(slots[i]) for i in by_use]
+            order = [int(numbers[i]) for i in by_use]
         tiers = run.tiers[:end]
         response = master_pb2.LookupResponse(
             tiers=tiers.tobytes(),
             node_indexes=node_indexes,
             sizes=run.sizes[:end].tolist(),
             checksums=run.checksums[:end].tolist(),
-            nodes=[self._node_ref(refs[slot]) for slot in order],
+            nodes=[self._node_ref(refs[n]) for n in order],
             dram_blocks=int(np.count_nonzero(tiers == Tier.DRAM)),
             ssd_blocks=int(np.count_nonzero(tiers == Tier.SSD)),
         )
@@ -228,7 +228,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                 info.ref.node_id,
                 info.tiers[Tier.DRAM].capacity_bytes if Tier.DRAM in info.tiers else 0,
                 info.tiers[Tier.DRAM].used_bytes if Tier.DRAM in info.tiers else 0,
-                info.slot_bytes,
+                info.dram_max_block_bytes,
                 info.max_block_bytes,
             )
             for info in nodes
@@ -299,6 +299,6 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         refused = self._metrics.too_large_totals()
         response.blocks_too_large = min(refused.blocks, _U64_MAX)
         response.largest_refused_bytes = refused.largest_refused
-        response.largest_block_bytes = max((max(i.slot_bytes, i.max_block_bytes) for i in
+        response.largest_block_bytes = max((max(i.dram_max_block_bytes, i.max_block_bytes) for i in
                                             self._membership.live_nodes()), default=0)
         return response

@@ -37,7 +37,7 @@ def master():
         with grpc.insecure_channel(server.address) as channel:
             stub = master_pb2_grpc.MasterStub(channel)
             node = common_pb2.NodeRef(node_id="n1", address="n1.test:1", host_id="h1", arena="a1")
-            inc = stub.RegisterNode(master_pb2.RegisterNodeRequest(node=node, slot_bytes=1 << 20)).incarnation
+            inc = stub.RegisterNode(master_pb2.RegisterNodeRequest(node=node, dram_max_block_bytes=1 << 20)).incarnation
             ks = keys(8)
             stub.ReportBlocks(master_pb2.ReportBlocksRequest(
                 node_id="n1", incarnation=inc, tier=common_pb2.TIER_DRAM, added_keys=pack_keys(ks[:4]),

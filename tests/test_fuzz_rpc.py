@@ -165,7 +165,7 @@ def register_requests(draw):
     ref = common_pb2.NodeRef(node_id=draw(id_text.filter(lambda s: s != REAL_NODE_ID)), address=draw(id_text),
                              host_id=draw(id_text), arena=draw(short_text), data_address=draw(short_text))
     tiers = draw(st.lists(tier_usage(), max_size=4))
-    request = master_pb2.RegisterNodeRequest(node=ref, tiers=tiers, slot_bytes=draw(u64))
+    request = master_pb2.RegisterNodeRequest(node=ref, tiers=tiers, dram_max_block_bytes=draw(u64))
     fields = (ref.node_id, ref.address, ref.host_id, ref.arena, ref.data_address)
     ok = ref.node_id and ref.address and tiers_valid(tiers) and all(len(f) <= MAX_REF_CHARS for f in fields)
     return request, "valid" if ok else "invalid"
@@ -200,7 +200,7 @@ def test_heartbeat(pool, real, node_id, incarnation, tiers, extra):
 
 def _register(pool: Pool, node_id: str) -> int:
     code, reply = master_call(pool, "RegisterNode", master_pb2.RegisterNodeRequest(
-        node=common_pb2.NodeRef(node_id=node_id, address="fuzz.invalid:1"), slot_bytes=SLOT))
+        node=common_pb2.NodeRef(node_id=node_id, address="fuzz.invalid:1"), dram_max_block_bytes=SLOT))
     assert code == OK, reply
     return reply.incarnation
 

@@ -70,7 +70,7 @@ class Reference:
 
     def hit(self, key: BlockKey) -> Hit:
         size, checksum, locs = self.entries[key]
-        tier, node = min(locs)  # DRAM before SSD, then the lowest node slot
+        tier, node = min(locs)  # DRAM before SSD, then the lowest node number
         return Hit(Tier(tier), node, size, checksum)
 
     def copies(self) -> int:
@@ -350,7 +350,7 @@ def test_bad_input_raises_before_anything_changes():
         index.add(0, DRAM, k, [1, -1], [1, 1])
     with pytest.raises(ValueError, match="32 bytes"):
         index.exists([b"x" * 31])
-    with pytest.raises(ValueError, match="node slot"):
+    with pytest.raises(ValueError, match="node number"):
         index.open_node(1 << 30)
     assert len(index) == 0
     index.check_invariants()

@@ -51,8 +51,8 @@ def dram_usage(capacity: int = GIB, used: int = 0, blocks: int = 0) -> common_pb
 
 
 def register(
-    stub: master_pb2_grpc.MasterStub, node_id: str, *, capacity: int = GIB, used: int = 0, slot_bytes: int = 1 << 20,
-    max_block_bytes: int = 0,
+    stub: master_pb2_grpc.MasterStub, node_id: str, *, capacity: int = GIB, used: int = 0,
+    dram_max_block_bytes: int = 1 << 20, max_block_bytes: int = 0,
 ) -> int:
     reply = stub.RegisterNode(
         master_pb2.RegisterNodeRequest(
@@ -60,7 +60,7 @@ def register(
                 node_id=node_id, address=f"{node_id}.test:7610", host_id=f"host-{node_id}", arena=f"arena-{node_id}"
             ),
             tiers=[dram_usage(capacity, used), common_pb2.TierUsage(tier=SSD, capacity_bytes=4 * GIB)],
-            slot_bytes=slot_bytes,
+            dram_max_block_bytes=dram_max_block_bytes,
             max_block_bytes=max_block_bytes,
         )
     )
@@ -323,10 +323,10 @@ def test_place_blocks_spreads_over_nodes_and_marks_present(stub):
     assert stub.PlaceBlocks(request) == reply  # deterministic
 
 
-def test_placement_favours_free_nodes_and_respects_slot_bytes(stub):
+def test_placement_favours_free_nodes_and_respects_what_dram_takes(stub):
     register(stub, "full", used=GIB)
     register(stub, "empty")
-    register(stub, "small", slot_bytes=1024)
+    register(stub, "small", dram_max_block_bytes=1024)
     k = make_keys(1000, "weights")
 
     reply = stub.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(k), sizes=[4096] * len(k)))
@@ -344,8 +344,8 @@ def test_placement_favours_free_nodes_and_respects_slot_bytes(stub):
 
 
 def test_placement_sends_blocks_larger_than_a_slot_to_a_node_with_ssd_and_prefers_dram(stub):
-    register(stub, "dram-only", slot_bytes=1 << 20)
-    register(stub, "with-ssd", slot_bytes=1 << 20, max_block_bytes=64 << 20)
+    register(stub, "dram-only", dram_max_block_bytes=1 << 20)
+    register(stub, "with-ssd", dram_max_block_bytes=1 << 20, max_block_bytes=64 << 20)
     k = make_keys(200, "ssd-only")
 
     big = stub.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(k), sizes=[8 << 20] * len(k)))

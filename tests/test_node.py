@@ -404,7 +404,7 @@ def test_master_link_chunks_its_full_sync_and_trusts_contains_over_event_order(a
     sizes = [100 + i for i in range(10)]
     dram.put([key(i) for i in range(10)], [bytes([i]) * sizes[i] for i in range(10)])
     ref = common_pb2.NodeRef(node_id="link-node", address="127.0.0.1:1", host_id="link-host", arena=arena_name)
-    link = MasterLink(master.address, ref, {Tier.DRAM: dram}, slot_bytes=1024, chunk_keys=3)
+    link = MasterLink(master.address, ref, {Tier.DRAM: dram}, dram_max_block_bytes=1024, chunk_keys=3)
     on_change = link.listener(Tier.DRAM)  # events are fed by hand below, to reorder them
     link.start()
     try:

@@ -187,7 +187,7 @@ class PoolNode:
             if ssd is not None:
                 stores[Tier.SSD] = self.store.ssd_inventory()  # pending demotions included
             link = self.link = MasterLink(config.master, self.node_ref, stores,
-                                          slot_bytes=self.store.dram.max_block_bytes,
+                                          dram_max_block_bytes=self.store.dram.max_block_bytes,
                                           max_block_bytes=self.store.max_block_bytes(),
                                           max_message_bytes=config.max_message_bytes, token=config.token,
                                           tls_ca=config.tls_ca)

@@ -79,7 +79,7 @@ class MasterLink:
         node_ref: common_pb2.NodeRef,
         stores: Mapping[Tier, InventoryStore],
         *,
-        slot_bytes: int,
+        dram_max_block_bytes: int,
         max_block_bytes: int = 0,
         max_message_bytes: int = 64 << 20,
         rpc_timeout_s: float = 2.0,
@@ -91,8 +91,8 @@ class MasterLink:
         self.master = master
         self.node_ref = node_ref  # may be completed (bound address) until start()
         self._stores = dict(stores)
-        self._slot_bytes = slot_bytes
-        self._max_block_bytes = max_block_bytes  # 0: slot_bytes (no SSD)
+        self._dram_max_block_bytes = dram_max_block_bytes
+        self._max_block_bytes = max_block_bytes  # 0: dram_max_block_bytes (no SSD)
         self._timeout = rpc_timeout_s
         self._retry_cap = retry_cap_s
         self._chunk = chunk_keys
@@ -217,7 +217,7 @@ class MasterLink:
             try:
                 reply = self._stub.RegisterNode(
                     master_pb2.RegisterNodeRequest(node=self.node_ref, tiers=self._usage(),
-                                                   slot_bytes=self._slot_bytes,
+                                                   dram_max_block_bytes=self._dram_max_block_bytes,
                                                    max_block_bytes=self._max_block_bytes),
                     timeout=self._timeout,
                 )

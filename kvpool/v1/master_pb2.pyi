@@ -8,16 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node", "tiers", "slot_bytes", "max_block_bytes")
+    __slots__ = ("node", "tiers", "dram_max_block_bytes", "max_block_bytes")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
-    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAM_MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     node: _common_pb2.NodeRef
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
-    slot_bytes: int
+    dram_max_block_bytes: int
     max_block_bytes: int
-    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., slot_bytes: _Optional[int] = ..., max_block_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., dram_max_block_bytes: _Optional[int] = ..., max_block_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
     __slots__ = ("incarnation", "heartbeat_interval_s", "node_timeout_s")
