@@ -4,7 +4,7 @@ Per size N, a fresh in-process MasterServer (port 0, no metrics endpoint,
 timeouts long enough that its sweeper never drops the two bench nodes) gets two
 nodes registered through its membership, and its BlockIndex gets N random
 32-byte keys through :meth:`BlockIndex.add`, batches of ``--batch`` keys
-alternating between the two node slots. Then:
+alternating between the two node numbers. Then:
 
 - **memory per block**: the growth of traced memory over the fill, divided by
   N. tracemalloc sees numpy's allocations; the server and its empty index
@@ -111,8 +111,8 @@ def bench_size(n: int, calls: int, width: int, batch: int, seed: int) -> Row:
     server = MasterServer(config).start()
     try:
         membership, index = server.membership, server.index
-        slots = [
-            membership.register(NodeAddress(f"bench-{i}", f"bench-{i}.invalid:7610"), [], BLOCK_BYTES).slot
+        numbers = [
+            membership.register(NodeAddress(f"bench-{i}", f"bench-{i}.invalid:7610"), [], BLOCK_BYTES).number
             for i in range(2)
         ]
         gc.collect()
@@ -127,8 +127,8 @@ def bench_size(n: int, calls: int, width: int, batch: int, seed: int) -> Row:
                 keys = sample[done : done + step]
             else:
                 keys = _split(rng.bytes(KEY_BYTES * min(step, n - done)))
-            if not index.add(slots[adds % 2], Tier.DRAM, keys, [BLOCK_BYTES] * len(keys), [0] * len(keys)):
-                raise AssertionError("bench: the index refused a report for an open node slot")
+            if not index.add(numbers[adds % 2], Tier.DRAM, keys, [BLOCK_BYTES] * len(keys), [0] * len(keys)):
+                raise AssertionError("bench: the index refused a report for an open node number")
             done += len(keys)
             adds += 1
         fill_s = time.perf_counter() - start
@@ -150,7 +150,7 @@ def bench_size(n: int, calls: int, width: int, batch: int, seed: int) -> Row:
             grpc_us = _timed(stub.Lookup, requests, lambda reply: len(reply.tiers) == half)
 
         start = time.perf_counter()
-        dropped = index.drop_node(slots[1])
+        dropped = index.drop_node(numbers[1])
         drop_ms = (time.perf_counter() - start) * 1e3
         if len(index) != n - dropped:
             raise AssertionError(f"bench: dropping a node removed {dropped} locations but left {len(index)} of {n}")
