@@ -330,8 +330,8 @@ class NodeConfig:
                           check=size_check(0, "automatic"))
     max_block_bytes: int = opt(64 << 20, "largest block the DRAM tier takes; blocks of any size up to it share "
                                          "the arena (larger ones live on SSD only)", size=True, check=size_check(1))
-    dram_slots: int = opt(0, "most blocks the DRAM arena can describe (one 72-byte row each); 0: one per 16 KiB "
-                             "of dram_bytes, at least 1024", check=at_least(0, "0: automatic"))
+    dram_slots: int = opt(0, "most blocks the DRAM arena can describe (one 72-byte row each, beside dram_bytes); "
+                             "0: one per 4 KiB of dram_bytes, 1024 to 16 Mi", check=at_least(0, "0: automatic"))
     ssd_dir: str = opt("./kvpool-data", "directory of the SSD tier (LMDB)")
     ssd_bytes: int = opt(0, "capacity of the SSD tier; 0: half the free disk at ssd_dir, at most 64 GiB", size=True,
                          check=size_check(0, "automatic"))

@@ -292,3 +292,14 @@ def test_locate_touch_refreshes_and_plain_locate_does_not(arena_name):
         assert s.contains([key(1), key(2)]) == [True, False]
     finally:
         s.close()
+
+
+def test_small_blocks_fill_a_default_arena_to_its_bytes_not_to_its_rows(arena_name):
+    n = 3000  # 4 KiB blocks: the default slot count is one row per 4 KiB, so every byte is usable
+    s = DramStore.create(arena_name, n * 4096)
+    try:
+        for i in range(0, n, 500):
+            assert s.put([key(j) for j in range(i, i + 500)], [block(j) for j in range(i, i + 500)]) == [True] * 500
+        assert s.stats().blocks == n and s.stats().evictions == 0
+    finally:
+        s.close()
