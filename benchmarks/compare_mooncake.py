@@ -7,8 +7,8 @@ Sets up what it needs (a venv with ``mooncake-transfer-engine-non-cuda`` under
 link, from Debian: a benchmark-only dependency, never the product's), then,
 with the memory owner and the client in separate processes for both systems:
 
-- kvpool: ``kvpool serve`` (one per value size, slots sized to the value, SSD
-  off) and a ``kvpool_side.py`` client, over shared memory (same host) and
+- kvpool: ``kvpool serve`` (one per value size, its DRAM sized to the round,
+  SSD off) and a ``kvpool_side.py`` client, over shared memory (same host) and
   again over the network path (``--no-shared-memory``);
 - Mooncake: ``mooncake_master``, an owner process mounting a segment, and a
   ``mooncake_side.py`` client, over TCP;
@@ -100,7 +100,7 @@ def run_kvpool(args: argparse.Namespace, labels: list[str]) -> tuple[dict, dict]
     """(same-host results, network-path results), one `kvpool serve` per value size."""
     shm: dict = {"sizes": {}}
     net: dict = {"sizes": {}}
-    # One serve per value size, slots sized to it; a last one with 4 KiB slots for the 512-key lookups.
+    # One serve per value size, DRAM sized to its round; a last one for the 512-key lookups.
     for i, label in enumerate([*labels, ""]):
         size = SIZES[label] if label else 4096
         slot = (size + 4095) // 4096 * 4096
