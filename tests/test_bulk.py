@@ -244,6 +244,26 @@ def test_a_client_that_disconnects_mid_put_leaves_no_slot_leased(node, bulk_clie
     assert put(bulk_client, node, [1], [block(1, MIB)]) == [True]
 
 
+def test_a_bad_frame_or_a_half_sent_payload_closes_only_its_own_connection(node, bulk_client):
+    """Bad magic, an over-limit length, a payload cut off: each ends its connection, and no other."""
+    value = block(7, 5000)
+    assert put(bulk_client, node, [7], [value]) == [True]  # the pooled connection, kept open
+    pooled = set(node.bulk._listener._conns)
+    assert len(pooled) == 1
+    with raw(node) as stalled:
+        stalled.sendall(frame(Method.PUT, put_header([key(8)], [MIB], [0]), payload_len=MIB) + b"x" * 1000)
+        wait_until(lambda: node.store.dram.leased_slots == 1)  # half a payload, then nothing more
+        for bad in (b"KVPX" + bytes(28), wire.pack(Method.PUT, 10, 1 << 50)):
+            with raw(node) as sock:
+                sock.sendall(bad)
+                assert read_error(sock)  # an error, then this connection closes
+        status, outs = get(bulk_client, node, [7], [5000], [block_checksum(value)])
+        assert status == [OK] and np.array_equal(outs[0], value)
+        assert pooled <= set(node.bulk._listener._conns)  # the same pooled connection served it
+    wait_until(lambda: node.store.dram.leased_slots == 0 and node.bulk.connections == 1)
+    assert node.store.where([key(8)]) == [None]
+
+
 def test_connections_are_pooled_and_a_dropped_one_is_replaced(node, bulk_client):
     values = [block(1, 100)]
     for _ in range(5):

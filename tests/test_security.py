@@ -230,7 +230,7 @@ def test_one_auth_serves_fast_calls_and_bulk_get_and_put_on_one_connection(secur
     pool = ConnectionPool(5.0, hello=wire.auth_hello(TOKEN_A))
     hellos = []
     real_hello = pool.hello
-    pool.hello = lambda sock: (hellos.append(1), real_hello(sock))[1]  # type: ignore[assignment,func-returns-value]
+    pool.hello = lambda sock: (hellos.append(1), real_hello(sock))[1]
     bulk = BulkClient(5.0, pool=pool)
     try:
         from kvpool.calls import FastStub
