@@ -129,8 +129,8 @@ class BulkClient:
             raise _malformed(f"undecodable GET reply: {exc}") from exc
         if not len(reply.sizes) == len(reply.checksums) == len(reply.tiers) == n:
             raise _malformed(f"a GET reply for {len(reply.sizes)} keys, not {n}")
-        sizes = np.array(reply.sizes, dtype=np.uint64)
-        sums = np.array(reply.checksums, dtype=np.uint64)
+        sizes = np.fromiter(reply.sizes, dtype=np.uint64, count=n)
+        sums = np.fromiter(reply.checksums, dtype=np.uint64, count=n)
         if int(sizes.max(initial=0)) > MAX_BLOCK_BYTES or head.payload != int(sizes.sum()):
             raise _malformed(f"a payload of {head.payload} bytes for blocks of {int(sizes.sum())}")
         if head.trailer > n + CALL_SLACK_BYTES:

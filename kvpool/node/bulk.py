@@ -72,6 +72,7 @@ SCRATCH_BYTES = 16 << 20  # most bytes a request holds in scratch buffers at onc
 DISCARD_BYTES = 1 << 20  # the buffer a PUT's held or refused blocks are read past through
 GET_BATCH_KEYS = 4096  # a GET looks its keys up this many at a time (per-key Python objects for one batch only)
 _NODE = node_pb2.DESCRIPTOR.services_by_name["Node"]
+_DRAM, _SSD = int(Tier.DRAM), int(Tier.SSD)  # as plain ints: compared once per block
 
 
 def _unpack(packed: bytes, lo: int, hi: int) -> list[BlockKey]:
@@ -152,18 +153,19 @@ class BulkServer:
         total, limit = int(sizes.sum()), max(MAX_GET_BYTES, self.max_request_bytes)
         if total > limit:
             raise ValueError(f"a GET of {total} bytes; the limit is {limit} per request")
-        trailer = node_pb2.BulkGetTrailer(valid=bytes(count))  # its size now; its flags once the bytes went out
+        trailer_bytes = node_pb2.BulkGetTrailer(valid=bytes(count)).ByteSize()  # its flags: once the bytes went out
         stream.begin_reply(node_pb2.BulkGetReply(tiers=tiers.tobytes(), sizes=sizes.tolist(), checksums=sums.tolist()),
-                           total, trailer.ByteSize())
+                           total, trailer_bytes)
         pending: list[Any] = []  # buffers gathered for the next sendmsg
-        ssd = np.flatnonzero(tiers == Tier.SSD).tolist()
+        hits = np.flatnonzero(tiers != MISS)
+        ssd = np.flatnonzero(tiers == _SSD).tolist()
         loaded: dict[int, np.ndarray] = {}  # SSD key index -> scratch with its bytes
         next_ssd = 0
         scratch: np.ndarray | None = None  # taken from the store's pool, given back when replaced or done
         store = core.store
         try:
-            for i in np.flatnonzero(tiers != MISS).tolist():
-                if tiers[i] == Tier.DRAM:
+            for i, tier in zip(hits.tolist(), tiers[hits].tolist()):
+                if tier == _DRAM:
                     pending.append(core.block_bytes(int(slots[i]), int(sizes[i])))
                     if len(pending) >= IOV_MAX:  # a sendmsg's worth: few views alive at once
                         stream.send(pending)
@@ -184,12 +186,13 @@ class BulkServer:
             loaded.clear()
             if scratch is not None:
                 store.scratch.give(scratch)
-        sent_dram = np.flatnonzero(tiers == Tier.DRAM)
+        sent_dram = np.flatnonzero(tiers == _DRAM)
         intact = sent_dram[core.intact(slots[sent_dram], gens[sent_dram])]  # not reused while it was sent
         valid[intact] = 1
         core.record_reads(len(intact), len(sent_dram) - len(intact), int(sizes[intact].sum()))
-        trailer.valid = valid.tobytes()
-        stream.send([trailer.SerializeToString()])
+        trailer = node_pb2.BulkGetTrailer(valid=valid.tobytes()).SerializeToString()
+        assert len(trailer) == trailer_bytes, "node wire: a GET trailer of another size than announced"
+        stream.send([trailer])
         for lo in range(0, count, GET_BATCH_KEYS):
             core.touch(_unpack(packed, lo, min(count, lo + GET_BATCH_KEYS)))
         if self.get_seconds is not None:
