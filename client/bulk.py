@@ -1,20 +1,22 @@
-"""The client end of a node's bulk TCP listener (protocol: :mod:`kvpool.bulkwire`).
+"""The client end of the wire's bulk GET and PUT (:mod:`kvpool.wire`), with pooled connections per node.
 
 - Connections are pooled per node address (at most ``max_idle_per_node``
-  kept idle); one exchange at a time per connection.
+  kept idle); one exchange at a time per connection. A client may share one
+  pool with fast calls to the same node (``pool``): one AUTH per connection
+  serves both.
 - GET receives each block straight into the caller's output buffer
   (scattered ``recvmsg_into``, no intermediate copy) when its size and the
   node's checksum are what the caller expects, then verifies the bytes
   against the expected checksum: a block is OK only if they match.
 - PUT sends the caller's buffers as they are (gathered ``sendmsg``).
 - :class:`BulkUnavailable`: no connection could be made (the caller falls
-  back to gRPC). :class:`BulkFailed`: an exchange broke or the node replied
-  with an error (a full listener's refusal included); the connection is
-  dropped and the caller hands the blocks to the next path. A pooled
-  connection the node had closed meanwhile (e.g. to make room) is retried
-  once on a fresh one, before any reply byte.
-- With a token, each new connection first sends AUTH (bulk op 3); a refusal
-  is a :class:`BulkFailed` of kind ``unauthenticated``. With a TLS context,
+  back to gRPC). :class:`BulkFailed`: the node replied with an error (the
+  connection stays pooled), a full listener refused the connection, or an
+  exchange broke (the connection is dropped); the caller hands the blocks to
+  the next path. A pooled connection the node had closed meanwhile (e.g. to
+  make room) is retried once on a fresh one, before any reply byte.
+- With a token, each new connection first sends AUTH; a refusal is a
+  :class:`BulkFailed` of kind ``unauthenticated``. With a TLS context,
   connections are TLS, checked against the host dialed.
 """
 
@@ -25,14 +27,16 @@ import ssl
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
-from kvpool.bulkwire import OP_AUTH, OP_GET, OP_PUT, ProtocolError, read_reply_header, request_header
 from kvpool.checksum import block_checksum
 from kvpool.framing import (
     ConnectFailed,
     ConnectionPool,
     Exchange,
+    Refused,
     is_timeout,
     recv_buffers,
     recv_exact,
@@ -40,6 +44,8 @@ from kvpool.framing import (
     set_io_timeout,
 )
 from kvpool.keys import BlockKey
+from kvpool.v1 import node_pb2
+from kvpool.wire import CALL_SLACK_BYTES, CallError, Head, Method, auth_hello, read_reply, request_frame, status_error
 
 # Per-block outcome of a GET.
 T = TypeVar("T")
@@ -51,10 +57,11 @@ CORRUPT = 3  # the bytes arrived but do not match the checksum
 
 MAX_BLOCK_BYTES = 1 << 40  # a larger size in a reply is a protocol error, not an allocation
 _DISCARD_BYTES = 1 << 20
+_REPLY_BYTES_PER_KEY = 24  # a BulkGetReply's bytes per key at most: tier 1, size <= 11, checksum 9, rounded up
 
 
 class BulkUnavailable(ConnectionError):
-    """The node's bulk listener cannot be reached."""
+    """The node's wire listener cannot be reached."""
 
 
 class BulkFailed(RuntimeError):
@@ -65,42 +72,41 @@ class BulkFailed(RuntimeError):
         self.kind = kind
 
 
-def auth_hello(token: str) -> Callable[[socket.socket], None]:
-    """A :class:`~kvpool.framing.ConnectionPool` ``hello``: bulk AUTH.
-
-    Raises ProtocolError with the node's message if refused (an unknown token, or a full listener).
-    """
-    body = token.encode()
-
-    def hello(sock: socket.socket) -> None:
-        send_buffers(sock, [request_header(OP_AUTH, len(body)), body])
-        read_reply_header(sock, OP_AUTH, 0)
-
-    return hello
+def _malformed(what: str) -> CallError:
+    return CallError(grpc.StatusCode.INTERNAL, f"malformed reply: {what}")
 
 
 class BulkClient:
-    """Pooled bulk connections to any number of nodes (thread-safe)."""
+    """Pooled wire connections to any number of nodes, for bulk GET and PUT (thread-safe)."""
 
     def __init__(self, timeout_s: float, *, connect_timeout_s: float | None = None, max_idle_per_node: int = 4,
-                 token: str = "", tls: ssl.SSLContext | None = None):
-        self._pool = ConnectionPool(timeout_s, connect_timeout_s=connect_timeout_s,
-                                    max_idle_per_address=max_idle_per_node, tls=tls,
-                                    hello=auth_hello(token) if token else None)
+                 token: str = "", tls: ssl.SSLContext | None = None, pool: ConnectionPool | None = None):
+        self._own_pool = pool is None
+        self._pool = pool if pool is not None else ConnectionPool(
+            timeout_s, connect_timeout_s=connect_timeout_s, max_idle_per_address=max_idle_per_node, tls=tls,
+            hello=auth_hello(token) if token else None)
 
-    def _exchange(self, address: str, fn: Callable[..., T], *args: Any) -> T:
+    def _exchange(self, address: str, fn: Callable[..., tuple[Head, bytes, T]], *args: Any) -> T:
         try:
-            return self._pool.exchange(address, fn, *args)
+            head, message, result = self._pool.exchange(address, fn, *args)
+        except Refused as exc:  # a full listener: nothing of the request was read
+            raise BulkFailed("bulk_refused", str(exc)) from exc
         except ConnectFailed as exc:
             raise BulkUnavailable(str(exc)) from exc
-        except ProtocolError as exc:
-            kind = "unauthenticated" if str(exc).startswith("unauthenticated") else "bulk_error"
-            raise BulkFailed(kind, str(exc)) from exc
+        except CallError as exc:  # a refused AUTH, or a reply out of step (the connection was dropped)
+            kind = "unauthenticated" if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "bulk_error"
+            raise BulkFailed(kind, exc.details()) from exc
         except OSError as exc:  # includes timeouts and resets
             raise BulkFailed("timeout" if is_timeout(exc) else "bulk_io", str(exc)) from exc
+        if head.code != 0:  # an error reply: the connection stays pooled
+            error = status_error(head, message)
+            kind = "unauthenticated" if error.code() == grpc.StatusCode.UNAUTHENTICATED else "bulk_error"
+            raise BulkFailed(kind, error.details())
+        return result
 
     def close(self) -> None:
-        self._pool.close()
+        if self._own_pool:
+            self._pool.close()
 
     # -- GET ------------------------------------------------------------------------------------------
 
@@ -111,21 +117,28 @@ class BulkClient:
 
     @staticmethod
     def _get(sock: socket.socket, state: Exchange, keys: Sequence[BlockKey], outs: Sequence[np.ndarray],
-             checksums: Sequence[int]) -> list[int]:
+             checksums: Sequence[int]) -> tuple[Head, bytes, list[int]]:
         n = len(keys)
-        send_buffers(sock, [request_header(OP_GET, n), b"".join(keys)])
-        read_reply_header(sock, OP_GET, n)
-        state.replied = True
-        sizes = np.empty(n, dtype="<u8")
-        sums = np.empty(n, dtype="<u8")
-        tiers = np.empty(n, dtype=np.uint8)
-        recv_buffers(sock, [sizes, sums, tiers])
-        want_sizes = np.fromiter((o.size for o in outs), dtype="<u8", count=n)
-        want_sums = np.fromiter(checksums, dtype="<u8", count=n)
+        send_buffers(sock, request_frame(Method.GET, node_pb2.GetRequest(keys=b"".join(keys))))
+        head, body = read_reply(sock, state, n * _REPLY_BYTES_PER_KEY + CALL_SLACK_BYTES)
+        if head.code != 0:
+            return head, body, []
+        try:
+            reply = node_pb2.BulkGetReply.FromString(body)
+        except DecodeError as exc:
+            raise _malformed(f"undecodable GET reply: {exc}") from exc
+        if not len(reply.sizes) == len(reply.checksums) == len(reply.tiers) == n:
+            raise _malformed(f"a GET reply for {len(reply.sizes)} keys, not {n}")
+        sizes = np.fromiter(reply.sizes, dtype=np.uint64, count=n)
+        sums = np.fromiter(reply.checksums, dtype=np.uint64, count=n)
+        if int(sizes.max(initial=0)) > MAX_BLOCK_BYTES or head.payload != int(sizes.sum()):
+            raise _malformed(f"a payload of {head.payload} bytes for blocks of {int(sizes.sum())}")
+        if head.trailer > n + CALL_SLACK_BYTES:
+            raise _malformed(f"a trailer of {head.trailer} bytes")
+        want_sizes = np.fromiter((o.size for o in outs), dtype=np.uint64, count=n)
+        want_sums = np.fromiter(checksums, dtype=np.uint64, count=n)
         match = (sizes == want_sizes) & (sums == want_sums)
         status = np.where(sizes == 0, GONE, np.where(match, OK, CHANGED))
-        if int(sizes.max(initial=0)) > MAX_BLOCK_BYTES:
-            raise ProtocolError(f"the node announced a block of {int(sizes.max())} bytes")
         plan = []
         discard = np.empty(_DISCARD_BYTES, dtype=np.uint8) if not match[sizes != 0].all() else None
         for j in np.flatnonzero(sizes).tolist():  # the blocks sent, in order
@@ -136,12 +149,17 @@ class BulkClient:
                 pieces = range(0, size, _DISCARD_BYTES)
                 plan += [discard[: min(_DISCARD_BYTES, size - o)] for o in pieces]  # type: ignore[index]
         recv_buffers(sock, plan)
-        valid = np.frombuffer(recv_exact(sock, n), dtype=np.uint8)
-        status[(status == OK) & (valid == 0)] = GONE
+        try:
+            valid = node_pb2.BulkGetTrailer.FromString(bytes(recv_exact(sock, head.trailer))).valid
+        except DecodeError as exc:
+            raise _malformed(f"undecodable GET trailer: {exc}") from exc
+        if len(valid) != n:
+            raise _malformed(f"a GET trailer for {len(valid)} keys, not {n}")
+        status[(status == OK) & (np.frombuffer(valid, dtype=np.uint8) == 0)] = GONE
         for j in np.flatnonzero(status == OK).tolist():
             if block_checksum(outs[j]) != checksums[j]:
                 status[j] = CORRUPT
-        return status.tolist()
+        return head, body, status.tolist()
 
     # -- PUT ------------------------------------------------------------------------------------------
 
@@ -152,21 +170,30 @@ class BulkClient:
 
     @staticmethod
     def _put(sock: socket.socket, state: Exchange, keys: Sequence[BlockKey], values: Sequence[np.ndarray],
-             checksums: Sequence[int]) -> list[bool]:
+             checksums: Sequence[int]) -> tuple[Head, bytes, list[bool]]:
         n = len(keys)
-        sizes = np.fromiter((v.size for v in values), dtype="<u8", count=n)
-        sums = np.fromiter(checksums, dtype="<u8", count=n)
+        sizes = [int(v.size) for v in values]
+        header = node_pb2.BulkPutRequest(keys=b"".join(keys), sizes=sizes, checksums=list(checksums))
         try:
-            send_buffers(sock, [request_header(OP_PUT, n), b"".join(keys), sizes, sums, *values])
-        except OSError:
-            # the node may have refused the request before reading its data: surface its message
+            send_buffers(sock, [*request_frame(Method.PUT, header, sum(sizes)), *values])
+        except OSError as exc:  # the node may have refused the frame before its payload (over its limit): why?
             try:
                 set_io_timeout(sock, 0.5)
-                read_reply_header(sock, OP_PUT, n)
-            except (OSError, ProtocolError) as exc:
-                if isinstance(exc, ProtocolError):
-                    raise
-            raise
-        read_reply_header(sock, OP_PUT, n)
-        state.replied = True
-        return [b != 0 for b in recv_exact(sock, n)]
+                head, body = read_reply(sock, state, 0)
+            except OSError:
+                raise exc from None
+            if head.code == 0:
+                raise
+            raise status_error(head, body) from exc
+        head, body = read_reply(sock, state, n + CALL_SLACK_BYTES)
+        if head.code != 0:
+            return head, body, []
+        if head.payload or head.trailer:
+            raise _malformed("a PUT reply with a payload")
+        try:
+            stored = node_pb2.PutResponse.FromString(body).stored
+        except DecodeError as exc:
+            raise _malformed(f"undecodable PUT reply: {exc}") from exc
+        if len(stored) != n:
+            raise _malformed(f"a PUT reply for {len(stored)} keys, not {n}")
+        return head, body, [b != 0 for b in stored]

@@ -1,4 +1,4 @@
-"""Remote data path over a node's bulk TCP listener (protocol client: :mod:`kvpool.client.bulk`).
+"""Remote data path over the wire's bulk GET and PUT on a node's listener (protocol client: :mod:`kvpool.client.bulk`).
 
 Reads land straight in the caller's buffers and writes go straight from
 them. If the listener cannot be reached the blocks are handed to the next
@@ -8,7 +8,7 @@ or that a full listener refused, hands its blocks on too, counted as
 
 A GET asks for at most ``GET_CHUNK_BYTES`` of blocks (and ``MAX_KEYS`` keys)
 at a time, well under what a node serves in one GET
-(:data:`kvpool.bulkwire.MAX_GET_BYTES`, more if its ``max_request_bytes``
+(:data:`kvpool.wire.MAX_GET_BYTES`, more if its ``max_request_bytes``
 is larger; a larger block goes alone). A PUT sends at most
 ``LEASE_CHUNK_BYTES``.
 """
@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvpool.bulkwire import MAX_GET_BYTES
 from kvpool.checksum import block_checksum
 from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
 from kvpool.client.datapath import LEASE_CHUNK_BYTES, MAX_KEYS, chunks
@@ -31,6 +30,7 @@ from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
 from kvpool.keys import BlockKey
 from kvpool.tls import client_context
+from kvpool.wire import MAX_GET_BYTES
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

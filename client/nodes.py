@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvpool.calls import NODE_CALLS, FastStub
+from kvpool.calls import FastStub
 from kvpool.client.faults import error_kind
 from kvpool.client.lookup import NodeAddress
 from kvpool.config import ClientConfig
@@ -39,6 +39,7 @@ from kvpool.keys import BlockKey
 from kvpool.rpc import local_host_id, make_channel
 from kvpool.tiers.arena import SharedArena, shm_path
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
+from kvpool.wire import NODE_CALLS
 
 log = logging.getLogger(__name__)
 

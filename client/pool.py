@@ -35,7 +35,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter
 
 from kvpool.buffers import BufferLike, as_array, byte_view
-from kvpool.calls import MASTER_CALLS, FastStub, MasterCallAddress, auth_hello
+from kvpool.calls import FastStub, MasterCallAddress
 from kvpool.client.bulk_path import BulkPath
 from kvpool.client.datapath import DataPath
 from kvpool.client.faults import Faults, PoolFault, error_kind
@@ -52,6 +52,7 @@ from kvpool.rpc import flags_from_bytes, make_channel
 from kvpool.tiers.base import Tier
 from kvpool.tls import client_context
 from kvpool.v1 import master_pb2, master_pb2_grpc
+from kvpool.wire import MASTER_CALLS, auth_hello
 
 __all__ = ["PoolClient", "PoolFault"]
 

@@ -346,7 +346,7 @@ class _CallDetails(grpc.ClientCallDetails):
 
 
 class Peer:
-    """One TCP connection's authentication state on a fast-call or bulk listener.
+    """One wire connection's authentication state (:mod:`kvpool.wire`).
 
     With an authority, nothing but the AUTH frame is served until a token was
     accepted (:meth:`login`); without one, everything is (auth off).

@@ -1,4 +1,4 @@
-"""Plain-TCP plumbing shared by kvpool's framed protocols (bulk bytes, fast calls).
+"""Plain-TCP plumbing under the wire (:mod:`kvpool.wire`): byte movement, the listener, the client pool.
 
 - :func:`send_buffers` / :func:`recv_buffers`: gathered writes and scattered
   reads of many buffers in few system calls, never a joining copy.
@@ -26,7 +26,7 @@
   connection, checking the certificate against the host it dialed. TLS
   sockets cannot gather or scatter (``sendmsg``), so their buffers go one at a time.
 - A pool's ``hello`` runs once on each new connection before its first
-  exchange (the AUTH frame of kvpool's protocols).
+  exchange (the wire's AUTH frame).
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
 from kvpool.auth import load_authority
-from kvpool.calls import MASTER_CALLS, CallHandler, refusal_frame
 from kvpool.config import MasterConfig
 from kvpool.framing import TcpListener
 from kvpool.keys import KEY_BYTES
@@ -41,6 +40,7 @@ from kvpool.metrics import ErrorMetrics, MetricsServer
 from kvpool.rpc import make_server
 from kvpool.tls import check_pair, server_context
 from kvpool.v1 import master_pb2, master_pb2_grpc
+from kvpool.wire import MASTER_CALLS, WireHandler, refusal_frame, unary_routes
 
 log = logging.getLogger(__name__)
 
@@ -135,13 +135,14 @@ class MasterServer:
             return self
 
     def _call_listener(self) -> TcpListener:
-        """The fast-call listener (:mod:`kvpool.calls`) over the same servicer as gRPC."""
+        """The wire listener for fast calls (:mod:`kvpool.wire`) over the same servicer as gRPC."""
         port = self.config.call_port
         if port < 0:
             port = self.port + 2 if self.config.port else 0
-        handler = CallHandler(self.servicer, master_pb2.DESCRIPTOR.services_by_name["Master"], MASTER_CALLS,
-                              max_body_bytes=max_message_bytes(self.config), authority=self.authority,
-                              errors=self.errors, max_keys=self.config.max_keys_per_call)
+        limit = max_message_bytes(self.config)
+        routes = unary_routes(self.servicer, master_pb2.DESCRIPTOR.services_by_name["Master"], MASTER_CALLS,
+                              max_body_bytes=limit, max_keys=self.config.max_keys_per_call)
+        handler = WireHandler(routes, max_frame_bytes=limit, authority=self.authority, errors=self.errors)
         return TcpListener("master-calls", self.config.host, port, handler.serve,
                            fallback_port=self.config.call_port < 0, max_connections=self.config.max_connections,
                            refusal=refusal_frame, tls=self._tls, errors=self.errors)

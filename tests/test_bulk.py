@@ -1,4 +1,4 @@
-"""The bulk TCP data path: protocol, node listener, client, fallback to gRPC (servers on 127.0.0.1)."""
+"""The bulk data path over the wire: the node listener's GET and PUT, the client, fallback to gRPC (127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import free_port, wait_until
 
-from kvpool import bulkwire
+from kvpool import wire
 from kvpool.checksum import block_checksum
 from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
 from kvpool.config import NodeConfig
+from kvpool.framing import recv_exact
 from kvpool.keys import BlockKey, opaque_key
 from kvpool.node.daemon import PoolNode
 from kvpool.tiers.base import Tier
+from kvpool.v1 import node_pb2
+from kvpool.wire import Method
 
 MIB = 1 << 20
 SLOT = 8 * MIB
@@ -136,11 +139,17 @@ def test_blocks_larger_than_a_slot_and_ssd_resident_blocks_travel_too(node, bulk
     assert node.store.where([key(0)]) == [Tier.DRAM]  # promoted on the way out
 
 
-def read_error(sock: socket.socket) -> str:
-    with pytest.raises(bulkwire.ProtocolError) as err:
-        bulkwire.read_reply_header(sock, 0, 0)
-    assert sock.recv(1) == b""  # and the node closed the connection
-    return str(err.value)
+def read_reply(sock: socket.socket) -> tuple[wire.Head, bytes]:
+    return wire.read_reply(sock, None, 1 << 20)
+
+
+def read_error(sock: socket.socket, *, closed: bool = True) -> str:
+    """An error reply's message; ``closed``: and the node closed the connection after it."""
+    head, body = read_reply(sock)
+    assert head.code != 0, "expected an error reply"
+    if closed:
+        assert sock.recv(1) == b""
+    return body.decode()
 
 
 def raw(node: PoolNode) -> socket.socket:
@@ -149,15 +158,35 @@ def raw(node: PoolNode) -> socket.socket:
     return sock
 
 
+def frame(method: int, header: bytes, payload: bytes = b"", *, payload_len: int | None = None) -> bytes:
+    """A request frame as raw bytes (``payload_len``: announce another length than the payload's)."""
+    n = len(payload) if payload_len is None else payload_len
+    return wire.pack(method, len(header), n) + header + payload
+
+
+def put_header(keys: list[bytes], sizes: list[int], sums: list[int]) -> bytes:
+    return node_pb2.BulkPutRequest(keys=b"".join(keys), sizes=sizes, checksums=sums).SerializeToString()
+
+
+GET1 = node_pb2.GetRequest(keys=b"k" * 32).SerializeToString()
+# Frames the node cannot trust to be in step: an error reply, then the connection closes.
 GARBAGE = {
     "bad magic": (os.urandom(64), "magic"),
-    "bad version": (struct.pack("<4sHBBII", b"KVPB", 9, 1, 0, 1, 0) + b"k" * 32, "version"),
-    "unknown op": (struct.pack("<4sHBBII", b"KVPB", 1, 7, 0, 1, 0) + b"k" * 32, "unknown bulk op"),
-    "too many keys": (struct.pack("<4sHBBII", b"KVPB", 1, 1, 0, 1 << 30, 0), "limit"),
-    "an empty block": (struct.pack("<4sHBBII", b"KVPB", 1, 2, 0, 1, 0) + b"k" * 32 + struct.pack("<QQ", 0, 0),
-                       "0 bytes"),
-    "a block no tier takes": (struct.pack("<4sHBBII", b"KVPB", 1, 2, 0, 1, 0) + b"k" * 32
-                              + struct.pack("<QQ", 1 << 40, 0), "fits neither"),
+    "bad version": (struct.pack("<4sHHIIQII", b"KVPW", 9, Method.GET, 0, len(GET1), 0, 0, 0) + GET1, "version"),
+    "an over-long header": (wire.pack(Method.GET, 1 << 30), "over the limit"),
+    "a payload over the limit": (wire.pack(Method.PUT, 10, 1 << 40), "over the limit"),
+    "a trailer in a request": (wire.pack(Method.GET, len(GET1), 0, 5) + GET1, "over the limit"),
+}
+# Requests read in full and refused: an error reply, and the connection stays usable.
+REFUSED = {
+    "unknown method": (frame(77, b"k" * 32), "no method 77"),
+    "undecodable header": (frame(Method.GET, b"\xff\xff\xff"), "undecodable"),
+    "too many keys": (frame(Method.GET, node_pb2.GetRequest(keys=b"k" * 32 * 65537).SerializeToString()), "limit"),
+    "an empty block": (frame(Method.PUT, put_header([b"k" * 32], [0], [0])), "0 bytes"),
+    "a block no tier takes": (frame(Method.PUT, put_header([b"k" * 32], [1 << 40], [0]), b"x" * 10), "fits neither"),
+    "sizes that do not match the payload": (frame(Method.PUT, put_header([b"k" * 32], [20], [0]), b"x" * 10),
+                                            "payload holds 10"),
+    "keys without sizes": (frame(Method.PUT, put_header([b"k" * 32], [], []), b""), "need one each"),
 }
 
 
@@ -177,22 +206,62 @@ def test_garbage_gets_an_error_and_the_node_keeps_serving(node, bulk_client, cas
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_refused_request_gets_an_error_and_its_connection_stays_usable(node, case):
+    request, message = REFUSED[case]
+    value = block(6, 3000)
+    with raw(node) as sock:
+        sock.sendall(request)
+        assert message in read_error(sock, closed=False)
+        # the same connection: a PUT, then a GET of what it stored
+        sock.sendall(frame(Method.PUT, put_header([key(6)], [value.size], [block_checksum(value)]), value.tobytes()))
+        head, body = read_reply(sock)
+        assert head.code == 0 and node_pb2.PutResponse.FromString(body).stored == b"\x01"
+        sock.sendall(frame(Method.GET, node_pb2.GetRequest(keys=key(6)).SerializeToString()))
+        head, body = read_reply(sock)
+        assert head.code == 0 and head.payload == value.size
+        assert list(node_pb2.BulkGetReply.FromString(body).sizes) == [value.size]
+        data = bytes(recv_exact(sock, head.payload))
+        assert data == value.tobytes()
+        assert node_pb2.BulkGetTrailer.FromString(bytes(recv_exact(sock, head.trailer))).valid == b"\x01"
+    assert node.store.dram.leased_slots == 0
+
+
 def test_half_a_header_then_a_hang_up_is_dropped_quietly(node, bulk_client):
     with raw(node) as sock:
-        sock.sendall(b"KVPB\x01")
+        sock.sendall(b"KVPW\x02")
     wait_until(lambda: node.bulk.connections == 0)
     assert put(bulk_client, node, [3], [block(3, 10)]) == [True]
 
 
 def test_a_client_that_disconnects_mid_put_leaves_no_slot_leased(node, bulk_client):
     with raw(node) as sock:
-        sock.sendall(bulkwire.request_header(bulkwire.OP_PUT, 2) + key(1) + key(2)
-                     + struct.pack("<QQQQ", MIB, MIB, 0, 0))
+        sock.sendall(frame(Method.PUT, put_header([key(1), key(2)], [MIB, MIB], [0, 0]), payload_len=2 * MIB))
         sock.sendall(b"x" * (MIB // 2))  # half of the first block, then hang up
         wait_until(lambda: node.store.dram.leased_slots == 2)
     wait_until(lambda: node.store.dram.leased_slots == 0 and node.bulk.connections == 0)
     assert node.store.where([key(1), key(2)]) == [None, None]
     assert put(bulk_client, node, [1], [block(1, MIB)]) == [True]
+
+
+def test_a_bad_frame_or_a_half_sent_payload_closes_only_its_own_connection(node, bulk_client):
+    """Bad magic, an over-limit length, a payload cut off: each ends its connection, and no other."""
+    value = block(7, 5000)
+    assert put(bulk_client, node, [7], [value]) == [True]  # the pooled connection, kept open
+    pooled = set(node.bulk._listener._conns)
+    assert len(pooled) == 1
+    with raw(node) as stalled:
+        stalled.sendall(frame(Method.PUT, put_header([key(8)], [MIB], [0]), payload_len=MIB) + b"x" * 1000)
+        wait_until(lambda: node.store.dram.leased_slots == 1)  # half a payload, then nothing more
+        for bad in (b"KVPX" + bytes(28), wire.pack(Method.PUT, 10, 1 << 50)):
+            with raw(node) as sock:
+                sock.sendall(bad)
+                assert read_error(sock)  # an error, then this connection closes
+        status, outs = get(bulk_client, node, [7], [5000], [block_checksum(value)])
+        assert status == [OK] and np.array_equal(outs[0], value)
+        assert pooled <= set(node.bulk._listener._conns)  # the same pooled connection served it
+    wait_until(lambda: node.store.dram.leased_slots == 0 and node.bulk.connections == 1)
+    assert node.store.where([key(8)]) == [None]
 
 
 def test_connections_are_pooled_and_a_dropped_one_is_replaced(node, bulk_client):
@@ -215,26 +284,31 @@ def test_too_many_connections_get_an_error(tmp_path, arena_name):
     with PoolNode(node_config(tmp_path, arena_name)) as n:
         n.bulk._listener.max_connections = 1
         entered, release = threading.Event(), threading.Event()
-        flush = n.bulk.after_change
+        flush = n.core.after_change
 
         def slow_flush():
             entered.set()
             release.wait(10)
             return flush()
 
-        n.bulk.after_change = slow_flush  # the PUT below is being served while the second one arrives
+        n.core.after_change = slow_flush  # the PUT below is being served while the second one arrives
         value = block(1, 100)
         with raw(n) as first:
-            first.sendall(bulkwire.request_header(bulkwire.OP_PUT, 1) + key(1)
-                          + struct.pack("<QQ", value.size, block_checksum(value)) + value.tobytes())
+            first.sendall(frame(Method.PUT, put_header([key(1)], [value.size], [block_checksum(value)]),
+                                value.tobytes()))
             assert entered.wait(10)
             try:
                 with raw(n) as second:
-                    assert "too many" in read_error(second)
+                    sock_head = second.recv(wire.FRAME.size, socket.MSG_WAITALL)
+                    head = wire.parse(sock_head)
+                    assert head is not None and head.flags & wire.FLAG_REFUSED
+                    assert head.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+                    assert b"too many" in recv_exact(second, head.header)
+                    assert second.recv(1) == b""
             finally:
                 release.set()
-            bulkwire.read_reply_header(first, bulkwire.OP_PUT, 1)  # the first one is still served
-            assert first.recv(1) == b"\x01"
+            head, body = read_reply(first)  # the first one is still served
+            assert head.code == 0 and node_pb2.PutResponse.FromString(body).stored == b"\x01"
 
 
 def test_an_unreachable_listener_is_bulk_unavailable(bulk_client):
@@ -246,6 +320,9 @@ def test_an_error_reply_is_bulk_failed(node, bulk_client):
     with pytest.raises(BulkFailed) as err:
         bulk_client.put(node.data_address, [key(1)], [np.zeros(SLOT * 1000, np.uint8)[:0]], [0])  # an empty block
     assert err.value.kind == "bulk_error" and "0 bytes" in str(err.value)
+    value = block(2, 100)  # the error reply left the pooled connection usable
+    assert put(bulk_client, node, [2], [value]) == [True]
+    assert node.bulk.connections == 1
 
 
 def test_the_default_data_port_is_next_to_the_grpc_port_or_any_if_taken(tmp_path, arena_name):

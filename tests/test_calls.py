@@ -1,4 +1,5 @@
-"""Fast calls (kvpool.calls): the same protobuf messages and servicer over framed TCP, against a real master."""
+"""Fast calls (kvpool.calls over kvpool.wire): the same protobuf messages and servicer over the wire, against a real
+master."""
 
 from __future__ import annotations
 
@@ -9,20 +10,14 @@ import grpc
 import pytest
 from support import free_port
 
-from kvpool.calls import (
-    CALL_MAGIC,
-    CALL_VERSION,
-    FRAME,
-    MASTER_CALLS,
-    CallError,
-    FastStub,
-    MasterCallAddress,
-)
+from kvpool import wire
+from kvpool.calls import FastStub, MasterCallAddress
 from kvpool.config import MasterConfig
 from kvpool.framing import ConnectionPool, recv_exact
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.master import MasterServer
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
+from kvpool.wire import MASTER_CALLS, CallError, Method
 
 MASTER = master_pb2.DESCRIPTOR.services_by_name["Master"]
 
@@ -52,12 +47,16 @@ def pool():
     p.close()
 
 
+def read_reply(sock: socket.socket) -> tuple[int, bytes]:
+    head = wire.parse(recv_exact(sock, wire.FRAME.size))
+    assert head is not None and not head.payload and not head.trailer
+    return head.code, bytes(recv_exact(sock, head.header))
+
+
 def raw_call(port: int, method: int, body: bytes) -> tuple[int, bytes]:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.sendall(FRAME.pack(CALL_MAGIC, CALL_VERSION, method, 0, len(body)) + body)
-        magic, version, status, _, length = FRAME.unpack(recv_exact(sock, FRAME.size))
-        assert (magic, version) == (CALL_MAGIC, CALL_VERSION)
-        return status, bytes(recv_exact(sock, length))
+        sock.sendall(wire.pack(method, len(body)) + body)
+        return read_reply(sock)
 
 
 def test_info_advertises_the_call_port_and_lookup_answers_as_over_grpc(master, pool):
@@ -88,16 +87,27 @@ def test_bad_requests_get_a_clear_status_and_change_nothing(master, pool):
     assert len(fast.Lookup(master_pb2.LookupRequest(keys=pack_keys(keys(2))), timeout=2.0).tiers) == 2
     assert server._calls.connections == 1
     port = server.servicer.call_port
-    status, text = raw_call(port, 1, b"\xff\xff\xff")  # undecodable protobuf
+    status, text = raw_call(port, Method.LOOKUP, b"\xff\xff\xff")  # undecodable protobuf
     assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"undecodable" in text
-    status, text = raw_call(port, len(MASTER_CALLS) + 1, b"")
+    status, text = raw_call(port, Method.LOCATE, b"")  # a node's method: not served here
     assert status == grpc.StatusCode.UNIMPLEMENTED.value[0]
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:  # not a frame at all
-        sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
-        magic, _, status, _, length = FRAME.unpack(recv_exact(sock, FRAME.size))
-        assert magic == CALL_MAGIC and status == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-        recv_exact(sock, length)
-        assert sock.recv(1) == b""  # and the connection is closed
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:  # errors, then a call: one connection
+        lookup = master_pb2.LookupRequest(keys=pack_keys(keys(8))).SerializeToString()
+        for method, body, code in ((Method.LOOKUP, b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT),
+                                   (Method.GET, b"", grpc.StatusCode.UNIMPLEMENTED),
+                                   (Method.LOOKUP, b"x" * 33, grpc.StatusCode.INVALID_ARGUMENT),
+                                   (Method.LOOKUP, lookup, grpc.StatusCode.OK)):
+            sock.sendall(wire.pack(method, len(body)) + body)
+            status, text = read_reply(sock)
+            assert status == code.value[0], text
+        assert len(master_pb2.LookupResponse.FromString(text).tiers) == 4
+    for garbage in (b"GET / HTTP/1.1\r\n\r\n" + bytes(16),  # not a frame at all
+                    wire.pack(Method.LOOKUP, 1 << 30) + b"x" * 1000):  # a header over the limit
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(garbage)
+            status, text = read_reply(sock)
+            assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and text
+            assert sock.recv(1) == b""  # and the connection is closed
     assert stub.ClusterStatus(master_pb2.ClusterStatusRequest()).indexed_blocks == before
 
 

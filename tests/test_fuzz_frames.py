@@ -1,21 +1,21 @@
-"""Bad input (issue 7): property-based fuzzing of the two plain-TCP protocols with raw sockets.
+"""Bad input (issue 7): property-based fuzzing of the wire (kvpool/wire.py) with raw sockets.
 
-- Fast calls (kvpool/calls.py) on the master's call port and on the node's bulk port: frames with
-  random method ids (valid, 0, past the list, AUTH 0xFFFF, any u16), random / mutated / well-formed
-  bodies, wrong versions, lengths over the limit, several frames on one connection, truncation anywhere.
-- Bulk (kvpool/bulkwire.py, served by kvpool/node/bulk.py): requests with random magic, version, op,
-  flags, count and reserved fields,
-  GET / PUT / AUTH bodies with boundary sizes (0, a slot, a slot + 1, more than any tier takes),
-  right and wrong checksums, several requests on one connection, truncation anywhere.
+The one frame format, on the master's call port (fast calls) and on the node's data port (fast calls
+and bulk GET / PUT): frames with random methods (served, 0, another listener's, AUTH, any u16), random /
+mutated / well-formed headers, PUT headers and payloads with boundary sizes (0, a slot, a slot + 1,
+more than any tier takes) and right and wrong checksums, wrong magic or version, sections over their
+limits, trailers in requests, several frames on one connection, truncation anywhere.
 
-Each case is checked against a model of the protocol (what the server must answer to exactly the bytes
-sent, in order): a reply of the right shape for every complete well-formed request, an error reply with
-a non-empty message for a malformed one (INVALID_ARGUMENT / UNIMPLEMENTED / UNAUTHENTICATED for an AUTH
-token over the limit; bulk ERROR, never "internal error") and then the connection closed, a silent close
-for a truncated one, and never a hang (every read has a deadline). After each case the listener
-answers a fresh connection (a cheap call on the known blocks), no DRAM slot stays leased by the bulk
-listener, and every 25 cases (and after each test) the full checks of tests/fuzz_support.py run: both
-servers healthy, nothing logged at ERROR, the known blocks byte-exact on the node and in the master's index.
+Each case is checked against a model of the protocol (what the listener must answer to exactly the
+bytes sent, in order, from the frame lengths and the listener's own limits): a reply of the right shape
+(OK, or an error with a message: INVALID_ARGUMENT for bad values or an undecodable header, UNIMPLEMENTED
+for a method the listener does not serve) for every frame it could read in full, after which the
+connection goes on; an error reply (INVALID_ARGUMENT, UNAUTHENTICATED for a bad AUTH) and then the
+connection closed for a frame out of step; a silent close for a truncated one; never INTERNAL and never
+a hang (every read has a deadline). After each case the listener answers a fresh connection (a cheap
+call on the known blocks), no DRAM slot stays leased by the listener, and every 25 cases (and after each
+test) the full checks of tests/fuzz_support.py run: both servers healthy, nothing logged at ERROR, the
+known blocks byte-exact on the node and in the master's index.
 
 Deterministic: ``derandomize=True``. ``KVPOOL_FUZZ_SCALE=4`` runs four times as many cases.
 """
@@ -26,19 +26,16 @@ import collections
 import functools
 import os
 import socket
-import struct
 import threading
 import time
+from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 from fuzz_support import (
     KNOWN,
     KNOWN_KEYS,
     KNOWN_SUMS,
-    MASTER_MAX_MESSAGE,
-    NODE_MAX_MESSAGE,
     SLOT,
     Pool,
     any_key,
@@ -51,15 +48,15 @@ from fuzz_support import (
     seed_request,
     weighted,
 )
+from google.protobuf.message import DecodeError
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from kvpool import bulkwire
-from kvpool.auth import MAX_TOKEN_BYTES
-from kvpool.calls import AUTH_METHOD, CALL_MAGIC, CALL_VERSION, FRAME, MASTER_CALLS, NODE_CALLS
+from kvpool import wire
 from kvpool.checksum import block_checksum
 from kvpool.rpc import MISS
-from kvpool.v1 import master_pb2, node_pb2
+from kvpool.v1 import common_pb2, master_pb2, node_pb2
+from kvpool.wire import FRAME, MAGIC, VERSION, Method
 
 SCALE = float(os.environ.get("KVPOOL_FUZZ_SCALE", "1"))
 N = max(1, int(400 * SCALE))
@@ -70,26 +67,32 @@ UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.value[0]
 OK = 0
 
-_CODES = {code.value[0]: code.value for code in grpc.StatusCode}
+_CODES = {code.value[0]: code.name for code in grpc.StatusCode}
 TALLY: collections.Counter[str] = collections.Counter()  # what the servers answered, for the summary line
 MASTER_SVC = master_pb2.DESCRIPTOR.services_by_name["Master"]
 NODE_SVC = node_pb2.DESCRIPTOR.services_by_name["Node"]
 
 
-def _types(service, names, module):
-    return [(getattr(module, service.methods_by_name[n].input_type.name),
-             getattr(module, service.methods_by_name[n].output_type.name)) for n in names]
+def _types(service, calls, module) -> dict[int, tuple]:
+    return {m: (getattr(module, service.methods_by_name[n].input_type.name),
+                getattr(module, service.methods_by_name[n].output_type.name), n) for n, m in calls.items()}
 
 
-SERVERS = {  # name -> (method names, (request, reply) types, body limit)
-    "master": (MASTER_CALLS, _types(MASTER_SVC, MASTER_CALLS, master_pb2), MASTER_MAX_MESSAGE),
-    "node": (NODE_CALLS, _types(NODE_SVC, NODE_CALLS, node_pb2), NODE_MAX_MESSAGE),
+# method -> (request type, reply type, name), per listener
+SERVED = {
+    "master": _types(MASTER_SVC, wire.MASTER_CALLS, master_pb2),
+    "node": {**_types(NODE_SVC, wire.NODE_CALLS, node_pb2),
+             Method.GET: (node_pb2.GetRequest, node_pb2.BulkGetReply, "Get"),
+             Method.PUT: (node_pb2.BulkPutRequest, node_pb2.PutResponse, "Put")},
 }
-READ_ONLY = {("master", "Lookup"), ("master", "Exists"), ("master", "PlaceBlocks"), ("node", "Locate")}
+READ_ONLY = {("master", "Lookup"), ("master", "Exists"), ("master", "PlaceBlocks"), ("node", "Locate"),
+             ("node", "Get")}
 # Well-formed read-only calls on exactly the known keys: their replies are checked in full.
-KNOWN_BODIES = {("master", "Lookup"): master_pb2.LookupRequest(keys=b"".join(KNOWN_KEYS)).SerializeToString(),
-                ("master", "Exists"): master_pb2.ExistsRequest(keys=b"".join(KNOWN_KEYS)).SerializeToString(),
-                ("node", "Locate"): node_pb2.LocateRequest(keys=b"".join(KNOWN_KEYS)).SerializeToString()}
+KNOWN_BODIES = {("master", Method.LOOKUP): master_pb2.LookupRequest(keys=b"".join(KNOWN_KEYS)).SerializeToString(),
+                ("master", Method.EXISTS): master_pb2.ExistsRequest(keys=b"".join(KNOWN_KEYS)).SerializeToString(),
+                ("node", Method.LOCATE): node_pb2.LocateRequest(keys=b"".join(KNOWN_KEYS)).SerializeToString(),
+                ("node", Method.GET): node_pb2.GetRequest(keys=b"".join(KNOWN_KEYS)).SerializeToString()}
+SIZE_EDGES = [0, 1, SLOT - 1, SLOT, SLOT + 1, 300 << 20, 2**40, 2**64 - 1]
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +110,13 @@ def port_of(pool: Pool, server: str) -> int:
     return pool.master.servicer.call_port if server == "master" else pool.running_node.bulk.port
 
 
+def handler_of(pool: Pool, server: str) -> wire.WireHandler:
+    if server == "master":
+        listener: Any = pool.master._calls
+        return listener._serve.__self__  # the WireHandler behind the master's call listener
+    return pool.running_node.bulk.handler
+
+
 def exchange(port: int, stream: bytes) -> bytes:
     """Send ``stream`` (from a thread: the server may answer while we send), half-close, read to EOF."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=READ_TIMEOUT_S)
@@ -116,7 +126,7 @@ def exchange(port: int, stream: bytes) -> bytes:
         try:
             sock.sendall(stream)
             sock.shutdown(socket.SHUT_WR)
-        except OSError as exc:  # the server may close first (a refused request): not the point here
+        except OSError as exc:  # the server may close first (a refused frame): not the point here
             sent_error.append(exc)
 
     sender = threading.Thread(target=send, daemon=True)
@@ -159,96 +169,173 @@ class Reader:
         return self.pos == len(self.data)
 
 
-# -- fast calls --------------------------------------------------------------------------------------------
+# -- what to send ----------------------------------------------------------------------------------------
 
 
 @st.composite
-def call_frames(draw, server: str):
-    """(frames to send, cut position or None); a frame is (header bytes, body bytes, declared length)."""
-    names, types, limit = SERVERS[server]
-    frames = []
+def put_request(draw) -> tuple[bytes, bytes]:
+    """A PUT's header and payload: keys (known ones are held: never overwritten), boundary sizes, checksums."""
+    known = draw(st.booleans())
+    keys = draw(st.lists(any_key if known else fuzz_key, max_size=6))
+    sizes = [draw(weighted((12, st.integers(1, 48 << 10)), (1, st.sampled_from(SIZE_EDGES)))) for _ in keys]
+    blocks = [det_bytes(draw(st.integers(0, 2**32)), s) if s <= 1 << 20 else b"" for s in sizes]
+    sums = [block_checksum(b) ^ (draw(st.booleans()) or k in KNOWN) for k, b in zip(keys, blocks)]
+    header = node_pb2.BulkPutRequest(keys=b"".join(keys), sizes=sizes, checksums=sums).SerializeToString()
+    return header, b"".join(blocks)
+
+
+@st.composite
+def frames(draw, server: str):
+    """(frames to send, cut position or None); a frame is (fixed header, header bytes, payload bytes)."""
+    served = SERVED[server]
+    others = [m for m in Method if m not in served and m != Method.AUTH]
+    out = []
     for _ in range(draw(st.integers(1, 3))):
-        method = draw(weighted((6, st.integers(1, len(names))), (1, st.sampled_from([0, len(names) + 1, AUTH_METHOD])),
-                               (1, st.integers(0, 0xFFFF))))
-        if 1 <= method <= len(names):
-            seed = seed_request(types[method - 1][0])
-            known = KNOWN_BODIES.get((server, names[method - 1]))
-            body = draw(weighted((3, st.just(seed)), (3, mutations.map(functools.partial(mutate, seed))),
-                                 (2, st.binary(max_size=200)), (2 if known else 0, st.just(known))))
-        elif method == AUTH_METHOD:
-            body = draw(weighted((3, st.binary(max_size=64)), (1, st.binary(min_size=MAX_TOKEN_BYTES + 1,
-                                                                            max_size=MAX_TOKEN_BYTES + 8))))
+        method = draw(weighted((8, st.sampled_from(sorted(served))), (1, st.just(int(Method.AUTH))),
+                               (1, st.sampled_from([0, *others, len(Method) + 1])), (1, st.integers(0, 0xFFFF))))
+        payload = b""
+        if method == Method.PUT and server == "node":
+            put_seed = (seed_request(node_pb2.BulkPutRequest), b"x" * 30)  # three blocks of 10 bytes
+            header, payload = draw(weighted((3, put_request()), (1, st.just(put_seed))))
+            if draw(st.integers(0, 4)) == 0:
+                header = mutate(header, draw(mutations))
+        elif method in served:
+            seed = seed_request(served[method][0])
+            known = KNOWN_BODIES.get((server, method))
+            header = draw(weighted((3, st.just(seed)), (3, mutations.map(functools.partial(mutate, seed))),
+                                   (2, st.binary(max_size=200)), (2 if known else 0, st.just(known or b""))))
+        elif method == Method.AUTH:
+            token = common_pb2.AuthRequest(token=draw(st.text(max_size=40))).SerializeToString()
+            header = draw(weighted((3, st.just(token)), (1, st.binary(max_size=64)),
+                                   (1, st.binary(min_size=600, max_size=620))))
         else:
-            body = draw(st.binary(max_size=64))
-        header = draw(weighted((8, st.just("ok")), (1, st.just("version")), (1, st.just("over")),
-                               (1 if server == "master" else 0, st.just("magic")), (1, st.just("flags"))))
-        magic, version, flags, length = CALL_MAGIC, CALL_VERSION, 0, len(body)
-        if header == "version":
-            version = draw(st.integers(0, 0xFFFF).filter(lambda v: v != CALL_VERSION))
-        elif header == "over":
-            length, body = limit + draw(st.sampled_from([1, 1000, 2**31])), b""
-            length = min(length, 2**32 - 1)
-        elif header == "magic":
-            magic = draw(st.binary(min_size=4, max_size=4).filter(lambda m: m not in (CALL_MAGIC, bulkwire.MAGIC)))
-        elif header == "flags":
+            header = draw(st.binary(max_size=64))
+        variant = draw(weighted((10, st.just("ok")), (1, st.just("version")), (1, st.just("magic")),
+                                (1, st.just("header over")), (1, st.just("payload")), (1, st.just("trailer")),
+                                (1, st.just("flags"))))
+        magic, version, flags, hlen, plen, tlen = MAGIC, VERSION, 0, len(header), len(payload), 0
+        if variant == "version":
+            version = draw(st.integers(0, 0xFFFF).filter(lambda v: v != VERSION))
+        elif variant == "magic":
+            magic = draw(st.binary(min_size=4, max_size=4).filter(lambda m: m != MAGIC))
+        elif variant == "header over":
+            hlen, header = draw(st.sampled_from([5 << 20, 2**31, 2**32 - 1])), b""
+        elif variant == "payload":  # a payload announced (maybe over the limit) but not sent with it
+            plen, payload = draw(st.sampled_from([1, 100, 5 << 20, 2**40])), b""
+        elif variant == "trailer":
+            tlen = draw(st.integers(1, 2**32 - 1))
+        elif variant == "flags":
             flags = draw(st.integers(1, 2**32 - 1))
-        frames.append((FRAME.pack(magic, version, method, flags, length), body, length))
-    stream_len = sum(len(h) + len(b) for h, b, _ in frames)
+        out.append((FRAME.pack(magic, version, method, flags, hlen, plen, tlen, 0), header, payload))
+    stream_len = sum(len(f) + len(h) + len(p) for f, h, p in out)
     cut = draw(weighted((4, st.none()), (1, st.integers(0, max(0, stream_len - 1)))))
-    return frames, cut
+    return out, cut
 
 
-def expected_call_replies(frames, cut, limit: int) -> list[tuple[str, int]]:
-    """What the server must answer, frame by frame: ("reply", method) / ("close-error", code) / ("eof", 0)."""
-    stream_len = sum(len(h) + len(b) for h, b, _ in frames) if cut is None else cut
-    out: list[tuple[str, int]] = []
+# -- the model ---------------------------------------------------------------------------------------------
+
+
+def expected_replies(pool: Pool, server: str, stream: bytes) -> list[tuple]:
+    """What the listener must answer to exactly ``stream``, frame by frame, parsed as the listener parses it:
+    ("reply", method, header bytes) / ("auth",) / ("unimplemented",) / ("close", code) / ("eof",)."""
+    handler = handler_of(pool, server)
+    end = len(stream)
+    out: list[tuple] = []
     pos = 0
-    for header, _body, length in frames:
-        if pos + len(header) > stream_len:
-            return out + [("eof", 0)]
-        magic, version, method, _, _ = FRAME.unpack(header)
-        pos += len(header)
-        if magic != CALL_MAGIC or version != CALL_VERSION or length > limit:
-            return out + [("close-error", INVALID)]
-        if method == AUTH_METHOD and length > MAX_TOKEN_BYTES:
-            return out + [("close-error", UNAUTHENTICATED)]
-        if pos + length > stream_len:
-            return out + [("eof", 0)]
-        pos += length
-        out.append(("reply", method))
-    return out + [("eof", 0)]
-
-
-def check_call_replies(data: bytes, frames, expect, server: str) -> None:
-    names, types, _ = SERVERS[server]
-    bodies = [b for _, b, _ in frames]
-    r = Reader(data)
-    for i, (kind, value) in enumerate(expect):
-        if kind == "eof":
-            assert r.done(), f"bytes after the last reply the server owed: {data[r.pos:r.pos + 64]!r}"
-            return
-        magic, version, status, _, length = FRAME.unpack(r.take(FRAME.size, "a reply header"))
-        assert (magic, version) == (CALL_MAGIC, CALL_VERSION), (magic, version)
-        TALLY[f"fast call {grpc.StatusCode(_CODES[status]).name if status in _CODES else status}"] += 1
-        text = r.take(length, "a reply body")
-        if kind == "close-error":
-            assert status == value and text.strip(), (status, text)
-            assert r.done(), "the connection should close after a malformed frame"
-            return
-        method = value
-        if method == AUTH_METHOD:
-            assert status == OK and not text, (status, text)  # no auth file: any short token is fine
-        elif not 1 <= method <= len(names):
-            assert status == UNIMPLEMENTED and text.strip(), (status, text)
+    while pos < end:
+        if pos + FRAME.size > end:
+            return out + [("eof",)]
+        magic, version, method, _, hlen, plen, tlen, _ = FRAME.unpack_from(stream, pos)
+        pos += FRAME.size
+        if magic != MAGIC or version != VERSION:
+            return out + [("close", INVALID)]
+        header = stream[pos : pos + hlen]
+        if method == Method.AUTH:
+            if hlen > wire.AUTH_HEADER_LIMIT or plen or tlen:
+                return out + [("close", UNAUTHENTICATED)]
+            if pos + hlen > end:
+                return out + [("eof",)]
+            pos += hlen
+            try:
+                common_pb2.AuthRequest.FromString(header)
+            except DecodeError:
+                return out + [("close", UNAUTHENTICATED)]
+            out.append(("auth",))
+            continue
+        route = handler.route(method)
+        if route is None:
+            if hlen + plen + tlen > handler.max_frame_bytes:
+                return out + [("close", INVALID)]
+            kind: tuple = ("unimplemented",)
+        elif hlen > route.header_limit or plen > route.payload_limit or tlen:
+            return out + [("close", INVALID)]
         else:
-            assert status in (OK, INVALID), f"{names[method - 1]}: status {status}: {text!r}"
-            if status != OK:
-                assert text.strip(), "an error reply without a message"
-                continue
-            reply = types[method - 1][1].FromString(text)
-            if bodies[i] == KNOWN_BODIES.get((server, names[method - 1])):
-                check_known_reply(names[method - 1], reply)
+            kind = ("reply", method, header)
+        if pos + hlen + plen + tlen > end:
+            return out + [("eof",)]
+        pos += hlen + plen + tlen
+        out.append(kind)
+    return out + [("eof",)]
+
+
+def check_replies(data: bytes, expect: list[tuple], server: str) -> None:
+    r = Reader(data)
+    for item in expect:
+        kind = item[0]
+        if kind == "eof":
+            assert r.done(), f"bytes after the last reply the listener owed: {data[r.pos:r.pos + 64]!r}"
+            return
+        head = wire.parse(r.take(FRAME.size, "a reply header"))
+        assert head is not None, "a reply that is not a wire frame"
+        assert not head.flags, head
+        TALLY[f"{server} {_CODES.get(head.code, head.code)}"] += 1
+        body = r.take(head.header, "a reply header section")
+        if head.code != OK or kind in ("close", "unimplemented"):
+            assert not head.payload and not head.trailer, head
+            assert body.strip(), "an error reply without a message"
+        if kind == "close":
+            assert head.code == item[1], (head.code, body)
+            assert r.done(), "the connection should close after a frame out of step"
+            return
+        if kind == "unimplemented":
+            assert head.code == UNIMPLEMENTED, (head.code, body)
+            continue
+        if kind == "auth":
+            assert head.code == OK and body == b"", (head.code, body)  # no auth file: any token is fine
+            continue
+        _, method, request = item
+        _, reply_type, name = SERVED[server][method]
+        assert head.code in (OK, INVALID), f"{name}: status {head.code}: {body!r}"
+        if head.code != OK:
+            continue
+        reply = reply_type.FromString(body)
+        if method == Method.GET:
+            check_get_reply(reply, r, head, request)
+        else:
+            assert not head.payload and not head.trailer, head
+            if request == KNOWN_BODIES.get((server, method)):
+                check_known_reply(name, reply)
     raise AssertionError("expectation list without an end")
+
+
+def check_get_reply(reply, r: Reader, head: wire.Head, request: bytes) -> None:
+    """A bulk GET's reply: the shape of its header, payload and trailer; known blocks exactly."""
+    n = len(reply.sizes)
+    assert len(reply.checksums) == len(reply.tiers) == n
+    assert head.payload == sum(reply.sizes)
+    blocks = [r.take(size, "block data") for size in reply.sizes]
+    valid = node_pb2.BulkGetTrailer.FromString(r.take(head.trailer, "the trailer")).valid
+    assert len(valid) == n
+    keys = node_pb2.GetRequest.FromString(request).keys
+    keys_list = [keys[32 * j : 32 * j + 32] for j in range(n)] if len(keys) == 32 * n else [b""] * n
+    for k, size, checksum, tier, block, ok in zip(keys_list, reply.sizes, reply.checksums, reply.tiers, blocks,
+                                                  valid):
+        assert (tier == MISS) == (size == 0) and (tier == MISS) <= (not ok)
+        if k in KNOWN:
+            assert tier != MISS and (size, checksum) == KNOWN[k][:2]
+        if ok:  # bytes the node vouches for are the block's (a known one: exactly)
+            assert block_checksum(block) == checksum
+            assert k not in KNOWN or block == KNOWN[k][2]
 
 
 def check_known_reply(name: str, reply) -> None:
@@ -262,38 +349,40 @@ def check_known_reply(name: str, reply) -> None:
             assert gen % 2 == 0 and (not gen or (size, checksum) == KNOWN[k][:2])
 
 
-def cheap_fast_call(pool: Pool, server: str) -> None:
-    """A fresh connection answers a well-formed read-only call on the known keys."""
-    name = "Exists" if server == "master" else "Locate"
-    names, types, _ = SERVERS[server]
-    method = names.index(name) + 1
-    body = types[method - 1][0](keys=b"".join(KNOWN_KEYS)).SerializeToString()
+def cheap_call(pool: Pool, server: str) -> None:
+    """A fresh connection answers a well-formed read-only call on the known keys (a bulk GET on the node)."""
+    method = Method.EXISTS if server == "master" else Method.GET
+    body = KNOWN_BODIES[(server, method)]
     if server == "master":
         pool.running_node.link.flush()
-    data = exchange(port_of(pool, server), FRAME.pack(CALL_MAGIC, CALL_VERSION, method, 0, len(body)) + body)
-    check_call_replies(data, [(b"", body, len(body))], [("reply", method), ("eof", 0)], server)
+    data = exchange(port_of(pool, server), wire.pack(method, len(body)) + body)
+    check_replies(data, [("reply", method, body), ("eof",)], server)
 
 
 @pytest.mark.parametrize("server", ["master", "node"])
-def test_fast_call_frames(pool, server):
+def test_frames(pool, server):
     @fuzz_settings(N)
-    @given(case=call_frames(server))
+    @given(case=frames(server))
     def run(case):
-        frames, cut = case
-        stream = b"".join(h + b for h, b, _ in frames)
-        names = SERVERS[server][0]
-        for header, body, _ in frames:  # never a valid mutating call on the known blocks or the real node
-            method = FRAME.unpack(header)[2]
-            if 1 <= method <= len(names) and (server, names[method - 1]) not in READ_ONLY:
-                assume(not names_known(body))
+        frames_, cut = case
+        for fixed, header, _ in frames_:  # never a valid mutating call on the known blocks or the real node
+            method = FRAME.unpack(fixed)[2]
+            if method in SERVED[server] and method != Method.PUT \
+                    and (server, SERVED[server][method][2]) not in READ_ONLY:
+                assume(not names_known(header))
+        stream = b"".join(f + h + p for f, h, p in frames_)
         if cut is not None:
             stream = stream[:cut]
-        expect = expected_call_replies(frames, cut, SERVERS[server][2])
+        expect = expected_replies(pool, server, stream)
         pool.running_node.link.flush()  # Lookup / Exists of the known keys must find all of them
+        dram = pool.running_node.store.dram
+        dram.expire(time.monotonic() + 3600)  # earlier cases' fuzzed Reserve leases: do not wait for the reaper
         data = exchange(port_of(pool, server), stream)
-        check_call_replies(data, frames, expect, server)
-        cheap_fast_call(pool, server)
-        pool.count(f"fast calls ({server})")
+        check_replies(data, expect, server)
+        if not any(FRAME.unpack(f)[2] == Method.RESERVE for f, _, _ in frames_):
+            assert dram.leased_slots == 0, "a bulk PUT left DRAM slots leased"  # they end with the request
+        cheap_call(pool, server)
+        pool.count(f"frames ({server})")
 
     run()
     pool.running_node.store.dram.expire(time.monotonic() + 3600)  # fuzzed Reserve leases: do not wait for the reaper
@@ -301,196 +390,29 @@ def test_fast_call_frames(pool, server):
     pool.check_known()
 
 
-# -- bulk ------------------------------------------------------------------------------------------------------
-
-SIZE_EDGES = [0, 1, SLOT - 1, SLOT, SLOT + 1, 300 << 20, 2**40, 2**64 - 1]
-
-
-@st.composite
-def bulk_request(draw, max_keys: int):
-    """(header, body, known keys named in a PUT with wrong checksums are fine: a held key is never overwritten)."""
-    op = draw(weighted((4, st.just(bulkwire.OP_GET)), (4, st.just(bulkwire.OP_PUT)), (1, st.just(bulkwire.OP_AUTH)),
-                       (1, st.integers(0, 255))))
-    count = draw(weighted((8, st.integers(0, 6)), (1, st.sampled_from([max_keys, max_keys + 1, 2**32 - 1]))))
-    other = st.binary(min_size=4, max_size=4).filter(lambda m: m not in (bulkwire.MAGIC, CALL_MAGIC))
-    magic = draw(weighted((10, st.just(bulkwire.MAGIC)), (1, other)))
-    version = draw(weighted((10, st.just(bulkwire.VERSION)), (1, st.integers(0, 0xFFFF))))
-    flags = draw(weighted((4, st.just(0)), (1, st.integers(0, 255))))
-    reserved = draw(weighted((4, st.just(0)), (1, st.integers(0, 2**32 - 1))))
-    header = bulkwire.HEADER.pack(magic, version, op, flags, count, reserved)
-    n = min(count, 8) if count <= max_keys else 0  # keys actually sent (a huge count is cut short anyway)
-    if op == bulkwire.OP_GET:
-        body = b"".join(draw(st.lists(any_key, min_size=n, max_size=n)))
-    elif op == bulkwire.OP_PUT:
-        known = draw(st.booleans())
-        keys = draw(st.lists(any_key if known else fuzz_key, min_size=n, max_size=n))
-        sizes = [draw(weighted((12, st.integers(1, 48 << 10)), (1, st.sampled_from(SIZE_EDGES)))) for _ in keys]
-        blocks = [det_bytes(draw(st.integers(0, 2**32)), s) if s <= 1 << 20 else b"" for s in sizes]
-        sums = [block_checksum(b) ^ (draw(st.booleans()) or k in KNOWN) for k, b in zip(keys, blocks)]
-        body = b"".join(keys) + np.array(sizes, "<u8").tobytes() + np.array(sums, "<u8").tobytes() + b"".join(blocks)
-    elif op == bulkwire.OP_AUTH:
-        body = det_bytes(count, min(count, 600))
-    else:
-        body = draw(st.binary(max_size=64))
-    return header, body
-
-
-@st.composite
-def bulk_streams(draw, max_keys: int):
-    reqs = [draw(bulk_request(max_keys)) for _ in range(draw(st.integers(1, 3)))]
-    total = sum(len(h) + len(b) for h, b in reqs)
-    last = len(reqs[-1][1])
-    cut = draw(weighted((4, st.none()), (1, st.integers(0, max(0, total - 1))),  # anywhere
-                        (1 if last else 0, st.integers(1, max(1, last)).map(lambda k: total - k))))  # last body
-    return reqs, cut
-
-
-def expected_bulk_replies(pool: Pool, reqs, cut) -> list[tuple]:
-    """The bulk listener's answers to exactly these bytes (the protocol in kvpool/bulkwire.py, as a model)."""
-    node = pool.running_node
-    ssd = node.store.ssd
-
-    def fits(n: int) -> bool:
-        return node.store.fits_dram(n) or (ssd is not None and ssd.fits(n))
-
-    stream = b"".join(h + b for h, b in reqs)
-    end = len(stream) if cut is None else cut
-    out: list[tuple] = []
-    pos = 0
-    for header, _ in reqs:
-        if pos + len(header) > end:
-            return out + [("eof",)]
-        magic, version, op, _, count, _ = bulkwire.HEADER.unpack(header)
-        pos += len(header)
-        if magic != bulkwire.MAGIC or version != bulkwire.VERSION:
-            return out + [("error",)]
-        if op == bulkwire.OP_AUTH:
-            if count > MAX_TOKEN_BYTES:
-                return out + [("error",)]
-            if pos + count > end:
-                return out + [("eof",)]
-            pos += count
-            out.append(("auth",))
-            continue
-        if count > node.bulk.max_keys_per_call:
-            return out + [("error",)]
-        if op == bulkwire.OP_GET:
-            if pos + 32 * count > end:
-                return out + [("eof",)]
-            keys = [stream[pos + 32 * i : pos + 32 * i + 32] for i in range(count)]
-            pos += 32 * count
-            out.append(("get", keys))
-        elif op == bulkwire.OP_PUT:
-            if pos + 48 * count > end:
-                return out + [("eof",)]
-            keys = [stream[pos + 32 * i : pos + 32 * i + 32] for i in range(count)]
-            sizes = np.frombuffer(stream, "<u8", count, pos + 32 * count).tolist()
-            pos += 48 * count
-            if any(s == 0 or not fits(s) for s in sizes) or sum(sizes) > node.bulk.max_request_bytes:
-                return out + [("error",)]
-            if pos + sum(sizes) > end:
-                return out + [("eof",)]
-            pos += sum(sizes)
-            out.append(("put", keys))
-        else:
-            return out + [("error",)]
-    return out + [("eof",)]
-
-
-def check_bulk_replies(data: bytes, expect: list[tuple], reqs) -> None:
-    r = Reader(data)
-    for item in expect:
-        kind = item[0]
-        TALLY[f"bulk {kind}"] += 1
-        if kind == "eof":
-            assert r.done(), f"bytes after the last reply the node owed: {data[r.pos:r.pos + 64]!r}"
-            return
-        magic, version, status, op, count, _ = bulkwire.HEADER.unpack(r.take(bulkwire.HEADER.size, "a reply header"))
-        assert (magic, version) == (bulkwire.MAGIC, bulkwire.VERSION)
-        if kind == "error":
-            assert status == bulkwire.STATUS_ERROR, status
-            (length,) = struct.unpack("<I", r.take(4, "an error length"))
-            text = r.take(length, "an error message").decode("utf-8", "replace")
-            assert text.strip() and "internal error" not in text, text
-            assert r.done(), "the connection should close after an ERROR reply"
-            return
-        assert status == bulkwire.STATUS_OK, (status, r.data[r.pos : r.pos + 200])
-        if kind == "auth":
-            assert (op, count) == (bulkwire.OP_AUTH, 0)
-            continue
-        keys = item[1]
-        n = len(keys)
-        assert count == n
-        if kind == "put":
-            assert op == bulkwire.OP_PUT
-            stored = r.take(n, "stored flags")
-            assert set(stored) <= {0, 1}
-            continue
-        assert op == bulkwire.OP_GET
-        sizes = np.frombuffer(r.take(8 * n, "sizes"), "<u8").tolist()
-        sums = np.frombuffer(r.take(8 * n, "checksums"), "<u8").tolist()
-        tiers = r.take(n, "tiers")
-        blocks = []
-        for size in sizes:
-            blocks.append(r.take(size, "block data"))
-        valid = r.take(n, "valid flags")
-        for k, size, checksum, tier, block, ok in zip(keys, sizes, sums, tiers, blocks, valid):
-            assert (tier == MISS) == (size == 0) and (tier == MISS) <= (not ok)
-            if k in KNOWN:
-                assert tier != MISS and (size, checksum) == KNOWN[k][:2]
-            if ok:  # bytes the node vouches for are the block's (a known one: exactly)
-                assert block_checksum(block) == checksum
-                assert k not in KNOWN or block == KNOWN[k][2]
-    raise AssertionError("expectation list without an end")
-
-
-def cheap_bulk_get(pool: Pool) -> None:
-    """A fresh connection: GET of the known keys answers their exact bytes (or an honest miss flag)."""
-    keys = list(KNOWN_KEYS)
-    data = exchange(pool.running_node.bulk.port, bulkwire.request_header(bulkwire.OP_GET, len(keys)) + b"".join(keys))
-    check_bulk_replies(data, [("get", keys), ("eof",)], None)
-
-
-def test_bulk_requests(pool):
-    max_keys = pool.running_node.bulk.max_keys_per_call
-
-    @fuzz_settings(N)
-    @given(case=bulk_streams(max_keys))
-    def run(case):
-        reqs, cut = case
-        stream = b"".join(h + b for h, b in reqs)
-        expect = expected_bulk_replies(pool, reqs, cut)
-        data = exchange(pool.running_node.bulk.port, stream if cut is None else stream[:cut])
-        check_bulk_replies(data, expect, reqs)
-        # the listener's own leases end with the request, whatever happened to it
-        assert pool.running_node.store.dram.leased_slots == 0, "a bulk PUT left DRAM slots leased"
-        cheap_bulk_get(pool)
-        pool.count("bulk")
-
-    run()
-    pool.check_alive()
-    pool.check_known()
-
-
-def test_bulk_put_of_valid_fuzz_blocks_is_stored_and_read_back(pool):
+def test_a_put_of_valid_fuzz_blocks_is_stored_and_read_back(pool):
     """Not fuzz: the well-formed path the model above only shape-checks, so the model is known to accept it."""
     keys = [bytes([0x44, i]) + bytes(30) for i in range(4)]
     blocks = [det_bytes(i, n) for i, n in enumerate([1, SLOT, SLOT + 1, 40 << 10])]
-    body = (b"".join(keys) + np.array([len(b) for b in blocks], "<u8").tobytes()
-            + np.array([block_checksum(b) for b in blocks], "<u8").tobytes() + b"".join(blocks))
-    data = exchange(pool.running_node.bulk.port, bulkwire.request_header(bulkwire.OP_PUT, 4) + body
-                    + bulkwire.request_header(bulkwire.OP_GET, 4) + b"".join(keys))
+    header = node_pb2.BulkPutRequest(keys=b"".join(keys), sizes=[len(b) for b in blocks],
+                                     checksums=[block_checksum(b) for b in blocks]).SerializeToString()
+    get = node_pb2.GetRequest(keys=b"".join(keys)).SerializeToString()
+    put_fixed, get_fixed = wire.pack(Method.PUT, len(header), sum(len(b) for b in blocks)), wire.pack(Method.GET,
+                                                                                                       len(get))
+    sent = [(put_fixed, header, b"".join(blocks)), (get_fixed, get, b"")]
+    data = exchange(pool.running_node.bulk.port, b"".join(f + h + p for f, h, p in sent))
     r = Reader(data)
-    assert bulkwire.HEADER.unpack(r.take(16, "header"))[2:5] == (bulkwire.STATUS_OK, bulkwire.OP_PUT, 4)
-    assert r.take(4, "stored") == b"\x01" * 4
-    check_bulk_replies(data[r.pos:], [("get", keys), ("eof",)], None)
+    head = wire.parse(r.take(FRAME.size, "header"))
+    assert head is not None and head.code == OK
+    assert node_pb2.PutResponse.FromString(r.take(head.header, "stored")).stored == b"\x01" * 4
+    check_replies(data[r.pos:], [("reply", Method.GET, get), ("eof",)], "node")
     got = pool.running_node.store.where(keys)
     assert None not in got
-    pool.count("bulk")
+    pool.count("frames (node)")
 
 
 def test_zz_report_cases(pool, capsys, request):
-    """Print how many cases ran; when the whole module ran, each protocol must have had its N cases."""
+    """Print how many cases ran; when the whole module ran, each listener must have had its N cases."""
     pool.check_alive()
     pool.check_known()
     total = sum(pool.cases.values())
@@ -499,6 +421,6 @@ def test_zz_report_cases(pool, capsys, request):
         print("[fuzz-frames] answers (cheap liveness calls included): "
               + ", ".join(f"{k} {v}" for k, v in TALLY.most_common()))
     ran = {item.originalname for item in request.session.items if item.module is request.module}
-    if {"test_fast_call_frames", "test_bulk_requests"} <= ran:  # not a -k selection
-        assert pool.cases["fast calls (master)"] >= N * 0.9 and pool.cases["fast calls (node)"] >= N * 0.9
-        assert pool.cases["bulk"] >= N * 0.9
+    if "test_frames" in ran:  # not a -k selection
+        assert pool.cases["frames (master)"] >= N * 0.9 and pool.cases["frames (node)"] >= N * 0.9
+

@@ -15,6 +15,7 @@ free_port(); each test stops what it started.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import secrets
 import socket
@@ -26,8 +27,8 @@ import numpy as np
 import pytest
 from support import PoolProcesses, free_port, wait_until
 
-from kvpool import bulkwire, framing
-from kvpool.calls import CALL_MAGIC, CALL_VERSION, FRAME, MASTER_CALLS, NODE_CALLS, FastStub, auth_hello, refusal_frame
+from kvpool import framing, wire
+from kvpool.calls import FastStub
 from kvpool.checksum import block_checksum
 from kvpool.client.bulk import BulkClient, BulkFailed
 from kvpool.client.pool import PoolClient
@@ -38,12 +39,13 @@ from kvpool.master import MasterServer
 from kvpool.node import bulk as bulk_listener
 from kvpool.node.daemon import PoolNode
 from kvpool.tiers.base import Tier
-from kvpool.v1 import master_pb2, master_pb2_grpc
+from kvpool.v1 import master_pb2, master_pb2_grpc, node_pb2
+from kvpool.wire import MASTER_CALLS, Method, auth_hello, refusal_frame
 
 MIB = 1 << 20
 MASTER_SVC = master_pb2.DESCRIPTOR.services_by_name["Master"]
-LOOKUP = MASTER_CALLS.index("Lookup") + 1
-LOCATE = NODE_CALLS.index("Locate") + 1
+LOOKUP = Method.LOOKUP
+LOCATE = Method.LOCATE
 TOKEN = secrets.token_hex(32)
 NODE_TOKEN = secrets.token_hex(32)
 
@@ -54,6 +56,17 @@ def key(tag: str, i: int) -> BlockKey:
 
 def block(i: int, size: int) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
+
+
+def get_frame(packed: bytes) -> bytes:
+    header = node_pb2.GetRequest(keys=packed).SerializeToString()
+    return wire.pack(Method.GET, len(header)) + header
+
+
+def put_frame(keys: list[BlockKey], sizes: list[int]) -> bytes:
+    """A PUT's fixed header and header section: its payload (``sum(sizes)`` bytes) is the caller's to send."""
+    header = node_pb2.BulkPutRequest(keys=b"".join(keys), sizes=sizes, checksums=[0] * len(keys)).SerializeToString()
+    return wire.pack(Method.PUT, len(header), sum(sizes)) + header
 
 
 def rss_bytes(pid: int) -> int:
@@ -137,8 +150,8 @@ def test_idle_and_half_sent_connections_do_not_lock_clients_out(tmp_path, auth):
         node_bulk = pool.nodes["n0"]["data"]
         with contextlib.ExitStack() as held:
             silent = []
-            for port, half in ((pool.master_call_port, FRAME.pack(CALL_MAGIC, CALL_VERSION, LOOKUP, 0, 64)[:7]),
-                               (node_bulk, bulkwire.request_header(bulkwire.OP_GET, 1)[:5])):
+            for port, half in ((pool.master_call_port, wire.pack(LOOKUP, 64)[:7]),
+                               (node_bulk, wire.pack(Method.GET, 40)[:5])):
                 silent += held.enter_context(held_sockets(port, 70))  # more than max_connections (64)
                 silent += held.enter_context(held_sockets(port, 8, half))  # half a header, then nothing
             for shared in (False, True):  # bulk TCP data path; same-host path (Reserve/Commit/Locate as fast calls)
@@ -222,8 +235,8 @@ def test_a_full_listener_never_cuts_a_request_and_refuses_with_a_grpc_fallback()
                 release.wait(10)
             return real(request, context)
 
-        handler = master._calls._serve.__self__  # the CallHandler behind the fast-call listener
-        handler._methods[MASTER_CALLS.index("Exists")] = ("Exists", slow_exists)
+        handler = master._calls._serve.__self__  # the WireHandler behind the fast-call listener
+        handler.replace(Method.EXISTS, dataclasses.replace(handler.route(Method.EXISTS), fn=slow_exists))
         with grpc.insecure_channel(master.address) as channel:
             stub = master_pb2_grpc.MasterStub(channel)
             address = f"127.0.0.1:{master.servicer.call_port}"
@@ -348,8 +361,7 @@ def test_a_trickling_bulk_put_gives_its_slots_back_at_the_request_deadline(tmp_p
     with PoolNode(config) as node:
         stop = threading.Event()
         with socket.create_connection(("127.0.0.1", node.bulk.port), timeout=5) as sock:
-            sock.sendall(bulkwire.request_header(bulkwire.OP_PUT, 2) + key("t", 1) + key("t", 2)
-                         + np.array([MIB, MIB, 0, 0], "<u8").tobytes())
+            sock.sendall(put_frame([key("t", 1), key("t", 2)], [MIB, MIB]))
             wait_until(lambda: node.registry.get_sample_value("kvpool_leased_slots") == 2)
             started = time.monotonic()
             t = trickle(sock, stop)
@@ -373,7 +385,7 @@ def test_a_trickling_fast_call_frame_is_cut_at_the_request_deadline(tmp_path, ar
             stop = threading.Event()
             for port, method in ((master.servicer.call_port, LOOKUP), (node.bulk.port, LOCATE)):
                 with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-                    sock.sendall(FRAME.pack(CALL_MAGIC, CALL_VERSION, method, 0, 4096))
+                    sock.sendall(wire.pack(method, 4096))
                     t = trickle(sock, stop)
                     try:
                         wait_until(lambda sock=sock: closed_by_peer(sock), timeout=short_deadline + 8)
@@ -394,9 +406,9 @@ def test_frames_announcing_huge_bodies_do_not_allocate_them(tmp_path):
         proc = pool.serve()
         node_bulk = pool.nodes["n0"]["data"]
         before = rss_bytes(proc.pid)
-        huge = FRAME.pack(CALL_MAGIC, CALL_VERSION, LOCATE, 0, (256 << 20) - 1) + b"k" * 100
-        master_huge = FRAME.pack(CALL_MAGIC, CALL_VERSION, LOOKUP, 0, 8 << 20) + b"k" * 100
-        many_keys = bulkwire.request_header(bulkwire.OP_PUT, 65536) + b"k" * 100
+        huge = wire.pack(LOCATE, 2 << 20) + b"k" * 100  # headers within their limits (65,536 keys' worth)
+        master_huge = wire.pack(LOOKUP, 2 << 20) + b"k" * 100
+        many_keys = wire.pack(Method.PUT, 3 << 20, 64 << 20) + b"k" * 100
         with held_sockets(node_bulk, 6, huge), held_sockets(pool.master_call_port, 6, master_huge), \
                 held_sockets(node_bulk, 6, many_keys):
             top = max_rss_over(proc.pid, 3.0)
@@ -421,8 +433,8 @@ def test_unread_get_replies_do_not_pile_up_node_memory(tmp_path):
             tiers = list(client.lookup(keys).tiers)
             ssd, dram = keys[tiers.index(Tier.SSD)], keys[tiers.index(Tier.DRAM)]
             before = rss_bytes(proc.pid)
-            huge = [bulkwire.request_header(bulkwire.OP_GET, 65536) + k * 65536 for k in (ssd, ssd, dram, dram)]
-            large = [bulkwire.request_header(bulkwire.OP_GET, 100) + k * 100 for k in (ssd, ssd, dram, dram)]  # 200 MiB
+            huge = [get_frame(k * 65536) for k in (ssd, ssd, dram, dram)]
+            large = [get_frame(k * 100) for k in (ssd, ssd, dram, dram)]  # 200 MiB
             socks = []
             try:
                 for request in huge + large:

@@ -431,12 +431,14 @@ def test_master_link_chunks_its_full_sync_and_trusts_contains_over_event_order(a
 
 
 def test_get_closes_the_gap_of_a_block_evicted_between_size_lookup_and_copy(arena_name):
+    from kvpool.node.core import NodeCore
     from kvpool.node.servicer import NodeServicer
     from kvpool.tiers.dram import DramStore
     from kvpool.tiers.tiered import TieredStore
 
     store = TieredStore(DramStore.create(arena_name, 4 * SLOT, SLOT))
-    servicer = NodeServicer(store, node_ref=common_pb2.NodeRef(), max_keys_per_call=16, max_message_bytes=1 << 20)
+    servicer = NodeServicer(NodeCore(store, max_keys_per_call=16), node_ref=common_pb2.NodeRef(),
+                            max_message_bytes=1 << 20)
     blocks = [block(0, 1000), block(1, 2000), block(2, 3000)]
     store.put([key(0), key(1), key(2)], blocks)
     real = store.get_into

@@ -37,7 +37,7 @@ def test_a_lost_write_is_a_counted_false_and_in_strict_mode_a_pool_fault():
 
 
 def test_an_inference_worker_imports_no_part_of_the_node():
-    """The client shares only the wire (kvpool.bulkwire, kvpool.calls) and the arena's layout with the node:
+    """The client shares only the wire (kvpool.wire, kvpool.calls) and the arena's layout with the node:
     a worker process holds no tiers, quota ledger, LMDB or master."""
     import subprocess
     import sys

@@ -24,14 +24,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import free_port, kvpool_process, stop_process, wait_serving, wait_until
 
-from kvpool import bulkwire
+from kvpool import wire
 from kvpool.auth import Authority, mask_keys
-from kvpool.calls import AUTH_METHOD, CALL_MAGIC, CALL_VERSION, FRAME, MASTER_CALLS
 from kvpool.checksum import block_checksum
 from kvpool.client.bulk import BulkClient, BulkFailed, BulkUnavailable
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
-from kvpool.framing import recv_exact
+from kvpool.framing import ConnectionPool, recv_exact
 from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys, pack_keys
 from kvpool.master import MasterServer
 from kvpool.node.daemon import PoolNode
@@ -39,6 +38,7 @@ from kvpool.rpc import MISS, make_channel
 from kvpool.tiers.arena import shm_path
 from kvpool.tiers.base import Tier
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
+from kvpool.wire import Method
 
 MIB = 1 << 20
 NODE_TOKEN = secrets.token_hex(32)
@@ -122,13 +122,18 @@ def errors(registry_owner, kind: str) -> float:
 
 
 def fast_frame(method: int, body: bytes) -> bytes:
-    return FRAME.pack(CALL_MAGIC, CALL_VERSION, method, 0, len(body)) + body
+    return wire.pack(method, len(body)) + body
+
+
+def auth_frame(token: str) -> bytes:
+    return fast_frame(Method.AUTH, common_pb2.AuthRequest(token=token).SerializeToString())
 
 
 def read_fast_reply(sock: socket.socket) -> tuple[int, bytes]:
-    magic, version, status, _, length = FRAME.unpack(recv_exact(sock, FRAME.size))
-    assert (magic, version) == (CALL_MAGIC, CALL_VERSION)
-    return status, bytes(recv_exact(sock, length))
+    """A reply's status and header section (its payload and trailer, if any, are left to read)."""
+    head = wire.parse(recv_exact(sock, wire.FRAME.size))
+    assert head is not None, "not a wire reply"
+    return head.code, bytes(recv_exact(sock, head.header))
 
 
 def closed(sock: socket.socket) -> bool:
@@ -138,8 +143,8 @@ def closed(sock: socket.socket) -> bool:
         return True
 
 
-LOOKUP = MASTER_CALLS.index("Lookup") + 1
-REPORT_BLOCKS = MASTER_CALLS.index("ReportBlocks") + 1
+LOOKUP = Method.LOOKUP
+REPORT_BLOCKS = Method.REPORT_BLOCKS
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED
 
@@ -166,32 +171,28 @@ def test_no_token_or_a_wrong_token_is_refused_over_grpc_fast_calls_and_bulk(secu
 
     # Fast calls: a request before AUTH, or AUTH with an unknown token, is refused and the connection closed.
     port = master.servicer.call_port
-    for first in (fast_frame(LOOKUP, lookup.SerializeToString()), fast_frame(AUTH_METHOD, WRONG.encode())):
+    for first in (fast_frame(LOOKUP, lookup.SerializeToString()), auth_frame(WRONG)):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             sock.sendall(first)
             status, text = read_fast_reply(sock)
             assert status == UNAUTHENTICATED.value[0] and text.startswith(b"unauthenticated"), text
             assert closed(sock)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:  # the right token: served
-        sock.sendall(fast_frame(AUTH_METHOD, TOKEN_A.encode()))
+        sock.sendall(auth_frame(TOKEN_A))
         assert read_fast_reply(sock) == (0, b"")
         sock.sendall(fast_frame(LOOKUP, lookup.SerializeToString()))
         status, body = read_fast_reply(sock)
         assert status == 0 and master_pb2.LookupResponse.FromString(body).tiers == b""
 
-    # Bulk: the same, on the node's data port (bulk frames and fast-call frames alike).
+    # Bulk: the same, on the node's data port (bulk GET and fast calls alike).
     data_port = node.bulk.port
-    get = bulkwire.request_header(bulkwire.OP_GET, 1) + prompt_keys(1)[0]
-    for first in (get, bulkwire.request_header(bulkwire.OP_AUTH, len(WRONG)) + WRONG.encode(),
-                  fast_frame(1, node_pb2.LocateRequest(keys=prompt_keys(1)[0]).SerializeToString())):
+    get = fast_frame(Method.GET, node_pb2.GetRequest(keys=prompt_keys(1)[0]).SerializeToString())
+    for first in (get, auth_frame(WRONG),
+                  fast_frame(Method.LOCATE, node_pb2.LocateRequest(keys=prompt_keys(1)[0]).SerializeToString())):
         with socket.create_connection(("127.0.0.1", data_port), timeout=5) as sock:
             sock.sendall(first)
-            if first[:4] == CALL_MAGIC:
-                status, text = read_fast_reply(sock)
-                assert status == UNAUTHENTICATED.value[0]
-            else:
-                with pytest.raises(bulkwire.ProtocolError, match="^unauthenticated"):
-                    bulkwire.read_reply_header(sock, bulkwire.OP_GET, 1)
+            status, text = read_fast_reply(sock)
+            assert status == UNAUTHENTICATED.value[0] and text.startswith(b"unauthenticated"), text
             assert closed(sock)
     for token in ("", WRONG):
         c = BulkClient(5.0, token=token)
@@ -201,6 +202,55 @@ def test_no_token_or_a_wrong_token_is_refused_over_grpc_fast_calls_and_bulk(secu
             assert failed.value.kind == "unauthenticated"
         finally:
             c.close()
+
+
+def test_one_auth_serves_fast_calls_and_bulk_get_and_put_on_one_connection(secured):
+    """The wire has one AUTH: after it, a connection carries fast calls and bulk transfers alike."""
+    master, node = secured
+    key, value = prompt_keys(1, "one-auth")[0], blocks(1, size=3000, seed=3)[0]
+    checksum = block_checksum(value)
+    with socket.create_connection(("127.0.0.1", node.bulk.port), timeout=5) as sock:
+        sock.sendall(auth_frame(TOKEN_A))
+        assert read_fast_reply(sock) == (0, b"")
+        header = node_pb2.BulkPutRequest(keys=key, sizes=[value.size], checksums=[checksum]).SerializeToString()
+        sock.sendall(wire.pack(Method.PUT, len(header), value.size) + header + value.tobytes())
+        status, body = read_fast_reply(sock)
+        assert status == 0 and node_pb2.PutResponse.FromString(body).stored == b"\x01"
+        sock.sendall(fast_frame(Method.LOCATE, node_pb2.LocateRequest(keys=key).SerializeToString()))
+        status, body = read_fast_reply(sock)
+        located = node_pb2.LocateResponse.FromString(body)
+        assert status == 0 and list(located.sizes) == [value.size] and list(located.checksums) == [checksum]
+        sock.sendall(fast_frame(Method.GET, node_pb2.GetRequest(keys=key).SerializeToString()))
+        head = wire.parse(recv_exact(sock, wire.FRAME.size))
+        assert head is not None and head.code == 0 and head.payload == value.size
+        assert list(node_pb2.BulkGetReply.FromString(bytes(recv_exact(sock, head.header))).checksums) == [checksum]
+        assert bytes(recv_exact(sock, head.payload)) == value.tobytes()
+        assert node_pb2.BulkGetTrailer.FromString(bytes(recv_exact(sock, head.trailer))).valid == b"\x01"
+    # The client side: fast calls and bulk sharing one pool, one AUTH per connection.
+    pool = ConnectionPool(5.0, hello=wire.auth_hello(TOKEN_A))
+    hellos = []
+    real_hello = pool.hello
+    pool.hello = lambda sock: (hellos.append(1), real_hello(sock))[1]
+    bulk = BulkClient(5.0, pool=pool)
+    try:
+        from kvpool.calls import FastStub
+
+        channel, stub = node_stub(node, TOKEN_A)
+        with channel:
+            fast = FastStub(stub, node_pb2.DESCRIPTOR.services_by_name["Node"], wire.NODE_CALLS, pool,
+                            lambda: node.data_address)
+            other = prompt_keys(1, "one-auth-2")[0]
+            assert bulk.put(node.data_address, [other], [value], [checksum]) == [True]
+            assert list(fast.Locate(node_pb2.LocateRequest(keys=key + other), timeout=5).sizes) == [value.size] * 2
+            out = np.zeros(value.size, np.uint8)
+            from kvpool.client.bulk import OK as GOT
+
+            assert bulk.get_into(node.data_address, [other], [out], [checksum]) == [GOT]
+            assert np.array_equal(out, value)
+        assert hellos == [1]
+        wait_until(lambda: node.bulk.connections == 1)  # (the raw connection above winds down)
+    finally:
+        pool.close()
 
 
 def test_a_client_token_cannot_call_node_only_rpcs_and_a_node_token_no_client_rpcs(secured):
@@ -230,7 +280,7 @@ def test_a_client_token_cannot_call_node_only_rpcs_and_a_node_token_no_client_rp
     assert denied.value.code() == PERMISSION_DENIED
     # The same over fast calls; the connection stays usable after a PERMISSION_DENIED.
     with socket.create_connection(("127.0.0.1", master.servicer.call_port), timeout=5) as sock:
-        sock.sendall(fast_frame(AUTH_METHOD, TOKEN_B.encode()))
+        sock.sendall(auth_frame(TOKEN_B))
         assert read_fast_reply(sock) == (0, b"")
         sock.sendall(fast_frame(REPORT_BLOCKS, calls[2][1].SerializeToString()))
         assert read_fast_reply(sock)[0] == PERMISSION_DENIED.value[0]
@@ -378,11 +428,11 @@ def test_bulk_put_reservations_count_against_the_quota_while_their_bytes_are_on_
             for conn in range(4):  # four PUTs of 8 blocks each, stalled before their data
                 sock = socket.create_connection(("127.0.0.1", node.bulk.port), timeout=5)
                 socks.append(sock)
-                sock.sendall(bulkwire.request_header(bulkwire.OP_AUTH, len(TOKEN_A)) + TOKEN_A.encode())
-                bulkwire.read_reply_header(sock, bulkwire.OP_AUTH, 0)
-                sizes, sums = np.full(8, MIB, dtype="<u8"), np.zeros(8, dtype="<u8")
-                sock.sendall(bulkwire.request_header(bulkwire.OP_PUT, 8) + pack_keys(prompt_keys(8, f"stall-{conn}"))
-                             + sizes.tobytes() + sums.tobytes())
+                sock.sendall(auth_frame(TOKEN_A))
+                assert read_fast_reply(sock) == (0, b"")
+                header = node_pb2.BulkPutRequest(keys=pack_keys(prompt_keys(8, f"stall-{conn}")), sizes=[MIB] * 8,
+                                                 checksums=[0] * 8).SerializeToString()
+                sock.sendall(wire.pack(Method.PUT, len(header), 8 * MIB) + header)
                 # the node has taken this PUT's quota decision once it refused at least 6 of its 8 blocks
                 wait_until(lambda n=conn: errors(node, "quota_exceeded") >= refused + 6 * (n + 1), timeout=10)
             assert node.store.dram.leased_slots == 2 and node.quota.reserved("a") == 2 * MIB
@@ -510,9 +560,10 @@ def test_limits_are_refused_with_a_clear_status_and_change_nothing(tmp_path, are
                 mstub.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=five, sizes=[1] * 5), timeout=5)
             assert over.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_keys_per_call" in over.value.details()
         with socket.create_connection(("127.0.0.1", node.bulk.port), timeout=5) as sock:  # keys per bulk request
-            sock.sendall(bulkwire.request_header(bulkwire.OP_GET, 5) + five)
-            with pytest.raises(bulkwire.ProtocolError, match="5 keys in one request; the limit is 4"):
-                bulkwire.read_reply_header(sock, bulkwire.OP_GET, 5)
+            sock.sendall(fast_frame(Method.GET, node_pb2.GetRequest(keys=five).SerializeToString()))
+            status, text = read_fast_reply(sock)
+            assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert b"5 keys in one request; the limit is 4" in text
         vs = blocks(2, size=3 * MIB)
         c = BulkClient(5.0)
         try:  # bytes per bulk PUT
@@ -523,7 +574,7 @@ def test_limits_are_refused_with_a_clear_status_and_change_nothing(tmp_path, are
             c.close()
         assert node.store.where(prompt_keys(2)) == [Tier.DRAM, None]
         with socket.create_connection(("127.0.0.1", node.bulk.port), timeout=5) as sock:  # fast-call body size
-            sock.sendall(FRAME.pack(CALL_MAGIC, CALL_VERSION, 1, 0, 5 * MIB))
+            sock.sendall(wire.pack(Method.LOCATE, 5 * MIB))
             status, text = read_fast_reply(sock)
             assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"over the limit" in text
         # Connections: with every slot taken by a connection idle between requests, a newcomer is served and the
@@ -531,10 +582,10 @@ def test_limits_are_refused_with_a_clear_status_and_change_nothing(tmp_path, are
         # test_bulk.py and test_listener_limits.py).
         def ask(sock: socket.socket, read: str) -> None:
             if read == "bulk":
-                sock.sendall(bulkwire.request_header(bulkwire.OP_GET, 1) + prompt_keys(1)[0])
-                bulkwire.read_reply_header(sock, bulkwire.OP_GET, 1)
-                meta = recv_exact(sock, 17)  # size, checksum, tier of the one key
-                recv_exact(sock, int.from_bytes(meta[:8], "little") + 1)  # its bytes (if held) and valid flag
+                sock.sendall(fast_frame(Method.GET, node_pb2.GetRequest(keys=prompt_keys(1)[0]).SerializeToString()))
+                head = wire.parse(recv_exact(sock, wire.FRAME.size))
+                assert head is not None and head.code == 0
+                recv_exact(sock, head.header + head.payload + head.trailer)  # the reply, its bytes and trailer
             else:
                 sock.sendall(fast_frame(LOOKUP, master_pb2.LookupRequest().SerializeToString()))
                 assert read_fast_reply(sock)[0] == 0

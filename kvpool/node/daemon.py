@@ -56,12 +56,12 @@ import lmdb
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvpool.auth import load_authority
-from kvpool.calls import NODE_CALLS, CallHandler
 from kvpool.config import NodeConfig
 from kvpool.lifecycle import wait_for_shutdown
 from kvpool.malloc import limit_arenas
 from kvpool.metrics import ErrorMetrics, MetricsServer, TierCollector, latency_histogram
 from kvpool.node.bulk import BulkServer
+from kvpool.node.core import NodeCore
 from kvpool.node.master_link import MasterLink
 from kvpool.node.quota import QuotaLedger
 from kvpool.node.servicer import NodeServicer
@@ -196,11 +196,11 @@ class PoolNode:
                 ssd.on_change = link.listener(Tier.SSD)
             if self.authority is not None and self.authority.quotas:
                 self.quota = self._quota_ledger(self.authority.quotas)
+            self.core = NodeCore(self.store, max_keys_per_call=config.max_keys_per_call, errors=self.errors,
+                                 quota=self.quota, after_change=link.flush)
             self.servicer = NodeServicer(
-                self.store, node_ref=self.node_ref, max_keys_per_call=config.max_keys_per_call,
-                max_message_bytes=config.max_message_bytes, errors=self.errors,
-                get_seconds=self.get_seconds, put_seconds=self.put_seconds, after_change=link.flush,
-                lease_timeout_s=config.lease_timeout_s, quota=self.quota,
+                self.core, node_ref=self.node_ref, max_message_bytes=config.max_message_bytes,
+                get_seconds=self.get_seconds, put_seconds=self.put_seconds, lease_timeout_s=config.lease_timeout_s,
             )
             server, self.port, self.health = make_server(
                 f"{config.host}:{config.port}", [self._add_servicer], max_message_bytes=config.max_message_bytes,
@@ -212,13 +212,10 @@ class PoolNode:
             if data_port < 0:  # the default: next to the gRPC port, or anywhere if that is taken
                 data_port = self.port + 2 if config.port else 0
             self.bulk = BulkServer(
-                self.store, config.host, data_port, max_keys_per_call=config.max_keys_per_call, errors=self.errors,
-                get_seconds=self.get_seconds, put_seconds=self.put_seconds, after_change=link.flush,
-                fallback_port=config.data_port < 0, max_connections=config.max_connections,
-                calls=CallHandler(self.servicer, node_pb2.DESCRIPTOR.services_by_name["Node"], NODE_CALLS,
-                                  max_body_bytes=config.max_message_bytes, authority=self.authority,
-                                  errors=self.errors),
-                authority=self.authority, quota=self.quota, max_request_bytes=config.max_message_bytes, tls=tls,
+                self.core, config.host, data_port, servicer=self.servicer, errors=self.errors,
+                get_seconds=self.get_seconds, put_seconds=self.put_seconds, fallback_port=config.data_port < 0,
+                max_connections=config.max_connections, authority=self.authority,
+                max_request_bytes=config.max_message_bytes, max_message_bytes=config.max_message_bytes, tls=tls,
             )
         except BaseException:
             if server is not None:

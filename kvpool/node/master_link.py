@@ -37,13 +37,14 @@ from typing import Protocol
 
 import grpc
 
-from kvpool.calls import MASTER_CALLS, FastStub, MasterCallAddress, auth_hello
+from kvpool.calls import FastStub, MasterCallAddress
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
 from kvpool.rpc import make_channel, proto_tier, tier_usage
 from kvpool.tiers.base import BlockMeta, ChangeListener, Tier, TierStats
 from kvpool.tls import client_context
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
+from kvpool.wire import MASTER_CALLS, auth_hello
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,8 @@
-"""The Node gRPC service: validate, translate proto <-> store calls, delegate to a TieredStore.
+"""The Node gRPC service: validate, translate proto <-> store calls, delegate to the node core.
+
+What a request does to the store (keys, sizes, quota, leases, the seqlock
+check) is :mod:`kvpool.node.core`'s, shared with the wire listener
+(:mod:`kvpool.node.bulk`); this module only translates.
 
 Rules every handler follows:
 - Bad input (packed keys of the wrong length, sizes that do not match the
@@ -35,19 +39,15 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from kvpool.auth import caller, caller_keys, caller_tenant
-from kvpool.checksum import block_checksum
-from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
-from kvpool.metrics import ErrorMetrics
-from kvpool.node.quota import QuotaLedger
+from kvpool.auth import caller
+from kvpool.node.core import NodeCore
 from kvpool.rpc import flag_bytes, tier_bytes, tier_usage
 from kvpool.tiers.base import Tier
-from kvpool.tiers.tiered import TieredStore
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
 
 # Room for everything in a GetResponse besides the data: tier byte, size and checksum per key, framing.
@@ -71,76 +71,34 @@ def _counted(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class NodeServicer(node_pb2_grpc.NodeServicer):
-    """kvpool.v1.Node over one node's :class:`TieredStore` (see the module docstring)."""
+    """kvpool.v1.Node over one node's :class:`NodeCore` (see the module docstring)."""
 
     def __init__(
         self,
-        store: TieredStore,
+        core: NodeCore,
         *,
         node_ref: common_pb2.NodeRef,
-        max_keys_per_call: int,
         max_message_bytes: int,
-        errors: ErrorMetrics | None = None,
         get_seconds: Any = None,
         put_seconds: Any = None,
-        after_change: Callable[[], object] | None = None,
         lease_timeout_s: float = 5.0,
-        quota: QuotaLedger | None = None,
     ):
-        self.store = store
-        self.quota = quota
+        self.core = core
+        self.store = core.store
         self.lease_timeout_s = lease_timeout_s
         self.node_ref = node_ref  # the daemon fills in the bound address once the server listens
-        self.max_keys_per_call = max_keys_per_call
+        self.max_keys_per_call = core.max_keys_per_call
         self.max_message_bytes = max_message_bytes
-        self.errors = errors
+        self.errors = core.errors
         self.get_seconds = get_seconds
         self.put_seconds = put_seconds
-        self.after_change = after_change
-
-    # -- helpers -------------------------------------------------------------------
-
-    def _keys(self, packed: bytes) -> list[BlockKey]:
-        """The stored keys of the keys a request names (its caller's tenant's); ValueError if malformed or too many."""
-        n = len(packed) // KEY_BYTES
-        if n > self.max_keys_per_call:
-            raise ValueError(f"{n} keys in one call; the limit is {self.max_keys_per_call}")
-        return unpack_keys(caller_keys(packed))
-
-    def _admit(self, keys: Sequence[BlockKey], sizes: Sequence[int], candidates: list[int]) -> list[int]:
-        """The candidates (indexes of new blocks) the caller's tenant may write now; see QuotaLedger.admit."""
-        tenant = caller_tenant()
-        if self.quota is None or not tenant or not candidates:
-            return candidates
-        ok = self.quota.admit(tenant, [keys[i] for i in candidates], [sizes[i] for i in candidates])
-        return [i for i, admitted in zip(candidates, ok) if admitted]
-
-    def _trim(self, keys: Sequence[BlockKey]) -> None:
-        tenant = caller_tenant()
-        if self.quota is not None and tenant:
-            self.quota.trim(tenant, keys)
-
-    def _sizes(self, keys: Sequence[BlockKey]) -> list[tuple[int, int] | None]:
-        """Per key (size, checksum) from whichever tier holds it, or None (no recency change)."""
-        found: list[tuple[int, int] | None] = [None if r is None else (r.length, r.checksum)
-                                               for r in self.store.dram.locate(keys)]
-        missing = [i for i, f in enumerate(found) if f is None]
-        if missing and self.store.ssd is not None:
-            for i, meta in zip(missing, self.store.ssd_meta([keys[i] for i in missing])):
-                if meta is not None:
-                    found[i] = (meta.size, meta.checksum)
-        return found
-
-    def _changed(self) -> None:
-        if self.after_change is not None:
-            self.after_change()
 
     # -- the service -----------------------------------------------------------------
 
     @_counted
     def Put(self, request: node_pb2.PutRequest, context: Any) -> node_pb2.PutResponse:
         start = time.perf_counter()
-        keys = self._keys(request.keys)
+        keys = self.core.keys(request.keys)
         sizes = list(request.sizes)
         sums = list(request.checksums)
         if len(sizes) != len(keys):
@@ -159,18 +117,10 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         for size in sizes:
             views.append(data[offset : offset + size])
             offset += size
-        good = list(range(len(keys)))
-        if sums:
-            good = [i for i in good if block_checksum(views[i]) == sums[i]]
-            if len(good) < len(keys) and self.errors is not None:
-                self.errors.count("checksum", len(keys) - len(good))
-        stored = [False] * len(keys)
-        good = self._admit(keys, sizes, good)
-        if good:
-            for i, ok in zip(good, self.store.put([keys[i] for i in good], [views[i] for i in good])):
-                stored[i] = ok
-            self._trim(keys)
-        self._changed()
+        stored = self.core.put(keys, views, sums or None)
+        if any(stored):
+            self.core.trim(keys)
+        self.core.changed()
         if self.put_seconds is not None:
             self.put_seconds.observe(time.perf_counter() - start)
         return node_pb2.PutResponse(stored=bytes(1 if s else 0 for s in stored))
@@ -178,8 +128,8 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
     @_counted
     def Get(self, request: node_pb2.GetRequest, context: Any) -> node_pb2.GetResponse:
         start = time.perf_counter()
-        keys = self._keys(request.keys)
-        found = self._sizes(keys)
+        keys = self.core.keys(request.keys)
+        found = self.core.sizes(keys)
         total = sum(f[0] for f in found if f is not None)
         if total + _PER_KEY_OVERHEAD * len(keys) + _FIXED_OVERHEAD > self.max_message_bytes:
             raise ValueError(f"the {len(keys)} blocks asked for hold {total} bytes, more than one reply "
@@ -192,7 +142,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         for size, _ in metas:
             spans.append((offset, size))
             offset += size
-        served = self.store.get_into([keys[i] for i in want], [buf[o : o + n] for o, n in spans]) if want else []
+        served = self.core.load([keys[i] for i in want], [buf[o : o + n] for o, n in spans]) if want else []
         tiers: list[Tier | None] = [None] * len(keys)
         sizes = [0] * len(keys)
         sums = [0] * len(keys)
@@ -205,31 +155,30 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             tiers[i], sizes[i], sums[i] = tier, n, checksum
             end += n
         reply = node_pb2.GetResponse(tiers=tier_bytes(tiers), sizes=sizes, checksums=sums, data=buf[:end].tobytes())
-        if self.quota is not None:
-            self.quota.touch(keys)
+        self.core.touch(keys)
         if self.get_seconds is not None:
             self.get_seconds.observe(time.perf_counter() - start)
         return reply
 
     @_counted
     def Exists(self, request: node_pb2.NodeExistsRequest, context: Any) -> node_pb2.NodeExistsResponse:
-        keys = self._keys(request.keys)
+        keys = self.core.keys(request.keys)
         return node_pb2.NodeExistsResponse(tiers=tier_bytes(self.store.where(keys)))
 
     @_counted
     def Remove(self, request: node_pb2.RemoveRequest, context: Any) -> node_pb2.RemoveResponse:
         """Drop keys from every tier; ``removed`` counts the given keys the node held (in any tier)."""
-        keys = list(dict.fromkeys(self._keys(request.keys)))
+        keys = list(dict.fromkeys(self.core.keys(request.keys)))
         held = sum(t is not None for t in self.store.where(keys))
         self.store.remove(keys)
-        self._changed()
+        self.core.changed()
         return node_pb2.RemoveResponse(removed=held)
 
     @_counted
     def Locate(self, request: node_pb2.LocateRequest, context: Any) -> node_pb2.LocateResponse:
-        keys = self._keys(request.keys)
+        keys = self.core.keys(request.keys)
         slots, gens, sizes, sums = [], [], [], []
-        for ref in self.store.locate(keys, promote=request.promote):
+        for ref in self.core.locate(keys, promote=request.promote):
             slot, gen, size, checksum = (0, 0, 0, 0) if ref is None else (ref.slot, ref.gen, ref.length, ref.checksum)
             slots.append(slot)
             gens.append(gen)
@@ -240,43 +189,33 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
 
     @_counted
     def Reserve(self, request: node_pb2.ReserveRequest, context: Any) -> node_pb2.ReserveResponse:
-        keys = self._keys(request.keys)
+        keys = self.core.keys(request.keys)
         sizes = list(request.sizes)
         if len(sizes) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
         if any(s == 0 for s in sizes):
             raise ValueError(f"block {sizes.index(0)} is empty")
-        held = [t is not None for t in self.store.where(keys)]
-        fit = [i for i, n in enumerate(sizes) if not held[i] and self.store.fits_dram(n)]
-        tenant = caller_tenant()
-        charge = None
-        if self.quota is not None and tenant and fit:  # charged from now on; the lease ends the charge
-            charge = self.quota.reserve(tenant, [keys[i] for i in fit], [sizes[i] for i in fit])
-            fit = [i for i, admitted in zip(fit, charge.admitted) if admitted]
-        res = self.store.dram.reserve([keys[i] for i in fit], [sizes[i] for i in fit], self.lease_timeout_s,
-                                      owner=caller(), charge=charge)
+        leased = self.core.reserve(keys, sizes, self.lease_timeout_s, owner=caller())
         slots, gens = [0] * len(keys), [0] * len(keys)
-        for i, slot, gen, h in zip(fit, res.slots, res.gens, res.held):
+        for i, (slot, gen) in leased.slots.items():
             slots[i], gens[i] = slot, gen
-            held[i] = held[i] or h
-        return node_pb2.ReserveResponse(arena=self.store.dram.arena.name, lease=res.lease, slots=slots,
+        held = leased.held
+        return node_pb2.ReserveResponse(arena=self.store.dram.arena.name, lease=leased.lease, slots=slots,
                                         slot_gens=gens, already_held=flag_bytes(held),
                                         lease_timeout_s=self.lease_timeout_s)
 
     @_counted
     def Commit(self, request: node_pb2.CommitRequest, context: Any) -> node_pb2.CommitResponse:
         start = time.perf_counter()
-        keys = self._keys(request.keys)
+        keys = self.core.keys(request.keys)
         slots, sums = list(request.slots), list(request.checksums)
         if not len(slots) == len(sums) == len(keys):
             raise ValueError(f"{len(keys)} keys, {len(slots)} slots and {len(sums)} checksums: need one each per key")
-        stored = self.store.commit(request.lease, keys, slots, sums, owner=caller())
+        stored = self.core.commit(request.lease, keys, slots, sums, owner=caller())
         if any(stored):
-            self._trim(keys)
-        refused = stored.count(False)
-        if refused and self.errors is not None:
-            self.errors.count("commit_refused", refused)
-        self._changed()
+            self.core.trim(keys)
+        self.core.count("commit_refused", stored.count(False))
+        self.core.changed()
         if self.put_seconds is not None:
             self.put_seconds.observe(time.perf_counter() - start)
         return node_pb2.CommitResponse(stored=flag_bytes(stored))

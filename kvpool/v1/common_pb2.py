@@ -24,17 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpool/v1/common.proto\x12\tkvpool.v1\"f\n\tTierUsage\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvpool.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\"a\n\x07NodeRef\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\r\n\x05\x61rena\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x05 \x01(\t*1\n\x04Tier\x12\x0c\n\x08TIER_HBM\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x0c\n\x08TIER_SSD\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpool/v1/common.proto\x12\tkvpool.v1\"f\n\tTierUsage\x12\x1d\n\x04tier\x18\x01 \x01(\x0e\x32\x0f.kvpool.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\"a\n\x07NodeRef\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\r\n\x05\x61rena\x18\x04 \x01(\t\x12\x14\n\x0c\x64\x61ta_address\x18\x05 \x01(\t\"\x1c\n\x0b\x41uthRequest\x12\r\n\x05token\x18\x01 \x01(\t\"\x0e\n\x0c\x41uthResponse*1\n\x04Tier\x12\x0c\n\x08TIER_HBM\x10\x00\x12\r\n\tTIER_DRAM\x10\x01\x12\x0c\n\x08TIER_SSD\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpool.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=240
-  _globals['_TIER']._serialized_end=289
+  _globals['_TIER']._serialized_start=286
+  _globals['_TIER']._serialized_end=335
   _globals['_TIERUSAGE']._serialized_start=37
   _globals['_TIERUSAGE']._serialized_end=139
   _globals['_NODEREF']._serialized_start=141
   _globals['_NODEREF']._serialized_end=238
+  _globals['_AUTHREQUEST']._serialized_start=240
+  _globals['_AUTHREQUEST']._serialized_end=268
+  _globals['_AUTHRESPONSE']._serialized_start=270
+  _globals['_AUTHRESPONSE']._serialized_end=284
 # @@protoc_insertion_point(module_scope)

@@ -39,3 +39,13 @@ class NodeRef(_message.Message):
     arena: str
     data_address: str
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., host_id: _Optional[str] = ..., arena: _Optional[str] = ..., data_address: _Optional[str] = ...) -> None: ...
+
+class AuthRequest(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    def __init__(self, token: _Optional[str] = ...) -> None: ...
+
+class AuthResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

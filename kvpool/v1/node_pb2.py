@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpool.v1 import common_pb2 as kvpool_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvpool/v1/node.proto\x12\tkvpool.v1\x1a\x16kvpool/v1/common.proto\"J\n\nPutRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tchecksums\x18\x04 \x03(\x06\"\x1d\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x0c\"\x1a\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"L\n\x0bGetResponse\x12\r\n\x05tiers\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"!\n\x11NodeExistsRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"#\n\x12NodeExistsResponse\x12\r\n\x05tiers\x18\x01 \x01(\x0c\"\x1d\n\rRemoveRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"!\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\".\n\rLocateRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x0f\n\x07promote\x18\x02 \x01(\x08\"c\n\x0eLocateResponse\x12\r\n\x05\x61rena\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x03(\x04\x12\x11\n\tslot_gens\x18\x03 \x03(\x04\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x11\n\tchecksums\x18\x05 \x03(\x06\"\r\n\x0bInfoRequest\"i\n\x0cInfoResponse\x12 \n\x04node\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.NodeRef\x12#\n\x05tiers\x18\x02 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\"-\n\x0eReserveRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\"\x80\x01\n\x0fReserveResponse\x12\r\n\x05\x61rena\x18\x01 \x01(\t\x12\r\n\x05lease\x18\x02 \x01(\x04\x12\r\n\x05slots\x18\x03 \x03(\x04\x12\x11\n\tslot_gens\x18\x04 \x03(\x04\x12\x14\n\x0c\x61lready_held\x18\x05 \x01(\x0c\x12\x17\n\x0flease_timeout_s\x18\x06 \x01(\x01\"N\n\rCommitRequest\x12\r\n\x05lease\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\r\n\x05slots\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x06\" \n\x0e\x43ommitResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x0c\x32\xf1\x03\n\x04Node\x12\x34\n\x03Put\x12\x15.kvpool.v1.PutRequest\x1a\x16.kvpool.v1.PutResponse\x12\x34\n\x03Get\x12\x15.kvpool.v1.GetRequest\x1a\x16.kvpool.v1.GetResponse\x12\x45\n\x06\x45xists\x12\x1c.kvpool.v1.NodeExistsRequest\x1a\x1d.kvpool.v1.NodeExistsResponse\x12=\n\x06Remove\x12\x18.kvpool.v1.RemoveRequest\x1a\x19.kvpool.v1.RemoveResponse\x12=\n\x06Locate\x12\x18.kvpool.v1.LocateRequest\x1a\x19.kvpool.v1.LocateResponse\x12\x37\n\x04Info\x12\x16.kvpool.v1.InfoRequest\x1a\x17.kvpool.v1.InfoResponse\x12@\n\x07Reserve\x12\x19.kvpool.v1.ReserveRequest\x1a\x1a.kvpool.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvpool.v1.CommitRequest\x1a\x19.kvpool.v1.CommitResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvpool/v1/node.proto\x12\tkvpool.v1\x1a\x16kvpool/v1/common.proto\"J\n\nPutRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tchecksums\x18\x04 \x03(\x06\"\x1d\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x0c\"\x1a\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"L\n\x0bGetResponse\x12\r\n\x05tiers\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"?\n\x0c\x42ulkGetReply\x12\r\n\x05tiers\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\"\x1f\n\x0e\x42ulkGetTrailer\x12\r\n\x05valid\x18\x01 \x01(\x0c\"@\n\x0e\x42ulkPutRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\"!\n\x11NodeExistsRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"#\n\x12NodeExistsResponse\x12\r\n\x05tiers\x18\x01 \x01(\x0c\"\x1d\n\rRemoveRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"!\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\".\n\rLocateRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x0f\n\x07promote\x18\x02 \x01(\x08\"c\n\x0eLocateResponse\x12\r\n\x05\x61rena\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x03(\x04\x12\x11\n\tslot_gens\x18\x03 \x03(\x04\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x11\n\tchecksums\x18\x05 \x03(\x06\"\r\n\x0bInfoRequest\"i\n\x0cInfoResponse\x12 \n\x04node\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.NodeRef\x12#\n\x05tiers\x18\x02 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\"-\n\x0eReserveRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\"\x80\x01\n\x0fReserveResponse\x12\r\n\x05\x61rena\x18\x01 \x01(\t\x12\r\n\x05lease\x18\x02 \x01(\x04\x12\r\n\x05slots\x18\x03 \x03(\x04\x12\x11\n\tslot_gens\x18\x04 \x03(\x04\x12\x14\n\x0c\x61lready_held\x18\x05 \x01(\x0c\x12\x17\n\x0flease_timeout_s\x18\x06 \x01(\x01\"N\n\rCommitRequest\x12\r\n\x05lease\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\r\n\x05slots\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x06\" \n\x0e\x43ommitResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x0c\x32\xf1\x03\n\x04Node\x12\x34\n\x03Put\x12\x15.kvpool.v1.PutRequest\x1a\x16.kvpool.v1.PutResponse\x12\x34\n\x03Get\x12\x15.kvpool.v1.GetRequest\x1a\x16.kvpool.v1.GetResponse\x12\x45\n\x06\x45xists\x12\x1c.kvpool.v1.NodeExistsRequest\x1a\x1d.kvpool.v1.NodeExistsResponse\x12=\n\x06Remove\x12\x18.kvpool.v1.RemoveRequest\x1a\x19.kvpool.v1.RemoveResponse\x12=\n\x06Locate\x12\x18.kvpool.v1.LocateRequest\x1a\x19.kvpool.v1.LocateResponse\x12\x37\n\x04Info\x12\x16.kvpool.v1.InfoRequest\x1a\x17.kvpool.v1.InfoResponse\x12@\n\x07Reserve\x12\x19.kvpool.v1.ReserveRequest\x1a\x1a.kvpool.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvpool.v1.CommitRequest\x1a\x19.kvpool.v1.CommitResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,30 +40,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETREQUEST']._serialized_end=192
   _globals['_GETRESPONSE']._serialized_start=194
   _globals['_GETRESPONSE']._serialized_end=270
-  _globals['_NODEEXISTSREQUEST']._serialized_start=272
-  _globals['_NODEEXISTSREQUEST']._serialized_end=305
-  _globals['_NODEEXISTSRESPONSE']._serialized_start=307
-  _globals['_NODEEXISTSRESPONSE']._serialized_end=342
-  _globals['_REMOVEREQUEST']._serialized_start=344
-  _globals['_REMOVEREQUEST']._serialized_end=373
-  _globals['_REMOVERESPONSE']._serialized_start=375
-  _globals['_REMOVERESPONSE']._serialized_end=408
-  _globals['_LOCATEREQUEST']._serialized_start=410
-  _globals['_LOCATEREQUEST']._serialized_end=456
-  _globals['_LOCATERESPONSE']._serialized_start=458
-  _globals['_LOCATERESPONSE']._serialized_end=557
-  _globals['_INFOREQUEST']._serialized_start=559
-  _globals['_INFOREQUEST']._serialized_end=572
-  _globals['_INFORESPONSE']._serialized_start=574
-  _globals['_INFORESPONSE']._serialized_end=679
-  _globals['_RESERVEREQUEST']._serialized_start=681
-  _globals['_RESERVEREQUEST']._serialized_end=726
-  _globals['_RESERVERESPONSE']._serialized_start=729
-  _globals['_RESERVERESPONSE']._serialized_end=857
-  _globals['_COMMITREQUEST']._serialized_start=859
-  _globals['_COMMITREQUEST']._serialized_end=937
-  _globals['_COMMITRESPONSE']._serialized_start=939
-  _globals['_COMMITRESPONSE']._serialized_end=971
-  _globals['_NODE']._serialized_start=974
-  _globals['_NODE']._serialized_end=1471
+  _globals['_BULKGETREPLY']._serialized_start=272
+  _globals['_BULKGETREPLY']._serialized_end=335
+  _globals['_BULKGETTRAILER']._serialized_start=337
+  _globals['_BULKGETTRAILER']._serialized_end=368
+  _globals['_BULKPUTREQUEST']._serialized_start=370
+  _globals['_BULKPUTREQUEST']._serialized_end=434
+  _globals['_NODEEXISTSREQUEST']._serialized_start=436
+  _globals['_NODEEXISTSREQUEST']._serialized_end=469
+  _globals['_NODEEXISTSRESPONSE']._serialized_start=471
+  _globals['_NODEEXISTSRESPONSE']._serialized_end=506
+  _globals['_REMOVEREQUEST']._serialized_start=508
+  _globals['_REMOVEREQUEST']._serialized_end=537
+  _globals['_REMOVERESPONSE']._serialized_start=539
+  _globals['_REMOVERESPONSE']._serialized_end=572
+  _globals['_LOCATEREQUEST']._serialized_start=574
+  _globals['_LOCATEREQUEST']._serialized_end=620
+  _globals['_LOCATERESPONSE']._serialized_start=622
+  _globals['_LOCATERESPONSE']._serialized_end=721
+  _globals['_INFOREQUEST']._serialized_start=723
+  _globals['_INFOREQUEST']._serialized_end=736
+  _globals['_INFORESPONSE']._serialized_start=738
+  _globals['_INFORESPONSE']._serialized_end=843
+  _globals['_RESERVEREQUEST']._serialized_start=845
+  _globals['_RESERVEREQUEST']._serialized_end=890
+  _globals['_RESERVERESPONSE']._serialized_start=893
+  _globals['_RESERVERESPONSE']._serialized_end=1021
+  _globals['_COMMITREQUEST']._serialized_start=1023
+  _globals['_COMMITREQUEST']._serialized_end=1101
+  _globals['_COMMITRESPONSE']._serialized_start=1103
+  _globals['_COMMITRESPONSE']._serialized_end=1135
+  _globals['_NODE']._serialized_start=1138
+  _globals['_NODE']._serialized_end=1635
 # @@protoc_insertion_point(module_scope)

@@ -43,6 +43,32 @@ class GetResponse(_message.Message):
     data: bytes
     def __init__(self, tiers: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class BulkGetReply(_message.Message):
+    __slots__ = ("tiers", "sizes", "checksums")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    tiers: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tiers: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BulkGetTrailer(_message.Message):
+    __slots__ = ("valid",)
+    VALID_FIELD_NUMBER: _ClassVar[int]
+    valid: bytes
+    def __init__(self, valid: _Optional[bytes] = ...) -> None: ...
+
+class BulkPutRequest(_message.Message):
+    __slots__ = ("keys", "sizes", "checksums")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class NodeExistsRequest(_message.Message):
     __slots__ = ("keys",)
     KEYS_FIELD_NUMBER: _ClassVar[int]

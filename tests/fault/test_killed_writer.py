@@ -70,19 +70,19 @@ time.sleep(600)  # ...and no Commit: killed here
 
 BULK_WRITER = r"""
 import json, socket, sys, time
-import numpy as np
 from kvpool.checksum import block_checksum
-from kvpool.bulkwire import OP_PUT, request_header
+from kvpool.v1 import node_pb2
+from kvpool.wire import Method, request_frame
 from fault.faultkit import content, keys_of
 
 host, port, tag, n, size = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 keys = keys_of(tag, n)
 blocks = [content(k, size) for k in keys]
 sock = socket.create_connection((host, port))
-meta = np.full(n, size, "<u8").tobytes() + np.array([block_checksum(b) for b in blocks], "<u8").tobytes()
-sock.sendall(request_header(OP_PUT, n) + b"".join(keys) + meta)
+header = node_pb2.BulkPutRequest(keys=b"".join(keys), sizes=[size] * n, checksums=[block_checksum(b) for b in blocks])
+sock.sendall(b"".join(request_frame(Method.PUT, header, n * size)))
 data = b"".join(b.tobytes() for b in blocks)
-sock.sendall(data[: len(data) // 2])  # half of the data section...
+sock.sendall(data[: len(data) // 2])  # half of the payload...
 print(json.dumps({"sent": len(data) // 2, "of": len(data)}), flush=True)
 time.sleep(600)  # ...and killed here
 """
