@@ -40,7 +40,7 @@ from kvpool.layout import KVLayout
 DEFAULT_MASTER_PORT = 7600
 DEFAULT_NODE_PORT = 7610
 DERIVED_PORT = -1  # metrics_port, call_port, data_port: follow ``port`` (see the module docstring)
-_MIN_DRAM_BYTES = 64 << 10
+_MIN_DRAM_BYTES = 4 << 10
 _GIB = 1 << 30
 _SIZE_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))

@@ -86,15 +86,16 @@ class TieredStore:
         return max(self.dram.max_block_bytes, largest)
 
     def locate(self, keys: Sequence[BlockKey], *, promote: bool) -> list[SlotRef | None]:
-        """Where each key's DRAM copy is, for a reader about to read them (they are stamped read).
+        """Where each key's DRAM copy is; ``promote``: for a reader about to read them all.
 
-        With ``promote``, SSD blocks that fit DRAM are brought in first. The
-        keys already in DRAM are stamped before any promotion, so the
-        evictions promotions cause take other blocks first: a request's own
-        reads do not evict the blocks it is about to read.
+        Without ``promote`` this is a look: no recency changes. With it, the
+        keys in DRAM are stamped read, then SSD blocks that fit DRAM are
+        brought in (and stamped): the evictions those promotions cause take
+        other blocks first, so a request's own reads do not evict the blocks
+        it is about to read.
         """
         keys = check_keys(keys)
-        refs = self.dram.locate(keys, touch=True)
+        refs = self.dram.locate(keys, touch=promote)
         missing = [i for i, r in enumerate(refs) if r is None]
         if promote and self.promote and self.ssd is not None and missing and self._promote([keys[i] for i in missing]):
             for i, ref in zip(missing, self.dram.locate([keys[i] for i in missing], touch=True)):
