@@ -25,9 +25,10 @@ from kvpool.checksum import block_checksum
 from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
 from kvpool.client.datapath import LEASE_CHUNK_BYTES, MAX_KEYS, chunks
 from kvpool.client.faults import Faults
-from kvpool.client.lookup import NodeAddress, PoolRun
+from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
+from kvpool.core import NodeRef
 from kvpool.keys import BlockKey
 from kvpool.tls import client_context
 from kvpool.wire import MAX_GET_BYTES
@@ -47,7 +48,7 @@ class BulkPath:
         self.bulk = BulkClient(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0),
                                token=config.token, tls=client_context(config.tls_ca) if config.tls_ca else None)
 
-    def _call(self, node: NodeAddress, n: int, call: Callable[..., T], *args: Any) -> T | None:
+    def _call(self, node: NodeRef, n: int, call: Callable[..., T], *args: Any) -> T | None:
         """One bulk request; None (hand these ``n`` blocks on) if the listener is down or the call failed."""
         try:
             return call(*args)
@@ -59,7 +60,7 @@ class BulkPath:
             self.faults.counted("bulk_fallback", n)
         return None
 
-    def get(self, node: NodeAddress, idxs: list[int], run: PoolRun, dsts: list[np.ndarray],
+    def get(self, node: NodeRef, idxs: list[int], run: PoolRun, dsts: list[np.ndarray],
             ok: list[bool]) -> list[int]:
         data_address = self.nodes.data_address(node.address)
         if data_address is None:
@@ -84,7 +85,7 @@ class BulkPath:
                     self.faults.lost("checksum", run.keys[i].hex()[:16])
         return []
 
-    def put(self, node: NodeAddress, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
+    def put(self, node: NodeRef, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
             sizes: list[int], result: list[bool]) -> list[int]:
         data_address = self.nodes.data_address(node.address)
         if data_address is None:

@@ -22,7 +22,8 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpool.client.lookup import NodeAddress, PoolRun
+from kvpool.client.lookup import PoolRun
+from kvpool.core import NodeRef
 from kvpool.keys import BlockKey
 
 MAX_KEYS = 65536  # keys per node call (the node's limit)
@@ -33,10 +34,10 @@ LEASE_CHUNK_BYTES = 256 << 20  # bytes per bulk PUT or Reserve/Commit lease (a l
 class DataPath(Protocol):
     """A way to move blocks to and from one node (see the module docstring)."""
 
-    def get(self, node: NodeAddress, idxs: list[int], run: PoolRun, dsts: list[np.ndarray],
+    def get(self, node: NodeRef, idxs: list[int], run: PoolRun, dsts: list[np.ndarray],
             ok: list[bool]) -> list[int]: ...
 
-    def put(self, node: NodeAddress, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
+    def put(self, node: NodeRef, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
             sizes: list[int], result: list[bool]) -> list[int]: ...
 
 

@@ -13,9 +13,10 @@ import numpy as np
 from kvpool.checksum import block_checksum, copy_with_checksum
 from kvpool.client.datapath import GRPC_CHUNK_BYTES, chunks
 from kvpool.client.faults import Faults, error_kind
-from kvpool.client.lookup import NodeAddress, PoolRun
+from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
+from kvpool.core import NodeRef
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.rpc import MISS, flags_from_bytes
 from kvpool.v1 import node_pb2
@@ -29,7 +30,7 @@ class GrpcPath:
         self.nodes = nodes
         self.faults = faults
 
-    def get(self, node: NodeAddress, idxs: list[int], blocks: PoolRun, dsts: list[np.ndarray],
+    def get(self, node: NodeRef, idxs: list[int], blocks: PoolRun, dsts: list[np.ndarray],
             ok: list[bool]) -> list[int]:
         sizes = blocks.sizes.tolist()
         for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES):
@@ -58,7 +59,7 @@ class GrpcPath:
                 ok[i] = True
         return []
 
-    def put(self, node: NodeAddress, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
+    def put(self, node: NodeRef, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
             sizes: list[int], result: list[bool]) -> list[int]:
         for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES):
             request = node_pb2.PutRequest(

@@ -28,9 +28,10 @@ import numpy as np
 import torch
 
 from kvpool.client.devices import resolve_device
+from kvpool.core import Tier, TierStats
 from kvpool.keys import BlockKey, check_keys
 from kvpool.layout import KVLayout
-from kvpool.tiers.base import Tier, TierStats, check_batch
+from kvpool.tiers.base import check_batch
 
 ChangeCallback = Callable[[list[BlockKey], list[BlockKey]], None]
 

@@ -19,18 +19,8 @@ from typing import overload
 
 import numpy as np
 
+from kvpool.core import NodeRef, Tier
 from kvpool.keys import BlockKey
-from kvpool.tiers.base import Tier
-
-
-@dataclass(frozen=True, slots=True)
-class NodeAddress:
-    """A pool node as the master described it."""
-
-    node_id: str
-    address: str
-    host_id: str
-    arena: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +29,7 @@ class BlockLocation:
 
     key: BlockKey
     tier: Tier
-    node: NodeAddress
+    node: NodeRef
     size: int
     checksum: int
 
@@ -57,7 +47,7 @@ class PoolRun(Sequence[BlockLocation]):
     __slots__ = ("keys", "tiers", "node_indexes", "nodes", "sizes", "checksums")
 
     def __init__(self, keys: Sequence[BlockKey], tiers: bytes, node_indexes: Sequence[int] | np.ndarray,
-                 nodes: Sequence[NodeAddress], sizes: Sequence[int] | np.ndarray,
+                 nodes: Sequence[NodeRef], sizes: Sequence[int] | np.ndarray,
                  checksums: Sequence[int] | np.ndarray):
         if not len(keys) == len(tiers) == len(node_indexes) == len(sizes) == len(checksums):
             raise ValueError("pool run: columns of different lengths")
@@ -73,7 +63,7 @@ class PoolRun(Sequence[BlockLocation]):
         """A run of the given locations (itself if it is one already)."""
         if isinstance(locations, PoolRun):
             return locations
-        nodes: dict[NodeAddress, int] = {}
+        nodes: dict[NodeRef, int] = {}
         indexes = [nodes.setdefault(loc.node, len(nodes)) for loc in locations]
         return cls([loc.key for loc in locations], bytes(int(loc.tier) for loc in locations), indexes, list(nodes),
                    [loc.size for loc in locations], [loc.checksum for loc in locations])

@@ -32,8 +32,8 @@ import grpc
 
 from kvpool.calls import FastStub
 from kvpool.client.faults import error_kind
-from kvpool.client.lookup import NodeAddress
 from kvpool.config import ClientConfig
+from kvpool.core import NodeRef
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
 from kvpool.rpc import local_host_id, make_channel
@@ -119,7 +119,7 @@ class NodeDirectory:
 
     # -- shared memory --------------------------------------------------------------------
 
-    def arena(self, node: NodeAddress) -> SharedArena | None:
+    def arena(self, node: NodeRef) -> SharedArena | None:
         """The node's arena mapped here, or None if it is on another host or cannot be mapped now."""
         if not self.config.shared_memory or node.host_id != self.host_id or not node.arena:
             return None

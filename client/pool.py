@@ -40,16 +40,16 @@ from kvpool.client.bulk_path import BulkPath
 from kvpool.client.datapath import DataPath
 from kvpool.client.faults import Faults, PoolFault, error_kind
 from kvpool.client.grpc_path import GrpcPath
-from kvpool.client.lookup import EMPTY_RUN, BlockLocation, NodeAddress, PoolRun
+from kvpool.client.lookup import EMPTY_RUN, BlockLocation, PoolRun
 from kvpool.client.nodes import MAX_MESSAGE_BYTES, NodeDirectory
 from kvpool.client.shared_path import SharedMemoryPath, TenantMask
 from kvpool.client.writer import WriteBehindQueue
 from kvpool.config import ClientConfig
+from kvpool.core import NodeRef, Tier
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey, check_keys, pack_keys
 from kvpool.metrics import ErrorMetrics, LookupMetrics, MetricsServer, latency_histogram
 from kvpool.rpc import flags_from_bytes, make_channel
-from kvpool.tiers.base import Tier
 from kvpool.tls import client_context
 from kvpool.v1 import master_pb2, master_pb2_grpc
 from kvpool.wire import MASTER_CALLS, auth_hello
@@ -123,7 +123,7 @@ class PoolClient:
         if reply.nodes:
             self.nodes.learn(reply.nodes)
         run = len(reply.tiers)
-        nodes = [NodeAddress(n.node_id, n.address, n.host_id, n.arena) for n in reply.nodes]
+        nodes = [NodeRef(n.node_id, n.address, n.host_id, n.arena) for n in reply.nodes]
         if not (len(reply.node_indexes) == len(reply.sizes) == len(reply.checksums) == run <= len(keys)):
             self.faults.lost("bad_reply", "lookup reply fields disagree", len(keys))
             return EMPTY_RUN
@@ -270,7 +270,7 @@ class PoolClient:
             self.faults.lost("bad_reply", "placement reply fields disagree", len(uniq))
             return result
         self.nodes.learn(placed.nodes)
-        nodes = [NodeAddress(n.node_id, n.address, n.host_id, n.arena) for n in placed.nodes]
+        nodes = [NodeRef(n.node_id, n.address, n.host_id, n.arena) for n in placed.nodes]
         by_node: dict[int, list[int]] = defaultdict(list)
         refused: list[int] = []
         for j, i in enumerate(uniq):

@@ -38,9 +38,10 @@ from kvpool.auth import MASK_BYTES, mask_keys
 from kvpool.checksum import copy_with_checksum
 from kvpool.client.datapath import LEASE_CHUNK_BYTES, chunks
 from kvpool.client.faults import Faults, error_kind
-from kvpool.client.lookup import NodeAddress, PoolRun
+from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
+from kvpool.core import NodeRef
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.tiers.arena import KEY_DTYPE, SharedArena
 from kvpool.v1 import master_pb2, node_pb2
@@ -93,7 +94,7 @@ class SharedMemoryPath:
 
     # -- reads ----------------------------------------------------------------------------
 
-    def get(self, node: NodeAddress, idxs: list[int], run: PoolRun, dsts: list[np.ndarray],
+    def get(self, node: NodeRef, idxs: list[int], run: PoolRun, dsts: list[np.ndarray],
             ok: list[bool]) -> list[int]:
         arena = self.nodes.arena(node)
         if arena is None:
@@ -133,7 +134,7 @@ class SharedMemoryPath:
             ok[idxs[j]] = True
         return [i for i in idxs if not ok[i]]
 
-    def locate(self, node: NodeAddress, arena: SharedArena, packed: bytes, n: int) -> np.ndarray | None:
+    def locate(self, node: NodeRef, arena: SharedArena, packed: bytes, n: int) -> np.ndarray | None:
         """Per key the node's slot for it (-1: not in DRAM), promoting SSD blocks; None if the call failed."""
         request = node_pb2.LocateRequest(keys=packed, promote=True)
         try:
@@ -148,7 +149,7 @@ class SharedMemoryPath:
 
     # -- writes ---------------------------------------------------------------------------
 
-    def put(self, node: NodeAddress, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
+    def put(self, node: NodeRef, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
             sizes: list[int], result: list[bool]) -> list[int]:
         arena = self.nodes.arena(node)
         if arena is None:

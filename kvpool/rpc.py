@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvpool.auth import AuthInterceptor, Authority, BearerInterceptor
-from kvpool.tiers.base import Tier, TierStats
+from kvpool.core import Tier, TierStats
 from kvpool.tls import channel_credentials, check_pair, server_credentials
 from kvpool.v1 import common_pb2
 

@@ -71,9 +71,9 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from kvpool.core import Tier
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master.keytable import KeyTable, Rows
-from kvpool.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 

@@ -34,28 +34,17 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kvpool.core import NodeRef, Tier, TierStats
 from kvpool.master.index import BlockIndex, HbmIndex
-from kvpool.tiers.base import Tier, TierStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class NodeAddress:
-    """Where a pool node can be reached (the fields of ``kvpool.v1.NodeRef``)."""
-
-    node_id: str
-    address: str
-    host_id: str = ""
-    arena: str = ""
-    data_address: str = ""
 
 
 @dataclass(slots=True)
 class NodeInfo:
     """One registered node. Copies handed out by :class:`Membership` are snapshots."""
 
-    ref: NodeAddress
+    ref: NodeRef
     number: int  # its node number in the BlockIndex (never reused)
     incarnation: int
     tiers: dict[Tier, TierStats]
@@ -99,7 +88,7 @@ class Membership:
 
     # -- nodes --------------------------------------------------------------------------
 
-    def register(self, ref: NodeAddress, tiers: Iterable[TierStats], dram_max_block_bytes: int,
+    def register(self, ref: NodeRef, tiers: Iterable[TierStats], dram_max_block_bytes: int,
                  max_block_bytes: int = 0) -> NodeInfo:
         """Add (or re-add) a node; its previous incarnation's index entries are dropped first.
 
@@ -185,7 +174,7 @@ class Membership:
         with self._lock:
             return [info.snapshot() for info in self._nodes.values()]
 
-    def refs(self, numbers: Iterable[int]) -> dict[int, NodeAddress]:
+    def refs(self, numbers: Iterable[int]) -> dict[int, NodeRef]:
         """Addresses of the given node numbers; numbers of dropped nodes are absent."""
         with self._lock:
             return {n: self._by_number[n].ref for n in set(numbers) if n in self._by_number}

@@ -37,13 +37,13 @@ import numpy as np
 from kvpool import __version__
 from kvpool.auth import caller, caller_keys
 from kvpool.config import MasterConfig
+from kvpool.core import NodeRef, Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.master.index import BlockIndex, HbmIndex
-from kvpool.master.membership import Membership, NodeAddress
+from kvpool.master.membership import Membership
 from kvpool.master.placement import TOO_LARGE, Candidate, NoPoolNodes, place
 from kvpool.master.stats import MasterMetrics
 from kvpool.rpc import flag_bytes, tier_usage
-from kvpool.tiers.base import Tier, TierStats
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 
 _NODE_TIERS = (Tier.DRAM, Tier.SSD)
@@ -107,7 +107,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return stats
 
     @staticmethod
-    def _node_ref(ref: NodeAddress) -> common_pb2.NodeRef:
+    def _node_ref(ref: NodeRef) -> common_pb2.NodeRef:
         return common_pb2.NodeRef(
             node_id=ref.node_id, address=ref.address, host_id=ref.host_id, arena=ref.arena,
             data_address=ref.data_address,
@@ -128,7 +128,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             raise ValueError(f"RegisterNode: node {ref.node_id!r} has no address")
         tiers = self._tier_stats(request.tiers)
         info = self._membership.register(
-            NodeAddress(ref.node_id, ref.address, ref.host_id, ref.arena, ref.data_address), tiers,
+            NodeRef(ref.node_id, ref.address, ref.host_id, ref.arena, ref.data_address), tiers,
             request.dram_max_block_bytes, request.max_block_bytes,
         )
         return master_pb2.RegisterNodeResponse(

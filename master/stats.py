@@ -25,10 +25,10 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from kvpool.core import TierStats
 from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
 from kvpool.metrics import CLUSTER_TIER_PREFIX, ErrorMetrics, LookupMetrics, TierCollector, latency_histogram
-from kvpool.tiers.base import TierStats
 
 log = logging.getLogger(__name__)
 

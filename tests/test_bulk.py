@@ -19,10 +19,10 @@ from kvpool import wire
 from kvpool.checksum import block_checksum
 from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
 from kvpool.config import NodeConfig
+from kvpool.core import Tier
 from kvpool.framing import recv_exact
 from kvpool.keys import BlockKey, opaque_key
 from kvpool.node.daemon import PoolNode
-from kvpool.tiers.base import Tier
 from kvpool.v1 import node_pb2
 from kvpool.wire import Method
 

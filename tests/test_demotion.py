@@ -7,12 +7,12 @@ import threading
 import numpy as np
 
 from kvpool.checksum import block_checksum
+from kvpool.core import BlockMeta, Tier
 from kvpool.keys import BlockKey
-from kvpool.tiers.base import BlockMeta, Tier
 from kvpool.tiers.demotion import DemotionQueue
 from kvpool.tiers.dram import DramStore
+from kvpool.tiers.node_store import NodeStore
 from kvpool.tiers.ssd import SsdStore
-from kvpool.tiers.tiered import TieredStore
 
 SLOT = 64 << 10
 
@@ -127,7 +127,7 @@ def test_tiered_store_serves_blocks_while_they_are_demoted(arena_name, tmp_path)
     dram = DramStore.create(arena_name, 2 * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0)
     ssd = SsdStore(tmp_path / "ssd", 64 * SLOT)
     entered, release = gate_writes(ssd)
-    store = TieredStore(dram, ssd, demote_queue_bytes=16 * SLOT)
+    store = NodeStore(dram, ssd, demote_queue_bytes=16 * SLOT)
     try:
         assert store.put([key(0), key(1)], [block(0), block(1)]) == [True, True]
         assert store.put([key(2)], [block(2)]) == [True]  # evicts key 0 without waiting for SSD

@@ -16,11 +16,11 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from kvpool.core import Tier
 from kvpool.keys import BlockKey
 from kvpool.master import keytable
 from kvpool.master.index import BlockIndex, Hit
 from kvpool.master.keytable import KeyTable
-from kvpool.tiers.base import Tier
 
 DRAM, SSD = Tier.DRAM, Tier.SSD
 

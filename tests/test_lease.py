@@ -12,11 +12,11 @@ from support import free_port, wait_until
 
 from kvpool.checksum import block_checksum, copy_with_checksum
 from kvpool.config import NodeConfig
+from kvpool.core import Tier
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.node.daemon import PoolNode
 from kvpool.rpc import MISS, channel_options
 from kvpool.tiers.arena import SharedArena
-from kvpool.tiers.base import Tier
 from kvpool.tiers.dram import DramStore
 from kvpool.v1 import node_pb2, node_pb2_grpc
 
@@ -146,10 +146,10 @@ def test_reserve_demotes_lru_blocks_like_put(arena_name):
 
 
 def test_a_committed_lease_reaches_ssd_too_with_write_through(tmp_path, arena_name):
+    from kvpool.tiers.node_store import NodeStore
     from kvpool.tiers.ssd import SsdStore
-    from kvpool.tiers.tiered import TieredStore
 
-    store = TieredStore(DramStore.create(arena_name, 4 * SLOT, SLOT), SsdStore(str(tmp_path / "ssd"), 1 << 20),
+    store = NodeStore(DramStore.create(arena_name, 4 * SLOT, SLOT), SsdStore(str(tmp_path / "ssd"), 1 << 20),
                         write_through=True)
     try:
         res = store.dram.reserve([key(1)], [SLOT], timeout_s=5.0)

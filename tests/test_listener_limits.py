@@ -33,12 +33,12 @@ from kvpool.checksum import block_checksum
 from kvpool.client.bulk import BulkClient, BulkFailed
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
+from kvpool.core import Tier
 from kvpool.framing import ConnectionPool, send_final
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.master import MasterServer
 from kvpool.node import bulk as bulk_listener
 from kvpool.node.daemon import PoolNode
-from kvpool.tiers.base import Tier
 from kvpool.v1 import master_pb2, master_pb2_grpc, node_pb2
 from kvpool.wire import MASTER_CALLS, Method, auth_hello, refusal_frame
 

@@ -21,10 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.config import MasterConfig
+from kvpool.core import Tier
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.master import MasterServer
 from kvpool.master.index import BlockIndex
-from kvpool.tiers.base import Tier
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 
 DRAM, SSD = common_pb2.TIER_DRAM, common_pb2.TIER_SSD

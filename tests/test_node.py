@@ -18,12 +18,12 @@ from support import free_port, wait_until
 
 from kvpool.checksum import block_checksum
 from kvpool.config import NodeConfig
+from kvpool.core import BlockMeta, Tier
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.node.daemon import PoolNode
 from kvpool.node.master_link import MasterLink
 from kvpool.rpc import MISS, channel_options
 from kvpool.tiers.arena import SharedArena, SlotRef, shm_path
-from kvpool.tiers.base import BlockMeta, Tier
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
 
 SLOT = 64 << 10
@@ -434,9 +434,9 @@ def test_get_closes_the_gap_of_a_block_evicted_between_size_lookup_and_copy(aren
     from kvpool.node.core import NodeCore
     from kvpool.node.servicer import NodeServicer
     from kvpool.tiers.dram import DramStore
-    from kvpool.tiers.tiered import TieredStore
+    from kvpool.tiers.node_store import NodeStore
 
-    store = TieredStore(DramStore.create(arena_name, 4 * SLOT, SLOT))
+    store = NodeStore(DramStore.create(arena_name, 4 * SLOT, SLOT))
     servicer = NodeServicer(NodeCore(store, max_keys_per_call=16), node_ref=common_pb2.NodeRef(),
                             max_message_bytes=1 << 20)
     blocks = [block(0, 1000), block(1, 2000), block(2, 3000)]

@@ -9,14 +9,14 @@ from kvpool.checksum import block_checksum
 from kvpool.keys import opaque_key, pack_keys
 from kvpool.node.core import NodeCore
 from kvpool.tiers.dram import DramStore
-from kvpool.tiers.tiered import TieredStore
+from kvpool.tiers.node_store import NodeStore
 
 SLOT = 64 << 10
 
 
 @pytest.fixture
 def core(arena_name):
-    store = TieredStore(DramStore.create(arena_name, 4 * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0))
+    store = NodeStore(DramStore.create(arena_name, 4 * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0))
     changed: list[int] = []
     c = NodeCore(store, max_keys_per_call=8, after_change=lambda: changed.append(1))
     yield c

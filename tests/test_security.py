@@ -30,13 +30,13 @@ from kvpool.checksum import block_checksum
 from kvpool.client.bulk import BulkClient, BulkFailed, BulkUnavailable
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
+from kvpool.core import Tier
 from kvpool.framing import ConnectionPool, recv_exact
 from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys, pack_keys
 from kvpool.master import MasterServer
 from kvpool.node.daemon import PoolNode
 from kvpool.rpc import MISS, make_channel
 from kvpool.tiers.arena import shm_path
-from kvpool.tiers.base import Tier
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
 from kvpool.wire import Method
 

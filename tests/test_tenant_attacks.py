@@ -20,10 +20,10 @@ import pytest
 from support import PoolProcesses, metric, scrape
 
 from kvpool.checksum import copy_with_checksum
+from kvpool.core import Tier
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.rpc import MISS, make_channel
 from kvpool.tiers.arena import SharedArena
-from kvpool.tiers.base import Tier
 from kvpool.v1 import node_pb2, node_pb2_grpc
 
 SLOT = 64 << 10

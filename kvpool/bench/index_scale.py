@@ -45,10 +45,9 @@ import grpc
 import numpy as np
 
 from kvpool.config import MasterConfig
+from kvpool.core import NodeRef, Tier
 from kvpool.keys import KEY_BYTES, BlockKey, pack_keys
-from kvpool.master.membership import NodeAddress
 from kvpool.master.server import MasterServer
-from kvpool.tiers.base import Tier
 from kvpool.v1 import master_pb2, master_pb2_grpc
 
 AIM_BYTES_PER_BLOCK = 200
@@ -112,7 +111,7 @@ def bench_size(n: int, calls: int, width: int, batch: int, seed: int) -> Row:
     try:
         membership, index = server.membership, server.index
         numbers = [
-            membership.register(NodeAddress(f"bench-{i}", f"bench-{i}.invalid:7610"), [], BLOCK_BYTES).number
+            membership.register(NodeRef(f"bench-{i}", f"bench-{i}.invalid:7610"), [], BLOCK_BYTES).number
             for i in range(2)
         ]
         gc.collect()

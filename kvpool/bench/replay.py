@@ -75,10 +75,10 @@ from kvpool.bench.trace import (
     lru_reference,
     unbounded_bound,
 )
+from kvpool.core import Tier
 from kvpool.keys import BlockKey, KeyNamespace, leading_hits
 from kvpool.layout import KVLayout
 from kvpool.metrics import error_counts
-from kvpool.tiers.base import Tier
 
 DEFAULT_TRACE = "../shared/data/mooncake_synthetic_trace.jsonl"
 DEFAULT_BLOCK_BYTES = 16 << 10

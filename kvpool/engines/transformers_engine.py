@@ -46,9 +46,9 @@ import torch
 
 from kvpool.client.kvclient import KVCacheClient
 from kvpool.client.lookup import LookupResult
+from kvpool.core import Tier
 from kvpool.keys import BlockKey
 from kvpool.layout import KVLayout
-from kvpool.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
   their lifecycle (``start`` / ``stop(grace)``); ``run_node`` is the process
   entry point.
 - :mod:`kvpool.node.servicer`: the Node gRPC service (Put, Get, Exists,
-  Remove, Locate, Info) over a :class:`~kvpool.tiers.tiered.TieredStore`:
+  Remove, Locate, Info) over a :class:`~kvpool.tiers.node_store.NodeStore`:
   validates, translates, delegates.
 - :mod:`kvpool.node.master_link`: registration, heartbeats and inventory
   reports to the master, surviving master restarts and outages.

@@ -46,12 +46,12 @@ from typing import Any
 import numpy as np
 
 from kvpool.auth import Authority
+from kvpool.core import Tier
 from kvpool.framing import IOV_MAX, TcpListener
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.metrics import ErrorMetrics
 from kvpool.node.core import NodeCore
 from kvpool.rpc import MISS
-from kvpool.tiers.base import Tier
 from kvpool.v1 import node_pb2
 from kvpool.wire import (
     MAX_GET_BYTES,

@@ -36,12 +36,12 @@ import numpy as np
 from kvpool.auth import caller_keys, caller_tenant
 from kvpool.buffers import BufferLike, byte_view
 from kvpool.checksum import block_checksum
+from kvpool.core import Tier
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.metrics import ErrorMetrics
 from kvpool.node.quota import Charge, QuotaLedger
 from kvpool.tiers.arena import SlotRef
-from kvpool.tiers.base import Tier
-from kvpool.tiers.tiered import TieredStore
+from kvpool.tiers.node_store import NodeStore
 
 
 @dataclass
@@ -57,7 +57,7 @@ class Leased:
 class NodeCore:
     """One node's store as its transports see it (see the module docstring)."""
 
-    def __init__(self, store: TieredStore, *, max_keys_per_call: int, errors: ErrorMetrics | None = None,
+    def __init__(self, store: NodeStore, *, max_keys_per_call: int, errors: ErrorMetrics | None = None,
                  quota: QuotaLedger | None = None, after_change: Callable[[], object] | None = None):
         self.store = store
         self.max_keys_per_call = max_keys_per_call
@@ -188,7 +188,7 @@ class NodeCore:
 
     def commit(self, lease: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int], *,
                owner: object = None) -> list[bool]:
-        """Publish the lease's slots whose bytes match their checksums (see TieredStore.commit)."""
+        """Publish the lease's slots whose bytes match their checksums (see NodeStore.commit)."""
         return self.store.commit(lease, keys, slots, checksums, owner=owner)
 
     def release(self, lease: int) -> None:

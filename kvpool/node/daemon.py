@@ -2,7 +2,7 @@
 
 :class:`PoolNode` owns, and builds in this order: the DRAM tier (a fresh
 shared-memory arena), the SSD tier (LMDB, survives restarts), the
-:class:`~kvpool.tiers.tiered.TieredStore` over both, the link to the master,
+:class:`~kvpool.tiers.node_store.NodeStore` over both, the link to the master,
 the gRPC server (Node + health), the bulk TCP listener
 (:mod:`kvpool.node.bulk`) and the metrics registry. ``start()`` starts
 serving, the metrics endpoint, the master link and the lease reaper (which
@@ -57,6 +57,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvpool.auth import load_authority
 from kvpool.config import NodeConfig
+from kvpool.core import Tier, TierStats
 from kvpool.lifecycle import wait_for_shutdown
 from kvpool.malloc import limit_arenas
 from kvpool.metrics import ErrorMetrics, MetricsServer, TierCollector, latency_histogram
@@ -67,10 +68,9 @@ from kvpool.node.quota import QuotaLedger
 from kvpool.node.servicer import NodeServicer
 from kvpool.rpc import local_host_id, make_server
 from kvpool.tiers.arena import SharedArena
-from kvpool.tiers.base import Tier, TierStats
 from kvpool.tiers.dram import DramStore, default_slots
+from kvpool.tiers.node_store import NodeStore
 from kvpool.tiers.ssd import SsdInUse, SsdStore
-from kvpool.tiers.tiered import TieredStore
 from kvpool.tls import check_pair, server_context
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
 
@@ -178,7 +178,7 @@ class PoolNode:
         try:
             if config.ssd_enabled:
                 ssd = open_ssd(config, self.errors)
-            self.store = TieredStore(dram, ssd, write_through=config.write_through,
+            self.store = NodeStore(dram, ssd, write_through=config.write_through,
                                      on_demote=self.demotions.inc, on_promote=self.promotions.inc,
                                      demote_queue_bytes=config.demote_queue_bytes)
             # node_id and address are completed once the server has its port (config.port may be 0).

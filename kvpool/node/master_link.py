@@ -38,10 +38,11 @@ from typing import Protocol
 import grpc
 
 from kvpool.calls import FastStub, MasterCallAddress
+from kvpool.core import BlockMeta, Tier, TierStats
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
 from kvpool.rpc import make_channel, proto_tier, tier_usage
-from kvpool.tiers.base import BlockMeta, ChangeListener, Tier, TierStats
+from kvpool.tiers.base import ChangeListener
 from kvpool.tls import client_context
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 from kvpool.wire import MASTER_CALLS, auth_hello

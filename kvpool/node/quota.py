@@ -38,8 +38,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from kvpool.core import BlockMeta
 from kvpool.keys import BlockKey
-from kvpool.tiers.base import BlockMeta, ChangeListener
+from kvpool.tiers.base import ChangeListener
 
 log = logging.getLogger(__name__)
 

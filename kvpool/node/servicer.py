@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 
 from kvpool.auth import caller
+from kvpool.core import Tier
 from kvpool.node.core import NodeCore
 from kvpool.rpc import flag_bytes, tier_bytes, tier_usage
-from kvpool.tiers.base import Tier
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
 
 # Room for everything in a GetResponse besides the data: tier byte, size and checksum per key, framing.

@@ -3,10 +3,11 @@
 - :mod:`kvpool.tiers.arena`  the shared-memory slot arena (mappable by other processes)
 - :mod:`kvpool.tiers.dram`   DRAM tier: index, LRU and watermarks over an arena
 - :mod:`kvpool.tiers.ssd`    SSD tier: LMDB with checksums and a hard capacity
-- :mod:`kvpool.tiers.tiered` a node's DRAM + SSD: demotion on eviction, promotion on hit
+- :mod:`kvpool.tiers.node_store` a node's DRAM + SSD: demotion on eviction, promotion on hit
 - :mod:`kvpool.client.hbm`   HBM tier (torch, client side only)
 """
 
-from kvpool.tiers.base import Tier, TierStats, TierStore
+from kvpool.core import Tier, TierStats
+from kvpool.tiers.base import TierStore
 
 __all__ = ["Tier", "TierStats", "TierStore"]

@@ -1,4 +1,4 @@
-"""The interface every tier implements, and the vocabulary they share.
+"""The interface every tier implements, and the failure vocabulary they share (the data vocabulary is kvpool.core).
 
 Failure vocabulary (the same in every tier):
 - caller misuse (malformed key, value of the wrong size, read-only output) is a
@@ -10,43 +10,12 @@ Failure vocabulary (the same in every tier):
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from kvpool.core import BlockMeta, Tier, TierStats
 from kvpool.keys import BlockKey
-
-
-class Tier(enum.IntEnum):
-    """Storage tiers, fastest first; lookups try them in this order."""
-
-    HBM = 0
-    DRAM = 1
-    SSD = 2
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-
-@dataclass(slots=True)
-class TierStats:
-    """Counters and gauges of one tier store (a snapshot; plain numbers)."""
-
-    tier: Tier
-    capacity_bytes: int = 0
-    used_bytes: int = 0
-    blocks: int = 0
-    hits: int = 0
-    misses: int = 0
-    puts: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    evictions: int = 0
-    corrupt: int = 0
-
 
 Buf = TypeVar("Buf", contravariant=True)
 
@@ -72,15 +41,6 @@ class TierStore(Protocol, Generic[Buf]):
     def stats(self) -> TierStats: ...
 
     def close(self) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class BlockMeta:
-    """What an index needs to know about one stored block: its key, size and checksum."""
-
-    key: BlockKey
-    size: int
-    checksum: int
 
 
 # Called by a store after each batch that changed its key set, with the blocks

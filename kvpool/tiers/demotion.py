@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvpool.buffers import BufferLike
+from kvpool.core import BlockMeta
 from kvpool.keys import BlockKey
-from kvpool.tiers.base import BlockMeta
 from kvpool.tiers.ssd import SsdStore
 
 log = logging.getLogger(__name__)

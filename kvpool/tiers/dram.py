@@ -70,9 +70,10 @@ import numpy as np
 
 from kvpool.buffers import BufferLike, as_array
 from kvpool.checksum import block_checksum
+from kvpool.core import BlockMeta, Tier, TierStats
 from kvpool.keys import BlockKey, check_keys
 from kvpool.tiers.arena import SharedArena, SlotRef
-from kvpool.tiers.base import BlockMeta, ChangeListener, EvictionSink, Tier, TierStats, check_batch, notify
+from kvpool.tiers.base import ChangeListener, EvictionSink, check_batch, notify
 from kvpool.tiers.extents import GRANULE, ExtentAllocator, units_for
 
 if TYPE_CHECKING:

@@ -16,9 +16,9 @@ from fault.faultkit import KIB, content, keys_of, master_exists, node_tiers, sta
 from support import wait_until
 
 from kvpool.client.pool import PoolClient
+from kvpool.core import Tier
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.rpc import MISS
-from kvpool.tiers.base import Tier
 from kvpool.v1 import master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
 
 BLOCK = 64 * KIB

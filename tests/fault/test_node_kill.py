@@ -28,7 +28,7 @@ from support import wait_until
 
 from kvpool.client.kvclient import KVCacheClient
 from kvpool.client.pool import PoolClient
-from kvpool.tiers.base import Tier
+from kvpool.core import Tier
 from kvpool.tiers.ssd import SsdStore
 
 BLOCK = 64 * KIB

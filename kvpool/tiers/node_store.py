@@ -28,9 +28,10 @@ import numpy as np
 
 from kvpool.buffers import BufferLike, ScratchPool, byte_view
 from kvpool.checksum import copy_with_checksum
+from kvpool.core import BlockMeta, Tier, TierStats
 from kvpool.keys import BlockKey, check_keys
 from kvpool.tiers.arena import SlotRef
-from kvpool.tiers.base import BlockMeta, Tier, TierStats, check_batch
+from kvpool.tiers.base import check_batch
 from kvpool.tiers.demotion import DemotionQueue
 from kvpool.tiers.dram import DramStore
 from kvpool.tiers.ssd import HEADER_BYTES, SsdStore
@@ -38,7 +39,7 @@ from kvpool.tiers.ssd import HEADER_BYTES, SsdStore
 SCRATCH_POOL_BYTES = 64 << 20  # idle temporaries kept warm for promotions and SSD reads
 
 
-class TieredStore:
+class NodeStore:
     """DRAM + optional SSD of one node, with demotion and promotion between them."""
 
     def __init__(

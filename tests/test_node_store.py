@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
+from kvpool.core import Tier
 from kvpool.keys import BlockKey
-from kvpool.tiers.base import Tier
 from kvpool.tiers.dram import DramStore
+from kvpool.tiers.node_store import NodeStore
 from kvpool.tiers.ssd import SsdStore
-from kvpool.tiers.tiered import TieredStore
 
 SLOT = 64 << 10
 
@@ -24,10 +24,10 @@ def block(i: int) -> bytes:
     return bytes([i % 251]) * SLOT
 
 
-def make(arena_name, tmp_path, *, write_through=False, slots=4) -> TieredStore:
+def make(arena_name, tmp_path, *, write_through=False, slots=4) -> NodeStore:
     dram = DramStore.create(arena_name, slots * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0)
     ssd = SsdStore(tmp_path / "ssd", 64 * SLOT)
-    return TieredStore(dram, ssd, write_through=write_through)
+    return NodeStore(dram, ssd, write_through=write_through)
 
 
 def test_dram_eviction_demotes_to_ssd_in_lru_order(arena_name, tmp_path):
@@ -114,7 +114,7 @@ def test_bad_input_changes_nothing(arena_name, tmp_path):
 def test_service_side_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import kvpool.keys, kvpool.layout, kvpool.tiers.tiered, kvpool.cli, kvpool.master\n"
+        "import kvpool.keys, kvpool.layout, kvpool.tiers.node_store, kvpool.cli, kvpool.master\n"
         "print('ok')"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -128,7 +128,7 @@ def test_demotion_and_promotion_are_counted_and_reported_per_tier(arena_name, tm
     dram = DramStore.create(arena_name, 4 * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0,
                             on_change=lambda a, r: dram_calls.append(([m.key for m in a], list(r))))
     ssd = SsdStore(tmp_path / "ssd", 64 * SLOT, on_change=lambda a, r: ssd_calls.append(([m.key for m in a], list(r))))
-    node = TieredStore(dram, ssd, on_demote=lambda n: moves.__setitem__("demote", moves["demote"] + n),
+    node = NodeStore(dram, ssd, on_demote=lambda n: moves.__setitem__("demote", moves["demote"] + n),
                        on_promote=lambda n: moves.__setitem__("promote", moves["promote"] + n))
     try:
         node.put([key(i) for i in range(4)], [block(i) for i in range(4)])
