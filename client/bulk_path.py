@@ -29,6 +29,7 @@ from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
 from kvpool.core import NodeRef
+from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
 from kvpool.tls import client_context
 from kvpool.wire import MAX_GET_BYTES
@@ -42,11 +43,13 @@ assert GET_CHUNK_BYTES <= MAX_GET_BYTES // 2, "bulk path: a GET must stay under 
 class BulkPath:
     """The :class:`~kvpool.client.datapath.DataPath` over bulk TCP (see module docstring)."""
 
-    def __init__(self, config: ClientConfig, nodes: NodeDirectory, faults: Faults):
+    def __init__(self, config: ClientConfig, nodes: NodeDirectory, faults: Faults, pool: ConnectionPool | None = None):
         self.nodes = nodes
         self.faults = faults
+        # ``pool``: the client's wire connections, shared with its fast calls (one connection and one AUTH a node)
         self.bulk = BulkClient(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0),
-                               token=config.token, tls=client_context(config.tls_ca) if config.tls_ca else None)
+                               token=config.token, tls=client_context(config.tls_ca) if config.tls_ca else None,
+                               pool=pool)
 
     def _call(self, node: NodeRef, n: int, call: Callable[..., T], *args: Any) -> T | None:
         """One bulk request; None (hand these ``n`` blocks on) if the listener is down or the call failed."""

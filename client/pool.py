@@ -92,7 +92,7 @@ class PoolClient:
         self.nodes = NodeDirectory(config, self._calls)
         mask = TenantMask(master_stub, config.lookup_timeout_s) if config.token else None
         self.shared_path = SharedMemoryPath(config, self.nodes, self.faults, mask)
-        self.bulk_path = BulkPath(config, self.nodes, self.faults)
+        self.bulk_path = BulkPath(config, self.nodes, self.faults, self._calls)
         self.grpc_path = GrpcPath(config, self.nodes, self.faults)
         self.paths: list[DataPath] = [self.shared_path, self.bulk_path, self.grpc_path]  # fastest first
         path_blocks = Counter("kvpool_path_blocks", "Blocks each data path moved", ["path", "op"],

@@ -372,7 +372,7 @@ def seed_request(request_type) -> bytes:
         "keys": keys, "added_keys": keys, "removed_keys": keys[:32], "data": b"d" * 30,
         "sizes": [10, 10, 10], "added_sizes": [1, 2, 3], "checksums": [1, 2, 3], "added_checksums": [1, 2, 3],
         "slots": [1, 2, 3], "node_id": "fuzz-raw", "worker_id": "w", "incarnation": 7, "lease": 3,
-        "slot_bytes": 4096, "dram_max_block_bytes": 4096, "tier": 1, "full_sync": True, "promote": True,
+        "dram_max_block_bytes": 4096, "tier": 1, "full_sync": True, "promote": True,
         "hbm_prefix_blocks": 2,
         "block_tokens": 16, "capacity_bytes": 100, "used_bytes": 50, "hbm_only_lookups": 1, "hbm_only_blocks": 1,
     }

@@ -468,7 +468,7 @@ def test_locate(pool, case, promote, extra):
 @given(extra=unknown_fields())
 def test_node_info(pool, extra):
     code, reply = checked(pool, "node", "Info", node_pb2.InfoRequest(), extra, "valid")
-    assert reply.node.node_id == REAL_NODE_ID and reply.slot_bytes == SLOT
+    assert reply.node.node_id == REAL_NODE_ID and reply.dram_max_block_bytes == SLOT
     pool.count("Node.Info")
 
 

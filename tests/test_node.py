@@ -281,7 +281,7 @@ def test_health_info_and_an_unreachable_master_do_not_stop_the_node(node, client
     assert info.node.address == f"127.0.0.1:{node.port}" and node.port != 0
     assert info.node.node_id.endswith(f":{node.port}")
     assert info.node.arena == node.node_ref.arena and info.node.host_id
-    assert info.slot_bytes == SLOT
+    assert info.dram_max_block_bytes == SLOT
     assert [t.tier for t in info.tiers] == [Tier.DRAM, Tier.SSD]
     assert info.tiers[0].capacity_bytes == DRAM_SLOTS * SLOT
     assert not node.link.registered  # no master: puts still work, the link keeps retrying

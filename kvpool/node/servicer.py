@@ -225,5 +225,5 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         return node_pb2.InfoResponse(
             node=self.node_ref,
             tiers=[tier_usage(s) for s in self.store.stats()],
-            slot_bytes=self.store.dram.max_block_bytes,
+            dram_max_block_bytes=self.store.dram.max_block_bytes,
         )

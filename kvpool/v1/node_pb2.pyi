@@ -120,14 +120,14 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("node", "tiers", "slot_bytes")
+    __slots__ = ("node", "tiers", "dram_max_block_bytes")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
-    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAM_MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     node: _common_pb2.NodeRef
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
-    slot_bytes: int
-    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+    dram_max_block_bytes: int
+    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., dram_max_block_bytes: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("keys", "sizes")
