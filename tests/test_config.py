@@ -74,8 +74,8 @@ def test_bad_sizes(text):
 
 def test_automatic_sizes_are_sane(tmp_path):
     cfg = load_config(None, env={}, overrides={"node": {"ssd_dir": str(tmp_path / "d")}}).node
-    assert 64 << 10 <= cfg.resolved_dram_bytes() <= 8 << 30
-    assert cfg.resolved_dram_bytes() % (64 << 10) == 0
+    assert 4 << 10 <= cfg.resolved_dram_bytes() <= 8 << 30
+    assert cfg.resolved_dram_bytes() % (4 << 10) == 0
     assert 64 << 20 <= cfg.resolved_ssd_bytes() <= 64 << 30
 
 
