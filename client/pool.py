@@ -127,10 +127,11 @@ class PoolClient:
         if not (len(reply.node_indexes) == len(reply.sizes) == len(reply.checksums) == run <= len(keys)):
             self.faults.lost("bad_reply", "lookup reply fields disagree", len(keys))
             return EMPTY_RUN
-        if not set(reply.tiers) <= _TIER_BYTES or max(reply.node_indexes, default=-1) >= len(nodes):
+        node_indexes = np.asarray(reply.node_indexes, dtype=np.int64)
+        if not set(reply.tiers) <= _TIER_BYTES or (run and int(node_indexes.max()) >= len(nodes)):
             self.faults.lost("bad_reply", "lookup reply names an unknown tier or node", len(keys))
             return EMPTY_RUN
-        return PoolRun(keys[:run], reply.tiers, reply.node_indexes, nodes, reply.sizes, reply.checksums)
+        return PoolRun(keys[:run], reply.tiers, node_indexes, nodes, reply.sizes, reply.checksums)
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Whether the pool holds each key; all False if the master cannot be asked."""

@@ -181,6 +181,7 @@ class SharedMemoryPath:
             data = arena.data
             for j in np.flatnonzero(usable).tolist():
                 i, at = run[j], int(offsets[j])
+                arena.map_for_write(at, sizes[i])  # one call instead of a page fault per 4 KiB on first touch
                 sums.append(copy_with_checksum(data[at : at + sizes[i]], arrays[i]))
                 mine.append(j)
             for j in np.flatnonzero(held).tolist():

@@ -49,9 +49,9 @@ class LookupMetrics:
             "kvpool_hit_tokens", "Tokens of the leading hit run, by tier", ["tier"], registry=registry
         )
         self.miss_blocks = Counter("kvpool_miss_blocks", "Blocks after the leading hit run", registry=registry)
-        for tier in TIER_LABELS:  # export zeros from the start: rates need both ends
-            self.hit_blocks.labels(tier)
-            self.hit_tokens.labels(tier)
+        # the children per tier, made once (export zeros from the start: rates need both ends)
+        self._hit_blocks = {tier: self.hit_blocks.labels(tier) for tier in TIER_LABELS}
+        self._hit_tokens = {tier: self.hit_tokens.labels(tier) for tier in TIER_LABELS}
 
     def record(self, hits_by_tier: dict[str, int], requested: int, block_tokens: int, lookups: int = 1) -> None:
         """Count ``lookups`` lookups of ``requested`` blocks in all, whose leading runs were served as
@@ -62,8 +62,8 @@ class LookupMetrics:
         hit = 0
         for tier, n in hits_by_tier.items():
             if n:
-                self.hit_blocks.labels(tier).inc(n)
-                self.hit_tokens.labels(tier).inc(n * block_tokens)
+                self._hit_blocks[tier].inc(n)
+                self._hit_tokens[tier].inc(n * block_tokens)
                 hit += n
         self.miss_blocks.inc(requested - hit)
 

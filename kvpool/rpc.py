@@ -21,6 +21,7 @@ from concurrent import futures
 from typing import Any, Protocol, cast
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvpool.auth import AuthInterceptor, Authority, BearerInterceptor
@@ -207,12 +208,15 @@ def tiers_from_bytes(data: bytes) -> list[Tier | None]:
         raise ValueError("tier bytes hold a value that is no tier") from None
 
 
-def flag_bytes(flags: Sequence[bool]) -> bytes:
-    return bytes(1 if f else 0 for f in flags)
+def flag_bytes(flags: Sequence[bool] | np.ndarray) -> bytes:
+    """One byte a flag, 1 or 0 (a numpy array of any dtype, or any sequence of truthy values)."""
+    if isinstance(flags, np.ndarray):
+        return flags.astype(bool).tobytes()
+    return bytes(map(bool, flags))
 
 
 def flags_from_bytes(data: bytes) -> list[bool]:
-    return [b != 0 for b in data]
+    return list(map(bool, data))
 
 
 def proto_tier(tier: Tier) -> common_pb2.Tier:

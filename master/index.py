@@ -233,10 +233,16 @@ class BlockIndex:
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key: whether any node holds it in any tier."""
-        q0, q1 = _prefixes(keys)
+        return self.exists_packed(b"".join(keys) if len(keys) else b"").tolist()
+
+    def exists_packed(self, packed: bytes) -> np.ndarray:
+        """:meth:`exists` of packed keys, as a bool array (no Python object per key)."""
+        if len(packed) % KEY_BYTES:
+            raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
+        words = np.frombuffer(packed, np.uint64).reshape(-1, KEY_BYTES // 8)
         with self._lock:
-            rows = self._table.find(q0, q1)
-        return (rows >= 0).tolist()
+            rows = self._table.find(words[:, 0], words[:, 1])
+        return rows >= 0
 
     def counts(self) -> IndexCounts:
         with self._lock:

@@ -214,8 +214,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return response
 
     def Exists(self, request: master_pb2.ExistsRequest, context: Any) -> master_pb2.ExistsResponse:
-        keys = self._client_keys(request.keys)
-        return master_pb2.ExistsResponse(present=flag_bytes(self._index.exists(keys)))
+        self._count_keys(request.keys)
+        return master_pb2.ExistsResponse(present=flag_bytes(self._index.exists_packed(caller_keys(request.keys))))
 
     def PlaceBlocks(self, request: master_pb2.PlaceBlocksRequest, context: Any) -> master_pb2.PlaceBlocksResponse:
         keys = self._client_keys(request.keys)

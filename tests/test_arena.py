@@ -225,3 +225,26 @@ def test_a_killed_owners_arena_is_reclaimed_only_when_asked(arena_name):
     finally:
         arena.close()
     assert not os.path.exists(shm_path(arena_name))
+
+
+def test_map_for_write_maps_only_what_is_asked_and_never_raises(arena_name):
+    store = DramStore.create(arena_name, 64 << 20, 1 << 20)
+    try:
+        reader = SharedArena.attach(arena_name)
+        try:
+            def resident() -> int:  # pages of the segment mapped in this process, from /proc/self/smaps
+                with open("/proc/self/smaps") as f:
+                    text = f.read()
+                part = text.split(shm_path(arena_name), 1)[1].split("VmFlags", 1)[0]
+                return int(part.split("Rss:", 1)[1].split()[0]) * 1024
+
+            before = resident()
+            reader.map_for_write(4096 + 100, 1 << 20)  # unaligned start: its page and the rest of the range
+            after = resident()
+            assert 1 << 20 <= after - before <= (1 << 20) + 2 * 4096
+            reader.map_for_write(reader.data_bytes - 10, 1 << 20)  # runs past the end: clipped, no error
+            reader.map_for_write(0, 0)
+        finally:
+            reader.close()
+    finally:
+        store.close()
