@@ -245,6 +245,7 @@ def test_eviction_is_exactly_lru_over_reads_and_writes(arena_name):
             while len(model) > capacity:
                 model.popitem(last=False)
             assert s.keys() == list(model)
+            assert s.stats().used_bytes == int(s.arena.table["length"].sum()) == len(model) * SLOT
     finally:
         s.close()
 

@@ -176,6 +176,7 @@ class DramStore:
         self._alloc = ExtentAllocator(units)
         self._extent = np.zeros((arena.num_slots, 2), dtype=np.uint32)  # slot -> (first unit, units); 0 units: free
         self._used = 0  # units of committed, demoting and leased blocks
+        self._held_bytes = 0  # bytes of committed and demoting blocks (their lengths, as stats report them)
         self._blocks: dict[BlockKey, int] = {}
         self._heap: list[tuple[int, int, int]] = []  # (stamp, slot, gen), see the module docstring
         self._demoting: dict[BlockKey, int] = {}
@@ -274,10 +275,16 @@ class DramStore:
     def _publish(self, slot: int, key: BlockKey, size: int, checksum: int) -> None:
         """Under the lock: commit ``slot`` as ``key`` and enter it in the LRU."""
         ref = self.arena.commit(slot, key, size, checksum)
+        self._held_bytes += size
         self._blocks[key] = slot
         heapq.heappush(self._heap, (int(self.arena.stamps[slot]), slot, ref.gen))
         if len(self._heap) > 2 * len(self._blocks) + MIN_SLOTS:
             self._compact_heap()
+
+    def _unpublish(self, slot: int) -> None:
+        """Under the lock: mark a committed slot free in the arena (readers now miss it); its extent stays taken."""
+        self._held_bytes -= int(self.arena.table["length"][slot])
+        self.arena.release(slot)
 
     def _compact_heap(self) -> None:
         """Under the lock: rebuild the heap from the live blocks (drops stale entries)."""
@@ -361,7 +368,7 @@ class DramStore:
             released = []
             for key, slot in victims:
                 if self._demoting.pop(key, None) == slot:
-                    self.arena.release(slot)
+                    self._unpublish(slot)
                     self._give_back(slot)
                     released.append(key)
             self._stats.evictions += len(victims)
@@ -611,7 +618,7 @@ class DramStore:
             for k in keys:
                 slot = self._blocks.pop(k, None)
                 if slot is not None:
-                    self.arena.release(slot)
+                    self._unpublish(slot)
                     self._give_back(slot)
                     gone.append(k)
         notify(self.on_change, (), gone, "DRAM")
@@ -646,7 +653,7 @@ class DramStore:
         with self._lock:
             s = self._stats
             blocks = len(self._blocks) + len(self._demoting)
-            used = int(self.arena.table["length"].sum())
+            used = self._held_bytes
             return TierStats(
                 Tier.DRAM, s.capacity_bytes, used, blocks, s.hits, s.misses, s.puts,
                 s.bytes_in, s.bytes_out, s.evictions, s.corrupt,
