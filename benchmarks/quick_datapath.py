@@ -76,12 +76,13 @@ def run(pool: PoolClient, tag: str, values: list[np.ndarray], batch: int, rounds
         forget_slots: bool = False) -> tuple[float, float]:
     """Best-of-rounds put and get GB/s for ``values`` under fresh keys.
 
-    ``forget_slots``: drop the client's slot hints before every batch get, so
-    each batch pays a ``Locate`` call (a reader that did not write the blocks).
+    ``forget_slots``: no arena key index, so each batch get pays a ``Locate``
+    call (as a reader of a node without one would).
     """
     block = values[0].size
     put_best = get_best = 0.0
     outs = [aligned_block(i, block) for i in range(len(values))]
+    pool.shared_path.use_index = not forget_slots
     for r in range(rounds):
         keys = [opaque_key(f"{tag}-{r}-{uuid.uuid4().hex}-{i}") for i in range(len(values))]
         t = time.perf_counter()
@@ -97,8 +98,6 @@ def run(pool: PoolClient, tag: str, values: list[np.ndarray], batch: int, rounds
         for _ in range(2):
             t = time.perf_counter()
             for s, locs in zip(range(0, len(keys), batch), locations):
-                if forget_slots:
-                    pool.nodes.forget_slots()
                 ok = pool.get_into(locs, outs[s : s + batch])
                 assert all(ok), f"{tag}: get missed {ok.count(False)} blocks"
             get_best = max(get_best, block * len(keys) / (time.perf_counter() - t))

@@ -15,8 +15,9 @@
   faulted in ahead: the node populated the segment, so a first read of a
   slot costs a minor fault per page (~0.07 ms a MiB here), while mapping a
   multi-GiB arena up front cost seconds of CPU beside the engine.
-- Slot hints: where this client last saw each block in an arena. They are
-  guesses, checked against the slot's row before every use.
+- Where a block is in an arena is the arena's own key index (the node
+  publishes it; :meth:`kvpool.tiers.arena.SharedArena.index_find`): this
+  client keeps no per-key state.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from kvpool.client.faults import error_kind
 from kvpool.config import ClientConfig
 from kvpool.core import NodeRef
 from kvpool.framing import ConnectionPool
-from kvpool.keys import BlockKey
 from kvpool.rpc import local_host_id, make_channel
 from kvpool.tiers.arena import SharedArena, shm_path
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
@@ -51,7 +51,7 @@ _NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"]
 
 
 class NodeDirectory:
-    """Per-node stubs, bulk addresses, arenas and slot hints of one client (thread-safe)."""
+    """Per-node stubs, bulk addresses and arenas of one client (thread-safe)."""
 
     def __init__(self, config: ClientConfig, calls: ConnectionPool):
         self.config = config
@@ -62,7 +62,6 @@ class NodeDirectory:
         self._stubs: dict[str, FastStub] = {}
         self._arenas: dict[str, SharedArena] = {}
         self._unmapped: dict[str, _FailedMap] = {}  # arena name -> the last failed attempt to map it
-        self._slot_hints: dict[str, dict[BlockKey, int]] = {}  # arena -> key -> slot it was seen in
         self._data_addresses: dict[str, str] = {}  # node gRPC address -> bulk address ("": none)
         self._bulk_down: dict[str, float] = {}  # node gRPC address -> monotonic time to try bulk again
         self._closing = threading.Event()
@@ -129,7 +128,6 @@ class NodeDirectory:
                 if cached.is_current():
                     return cached
                 del self._arenas[node.arena]  # the node restarted; not closed: another thread may still copy
-                self._slot_hints.pop(node.arena, None)
             failed = self._unmapped.get(node.arena)
             if failed is not None and not failed.due():
                 return None
@@ -144,19 +142,6 @@ class NodeDirectory:
             self._unmapped.pop(node.arena, None)
             self._arenas[node.arena] = arena
             return arena
-
-    def slot_hints(self, arena: SharedArena) -> dict[BlockKey, int]:
-        """Where this client last saw blocks in ``arena`` (guesses, checked on use; bounded)."""
-        with self._lock:
-            hints = self._slot_hints.setdefault(arena.name, {})
-            if len(hints) > 2 * arena.num_slots:
-                hints.clear()
-            return hints
-
-    def forget_slots(self) -> None:
-        """Drop every slot hint (benchmarks: measure the Locate path)."""
-        with self._lock:
-            self._slot_hints.clear()
 
     # -- lifecycle ------------------------------------------------------------------------
 

@@ -1,12 +1,13 @@
 """Same-host data path: block bytes straight between the node's shared-memory arena and the caller's buffers.
 
-Reads: which slot (arena row: one block's extent) holds a block comes from this client's slot hints
-(blocks it wrote or located before) or, for the rest, from one ``Locate``
-call (which also promotes SSD blocks into DRAM). A slot is read only if its
+Reads: which slot (arena row: one block's extent) holds a block comes from
+the node's key index in the arena (:meth:`SharedArena.index_find`, no round
+trip) or, for the rest (SSD blocks, or a key the index has no room for),
+from one ``Locate`` call (which also promotes SSD blocks into DRAM). A slot is read only if its
 row (even gen, key, length, checksum) names exactly the block asked for, and
 a copy counts only if its checksum matches and the gen did not move
 meanwhile (the arena's seqlock, :meth:`SharedArena.check_slots`): a stale
-hint costs a Locate, never wrong bytes. The slots about to be read are
+index entry costs a Locate, never wrong bytes. The slots about to be read are
 stamped read first (the node's LRU is every reader's, and the promotions a
 Locate causes then evict other blocks, not the ones this request reads).
 Blocks whose slot was reused meanwhile are handed to the next path.
@@ -91,6 +92,7 @@ class SharedMemoryPath:
         self.nodes = nodes
         self.faults = faults
         self.tenant_mask = tenant_mask  # None: no token, keys are stored as sent
+        self.use_index = True  # False: every read asks Locate (benchmarks measure that path)
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -108,8 +110,7 @@ class SharedMemoryPath:
         sent = np.frombuffer(packed, dtype=KEY_DTYPE)  # what the node is asked for
         keys = np.frombuffer(mask_keys(packed, mask), dtype=KEY_DTYPE)  # what its rows hold
         sizes, sums = run.sizes[idxs], run.checksums[idxs]
-        hints = self.nodes.slot_hints(arena)
-        slots = np.fromiter((hints.get(k, -1) for k in wanted), dtype=np.int64, count=n)
+        slots = arena.index_find(keys) if self.use_index else np.full(n, -1, dtype=np.int64)
         gens, offsets, cand = arena.check_slots(slots, keys, sizes, sums)
         arena.touch(slots[cand])  # read now: the promotions a Locate below causes evict other blocks first
         missing = np.flatnonzero(~cand)
@@ -117,8 +118,6 @@ class SharedMemoryPath:
             found = self.locate(node, arena, packed if missing.size == n else sent[missing].tobytes(), missing.size)
             if found is not None:
                 slots[missing] = found
-                for j in missing[found >= 0].tolist():
-                    hints[wanted[j]] = int(slots[j])
                 gens[missing], offsets[missing], cand[missing] = arena.check_slots(
                     slots[missing], keys[missing], sizes[missing], sums[missing])
         copied = np.zeros(n, dtype=bool)
@@ -201,12 +200,9 @@ class SharedMemoryPath:
                 self.faults.lost("bad_reply", "commit reply fields disagree", len(mine))
                 continue
             refused = 0
-            hints = self.nodes.slot_hints(arena)
             for j, flag in zip(mine, stored):
                 result[run[j]] = flag != 0
                 refused += flag == 0
-                if flag:
-                    hints[keys[run[j]]] = int(slots[j])
             if refused:
                 self.faults.counted("put_refused", refused)
         return left

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvpool.keys import BlockKey
-from kvpool.tiers.arena import SharedArena, shm_path
+from kvpool.tiers.arena import KEY_DTYPE, SharedArena, shm_path
 from kvpool.tiers.dram import DramStore
 
 KEY_A = BlockKey(b"A" * 32)
@@ -244,6 +244,31 @@ def test_map_for_write_maps_only_what_is_asked_and_never_raises(arena_name):
             assert 1 << 20 <= after - before <= (1 << 20) + 2 * 4096
             reader.map_for_write(reader.data_bytes - 10, 1 << 20)  # runs past the end: clipped, no error
             reader.map_for_write(0, 0)
+        finally:
+            reader.close()
+    finally:
+        store.close()
+
+
+def test_the_key_index_names_every_block_s_slot_through_churn(arena_name):
+    """Random puts and removes: index_find agrees with the store for every key, held or not, after each batch."""
+    rng = np.random.default_rng(5)
+    store = DramStore.create(arena_name, 256 * 4096, 4096, slots=256, high_watermark=1.0, low_watermark=1.0)
+    keys = [BlockKey(rng.bytes(32)) for _ in range(600)]
+    try:
+        for _ in range(60):
+            batch = [keys[i] for i in rng.choice(len(keys), 20, replace=False)]
+            if rng.random() < 0.7:
+                store.put(batch, [bytes(4096)] * len(batch))
+            else:
+                store.remove(batch)
+            want = np.array([-1 if r is None else r.slot for r in store.locate(keys)])
+            got = store.arena.index_find(np.frombuffer(b"".join(keys), dtype=KEY_DTYPE))
+            assert (got == want).all()
+        reader = SharedArena.attach(arena_name)  # another mapping reads the same index
+        try:
+            got = reader.index_find(np.frombuffer(b"".join(keys), dtype=KEY_DTYPE))
+            assert (got == want).all() and (want >= 0).sum() > 100
         finally:
             reader.close()
     finally:

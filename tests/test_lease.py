@@ -422,7 +422,7 @@ def test_a_restarted_node_gets_its_new_arena_mapped_by_the_client(tmp_path, aren
 
 
 @needs_master
-def test_slot_hints_save_the_locate_call_and_a_stale_hint_is_never_trusted(tmp_path, arena_name):
+def test_the_arena_key_index_saves_every_reader_the_locate_call_and_follows_a_moved_block(tmp_path, arena_name):
     from kvpool.client.pool import PoolClient
     from kvpool.config import ClientConfig, MasterConfig
     from kvpool.master.server import MasterServer
@@ -443,20 +443,22 @@ def test_slot_hints_save_the_locate_call_and_a_stale_hint_is_never_trusted(tmp_p
             values = [block(i, 1 << 20) for i in range(3)]
             assert writer.store(keys, values) == [True] * 3
             outs = [np.empty_like(v) for v in values]
-            assert writer.get_into(writer.lookup(keys), outs) == [True] * 3 and calls == []  # it wrote them
-            assert reader.get_into(reader.lookup(keys), outs) == [True] * 3 and calls == [3]  # it had to ask
-            assert reader.get_into(reader.lookup(keys), outs) == [True] * 3 and calls == [3]  # now it knows
+            assert writer.get_into(writer.lookup(keys), outs) == [True] * 3 and calls == []
+            assert reader.get_into(reader.lookup(keys), outs) == [True] * 3 and calls == []  # never wrote them
             assert all(np.array_equal(o, v) for o, v in zip(outs, values))
-            # move block 0: its old slot now holds another block of the same size
+            # move block 0: its old slot now holds another block of the same size, the index names the new one
             old_slot = n.store.dram.locate([keys[0]])[0].slot
             n.store.dram.remove([keys[0]])
             assert n.store.dram.put([key(9)], [block(9, 1 << 20)]) == [True]
             assert n.store.dram.locate([key(9)])[0].slot == old_slot
             assert n.store.dram.put([keys[0]], [values[0]]) == [True]
-            wait_until(lambda: len(writer.lookup(keys)) == 3)
+            assert n.store.dram.locate([keys[0]])[0].slot != old_slot
+            wait_until(lambda: len(reader.lookup(keys)) == 3)
             out = np.zeros(1 << 20, np.uint8)
-            assert writer.get_into(writer.lookup(keys[:1]), [out]) == [True]
-            assert np.array_equal(out, values[0]) and calls == [3, 1]  # the stale hint cost one Locate
+            assert reader.get_into(reader.lookup(keys[:1]), [out]) == [True]
+            assert np.array_equal(out, values[0]) and calls == []
+            reader.shared_path.use_index = False  # without the index every batch asks Locate
+            assert reader.get_into(reader.lookup(keys), outs) == [True] * 3 and calls == [3]
     finally:
         master.stop()
 

@@ -334,12 +334,13 @@ def test_the_same_host_path_serves_an_authenticated_client_from_the_arena_with_i
     with client(master, TOKEN_A, shared_memory=True) as a:
         assert a.store(ks, vs) == [True] * 3
         assert node.store.dram.leased_slots == 0  # written into the arena under a lease, committed
-        a.nodes.forget_slots()  # no hints: rows are found by Locate, then checked against the masked keys
         hits = node.store.dram.stats().hits
-        outs = [np.zeros(MIB, np.uint8) for _ in ks]
-        assert a.get_into(list(a.lookup(ks)), outs) == [True] * 3
-        assert all(np.array_equal(o, v) for o, v in zip(outs, vs))
-        assert node.store.dram.stats().hits == hits  # copied from the arena by the client, not sent by the node
+        for use_index in (True, False):  # rows found by the arena's key index, or by Locate: checked against the
+            a.shared_path.use_index = use_index  # masked keys either way
+            outs = [np.zeros(MIB, np.uint8) for _ in ks]
+            assert a.get_into(list(a.lookup(ks)), outs) == [True] * 3
+            assert all(np.array_equal(o, v) for o, v in zip(outs, vs))
+            assert node.store.dram.stats().hits == hits  # copied from the arena by the client, not sent by the node
         assert a.shared_path.tenant_mask() == Authority.load(node.config.auth_file).mask("a")
         stored = mask_keys(pack_keys(ks), a.shared_path.tenant_mask())
         assert node.store.dram.contains([stored[i * 32 : (i + 1) * 32] for i in range(3)]) == [True] * 3

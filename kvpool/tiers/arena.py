@@ -4,7 +4,8 @@ Layout of the segment (``/dev/shm/<name>``, mode 0600 unless the owner asks
 for its group too; exactly that mode, whatever the umask: whoever can map
 the segment reads every block in it)::
 
-    [header: 4 KiB][slot table: num_slots x 64 B][stamps: num_slots x 8 B][pad to 4 KiB][data: data_bytes]
+    [header: 4 KiB][slot table: num_slots x 64 B][stamps: num_slots x 8 B][key index: index_cap x 16 B]
+    [pad to 4 KiB][data: data_bytes]
 
 A *slot* is one row of the slot table: it names one block's bytes, an
 extent of the data region of any length. A row holds ``gen`` (u64),
@@ -31,6 +32,16 @@ Generation protocol (a seqlock per slot):
   again: if the slot was reused under it, it sees a miss, never another
   block's bytes. A row's ``offset`` and ``length`` are bounded by the data
   region before any copy, so a torn row cannot send a reader out of it.
+
+Key index: the owner publishes which slot holds each committed key in an
+open-addressing table (``index_cap``, a power of two >= 2 x num_slots,
+entries of (tag u64: the key's first 8 bytes, 0 meaning empty; slot u64),
+linear probing of at most ``INDEX_PROBES`` entries), so a same-host reader
+finds a block's slot without asking the node (:meth:`SharedArena.index_find`).
+It is a hint, like a stamp: only the owner writes it, a reader checks the
+row it names (:meth:`SharedArena.check_slots`) before trusting it, and an
+entry it misses (a key the table had no room for, or one moved while it
+looked) is only a miss, asked of the node instead.
 
 Stamps: ``stamps[slot]`` is the ``CLOCK_MONOTONIC`` time (ns, the same clock
 in every process of the host) of the slot's last read. Any process may write
@@ -80,7 +91,7 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _MAGIC = b"KVPARENA"
-_VERSION = 2
+_VERSION = 3
 _HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sIIQQQQQ")  # magic, version, pad, data_bytes, num_slots, table_off, stamps_off, data_off
 _OWNER = struct.Struct("<Q")  # the owner's pid, at _OWNER_OFF in every version
@@ -92,6 +103,8 @@ SLOT_DTYPE = np.dtype(
     [("gen", "<u8"), ("length", "<u8"), ("checksum", "<u8"), ("key", f"V{KEY_BYTES}"), ("offset", "<u8")]
 )
 KEY_DTYPE = SLOT_DTYPE["key"]
+INDEX_PROBES = 32  # entries an index insert or lookup looks at, at most
+_GOLDEN = 0x9E3779B97F4A7C15
 assert SLOT_DTYPE.itemsize == 64, "arena: slot table rows must stay 64 bytes"
 
 
@@ -240,6 +253,10 @@ class SharedArena:
         self.table = buf[table_off : table_off + num_slots * SLOT_DTYPE.itemsize].view(SLOT_DTYPE)
         self.gens = self.table["gen"]
         self.stamps = buf[stamps_off : stamps_off + num_slots * 8].view(np.uint64)
+        index_off, self.index_cap = _index_layout(stamps_off, num_slots)
+        index = buf[index_off : index_off + self.index_cap * 16].view(np.uint64).reshape(-1, 2)
+        self.index_tags, self.index_slots = index[:, 0], index[:, 1]
+        self._index_shift = 64 - (self.index_cap.bit_length() - 1)
         self.data = buf[data_off : data_off + data_bytes]
 
     # -- lifecycle -------------------------------------------------------------
@@ -373,6 +390,7 @@ class SharedArena:
         # Drop the views so the mapping can close. They are typed as they are while open (every use): after
         # close, a use fails loudly on None, a state the types do not follow.
         self.table = self.gens = self.stamps = self.data = None  # type: ignore[assignment]
+        self.index_tags = self.index_slots = None  # type: ignore[assignment]
         try:
             self._mm.close()
         except BufferError:
@@ -411,6 +429,30 @@ class SharedArena:
             if ref is not None and self.table["key"][ref.slot] == want:
                 return ref
         return None
+
+    def index_find(self, keys: np.ndarray) -> np.ndarray:
+        """Per key (:data:`KEY_DTYPE`, as rows store them) the slot the key index names, or -1 (any process).
+
+        A hint: check the row (:meth:`check_slots`) before trusting it.
+        """
+        n = len(keys)
+        found = np.full(n, -1, dtype=np.int64)
+        if not n:
+            return found
+        tags = np.frombuffer(keys.tobytes(), dtype="<u8").reshape(n, -1)[:, 0].copy()
+        tags[tags == 0] = 1
+        mask = np.uint64(self.index_cap - 1)
+        home = (tags * np.uint64(_GOLDEN)) >> np.uint64(self._index_shift)
+        todo = np.arange(n)
+        for step in range(INDEX_PROBES):
+            at = (home[todo] + np.uint64(step)) & mask
+            seen = self.index_tags[at]
+            hit = seen == tags[todo]
+            found[todo[hit]] = self.index_slots[at[hit]].astype(np.int64)
+            todo = todo[~hit & (seen != 0)]
+            if not todo.size:
+                break
+        return found
 
     def check_slots(self, slots: np.ndarray, keys: np.ndarray, sizes: np.ndarray | None = None,
                     sums: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -515,6 +557,52 @@ class SharedArena:
         self.gens[slot] = gen + 1  # even: readable. Written last.
         return SlotRef(slot, gen + 1, offset, length, checksum)
 
+    def index_insert(self, key: BlockKey, slot: int) -> bool:
+        """Name ``slot`` as ``key``'s in the key index (owner only); False if its probe run has no room."""
+        assert self.owner, "arena: only the owner writes the key index"
+        tag = _tag(key)
+        home = ((tag * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> self._index_shift
+        tags, slots, mask = self.index_tags, self.index_slots, self.index_cap - 1
+        for step in range(INDEX_PROBES):
+            at = (home + step) & mask
+            if int(tags[at]) == 0:
+                slots[at] = slot  # the slot first: a reader that sees the tag sees its slot
+                tags[at] = tag
+                return True
+        return False
+
+    def index_remove(self, key: BlockKey, slot: int) -> None:
+        """Drop ``key``'s entry naming ``slot`` from the key index (owner only), keeping every probe run whole.
+
+        Backward-shift deletion: the entries after it that belong before the
+        hole move up one by one, so no run ever holds an empty entry a
+        lookup would stop at too early (a reader racing the move may miss a
+        key for that moment: a miss, never another block).
+        """
+        assert self.owner, "arena: only the owner writes the key index"
+        tag = _tag(key)
+        home = ((tag * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> self._index_shift
+        tags, slots, mask = self.index_tags, self.index_slots, self.index_cap - 1
+        for step in range(INDEX_PROBES):
+            at = (home + step) & mask
+            seen = int(tags[at])
+            if seen == 0:
+                return
+            if seen == tag and int(slots[at]) == slot:
+                break
+        else:
+            return
+        hole = at
+        nxt = (hole + 1) & mask
+        while int(tags[nxt]) != 0:
+            nxt_home = ((int(tags[nxt]) * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> self._index_shift
+            if (nxt - nxt_home) & mask >= (nxt - hole) & mask:  # its home is at or before the hole: move it up
+                slots[hole] = slots[nxt]
+                tags[hole] = tags[nxt]
+                hole = nxt
+            nxt = (nxt + 1) & mask
+        tags[hole] = 0
+
     def release(self, slot: int) -> None:
         """Mark a committed slot free; readers holding its old ref now miss (owner only)."""
         assert self.owner, "arena: only the owner releases slots"
@@ -524,9 +612,20 @@ class SharedArena:
         self.table[slot]["length"] = 0
 
 
+def _index_layout(stamps_off: int, num_slots: int) -> tuple[int, int]:
+    """(index_off, index_cap): the key index follows the stamps; at least twice as many entries as slots."""
+    return stamps_off + num_slots * 8, 1 << max(4, (2 * num_slots - 1).bit_length())
+
+
 def _layout(data_bytes: int, num_slots: int) -> tuple[int, int, int, int]:
     """(table_off, stamps_off, data_off, total size) of an arena of these dimensions."""
     table_off = _HEADER_BYTES
     stamps_off = table_off + num_slots * SLOT_DTYPE.itemsize
-    data_off = _round_up(stamps_off + num_slots * 8, mmap.PAGESIZE)
+    index_off, index_cap = _index_layout(stamps_off, num_slots)
+    data_off = _round_up(index_off + index_cap * 16, mmap.PAGESIZE)
     return table_off, stamps_off, data_off, data_off + data_bytes
+
+
+def _tag(key: bytes) -> int:
+    """A key's index tag: its first 8 bytes as a little-endian integer, never 0 (0 marks an empty entry)."""
+    return int.from_bytes(key[:8], "little") or 1

@@ -26,6 +26,9 @@ Invariants:
   further LRU blocks, a bounded number of rounds, before it is refused.
 - ``_lock`` guards the index and the allocator only; data copies and the
   sink run outside it.
+- Every committed or demoting block is in the arena's key index (unless its
+  probe run was full: then readers just ask the node), and leaves it when
+  its slot is released.
 - ``on_change`` hears of every change to the key set (committed puts as
   added, released victims and removes as removed), after the change and
   outside the lock.
@@ -275,6 +278,7 @@ class DramStore:
     def _publish(self, slot: int, key: BlockKey, size: int, checksum: int) -> None:
         """Under the lock: commit ``slot`` as ``key`` and enter it in the LRU."""
         ref = self.arena.commit(slot, key, size, checksum)
+        self.arena.index_insert(key, slot)
         self._held_bytes += size
         self._blocks[key] = slot
         heapq.heappush(self._heap, (int(self.arena.stamps[slot]), slot, ref.gen))
@@ -285,6 +289,7 @@ class DramStore:
         """Under the lock: mark a committed slot free in the arena (readers now miss it); its extent stays taken."""
         self._held_bytes -= int(self.arena.table["length"][slot])
         self.arena.release(slot)
+        self.arena.index_remove(BlockKey(self.arena.table["key"][slot].tobytes()), slot)
 
     def _compact_heap(self) -> None:
         """Under the lock: rebuild the heap from the live blocks (drops stale entries)."""
