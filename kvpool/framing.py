@@ -418,6 +418,11 @@ class TcpListener:
         with self.lock:
             return len(self._conns)
 
+    def waiting_connections(self) -> int:
+        """Connections between requests now (the ones a newcomer may displace)."""
+        with self.lock:
+            return sum(c.state == WAITING and not c.cut for c in self._conns.values())
+
     def start(self) -> TcpListener:
         self._thread = threading.Thread(target=self._accept_loop, name=f"kvpool-{self.name}-accept", daemon=True)
         self._thread.start()

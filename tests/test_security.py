@@ -598,7 +598,8 @@ def test_limits_are_refused_with_a_clear_status_and_change_nothing(tmp_path, are
                 s = socket.create_connection(("127.0.0.1", port), timeout=5)
                 ask(s, read)
                 held.append(s)
-            wait_until(lambda listener=listener: listener.connections == 2)
+            # both back between requests (a reply is read before its server thread gets there)
+            wait_until(lambda listener=listener: listener.connections == listener.waiting_connections() == 2)
             with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
                 ask(extra, read)  # served: the longest-idle connection was closed for it
             assert held[0].recv(1) == b""

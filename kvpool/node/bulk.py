@@ -134,6 +134,9 @@ class BulkServer:
     def connections(self) -> int:
         return self._listener.connections
 
+    def waiting_connections(self) -> int:
+        return self._listener.waiting_connections()
+
     # -- GET -------------------------------------------------------------------------------------------
 
     def _get(self, request: node_pb2.GetRequest, stream: Stream) -> None:
