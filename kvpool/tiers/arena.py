@@ -104,6 +104,7 @@ SLOT_DTYPE = np.dtype(
 )
 KEY_DTYPE = SLOT_DTYPE["key"]
 INDEX_PROBES = 32  # entries an index insert or lookup looks at, at most
+MAP_AHEAD_MIN_BYTES = 64 << 10  # map_for_write maps ahead only extents at least this long
 _GOLDEN = 0x9E3779B97F4A7C15
 assert SLOT_DTYPE.itemsize == 64, "arena: slot table rows must stay 64 bytes"
 
@@ -372,6 +373,8 @@ class SharedArena:
         what is asked is mapped (never the whole arena), and a kernel without
         ``MADV_POPULATE_WRITE`` (before 5.14) just faults as before.
         """
+        if length < MAP_AHEAD_MIN_BYTES:  # a page or a few: their faults cost what the call does
+            return
         start = self._data_off + offset
         first = start - start % mmap.PAGESIZE
         end = min(start + length, len(self._mm))
@@ -439,7 +442,7 @@ class SharedArena:
         found = np.full(n, -1, dtype=np.int64)
         if not n:
             return found
-        tags = np.frombuffer(keys.tobytes(), dtype="<u8").reshape(n, -1)[:, 0].copy()
+        tags = np.ascontiguousarray(keys).view("<u8")[:: KEY_BYTES // 8].copy()  # each key's first 8 bytes
         tags[tags == 0] = 1
         mask = np.uint64(self.index_cap - 1)
         home = (tags * np.uint64(_GOLDEN)) >> np.uint64(self._index_shift)
@@ -557,11 +560,15 @@ class SharedArena:
         self.gens[slot] = gen + 1  # even: readable. Written last.
         return SlotRef(slot, gen + 1, offset, length, checksum)
 
+    def _index_home(self, tag: int) -> int:
+        """The first entry ``tag``'s probe run looks at (what :meth:`index_find` computes for a batch)."""
+        return ((tag * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> self._index_shift
+
     def index_insert(self, key: BlockKey, slot: int) -> bool:
         """Name ``slot`` as ``key``'s in the key index (owner only); False if its probe run has no room."""
         assert self.owner, "arena: only the owner writes the key index"
         tag = _tag(key)
-        home = ((tag * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> self._index_shift
+        home = self._index_home(tag)
         tags, slots, mask = self.index_tags, self.index_slots, self.index_cap - 1
         for step in range(INDEX_PROBES):
             at = (home + step) & mask
@@ -581,7 +588,7 @@ class SharedArena:
         """
         assert self.owner, "arena: only the owner writes the key index"
         tag = _tag(key)
-        home = ((tag * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> self._index_shift
+        home = self._index_home(tag)
         tags, slots, mask = self.index_tags, self.index_slots, self.index_cap - 1
         for step in range(INDEX_PROBES):
             at = (home + step) & mask
@@ -595,8 +602,8 @@ class SharedArena:
         hole = at
         nxt = (hole + 1) & mask
         while int(tags[nxt]) != 0:
-            nxt_home = ((int(tags[nxt]) * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> self._index_shift
-            if (nxt - nxt_home) & mask >= (nxt - hole) & mask:  # its home is at or before the hole: move it up
+            # its home is at or before the hole: move it up
+            if (nxt - self._index_home(int(tags[nxt]))) & mask >= (nxt - hole) & mask:
                 slots[hole] = slots[nxt]
                 tags[hole] = tags[nxt]
                 hole = nxt

@@ -137,8 +137,7 @@ class Reservation:
 
     lease: int  # 0: no slot reserved
     slots: list[int]  # the slot to write (0 where gens[i] == 0)
-    gens: list[int]  # its odd gen (the writer's turn); 0: no slot
-    offsets: list[int]  # where its extent starts in the arena's data region (0 where gens[i] == 0)
+    gens: list[int]  # its odd gen (the writer's turn); 0: no slot (the extent's offset is in the slot's row)
     held: list[bool]  # the store already holds the key (nothing to write)
 
 
@@ -223,9 +222,9 @@ class DramStore:
     def locate(self, keys: Sequence[BlockKey], *, touch: bool = False) -> list[SlotRef | None]:
         """Where each key's bytes are now, for a reader; ``touch``: stamp them read (the caller reads them next)."""
         keys = check_keys(keys)
-        with self._lock:
+        with self._lock:  # a ref read under the lock is the key's: its slot cannot be released meanwhile
             slots = [self._slot_of(k) for k in keys]
-        refs = [None if s is None else self.arena.ref(s) for s in slots]
+            refs = [None if s is None else self.arena.ref(s) for s in slots]
         if touch:
             self.arena.touch([r.slot for r in refs if r is not None])
         return refs
@@ -341,7 +340,9 @@ class DramStore:
                 if attempt == 0 and self._used + need > self._high:
                     victims = self._pick_victims(self._used + need - max(self._low, need), 0)
                 if not victims:
-                    pending = [i for i in pending if not self._place(i, want, got)]
+                    for i in pending:
+                        got[i] = self._take(want[i])
+                    pending = [i for i in pending if got[i] is None]
                     if not pending:
                         break
                     need = sum(want[i] for i in pending)
@@ -352,11 +353,6 @@ class DramStore:
                     break  # nothing left to evict: the rest find no room
             released += self._demote(victims)
         return got, released
-
-    def _place(self, i: int, want: list[int], got: list[int | None]) -> bool:
-        """Under the lock: a slot for block ``i`` if one is free now (into ``got``); whether it got one."""
-        got[i] = self._take(want[i])
-        return got[i] is not None
 
     def _demote(self, victims: list[tuple[BlockKey, int]]) -> list[BlockKey]:
         """Hand victims to the sink, then free them; returns the keys released."""
@@ -497,15 +493,14 @@ class DramStore:
                     seen.add(k)
                     todo.append(i)
         slots, released = self._allocate([sizes[i] for i in todo])
-        out_slots, gens, offsets = [0] * len(keys), [0] * len(keys), [0] * len(keys)
+        out_slots, gens = [0] * len(keys), [0] * len(keys)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         lease = Lease(0, deadline, {}, owner, charge)
         with self._lock:
             for i, slot in zip(todo, slots):
                 if slot is None:
                     continue
-                offsets[i] = int(self._extent[slot, 0]) * GRANULE
-                gens[i] = self.arena.claim(slot, offsets[i])
+                gens[i] = self.arena.claim(slot, int(self._extent[slot, 0]) * GRANULE)
                 out_slots[i] = slot
                 lease.slots[slot] = (keys[i], sizes[i])
             self._leased += len(lease.slots)
@@ -513,7 +508,7 @@ class DramStore:
                 lease.id = self._new_lease_id()
                 self._leases[lease.id] = lease  # the last step: from here on the lease ends the charge
             reserved = [key for key, _ in lease.slots.values()]
-        return Reservation(lease.id, out_slots, gens, offsets, held), reserved, released
+        return Reservation(lease.id, out_slots, gens, held), reserved, released
 
     def _take_lease(self, lease_id: int, owner: object) -> Lease | None:
         """Remove and return the live lease ``lease_id`` if ``owner`` owns it; otherwise change nothing."""
