@@ -4,7 +4,9 @@
 
 Prints one JSON line. ``get`` includes the master lookup that finds the
 blocks (Mooncake's get does its own lookup too); ``put`` is the synchronous
-``PoolClient.store`` (placement + transfer + commit), not the write-behind queue.
+``PoolClient.store`` (placement from the client's cluster view + transfer +
+commit; the index update follows in the background, and a throughput round
+ends with the ``flush`` barrier), not the write-behind queue.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ class KvpoolClient:
         if len(found) < len(keys):
             return [False] * len(keys)
         return self.pool.get_into(found, outs)
+
+    def sync(self) -> None:
+        """The flush barrier: nodes report their puts to the master in the background."""
+        if not self.pool.flush():
+            raise RuntimeError("a node could not confirm its reports")
 
     def lookup(self, keys) -> int:
         return len(self.pool.lookup(keys))

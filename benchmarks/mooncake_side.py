@@ -63,6 +63,9 @@ class MooncakeClient:
     def lookup(self, keys: list[str]) -> int:
         return sum(1 for x in self.store.batch_is_exist(keys) if x == 1)
 
+    def sync(self) -> None:
+        """Nothing: a Mooncake put returns after the master has its metadata (PutEnd)."""
+
     def remove(self, keys: list[str]) -> None:
         for k in keys:
             self.store.remove(k)

@@ -1,8 +1,9 @@
 """The one workload both sides of ``compare_mooncake.py`` run, so their numbers mean the same thing.
 
 A *client* object offers ``put(keys, values)``, ``get(keys, outs)`` (both
-batched, synchronous: when they return the bytes are stored / in ``outs``)
-and ``lookup(keys)``. :func:`measure` times it and returns plain numbers:
+batched, synchronous: when they return the bytes are stored / in ``outs``),
+``sync()`` (every block put so far is in the cluster's index: a throughput
+round's time includes it) and ``lookup(keys)``. :func:`measure` times it and returns plain numbers:
 
 - throughput: batches of ``batch`` blocks, total bytes / wall time, best of ``rounds``;
 - latency: single-block calls, p50 / p99 over ``samples`` calls;
@@ -59,6 +60,7 @@ def measure(client: Any, size: int, *, total: int, batch: int, rounds: int, samp
             ok = client.put(keys[s : s + batch], list(src[s : s + batch]))
             if not all(ok):
                 raise RuntimeError(f"put of {size} B blocks failed: {ok}")
+        client.sync()  # every block of the round in the index: counted in the put's time
         best_put = min(best_put, time.perf_counter() - t0)
         dst[:] = 0
         t0 = time.perf_counter()
@@ -79,6 +81,7 @@ def measure(client: Any, size: int, *, total: int, batch: int, rounds: int, samp
         t0 = time.perf_counter()
         client.put([k], [src[i % n]])
         puts.append(time.perf_counter() - t0)
+    client.sync()
     for i, k in enumerate(lat_keys):
         t0 = time.perf_counter()
         if not all(client.get([k], [dst[i % n]])):
@@ -96,6 +99,7 @@ def measure_lookup(client: Any, *, lookups: int, key: Callable[[str], Any]) -> d
     value = np.zeros(4096, np.uint8)
     for s in range(0, 256, 64):
         client.put(present[s : s + 64], [value] * 64)
+    client.sync()
     absent = [key(f"absent-{i}") for i in range(256)]
     times = []
     for _ in range(lookups):

@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -37,9 +38,11 @@ from prometheus_client import CollectorRegistry, Counter
 from kvpool.buffers import BufferLike, as_array, byte_view
 from kvpool.calls import FastStub, MasterCallAddress
 from kvpool.client.bulk_path import BulkPath
+from kvpool.client.cluster import ClusterView, Placement
 from kvpool.client.datapath import DataPath
 from kvpool.client.faults import Faults, PoolFault, error_kind
 from kvpool.client.grpc_path import GrpcPath
+from kvpool.client.local_index import LocalIndex, LocalLookupCounts
 from kvpool.client.lookup import EMPTY_RUN, BlockLocation, PoolRun
 from kvpool.client.nodes import MAX_MESSAGE_BYTES, NodeDirectory
 from kvpool.client.shared_path import SharedMemoryPath, TenantMask
@@ -49,9 +52,10 @@ from kvpool.core import NodeRef, Tier
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey, check_keys, pack_keys
 from kvpool.metrics import ErrorMetrics, LookupMetrics, MetricsServer, latency_histogram
+from kvpool.placement import TOO_LARGE
 from kvpool.rpc import flags_from_bytes, make_channel
 from kvpool.tls import client_context
-from kvpool.v1 import master_pb2, master_pb2_grpc
+from kvpool.v1 import master_pb2, master_pb2_grpc, node_pb2
 from kvpool.wire import MASTER_CALLS, auth_hello
 
 __all__ = ["PoolClient", "PoolFault"]
@@ -59,6 +63,7 @@ __all__ = ["PoolClient", "PoolFault"]
 log = logging.getLogger(__name__)
 
 _TIER_BYTES = frozenset(int(t) for t in Tier)
+PRESENT = -2  # a placement's answer for a block the pool holds already (PlaceBlocks only)
 _MASTER_SERVICE = master_pb2.DESCRIPTOR.services_by_name["Master"]
 
 
@@ -90,7 +95,14 @@ class PoolClient:
         self._master = FastStub(master_stub, _MASTER_SERVICE, MASTER_CALLS, self._calls, master_calls,
                                 on_unreachable=master_calls.forget, max_reply_bytes=MAX_MESSAGE_BYTES)
         self.nodes = NodeDirectory(config, self._calls)
+        self.cluster = ClusterView(
+            lambda: master_stub.ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=config.lookup_timeout_s),
+            on_nodes=self.nodes.learn)
+        self._written_lock = threading.Lock()
+        self._written: set[str] = set()  # nodes written to since the last flush (their reports may be pending)
         mask = TenantMask(master_stub, config.lookup_timeout_s) if config.token else None
+        self.local = LocalIndex(self.cluster, self.nodes, mask, enabled=config.shared_memory)
+        self._local_counts = LocalLookupCounts()
         self.shared_path = SharedMemoryPath(config, self.nodes, self.faults, mask)
         self.bulk_path = BulkPath(config, self.nodes, self.faults, self._calls)
         self.grpc_path = GrpcPath(config, self.nodes, self.faults)
@@ -106,13 +118,24 @@ class PoolClient:
     # -- master calls ----------------------------------------------------------------
 
     def lookup(self, keys: Sequence[BlockKey], *, hbm_prefix_blocks: int = 0, block_tokens: int = 0) -> PoolRun:
-        """The leading run of ``keys`` the pool holds, with locations; empty if the master fails."""
+        """The leading run of ``keys`` the pool holds, with locations; empty if the master fails.
+
+        Answered from this host's arenas when every live node is on this host
+        (:mod:`kvpool.client.local_index`: no round trip; the hit counts reach
+        the master in this worker's next report), else by the master.
+        """
         keys = check_keys(keys)
+        start = time.perf_counter()
+        local = self.local.lookup(keys)
+        if local is not None:
+            self._local_counts.add(hbm_prefix_blocks, local.tiers, len(keys), block_tokens)
+            self._lookup_seconds.observe(time.perf_counter() - start)
+            self._send_local_counts(due_only=True)
+            return local
         request = master_pb2.LookupRequest(
             keys=b"".join(keys), worker_id=self.worker_id, hbm_prefix_blocks=hbm_prefix_blocks,
             block_tokens=block_tokens,
         )
-        start = time.perf_counter()
         try:
             reply = self._master.Lookup(request, timeout=self.config.lookup_timeout_s)
         except grpc.RpcError as exc:
@@ -134,8 +157,12 @@ class PoolClient:
         return PoolRun(keys[:run], reply.tiers, node_indexes, nodes, reply.sizes, reply.checksums)
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
-        """Whether the pool holds each key; all False if the master cannot be asked."""
+        """Whether the pool holds each key; all False if the master cannot be asked (this host's arenas answer
+        when every live node is here, as for :meth:`lookup`)."""
         packed = pack_keys(keys)
+        local = self.local.exists(keys)
+        if local is not None:
+            return local
         try:
             reply = self._master.Exists(master_pb2.ExistsRequest(keys=packed), timeout=self.config.lookup_timeout_s)
         except grpc.RpcError as exc:
@@ -163,6 +190,18 @@ class PoolClient:
             self._master.ReportHbm(request, timeout=self.config.lookup_timeout_s)
         except grpc.RpcError as exc:
             self.faults.counted(_report_kind(exc))
+
+    def _send_local_counts(self, *, due_only: bool) -> None:
+        """Report the lookups answered locally since the last report (``due_only``: only once REPORT_S passed);
+        in the background, stats only."""
+        counts = self._local_counts.take(due_only=due_only)
+        for block_tokens, c in counts.items():
+            request = master_pb2.ReportHbmRequest(
+                worker_id=self.worker_id, block_tokens=block_tokens, local_lookups=c.lookups,
+                local_requested_blocks=c.requested, local_hbm_blocks=c.hbm, local_dram_blocks=c.dram,
+                local_ssd_blocks=c.ssd)
+            future = self._master.ReportHbm.future(request, timeout=self.config.lookup_timeout_s)
+            future.add_done_callback(self._count_report_failure)
 
     def _count_report_failure(self, future: grpc.Future[master_pb2.ReportHbmResponse]) -> None:
         exc = future.exception()
@@ -221,8 +260,28 @@ class PoolClient:
         return accepted
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued block has been written (or dropped); False on timeout."""
-        return self._writer.flush(timeout)
+        """Wait until every block queued or stored so far is written (or dropped) and in the master's index.
+
+        Nodes report what they store in the background (a put's reply does not
+        wait for the master); this is the barrier: it asks each node written to
+        since the last flush to send its reports now. False on timeout, or if a
+        node could not confirm (its blocks are stored; the master learns of
+        them when the node's link is back).
+        """
+        start = time.monotonic()
+        if not self._writer.flush(timeout):
+            return False
+        with self._written_lock:
+            written, self._written = self._written, set()
+        ok = True
+        for address in sorted(written):
+            left = self.config.io_timeout_s if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+            try:
+                ok &= self.nodes.stub(address).FlushReports(node_pb2.FlushReportsRequest(), timeout=left).indexed
+            except grpc.RpcError as exc:
+                self.faults.counted(_report_kind(exc))
+                ok = False
+        return ok
 
     def _put_now(self, keys: list[BlockKey], arrays: list[np.ndarray]) -> None:
         """The write-behind sink."""
@@ -257,44 +316,85 @@ class PoolClient:
             first.setdefault(k, i)
         uniq = list(first.values())
         sizes = [int(a.size) for a in arrays]
-        try:
-            placed = self._master.PlaceBlocks(
-                master_pb2.PlaceBlocksRequest(keys=pack_keys([keys[i] for i in uniq]), sizes=[sizes[i] for i in uniq]),
-                timeout=self.config.lookup_timeout_s,
-            )
-        except grpc.RpcError as exc:
-            self.faults.lost(error_kind(exc), exc, len(uniq))
+        placement = self._place([keys[i] for i in uniq], [sizes[i] for i in uniq])
+        if placement is None:
             return result
-        too_large = placed.too_large or bytes(len(uniq))  # empty: no block is
-        if not len(placed.present) == len(placed.node_indexes) == len(too_large) == len(uniq) or \
-                any(n >= len(placed.nodes) and not big for n, big in zip(placed.node_indexes, too_large)):
-            self.faults.lost("bad_reply", "placement reply fields disagree", len(uniq))
-            return result
-        self.nodes.learn(placed.nodes)
-        nodes = [NodeRef(n.node_id, n.address, n.host_id, n.arena) for n in placed.nodes]
+        nodes = placement.nodes
         by_node: dict[int, list[int]] = defaultdict(list)
         refused: list[int] = []
         for j, i in enumerate(uniq):
-            if placed.present[j]:
+            n = placement.node_indexes[j]
+            if n == PRESENT:
                 result[i] = True
-            elif too_large[j]:
+            elif n == TOO_LARGE:
                 refused.append(sizes[i])
             else:
-                by_node[placed.node_indexes[j]].append(i)
+                by_node[n].append(i)
+        if by_node:
+            with self._written_lock:
+                self._written.update(nodes[n].address for n in by_node)
         if refused:
             self._too_large(refused)
         for node_index, idxs in by_node.items():
             deadline = time.monotonic() + self.config.io_timeout_s  # as in get_into
-            for path, moved in zip(self.paths, self._moved["put"]):
-                offered, idxs = idxs, path.put(nodes[node_index], idxs, keys, arrays, sizes, result)
-                moved.inc(sum(result[i] for i in offered))
-                if not idxs:
-                    break
-                if time.monotonic() >= deadline:
-                    self.faults.lost("timeout", f"{len(idxs)} blocks for {nodes[node_index].address} past the deadline",
-                                     len(idxs))
-                    break
+            try:
+                for path, moved in zip(self.paths, self._moved["put"]):
+                    offered, idxs = idxs, path.put(nodes[node_index], idxs, keys, arrays, sizes, result)
+                    moved.inc(sum(result[i] for i in offered))
+                    if not idxs:
+                        break
+                    if time.monotonic() >= deadline:
+                        self.faults.lost("timeout",
+                                         f"{len(idxs)} blocks for {nodes[node_index].address} past the deadline",
+                                         len(idxs))
+                        break
+            finally:
+                if idxs:  # no path took them: the node may be gone, so may the view that chose it
+                    self.cluster.invalidate()
         return [result[first[k]] for k in keys]
+
+    def _place(self, keys: list[BlockKey], sizes: list[int]) -> Placement | None:
+        """Where each new block goes: from the cluster view (no round trip), else the master's PlaceBlocks.
+
+        Per key a node index, ``TOO_LARGE`` or (PlaceBlocks only) ``PRESENT``;
+        None if neither could answer (counted as lost).
+        """
+        placement = self.cluster.place(keys, sizes)
+        if placement is not None:
+            big = [j for j, n in enumerate(placement.node_indexes) if n == TOO_LARGE]
+            if not big:
+                return placement
+            # No node in the view takes these: the master has the last word (and counts them for kvpool status).
+            asked = self._ask_placement([keys[j] for j in big], [sizes[j] for j in big])
+            if asked is None:
+                return placement
+            nodes = list(placement.nodes)
+            chosen = list(placement.node_indexes)
+            for j, n in zip(big, asked.node_indexes):
+                if n >= 0:
+                    nodes.append(asked.nodes[n])
+                    n = len(nodes) - 1
+                chosen[j] = n
+            return Placement(chosen, nodes)
+        return self._ask_placement(keys, sizes)
+
+    def _ask_placement(self, keys: list[BlockKey], sizes: list[int]) -> Placement | None:
+        """The master's PlaceBlocks (see :meth:`_place`)."""
+        try:
+            placed = self._master.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(keys), sizes=sizes),
+                                              timeout=self.config.lookup_timeout_s)
+        except grpc.RpcError as exc:
+            self.faults.lost(error_kind(exc), exc, len(keys))
+            return None
+        too_large = placed.too_large or bytes(len(keys))  # empty: no block is
+        if not len(placed.present) == len(placed.node_indexes) == len(too_large) == len(keys) or \
+                any(n >= len(placed.nodes) and not big for n, big in zip(placed.node_indexes, too_large)):
+            self.faults.lost("bad_reply", "placement reply fields disagree", len(keys))
+            return None
+        self.nodes.learn(placed.nodes)
+        chosen = [PRESENT if present else TOO_LARGE if big else n
+                  for n, present, big in zip(placed.node_indexes, placed.present, too_large)]
+        return Placement(chosen, [NodeRef(n.node_id, n.address, n.host_id, n.arena) for n in placed.nodes])
 
     def _too_large(self, sizes: list[int]) -> None:
         """Blocks no pool node takes: counted, and said once per size class so the user can fix the setting."""
@@ -311,6 +411,8 @@ class PoolClient:
     def close(self) -> None:
         """Drain the write-behind queue (briefly), then close connections and unmap arenas."""
         self._writer.close()
+        self._send_local_counts(due_only=False)
+        self.shared_path.close()
         self.bulk_path.close()
         self._calls.close()
         self.nodes.close()

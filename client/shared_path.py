@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -50,6 +51,8 @@ from kvpool.v1 import master_pb2, node_pb2
 log = logging.getLogger(__name__)
 
 MASK_RETRY_S = 5.0  # a mask the master could not be asked for is asked again after this long
+STOCK_BYTES = 8 << 20  # slots leased ahead per node: a put's sizes again, up to this many bytes (one block at least)
+STOCK_USE_SHARE = 0.5  # a stock is used only within this share of its lease's timeout (it must not lapse mid-put)
 
 
 class TenantMask:
@@ -93,6 +96,7 @@ class SharedMemoryPath:
         self.faults = faults
         self.tenant_mask = tenant_mask  # None: no token, keys are stored as sent
         self.use_index = True  # False: every read asks Locate (benchmarks measure that path)
+        self._stock = StockShelf()
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -156,53 +160,169 @@ class SharedMemoryPath:
         stub = self.nodes.stub(node.address)
         left: list[int] = []
         for run in chunks(idxs, sizes, LEASE_CHUNK_BYTES):
-            request = node_pb2.ReserveRequest(keys=pack_keys([keys[i] for i in run]), sizes=[sizes[i] for i in run])
-            try:
-                reply = stub.Reserve(request, timeout=self.config.io_timeout_s)
-            except grpc.RpcError as exc:
-                log.debug("Reserve on %s failed (%s); sending the blocks another way", node.address, error_kind(exc))
-                left += run
-                continue
-            if reply.arena != arena.name or not len(reply.slots) == len(reply.slot_gens) == len(run) or \
-                    len(reply.already_held) != len(run):
-                self.faults.counted("bad_reply")
-                left += run
-                continue
-            gens = np.array(reply.slot_gens, dtype=np.uint64)
-            slots = np.array(reply.slots, dtype=np.int64)
-            usable = (gens != 0) & arena.unchanged(slots, gens)  # still our turn on the slot
-            offsets = arena.table["offset"][np.where(usable, slots, 0)].astype(np.int64)  # set before the turn began
-            run_sizes = np.array([sizes[i] for i in run], dtype=np.int64)
-            usable &= offsets <= arena.data_bytes - run_sizes
-            held = np.frombuffer(reply.already_held, dtype=np.uint8) != 0
-            mine: list[int] = []
-            sums: list[int] = []
-            data = arena.data
-            for j in np.flatnonzero(usable).tolist():
-                i, at = run[j], int(offsets[j])
-                arena.map_for_write(at, sizes[i])  # one call instead of a page fault per 4 KiB on first touch
-                sums.append(copy_with_checksum(data[at : at + sizes[i]], arrays[i]))
-                mine.append(j)
-            for j in np.flatnonzero(held).tolist():
-                result[run[j]] = True
-            left += [run[j] for j in np.flatnonzero(~usable & ~held).tolist()]
-            if not reply.lease:
-                continue
-            commit = node_pb2.CommitRequest(lease=reply.lease, keys=pack_keys([keys[run[j]] for j in mine]),
-                                            slots=slots[mine].tolist(), checksums=sums)
-            try:
-                stored = stub.Commit(commit, timeout=self.config.io_timeout_s).stored
-            except grpc.RpcError as exc:
-                # a lost write (the node reclaims the slots when the lease lapses)
-                self.faults.lost(error_kind(exc), exc, len(mine))
-                continue
-            if len(stored) != len(mine):
-                self.faults.lost("bad_reply", "commit reply fields disagree", len(mine))
-                continue
-            refused = 0
-            for j, flag in zip(mine, stored):
-                result[run[j]] = flag != 0
-                refused += flag == 0
-            if refused:
-                self.faults.counted("put_refused", refused)
+            left += self._put_run(node, arena, stub, run, keys, arrays, sizes, result)
         return left
+
+    def _put_run(self, node: NodeRef, arena: SharedArena, stub: Any, run: list[int], keys: list[BlockKey],
+                 arrays: list[np.ndarray], sizes: list[int], result: list[bool]) -> list[int]:
+        """One lease's worth: slots from the stock (leased ahead), Reserve for the rest, copy, one Commit."""
+        run_sizes = np.array([sizes[i] for i in run], dtype=np.int64)
+        n = len(run)
+        slots, gens = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint64)
+        held = np.zeros(n, dtype=bool)
+        stock = self._stock.take(node.address, arena.name)
+        lease = 0
+        if stock is not None:
+            lease = stock.lease
+            stock.assign(run_sizes, slots, gens)
+        short = np.flatnonzero(gens == 0)
+        if short.size:
+            reply = self._reserve(node, stub, arena, [run[j] for j in short.tolist()], keys, sizes, lease)
+            if reply is None and lease:  # the stock's lease lapsed or was refused: a fresh one for the whole run
+                lease, slots[:], gens[:] = 0, 0, 0
+                short = np.arange(n)
+                reply = self._reserve(node, stub, arena, run, keys, sizes, 0)
+            if reply is None:
+                if not lease:
+                    return run
+            else:
+                lease = reply.lease or lease
+                slots[short] = np.asarray(reply.slots, dtype=np.int64)
+                gens[short] = np.asarray(reply.slot_gens, dtype=np.uint64)
+                held[short] = np.frombuffer(reply.already_held, dtype=np.uint8) != 0
+        usable = (gens != 0) & arena.unchanged(slots, gens)  # still our turn on the slot
+        offsets = arena.table["offset"][np.where(usable, slots, 0)].astype(np.int64)  # set before the turn began
+        usable &= offsets <= arena.data_bytes - run_sizes
+        mine: list[int] = []
+        sums: list[int] = []
+        data = arena.data
+        for j in np.flatnonzero(usable).tolist():
+            i, at = run[j], int(offsets[j])
+            arena.map_for_write(at, sizes[i])  # one call instead of a page fault per 4 KiB on first touch
+            sums.append(copy_with_checksum(data[at : at + sizes[i]], arrays[i]))
+            mine.append(j)
+        for j in np.flatnonzero(held).tolist():
+            result[run[j]] = True
+        left = [run[j] for j in np.flatnonzero(~usable & ~held).tolist()]
+        if not lease:
+            return left
+        commit = node_pb2.CommitRequest(lease=lease, keys=pack_keys([keys[run[j]] for j in mine]),
+                                        slots=slots[mine].tolist(), checksums=sums,
+                                        next_sizes=ahead_sizes(run_sizes))
+        try:
+            reply = stub.Commit(commit, timeout=self.config.io_timeout_s)
+        except grpc.RpcError as exc:
+            # a lost write (the node reclaims the slots when the lease lapses)
+            self.faults.lost(error_kind(exc), exc, len(mine))
+            return left
+        if len(reply.stored) != len(mine):
+            self.faults.lost("bad_reply", "commit reply fields disagree", len(mine))
+            return left
+        self._stock.keep(node.address, arena, reply.next, list(commit.next_sizes))
+        refused = 0
+        for j, flag in zip(mine, reply.stored):
+            result[run[j]] = flag != 0
+            refused += flag == 0
+        if refused:
+            self.faults.counted("put_refused", refused)
+        return left
+
+    def _reserve(self, node: NodeRef, stub: Any, arena: SharedArena, run: list[int], keys: list[BlockKey],
+                 sizes: list[int], lease: int) -> node_pb2.ReserveResponse | None:
+        """Slots for ``run`` (added to ``lease`` if non-zero); None if the call failed or that lease is gone."""
+        request = node_pb2.ReserveRequest(keys=pack_keys([keys[i] for i in run]), sizes=[sizes[i] for i in run],
+                                          lease=lease)
+        try:
+            reply = stub.Reserve(request, timeout=self.config.io_timeout_s)
+        except grpc.RpcError as exc:
+            log.debug("Reserve on %s failed (%s); sending the blocks another way", node.address, error_kind(exc))
+            return None
+        if reply.arena != arena.name or not len(reply.slots) == len(reply.slot_gens) == len(run) or \
+                len(reply.already_held) != len(run):
+            self.faults.counted("bad_reply")
+            return None
+        if lease and reply.lease != lease:  # the lease to extend is gone: nothing was reserved
+            return None
+        return reply
+
+    def stocked_slots(self) -> int:
+        """Slots leased ahead to this client now, all nodes together."""
+        return self._stock.slots()
+
+    def close(self) -> None:
+        """Hand the stock back (an empty Commit ends a lease; if it fails, the node reaps the lease)."""
+        for address, stock in self._stock.clear():
+            try:
+                self.nodes.stub(address).Commit(node_pb2.CommitRequest(lease=stock.lease),
+                                                timeout=min(self.config.io_timeout_s, 1.0))
+            except grpc.RpcError as exc:
+                log.debug("could not hand back %d slots leased ahead by %s (%s)", len(stock.slots), address,
+                          error_kind(exc))
+
+
+def ahead_sizes(run_sizes: np.ndarray) -> list[int]:
+    """The slots to lease ahead after a put of ``run_sizes``: the same sizes again, at most STOCK_BYTES of them
+    (at least one block)."""
+    total = np.cumsum(run_sizes)
+    n = max(1, int(np.searchsorted(total, STOCK_BYTES, side="right")))
+    return run_sizes[:n].tolist()
+
+
+@dataclass
+class Stock:
+    """Slots one node leased to this client ahead of its next put (keys not known yet), until ``use_by``."""
+
+    lease: int
+    arena: str
+    slots: np.ndarray  # int64
+    gens: np.ndarray  # uint64, each != 0
+    sizes: np.ndarray  # int64: the block size each slot was leased for (a block must be exactly that long)
+    use_by: float  # time.monotonic() after which the lease may lapse under us: not used
+
+    def assign(self, want: np.ndarray, slots: np.ndarray, gens: np.ndarray) -> None:
+        """Give each wanted size a stock slot of exactly that size while there are any (gens 0: none left)."""
+        free = np.ones(len(self.sizes), dtype=bool)
+        for j, size in enumerate(want.tolist()):
+            match = np.flatnonzero(free & (self.sizes == size))
+            if match.size:
+                k = int(match[0])
+                free[k] = False
+                slots[j], gens[j] = self.slots[k], self.gens[k]
+
+
+class StockShelf:
+    """Each node's :class:`Stock` for this client (thread-safe: a put takes the whole stock, its Commit brings
+    the next)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stock: dict[str, Stock] = {}
+
+    def take(self, address: str, arena: str) -> Stock | None:
+        with self._lock:
+            stock = self._stock.pop(address, None)
+        if stock is None or stock.arena != arena or time.monotonic() > stock.use_by:
+            return None
+        return stock
+
+    def keep(self, address: str, arena: SharedArena, reply: node_pb2.ReserveResponse, asked: list[int]) -> None:
+        """File a Commit's ``next`` (slots leased for ``asked`` sizes, in order; gen 0: not granted)."""
+        if not reply.lease or reply.arena != arena.name or not len(reply.slots) == len(reply.slot_gens) <= len(asked):
+            return
+        gens = np.asarray(reply.slot_gens, dtype=np.uint64)
+        got = np.flatnonzero(gens != 0)
+        stock = Stock(reply.lease, arena.name, np.asarray(reply.slots, dtype=np.int64)[got], gens[got],
+                      np.asarray(asked[: len(gens)], dtype=np.int64)[got],
+                      time.monotonic() + STOCK_USE_SHARE * reply.lease_timeout_s)
+        with self._lock:
+            self._stock[address] = stock
+
+    def slots(self) -> int:
+        with self._lock:
+            return sum(len(stock.slots) for stock in self._stock.values())
+
+    def clear(self) -> list[tuple[str, Stock]]:
+        """Empty the shelf; what was on it."""
+        with self._lock:
+            stocks, self._stock = list(self._stock.items()), {}
+        return stocks

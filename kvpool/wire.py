@@ -30,7 +30,7 @@ Methods (``code`` of a request; the messages are ``kvpool.v1``'s)::
     2   GET (node)     GetRequest            -           BulkGetReply         the hits' bytes  BulkGetTrailer
     3   PUT (node)     BulkPutRequest        the blocks  PutResponse          -                -
     4-7 Lookup, Exists, PlaceBlocks, ReportBlocks (master): the Master service's request / response
-    8-10 Locate, Reserve, Commit (node): the Node service's request / response
+    8-11 Locate, Reserve, Commit, FlushReports (node): the Node service's request / response
 
 GET's payload holds the hits in key order (``sum(sizes)`` bytes); its trailer says, per key, whether
 the bytes sent are the block's (a DRAM slot reused while it was sent, or an SSD copy that vanished, is
@@ -126,12 +126,14 @@ class Method(enum.IntEnum):
     LOCATE = 8
     RESERVE = 9
     COMMIT = 10
+    FLUSH_REPORTS = 11
 
 
 # The gRPC methods that also travel as unary wire methods (fast calls), per service.
 MASTER_CALLS: Mapping[str, Method] = {"Lookup": Method.LOOKUP, "Exists": Method.EXISTS,
                                       "PlaceBlocks": Method.PLACE_BLOCKS, "ReportBlocks": Method.REPORT_BLOCKS}
-NODE_CALLS: Mapping[str, Method] = {"Locate": Method.LOCATE, "Reserve": Method.RESERVE, "Commit": Method.COMMIT}
+NODE_CALLS: Mapping[str, Method] = {"Locate": Method.LOCATE, "Reserve": Method.RESERVE, "Commit": Method.COMMIT,
+                                    "FlushReports": Method.FLUSH_REPORTS}
 
 
 class Head(NamedTuple):

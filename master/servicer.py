@@ -41,8 +41,8 @@ from kvpool.core import NodeRef, Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
-from kvpool.master.placement import TOO_LARGE, Candidate, NoPoolNodes, place
 from kvpool.master.stats import MasterMetrics
+from kvpool.placement import TOO_LARGE, Candidate, NoPoolNodes, place
 from kvpool.rpc import flag_bytes, tier_usage
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 
@@ -265,6 +265,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if request.hbm_only_lookups:
             blocks = request.hbm_only_blocks
             self._metrics.record_lookup(blocks, 0, 0, blocks, request.block_tokens, lookups=request.hbm_only_lookups)
+        if request.local_lookups:
+            self._metrics.record_lookup(request.local_hbm_blocks, request.local_dram_blocks, request.local_ssd_blocks,
+                                        request.local_requested_blocks, request.block_tokens,
+                                        lookups=request.local_lookups)
         return master_pb2.ReportHbmResponse()
 
     # -- status ---------------------------------------------------------------------------
@@ -284,6 +288,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                     tiers=[tier_usage(s) for s in sorted(info.tiers.values(), key=lambda s: s.tier)],
                     seconds_since_heartbeat=max(0.0, now - info.last_heartbeat),
                     incarnation=info.incarnation,
+                    dram_max_block_bytes=info.dram_max_block_bytes,
+                    max_block_bytes=info.max_block_bytes,
                 )
             )
         totals = self._metrics.lookup_totals()

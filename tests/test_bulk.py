@@ -284,14 +284,14 @@ def test_too_many_connections_get_an_error(tmp_path, arena_name):
     with PoolNode(node_config(tmp_path, arena_name)) as n:
         n.bulk._listener.max_connections = 1
         entered, release = threading.Event(), threading.Event()
-        flush = n.core.after_change
+        trim = n.core.trim
 
-        def slow_flush():
+        def slow_trim(keys):
             entered.set()
             release.wait(10)
-            return flush()
+            return trim(keys)
 
-        n.core.after_change = slow_flush  # the PUT below is being served while the second one arrives
+        n.core.trim = slow_trim  # the PUT below is being served while the second one arrives
         value = block(1, 100)
         with raw(n) as first:
             first.sendall(frame(Method.PUT, put_header([key(1)], [value.size], [block_checksum(value)]),

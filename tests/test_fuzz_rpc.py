@@ -97,6 +97,7 @@ NODE_METHODS = {
     "Info": (node_pb2.InfoRequest, node_pb2.InfoResponse),
     "Reserve": (node_pb2.ReserveRequest, node_pb2.ReserveResponse),
     "Commit": (node_pb2.CommitRequest, node_pb2.CommitResponse),
+    "FlushReports": (node_pb2.FlushReportsRequest, node_pb2.FlushReportsResponse),
 }
 # Every method the two servers serve, as (server, path, request type); the health check too (same interceptor).
 ALL_METHODS = ([("master", M + name, req) for name, (req, _) in MASTER_METHODS.items()]
@@ -481,10 +482,13 @@ def test_node_zz_finish(pool):
 def test_reserve(pool, data):
     packed, n = data.draw(packed_keys(fuzz_key))
     sizes = data.draw(parallel(n, size_value))
-    code, reply = checked(pool, "node", "Reserve", node_pb2.ReserveRequest(keys=packed, sizes=sizes),
+    extend = data.draw(st.sampled_from([0, 0, 0]) | u64)  # a lease to extend: none, or a guessed one (never ours)
+    code, reply = checked(pool, "node", "Reserve", node_pb2.ReserveRequest(keys=packed, sizes=sizes, lease=extend),
                           data.draw(unknown_fields()), valid_if(n is not None and len(sizes) == n and 0 not in sizes))
     if code == OK:
         assert len(reply.slots) == len(reply.slot_gens) == len(reply.already_held) == n
+        if extend:
+            assert reply.lease == 0 and not any(reply.slot_gens), "a guessed lease was extended"
         assert reply.lease_timeout_s == LEASE_TIMEOUT_S and reply.arena == pool.arena
         for size, gen in zip(sizes, reply.slot_gens):
             assert gen % 2 == 1 or gen == 0, "a reserved slot must be odd (unreadable) until committed"
@@ -543,10 +547,19 @@ def test_commit(pool, data):
         slots = slots + [0]
     elif shape == "sums":
         sums = sums[:-1] if sums else [0]
-    request = node_pb2.CommitRequest(lease=lease, keys=packed, slots=slots, checksums=sums)
+    ahead = data.draw(st.lists(st.integers(0, 2 * SLOT), max_size=3))
+    request = node_pb2.CommitRequest(lease=lease, keys=packed, slots=slots, checksums=sums, next_sizes=ahead)
     code, reply = checked(pool, "node", "Commit", request, data.draw(unknown_fields()), valid_if(shape == "ok"))
     if code == OK:
         assert len(reply.stored) == n
+        nxt = reply.next
+        if nxt.lease:  # slots leased ahead: odd, each of a size asked for that DRAM takes
+            assert len(nxt.slots) == len(nxt.slot_gens) <= len(ahead)
+            assert all(g % 2 == 1 for g in nxt.slot_gens if g)
+            assert all(0 < ahead[i] <= SLOT for i, g in enumerate(nxt.slot_gens) if g)
+            pool.node.store.dram.release(nxt.lease)
+        else:
+            assert not any(nxt.slot_gens)
         good = {k for k, slot, checksum in zip(keys, slots, sums) if rights.get(k) == (slot, checksum)}
         for k, stored in zip(keys, reply.stored):
             if stored:  # never a known key, never another lease's or a bogus slot, never bytes that do not match
@@ -558,6 +571,14 @@ def test_commit(pool, data):
     if code != OK or lease != res.lease:
         pool.node.store.dram.release(res.lease)  # do not wait for the reaper: DRAM is small
     pool.count("Node.Commit")
+
+
+@FUZZ
+@given(extra=unknown_fields())
+def test_flush_reports(pool, extra):
+    code, reply = checked(pool, "node", "FlushReports", node_pb2.FlushReportsRequest(), extra, "valid")
+    assert code == OK
+    pool.count("Node.FlushReports")
 
 
 def test_reserve_commit_zz_finish(pool):

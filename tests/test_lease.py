@@ -383,13 +383,18 @@ def test_client_store_on_the_same_host_goes_through_the_arena(tmp_path, arena_na
                 values = [block(i, n) for i, n in enumerate([1, 4096, 12345, 1 << 20, 1 << 20, 999])]
                 stored = pool.store(keys + keys[:1], values + values[:1])  # a repeated key shares its fate
                 assert stored == [True] * 7
-                assert n.store.dram.leased_slots == 0
-                locations = pool.lookup(keys)  # in the master's index when store returned
+                stocked = pool.shared_path.stocked_slots()
+                assert stocked >= 1  # slots leased ahead for the next put (it is one Commit)
+                assert n.store.dram.leased_slots == stocked
+                assert pool.flush()  # the barrier: the node's reports reached the master
+                locations = pool.lookup(keys)
                 assert [loc.tier for loc in locations] == [Tier.DRAM] * 6
                 outs = [np.empty_like(v) for v in values]
                 assert pool.get_into(locations, outs) == [True] * 6
                 assert all(np.array_equal(o, v) for o, v in zip(outs, values))
-                assert pool.store(keys[:2], values[:2]) == [True, True]  # already pooled: nothing written
+                assert pool.store(keys[:2], values[:2]) == [True, True]  # already pooled: nothing stored twice
+                assert n.store.dram.stats().blocks == 6
+            assert n.store.dram.leased_slots == 0  # close handed the stock back
     finally:
         master.stop()
 
@@ -409,10 +414,13 @@ def test_a_restarted_node_gets_its_new_arena_mapped_by_the_client(tmp_path, aren
                                 lambda *args: pytest.fail("a same-host put went over the network"))
             for run in range(2):  # the second node reuses the arena name: a new segment under the same name
                 with PoolNode(cfg) as n:
-                    wait_until(lambda: n.link.registered and len(pool.lookup([key(999)])) == 0)
+                    # the client's cluster view (where its puts go) refreshed once the node registered
+                    wait_until(lambda n=n: n.link.registered and pool.cluster.refresh() and
+                               [v.ref.address for v in pool.cluster.nodes()] == [n.address])
                     keys = [key(100 * run + i) for i in range(3)]
                     values = [block(100 * run + i, 1 << 20) for i in range(3)]
                     assert pool.store(keys, values) == [True] * 3
+                    assert pool.flush()
                     outs = [np.empty_like(v) for v in values]
                     assert pool.get_into(pool.lookup(keys), outs) == [True] * 3
                     assert all(np.array_equal(o, v) for o, v in zip(outs, values))

@@ -17,8 +17,7 @@ SLOT = 64 << 10
 @pytest.fixture
 def core(arena_name):
     store = NodeStore(DramStore.create(arena_name, 4 * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0))
-    changed: list[int] = []
-    c = NodeCore(store, max_keys_per_call=8, after_change=lambda: changed.append(1))
+    c = NodeCore(store, max_keys_per_call=8)
     yield c
     store.close()
 

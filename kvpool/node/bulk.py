@@ -256,7 +256,6 @@ class BulkServer:
             if not committed and leased.lease:
                 core.release(leased.lease)
         core.trim(keys)
-        core.changed()
         stream.begin_reply(node_pb2.PutResponse(stored=bytes(np.fromiter(stored, dtype=np.uint8, count=count))))
         stream.send()
         if self.put_seconds is not None:

@@ -21,8 +21,9 @@ Invariants:
   slots leased to a writer are charged from :meth:`NodeCore.reserve` until
   the lease ends (commit, release, or the reaper).
 - A key is in the master's index only after its bytes and checksum are
-  complete here: writers call :meth:`NodeCore.changed` (the master link's
-  flush) after committing and before replying.
+  complete here: the stores report a change only once it is committed, and
+  the master link sends it in the background, off the writer's path;
+  :meth:`NodeCore.flush_reports` is the barrier for a writer that needs it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from kvpool.node.quota import Charge, QuotaLedger
 from kvpool.tiers.arena import SlotRef
 from kvpool.tiers.node_store import NodeStore
 
+AHEAD_SHARE = 16  # one lease-ahead holds at most 1/AHEAD_SHARE of DRAM
+
 
 @dataclass
 class Leased:
@@ -58,12 +61,12 @@ class NodeCore:
     """One node's store as its transports see it (see the module docstring)."""
 
     def __init__(self, store: NodeStore, *, max_keys_per_call: int, errors: ErrorMetrics | None = None,
-                 quota: QuotaLedger | None = None, after_change: Callable[[], object] | None = None):
+                 quota: QuotaLedger | None = None, report: Callable[[], bool] | None = None):
         self.store = store
         self.max_keys_per_call = max_keys_per_call
         self.errors = errors
         self.quota = quota
-        self.after_change = after_change
+        self.report = report  # sends pending changes to the master: True once it has them (the master link)
 
     # -- keys and sizes -------------------------------------------------------------------------------
 
@@ -161,13 +164,15 @@ class NodeCore:
         return [i for i, admitted in zip(candidates, ok) if admitted]
 
     def reserve(self, keys: Sequence[BlockKey], sizes: Sequence[int], timeout_s: float | None, *,
-                owner: object = None, charge_unfit: bool = False) -> Leased:
+                owner: object = None, charge_unfit: bool = False, extend: int = 0) -> Leased:
         """Lease DRAM slots to ``owner`` for the blocks not held yet that fit a slot and the tenant's quota.
 
         The lease lasts ``timeout_s`` (None: until committed or released). The
         tenant's quota is charged for the leased blocks until the lease ends;
         ``charge_unfit``: also for new blocks too large for a slot (the caller
         stores those itself, through :meth:`put`, in the same request).
+        ``extend``: add the slots to that lease of ``owner``'s (see
+        DramStore.reserve; a tenant with a quota has none to extend).
         """
         store = self.store
         held = [t is not None for t in store.where(keys)]
@@ -180,7 +185,7 @@ class NodeCore:
             refused = {i for i, admitted in zip(new, charge.admitted) if not admitted}
         fit = [i for i in new if i not in refused and store.fits_dram(sizes[i])]
         res = store.dram.reserve([keys[i] for i in fit], [sizes[i] for i in fit], timeout_s, owner=owner,
-                                 charge=charge)
+                                 charge=charge, extend=extend)
         slots = {i: (s, g) for i, s, g in zip(fit, res.slots, res.gens) if g}
         for i, h in zip(fit, res.held):
             held[i] = held[i] or h
@@ -190,6 +195,24 @@ class NodeCore:
                owner: object = None) -> list[bool]:
         """Publish the lease's slots whose bytes match their checksums (see NodeStore.commit)."""
         return self.store.commit(lease, keys, slots, checksums, owner=owner)
+
+    def lease_ahead(self, sizes: Sequence[int], timeout_s: float | None, *, owner: object = None) -> Leased:
+        """Slots for ``owner``'s next put, keys not known yet (none for a tenant under a quota: its charge is per
+        key, and sizes no DRAM extent takes get none)."""
+        tenant = caller_tenant()
+        if self.quota is not None and tenant:
+            return Leased(0, {}, [])
+        fit: list[int] = []
+        budget = self.store.dram.arena.data_bytes // AHEAD_SHARE  # what one writer may hold ahead
+        for n in (int(n) for n in sizes):
+            if not n or not self.store.fits_dram(n) or n > budget:
+                break
+            fit.append(n)
+            budget -= n
+        if not fit:
+            return Leased(0, {}, [])
+        res = self.store.dram.lease_ahead(fit, timeout_s, owner=owner)
+        return Leased(res.lease, {i: (s, g) for i, (s, g) in enumerate(zip(res.slots, res.gens)) if g}, [])
 
     def release(self, lease: int) -> None:
         self.store.dram.release(lease)
@@ -217,10 +240,13 @@ class NodeCore:
         if self.quota is not None and tenant:
             self.quota.trim(tenant, keys)
 
-    def changed(self) -> None:
-        """The store changed: tell the master before replying (see the module docstring)."""
-        if self.after_change is not None:
-            self.after_change()
+    def flush_reports(self) -> bool:
+        """Send what changed to the master now; True once it has every change made before the call.
+
+        Writers do not call this: the master link reports in the background
+        (soon after each change), so a put's reply never waits for the master;
+        a client that needs its writes in the index asks (FlushReports)."""
+        return self.report() if self.report is not None else True
 
     def count(self, kind: str, n: int = 1) -> None:
         if n and self.errors is not None:

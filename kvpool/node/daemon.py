@@ -197,7 +197,7 @@ class PoolNode:
             if self.authority is not None and self.authority.quotas:
                 self.quota = self._quota_ledger(self.authority.quotas)
             self.core = NodeCore(self.store, max_keys_per_call=config.max_keys_per_call, errors=self.errors,
-                                 quota=self.quota, after_change=link.flush)
+                                 quota=self.quota, report=link.flush)
             self.servicer = NodeServicer(
                 self.core, node_ref=self.node_ref, max_message_bytes=config.max_message_bytes,
                 get_seconds=self.get_seconds, put_seconds=self.put_seconds, lease_timeout_s=config.lease_timeout_s,

@@ -13,15 +13,19 @@ Rules every handler follows:
   match its bytes is refused (stored byte 0, counted as error kind
   ``checksum``); a block evicted between the size look-up and the copy is a
   Get miss.
-- Put replies only after ``after_change`` (the master link's flush) ran, so
-  a stored block is in the master's index when Put returns.
+- Put, Commit and the bulk PUT reply once the blocks are stored; the master
+  link reports them in the background (a key reaches the index only after its
+  bytes and checksum are complete here). ``FlushReports`` is the writer's
+  barrier: it answers once the master has every change made before it.
+  Remove replies only after the master has the removal.
 - Get builds its reply in one preallocated buffer that the tiers copy into
   directly; the only other copy is the one protobuf needs (its bytes field
   takes ``bytes``).
 - Reserve leases free DRAM slots to a same-host writer for
   ``lease_timeout_s`` (the daemon's reaper frees lapsed leases); Commit
-  publishes the slots whose bytes match their checksums and, like Put,
-  replies only after ``after_change`` ran.
+  publishes the slots whose bytes match their checksums, and leases the
+  slots ``next_sizes`` asks for ahead (keys unknown yet), so a writer's next
+  put is one Commit.
 - A lease belongs to its caller (:func:`kvpool.auth.caller`: the tenant's
   identity; None with auth off) and its id is random: a Commit by anyone
   else stores nothing and leaves the lease to its owner.
@@ -46,7 +50,7 @@ import numpy as np
 
 from kvpool.auth import caller
 from kvpool.core import Tier
-from kvpool.node.core import NodeCore
+from kvpool.node.core import Leased, NodeCore
 from kvpool.rpc import flag_bytes, tier_bytes, tier_usage
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
 
@@ -120,7 +124,6 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         stored = self.core.put(keys, views, sums or None)
         if any(stored):
             self.core.trim(keys)
-        self.core.changed()
         if self.put_seconds is not None:
             self.put_seconds.observe(time.perf_counter() - start)
         return node_pb2.PutResponse(stored=bytes(1 if s else 0 for s in stored))
@@ -171,7 +174,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         keys = list(dict.fromkeys(self.core.keys(request.keys)))
         held = sum(t is not None for t in self.store.where(keys))
         self.store.remove(keys)
-        self.core.changed()
+        self.core.flush_reports()  # a removed block leaves the index before Remove returns
         return node_pb2.RemoveResponse(removed=held)
 
     @_counted
@@ -195,13 +198,15 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
         if any(s == 0 for s in sizes):
             raise ValueError(f"block {sizes.index(0)} is empty")
-        leased = self.core.reserve(keys, sizes, self.lease_timeout_s, owner=caller())
-        slots, gens = [0] * len(keys), [0] * len(keys)
+        leased = self.core.reserve(keys, sizes, self.lease_timeout_s, owner=caller(), extend=request.lease)
+        return self._reserved(leased, len(keys))
+
+    def _reserved(self, leased: Leased, n: int) -> node_pb2.ReserveResponse:
+        slots, gens = [0] * n, [0] * n
         for i, (slot, gen) in leased.slots.items():
             slots[i], gens[i] = slot, gen
-        held = leased.held
         return node_pb2.ReserveResponse(arena=self.store.dram.arena.name, lease=leased.lease, slots=slots,
-                                        slot_gens=gens, already_held=flag_bytes(held),
+                                        slot_gens=gens, already_held=flag_bytes(leased.held) if leased.held else b"",
                                         lease_timeout_s=self.lease_timeout_s)
 
     @_counted
@@ -211,14 +216,24 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         slots, sums = list(request.slots), list(request.checksums)
         if not len(slots) == len(sums) == len(keys):
             raise ValueError(f"{len(keys)} keys, {len(slots)} slots and {len(sums)} checksums: need one each per key")
+        ahead = list(request.next_sizes)
+        if len(ahead) > self.core.max_keys_per_call:
+            raise ValueError(f"{len(ahead)} slots to lease ahead; the limit is {self.core.max_keys_per_call}")
         stored = self.core.commit(request.lease, keys, slots, sums, owner=caller())
         if any(stored):
             self.core.trim(keys)
         self.core.count("commit_refused", stored.count(False))
-        self.core.changed()
+        reply = node_pb2.CommitResponse(stored=flag_bytes(stored))
+        if ahead:
+            leased = self.core.lease_ahead(ahead, self.lease_timeout_s, owner=caller())
+            reply.next.CopyFrom(self._reserved(leased, len(leased.slots)))
         if self.put_seconds is not None:
             self.put_seconds.observe(time.perf_counter() - start)
-        return node_pb2.CommitResponse(stored=flag_bytes(stored))
+        return reply
+
+    @_counted
+    def FlushReports(self, request: node_pb2.FlushReportsRequest, context: Any) -> node_pb2.FlushReportsResponse:
+        return node_pb2.FlushReportsResponse(indexed=self.core.flush_reports())
 
     @_counted
     def Info(self, request: node_pb2.InfoRequest, context: Any) -> node_pb2.InfoResponse:

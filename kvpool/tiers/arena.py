@@ -107,6 +107,7 @@ INDEX_PROBES = 32  # entries an index insert or lookup looks at, at most
 MAP_AHEAD_MIN_BYTES = 64 << 10  # map_for_write maps ahead only extents at least this long
 _GOLDEN = 0x9E3779B97F4A7C15
 assert SLOT_DTYPE.itemsize == 64, "arena: slot table rows must stay 64 bytes"
+INVENTORY_DRAM_ONLY, INVENTORY_WHOLE, INVENTORY_INCOMPLETE = 0, 1, 2  # placeholder until the SSD key set lands
 
 
 def _round_up(n: int, to: int) -> int:
@@ -432,6 +433,15 @@ class SharedArena:
             if ref is not None and self.table["key"][ref.slot] == want:
                 return ref
         return None
+
+    def inventory_state(self) -> int:
+        """Placeholder: the published inventory is not known to be whole (readers ask the master)."""
+        return INVENTORY_INCOMPLETE
+
+    def ssd_meta(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Placeholder: no SSD key set."""
+        n = len(keys)
+        return np.zeros(n, dtype=bool), np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.uint64)
 
     def index_find(self, keys: np.ndarray) -> np.ndarray:
         """Per key (:data:`KEY_DTYPE`, as rows store them) the slot the key index names, or -1 (any process).

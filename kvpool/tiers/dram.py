@@ -126,7 +126,7 @@ class Lease:
 
     id: int
     deadline: float | None
-    slots: dict[int, tuple[BlockKey, int]]  # slot -> (key, size) it was reserved for
+    slots: dict[int, tuple[BlockKey | None, int]]  # slot -> (key, size) it was reserved for; None: leased ahead
     owner: object = None  # who may commit or release it (compared with ==)
     charge: LeaseCharge | None = field(default=None, repr=False)
 
@@ -447,7 +447,7 @@ class DramStore:
 
     def reserve(
         self, keys: Sequence[BlockKey], sizes: Sequence[int], timeout_s: float | None, *, owner: object = None,
-        charge: LeaseCharge | None = None,
+        charge: LeaseCharge | None = None, extend: int = 0,
     ) -> Reservation:
         """Lease slots for blocks of ``sizes`` to ``owner`` (see the module docstring).
 
@@ -456,10 +456,13 @@ class DramStore:
         or found no room. ``timeout_s`` None: the lease lasts until committed
         or released. ``charge`` (already charged for ``keys``) is narrowed to
         the keys that got a slot, and ends with the lease (at once if no slot
-        was reserved).
+        was reserved). ``extend``: add the slots to that live lease of
+        ``owner``'s (its deadline stays) instead of a new one; if it is not
+        one (unknown, lapsed, another's, or either side carries a charge)
+        nothing is reserved and the reservation's lease is 0.
         """
         try:
-            reservation, reserved, released = self._lease(keys, sizes, timeout_s, owner, charge)
+            reservation, reserved, released = self._lease(keys, sizes, timeout_s, owner, charge, extend)
         except BaseException:
             if charge is not None:
                 charge.end()  # no lease took it
@@ -472,42 +475,75 @@ class DramStore:
                 charge.end()
         return reservation
 
+    def lease_ahead(self, sizes: Sequence[int], timeout_s: float | None, *, owner: object = None) -> Reservation:
+        """Lease slots of ``sizes`` to ``owner`` for blocks whose keys are not known yet (any key may commit one).
+
+        A writer's next put then needs no Reserve. Like :meth:`reserve`
+        otherwise: a size that finds no room gets gen 0; no quota charge (the
+        node leases ahead only to callers without a quota).
+        """
+        reservation, _, released = self._lease([None] * len(sizes), sizes, timeout_s, owner, None, 0)
+        notify(self.on_change, (), released, "DRAM")
+        return reservation
+
     def _lease(
-        self, keys: Sequence[BlockKey], sizes: Sequence[int], timeout_s: float | None, owner: object,
-        charge: LeaseCharge | None,
+        self, keys: Sequence[BlockKey | None], sizes: Sequence[int], timeout_s: float | None, owner: object,
+        charge: LeaseCharge | None, extend: int,
     ) -> tuple[Reservation, list[BlockKey], list[BlockKey]]:
-        """:meth:`reserve` up to registering the lease: (what to hand out, the keys that got a slot, evicted keys)."""
-        keys = check_keys(keys)
+        """:meth:`reserve` up to registering the lease: (what to hand out, the keys that got a slot, evicted keys).
+
+        A None key is a slot leased ahead (:meth:`lease_ahead`).
+        """
+        named = [k for k in keys if k is not None]
+        if named:
+            check_keys(named)
         check_batch(keys, sizes)
         sizes = [int(n) for n in sizes]
         for n in sizes:
             self._check_size(n)
         held = [False] * len(keys)
+        out_slots, gens = [0] * len(keys), [0] * len(keys)
         todo: list[int] = []
         with self._lock:
+            base = self._leases.get(extend) if extend else None
+            if extend and (base is None or base.owner != owner or base.charge is not None or charge is not None or
+                           (base.deadline is not None and base.deadline < time.monotonic())):
+                return Reservation(0, out_slots, gens, held), [], []
             seen: set[BlockKey] = set()
             for i, k in enumerate(keys):
-                if self._slot_of(k) is not None:
+                if k is None:
+                    todo.append(i)
+                elif self._slot_of(k) is not None:
                     held[i] = True
                 elif k not in seen:
                     seen.add(k)
                     todo.append(i)
         slots, released = self._allocate([sizes[i] for i in todo])
-        out_slots, gens = [0] * len(keys), [0] * len(keys)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         lease = Lease(0, deadline, {}, owner, charge)
         with self._lock:
+            if base is not None and self._leases.get(extend) is not base:  # ended while we allocated
+                base = None
+                lease.id = -1  # hands nothing out: the slots below go back at once
             for i, slot in zip(todo, slots):
                 if slot is None:
+                    continue
+                if lease.id < 0:
+                    self._give_back(slot)
                     continue
                 gens[i] = self.arena.claim(slot, int(self._extent[slot, 0]) * GRANULE)
                 out_slots[i] = slot
                 lease.slots[slot] = (keys[i], sizes[i])
             self._leased += len(lease.slots)
-            if lease.slots:
+            reserved = [key for key, _ in lease.slots.values() if key is not None]
+            if base is not None:
+                base.slots.update(lease.slots)
+                lease = base
+            elif lease.slots:
                 lease.id = self._new_lease_id()
                 self._leases[lease.id] = lease  # the last step: from here on the lease ends the charge
-            reserved = [key for key, _ in lease.slots.values()]
+        if lease.id < 0:
+            return Reservation(0, [0] * len(keys), [0] * len(keys), held), [], released
         return Reservation(lease.id, out_slots, gens, held), reserved, released
 
     def _take_lease(self, lease_id: int, owner: object) -> Lease | None:
@@ -543,7 +579,7 @@ class DramStore:
         todo: list[tuple[int, int, int, int]] = []  # (index, slot, size, checksum)
         for i, (k, slot, checksum) in enumerate(zip(keys, slots, checksums)):
             entry = lease.slots.get(int(slot))
-            if entry is None or entry[0] != k:
+            if entry is None or entry[0] not in (k, None):  # None: leased ahead, for any key
                 continue
             del lease.slots[int(slot)]  # each slot commits once
             todo.append((i, int(slot), entry[1], int(checksum)))

@@ -146,7 +146,7 @@ class PlaceBlocksResponse(_message.Message):
     def __init__(self, node_indexes: _Optional[_Iterable[int]] = ..., present: _Optional[bytes] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeRef, _Mapping]]] = ..., too_large: _Optional[bytes] = ...) -> None: ...
 
 class ReportHbmRequest(_message.Message):
-    __slots__ = ("worker_id", "added_keys", "removed_keys", "full_sync", "capacity_bytes", "used_bytes", "hbm_only_lookups", "hbm_only_blocks", "block_tokens")
+    __slots__ = ("worker_id", "added_keys", "removed_keys", "full_sync", "capacity_bytes", "used_bytes", "hbm_only_lookups", "hbm_only_blocks", "block_tokens", "local_lookups", "local_requested_blocks", "local_hbm_blocks", "local_dram_blocks", "local_ssd_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDED_KEYS_FIELD_NUMBER: _ClassVar[int]
     REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,11 @@ class ReportHbmRequest(_message.Message):
     HBM_ONLY_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     HBM_ONLY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_REQUESTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_HBM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_DRAM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SSD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     added_keys: bytes
     removed_keys: bytes
@@ -165,7 +170,12 @@ class ReportHbmRequest(_message.Message):
     hbm_only_lookups: int
     hbm_only_blocks: int
     block_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., added_keys: _Optional[bytes] = ..., removed_keys: _Optional[bytes] = ..., full_sync: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hbm_only_lookups: _Optional[int] = ..., hbm_only_blocks: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+    local_lookups: int
+    local_requested_blocks: int
+    local_hbm_blocks: int
+    local_dram_blocks: int
+    local_ssd_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., added_keys: _Optional[bytes] = ..., removed_keys: _Optional[bytes] = ..., full_sync: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hbm_only_lookups: _Optional[int] = ..., hbm_only_blocks: _Optional[int] = ..., block_tokens: _Optional[int] = ..., local_lookups: _Optional[int] = ..., local_requested_blocks: _Optional[int] = ..., local_hbm_blocks: _Optional[int] = ..., local_dram_blocks: _Optional[int] = ..., local_ssd_blocks: _Optional[int] = ...) -> None: ...
 
 class ReportHbmResponse(_message.Message):
     __slots__ = ()
@@ -176,16 +186,20 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node", "tiers", "seconds_since_heartbeat", "incarnation")
+    __slots__ = ("node", "tiers", "seconds_since_heartbeat", "incarnation", "dram_max_block_bytes", "max_block_bytes")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DRAM_MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     node: _common_pb2.NodeRef
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
     seconds_since_heartbeat: float
     incarnation: int
-    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., seconds_since_heartbeat: _Optional[float] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    dram_max_block_bytes: int
+    max_block_bytes: int
+    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., seconds_since_heartbeat: _Optional[float] = ..., incarnation: _Optional[int] = ..., dram_max_block_bytes: _Optional[int] = ..., max_block_bytes: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("nodes", "indexed_blocks", "workers", "hbm_blocks", "lookups", "requested_blocks", "hit_blocks_hbm", "hit_blocks_dram", "hit_blocks_ssd", "blocks_too_large", "largest_refused_bytes", "largest_block_bytes")

@@ -130,12 +130,14 @@ class InfoResponse(_message.Message):
     def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., dram_max_block_bytes: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("keys", "sizes")
+    __slots__ = ("keys", "sizes", "lease")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
     sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    lease: int
+    def __init__(self, keys: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., lease: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("arena", "lease", "slots", "slot_gens", "already_held", "lease_timeout_s")
@@ -154,19 +156,33 @@ class ReserveResponse(_message.Message):
     def __init__(self, arena: _Optional[str] = ..., lease: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., slot_gens: _Optional[_Iterable[int]] = ..., already_held: _Optional[bytes] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease", "keys", "slots", "checksums")
+    __slots__ = ("lease", "keys", "slots", "checksums", "next_sizes")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SIZES_FIELD_NUMBER: _ClassVar[int]
     lease: int
     keys: bytes
     slots: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease: _Optional[int] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    next_sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease: _Optional[int] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., next_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("stored",)
+    __slots__ = ("stored", "next")
     STORED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
     stored: bytes
-    def __init__(self, stored: _Optional[bytes] = ...) -> None: ...
+    next: ReserveResponse
+    def __init__(self, stored: _Optional[bytes] = ..., next: _Optional[_Union[ReserveResponse, _Mapping]] = ...) -> None: ...
+
+class FlushReportsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FlushReportsResponse(_message.Message):
+    __slots__ = ("indexed",)
+    INDEXED_FIELD_NUMBER: _ClassVar[int]
+    indexed: bool
+    def __init__(self, indexed: _Optional[bool] = ...) -> None: ...

@@ -74,6 +74,11 @@ class NodeStub:
                 request_serializer=kvpool_dot_v1_dot_node__pb2.CommitRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_node__pb2.CommitResponse.FromString,
                 _registered_method=True)
+        self.FlushReports = channel.unary_unary(
+                '/kvpool.v1.Node/FlushReports',
+                request_serializer=kvpool_dot_v1_dot_node__pb2.FlushReportsRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_node__pb2.FlushReportsResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -130,6 +135,15 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FlushReports(self, request, context):
+        """Send the changes of what this node holds to the master now and answer
+        when it has them (a writer's barrier: the node reports its puts in the
+        background, so a put's reply does not wait for the master).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -172,6 +186,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=kvpool_dot_v1_dot_node__pb2.CommitRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_node__pb2.CommitResponse.SerializeToString,
+            ),
+            'FlushReports': grpc.unary_unary_rpc_method_handler(
+                    servicer.FlushReports,
+                    request_deserializer=kvpool_dot_v1_dot_node__pb2.FlushReportsRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_node__pb2.FlushReportsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -390,6 +409,33 @@ class Node:
             '/kvpool.v1.Node/Commit',
             kvpool_dot_v1_dot_node__pb2.CommitRequest.SerializeToString,
             kvpool_dot_v1_dot_node__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushReports(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Node/FlushReports',
+            kvpool_dot_v1_dot_node__pb2.FlushReportsRequest.SerializeToString,
+            kvpool_dot_v1_dot_node__pb2.FlushReportsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -77,6 +77,7 @@ def still_serves_dram(procs, pool: PoolClient, tag: str) -> None:
     """New blocks are stored (in DRAM) and come back byte-exact."""
     fresh = keys_of(tag, DRAM_SLOTS)
     assert pool.store(fresh, [content(k, BLOCK) for k in fresh]) == [True] * DRAM_SLOTS
+    assert pool.flush()  # in the master's index (the node reports in the background)
     assert read_each(pool, fresh) == (DRAM_SLOTS, 0)
 
 

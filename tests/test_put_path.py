@@ -1,0 +1,171 @@
+"""A same-host put in one round trip: placement from the client's cluster view, slots leased ahead, reports off
+the put's path (issue 14)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from support import wait_until
+
+from kvpool.calls import FastStub
+from kvpool.checksum import copy_with_checksum
+from kvpool.client.pool import PoolClient
+from kvpool.config import ClientConfig, MasterConfig, NodeConfig
+from kvpool.keys import BlockKey, opaque_key, pack_keys
+from kvpool.master.server import MasterServer
+from kvpool.node.daemon import PoolNode
+from kvpool.tiers.dram import DramStore
+from kvpool.v1 import master_pb2
+
+SLOT = 4096
+
+
+def key(i: int) -> BlockKey:
+    return opaque_key(f"put-path-{i}")
+
+
+def block(i: int, size: int = SLOT) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8)
+
+
+# -- DramStore: slots leased ahead, leases extended ----------------------------------------------------
+
+
+@pytest.fixture
+def dram(arena_name):
+    store = DramStore.create(arena_name, 8 * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0)
+    yield store
+    store.close()
+
+
+def test_a_slot_leased_ahead_takes_any_key_once_and_only_its_owner_commits_it(dram):
+    res = dram.lease_ahead([SLOT, SLOT], None, owner="a")
+    assert res.lease and all(res.gens)
+    assert dram.leased_slots == 2
+    values = [block(1), block(2)]
+    sums = [copy_with_checksum(dram.arena.block(s, SLOT), v) for s, v in zip(res.slots, values)]
+    assert dram.commit(res.lease, [key(1), key(2)], res.slots, sums, owner="b") == [False, False]  # not b's
+    assert dram.leased_slots == 2
+    assert dram.commit(res.lease, [key(1), key(2)], res.slots, sums, owner="a") == [True, True]
+    assert dram.leased_slots == 0
+    out = np.empty(SLOT, dtype=np.uint8)
+    assert dram.get_into([key(2)], [out]) == [True] and np.array_equal(out, values[1])
+
+
+def test_a_lease_is_extended_only_by_its_owner_while_it_lives(dram):
+    ahead = dram.lease_ahead([SLOT], None, owner="a")
+    assert dram.reserve([key(1)], [SLOT], None, owner="b", extend=ahead.lease).lease == 0  # another's lease
+    assert dram.leased_slots == 1  # nothing reserved for b
+    more = dram.reserve([key(1)], [SLOT], None, owner="a", extend=ahead.lease)
+    assert more.lease == ahead.lease and more.gens[0]
+    values = [block(1), block(2)]
+    slots = [more.slots[0], ahead.slots[0]]
+    sums = [copy_with_checksum(dram.arena.block(s, SLOT), v) for s, v in zip(slots, values)]
+    assert dram.commit(ahead.lease, [key(1), key(2)], slots, sums, owner="a") == [True, True]  # one commit for both
+    assert dram.reserve([key(3)], [SLOT], None, owner="a", extend=ahead.lease).lease == 0  # ended with the commit
+    assert dram.leased_slots == 0
+    lapsed = dram.lease_ahead([SLOT], 0.0, owner="a")
+    assert dram.reserve([key(3)], [SLOT], None, owner="a", extend=lapsed.lease).lease == 0  # past its deadline
+
+
+# -- the client's put path --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pool_node(tmp_path, arena_name):
+    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
+    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+                     dram_bytes=16 << 20, max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
+    try:
+        with PoolNode(cfg) as n:
+            wait_until(lambda: n.link.registered)
+            yield master, n
+    finally:
+        master.stop()
+
+
+class CallLog:
+    """Every fast-call-capable method a client calls (both transports pass through FastStub.call; the node's
+    own link to the master, in this process too, is left out)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, node: PoolNode):
+        self.names: list[str] = []
+        call = FastStub.call
+
+        def logged(stub, name, request, timeout=None):
+            if stub is not node.link._stub:
+                self.names.append(name)
+            return call(stub, name, request, timeout)
+
+        monkeypatch.setattr(FastStub, "call", logged)
+
+
+def test_a_same_host_put_is_one_commit_and_no_master_call(pool_node, monkeypatch):
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+        assert pool.store([key(0)], [block(0)]) == [True]  # warm-up: the view, the first lease
+        calls = CallLog(monkeypatch, n)
+        for i in range(1, 6):
+            assert pool.store([key(i)], [block(i)]) == [True]
+        assert calls.names == ["Commit"] * 5  # no PlaceBlocks, no Reserve: slots were leased ahead by each Commit
+        assert pool.flush()
+        assert calls.names[5:] == ["FlushReports"]
+        present = master.servicer.Exists(master_pb2.ExistsRequest(keys=pack_keys([key(i) for i in range(6)])), None)
+        assert present.present == b"\x01" * 6  # in the master's index once flush returned
+        outs = [np.empty(SLOT, dtype=np.uint8) for _ in range(6)]
+        assert pool.get_into(pool.lookup([key(i) for i in range(6)]), outs) == [True] * 6
+        assert all(np.array_equal(o, block(i)) for i, o in enumerate(outs))
+    assert n.store.dram.leased_slots == 0  # close handed the stock back
+
+
+def test_a_put_whose_stock_lapsed_gets_fresh_slots_and_stores(pool_node):
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+        assert pool.store([key(0)], [block(0)]) == [True]
+        assert pool.shared_path.stocked_slots() == 1
+        assert n.store.dram.expire(now=float("inf")) == 1  # the node reaped the stock's lease under the client
+        assert pool.store([key(1), key(2)], [block(1), block(2)]) == [True, True]
+        assert pool.flush()
+        outs = [np.empty(SLOT, dtype=np.uint8) for _ in range(2)]
+        assert pool.get_into(pool.lookup([key(1), key(2)]), outs) == [True, True]
+        assert np.array_equal(outs[1], block(2))
+
+
+def test_a_put_of_other_sizes_extends_the_stock_lease_and_commits_once(pool_node, monkeypatch):
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+        assert pool.store([key(0)], [block(0)]) == [True]
+        calls = CallLog(monkeypatch, n)
+        values = [block(1), block(2, 3 * SLOT)]  # one size in stock, one not
+        assert pool.store([key(1), key(2)], values) == [True, True]
+        assert calls.names == ["Reserve", "Commit"]
+        assert n.store.dram.leased_slots == pool.shared_path.stocked_slots() == 2  # the next stock: both sizes
+        assert pool.flush()
+        outs = [np.empty_like(v) for v in values]
+        assert pool.get_into(pool.lookup([key(1), key(2)]), outs) == [True, True]
+        assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+
+
+def test_the_client_places_as_the_master_would(tmp_path, arena_name):
+    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
+    nodes = []
+    try:
+        for i in range(3):
+            cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
+                             arena=f"{arena_name}-{i}", node_id=f"n{i}", dram_bytes=(8 + 4 * i) << 20,
+                             max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / f"ssd{i}"))
+            nodes.append(PoolNode(cfg).start())
+        with PoolClient(ClientConfig(master=master.address)) as pool:
+            wait_until(lambda: pool.cluster.refresh() and len(pool.cluster.nodes()) == 3)
+            keys = [key(i) for i in range(300)]
+            sizes = [SLOT * (1 + i % 5) for i in range(300)]
+            mine = pool.cluster.place(keys, sizes)
+            theirs = master.servicer.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(keys), sizes=sizes),
+                                                 None)
+            assert [mine.nodes[j].node_id for j in mine.node_indexes] == \
+                [theirs.nodes[j].node_id for j in theirs.node_indexes]
+            assert len(set(mine.node_indexes)) == 3  # every node gets some
+    finally:
+        for n in nodes:
+            n.stop()
+        master.stop()
