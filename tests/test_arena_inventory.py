@@ -193,14 +193,14 @@ def test_a_failed_demotion_write_leaves_the_set(arena_name, tmp_path):
     def refusing(*args, **kwargs):  # the disk refuses this write (what a full disk looks like to the queue)
         raise OSError("test: no space left")
 
-    ssd.put = refusing  # type: ignore[method-assign]
+    ssd.put = refusing
     try:
         node.put(keys[:4], [block(i) for i in range(4)])
         node.put(keys[4:], [block(4), block(5)])  # 0, 1 queued for SSD
         assert reader.ssd_holds(packed(keys[:2])).tolist() == [True, True]  # pending: served as on SSD
         assert node.flush_demotions(10)
         assert reader.ssd_holds(packed(keys[:2])).tolist() == [False, False]  # dropped: a miss
-        ssd.put = real  # type: ignore[method-assign]
+        ssd.put = real
         check_agrees(node, reader, keys)
     finally:
         reader.close()
@@ -291,7 +291,7 @@ def test_random_puts_gets_and_removes_keep_the_arena_s_inventory_equal_to_the_st
     keys = [key(i) for i in range(40)]
     rng = random.Random(14)
     try:
-        for step in range(300):
+        for _ in range(300):
             picked = rng.sample(range(len(keys)), rng.randint(1, 5))
             op = rng.random()
             if op < 0.5:
@@ -306,3 +306,38 @@ def test_random_puts_gets_and_removes_keep_the_arena_s_inventory_equal_to_the_st
     finally:
         reader.close()
         node.close()
+
+
+def test_the_ssd_set_answers_like_a_set_through_churn_with_long_and_wrapping_runs(arena_name):
+    """Owner adds and discards (backward shifts included) against a model set, read back by another mapping."""
+    arena = SharedArena.create(arena_name, 4096, 1, ssd_keys=64)
+    reader = SharedArena.attach(arena_name)
+    table = arena.ssd_set
+    assert table is not None and table.cap == table_entries(64)
+    rng = random.Random(3)
+    last = table.cap - 3  # a run starting near the end wraps round to entry 0
+    shift = 64 - (table.cap.bit_length() - 1)
+    crafted = [BlockKey(((((last << shift) + i) * GOLDEN_INVERSE) % (1 << 64)).to_bytes(8, "little") +
+                        rng.randbytes(24)) for i in range(20)]  # 20 keys, one home: a run longer than a window
+    pool = crafted + [key(i) for i in range(80)]
+    model: set[BlockKey] = set()
+    try:
+        for _ in range(600):
+            k = rng.choice(pool)
+            if k in model or len(model) >= 64 or rng.random() < 0.3:
+                arena.ssd_discard(k)
+                model.discard(k)
+            else:
+                assert arena.ssd_add(k)
+                model.add(k)
+            assert reader.ssd_holds(packed(pool)).tolist() == [k in model for k in pool]
+            assert arena.ssd_count == len(model)
+        assert reader.inventory_state() == InventoryState.INCOMPLETE  # never declared: a set not filled yet
+        arena.declare_inventory(ssd=True)
+        assert reader.inventory_state() == InventoryState.COMPLETE
+        full = [k for k in pool if k not in model][: 65 - len(model)]
+        assert all(arena.ssd_add(k) for k in full[:-1]) and not arena.ssd_add(full[-1])  # the 65th key: no room
+        assert reader.inventory_state() == InventoryState.INCOMPLETE
+    finally:
+        reader.close()
+        arena.close()

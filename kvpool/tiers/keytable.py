@@ -29,6 +29,8 @@ from __future__ import annotations
 import numpy as np
 
 PROBES = 32  # entries an insert or lookup looks at, at most
+WINDOW = 8  # entries a batched lookup reads per query in its first pass
+_STEPS = np.arange(PROBES, dtype=np.int64)[:, None]
 _GOLDEN = 0x9E3779B97F4A7C15
 _U64 = 0xFFFFFFFFFFFFFFFF
 
@@ -55,30 +57,44 @@ class ProbeTable:
 
     # -- any process ---------------------------------------------------------------
 
-    def lookup(self, tags: np.ndarray, values: np.ndarray | None = None) -> np.ndarray:
-        """Per query, the entry holding its tag (and its value, if ``values`` is given), or -1; vectorised.
+    def lookup(self, tags: np.ndarray) -> np.ndarray:
+        """Per query tag (uint64, none 0), the first entry of its run holding it, or -1; vectorised.
 
-        ``tags`` (uint64, none 0) and ``values`` are per-query arrays. The
-        first match in the run wins.
+        The same answer as probing one entry at a time, in two passes over
+        the batch: the first ``WINDOW`` entries of every run (nearly every
+        lookup ends there: a match, or an empty entry ending the run), then
+        the rest of ``PROBES`` for the few that did not, so a batch costs a
+        few dozen array operations whatever its runs look like. Arrays are
+        (probe step, query), so every operation runs along the batch.
         """
         n = len(tags)
         found = np.full(n, -1, dtype=np.int64)
         if not n:
             return found
-        mask = np.uint64(self._mask)
-        home = (tags * np.uint64(_GOLDEN)) >> np.uint64(self._shift)
+        home = ((tags * np.uint64(_GOLDEN)) >> np.uint64(self._shift)).view(np.int64)  # < 2**63: same bits
         todo = np.arange(n)
-        for step in range(PROBES):
-            at = (home[todo] + np.uint64(step)) & mask
-            seen = self.tags[at]
-            hit = seen == tags[todo]
-            if values is not None:
-                hit &= self.values[at] == values[todo]
-            found[todo[hit]] = at[hit].astype(np.int64)
-            todo = todo[~hit & (seen != 0)]
-            if not todo.size:
+        for lo, hi in ((0, WINDOW), (WINDOW, PROBES)):
+            at = (home + _STEPS[lo:hi]) & self._mask  # (steps, queries)
+            seen = self.tags[at]  # fancy indexing: np.take would copy a strided view whole first
+            hit = seen == tags
+            stop = hit | (seen == 0)  # a match, or the end of the run
+            flat = stop.argmax(axis=0) * len(tags) + np.arange(len(tags))  # each query's first stop
+            got = np.take(hit, flat)
+            found[todo[got]] = np.take(at, flat[got])
+            left = ~np.take(stop, flat)
+            if not left.any():
                 break
+            todo, home, tags = todo[left], home[left], tags[left]
         return found
+
+    def holds(self, tags: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Per query, whether the table holds exactly ``(tag, value)``; vectorised (see :meth:`lookup`)."""
+        at = self.lookup(tags)
+        held = at >= 0
+        held[held] = self.values[at[held]] == values[held]
+        for i in np.flatnonzero((at >= 0) & ~held):  # another entry with the same tag came first: rare
+            held[i] = self.find(int(tags[i]), int(values[i])) >= 0
+        return held
 
     # -- the owner -----------------------------------------------------------------
 
