@@ -75,6 +75,13 @@ def main() -> None:
             print(f"  DRAM index_find + check_slots   {percentiles(dram_ns)}")
             print(f"  ssd_holds + inventory_state     {percentiles(ssd_ns)}")
             print(f"  both (the whole answer)         {percentiles(total)}")
+            ref = np.arange(512, dtype=np.uint64)
+            adds = []
+            for _ in range(args.calls):  # what one small array operation costs on this machine, now
+                t0 = time.perf_counter_ns()
+                ref + ref
+                adds.append(time.perf_counter_ns() - t0)
+            print(f"  reference: one numpy add of 512 {percentiles(adds)}")
             reader.close()
         finally:
             node.close()
