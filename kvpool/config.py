@@ -42,6 +42,9 @@ DEFAULT_NODE_PORT = 7610
 DERIVED_PORT = -1  # metrics_port, call_port, data_port: follow ``port`` (see the module docstring)
 _MIN_DRAM_BYTES = 4 << 10
 _GIB = 1 << 30
+SSD_BYTES_PER_INDEX_KEY = 16 << 10  # the derived SSD key set: room for one key per this much SSD
+MIN_SSD_INDEX_KEYS = 1024
+MAX_SSD_INDEX_KEYS = 1 << 22  # derived at most: 4 Mi keys, 128 MiB of /dev/shm (64 GiB of 16 KiB blocks)
 _SIZE_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
 MAX_SIZE = 1 << 50  # 1024 TiB: larger than any real memory or disk, a typo rather than a size
@@ -180,6 +183,13 @@ def arena_name_check(v: str) -> str | None:
     except ValueError:
         return "must be empty or a /dev/shm name of 1-200 letters, digits, '_', '-', '.'"
     return None
+
+
+def ssd_index_keys_check(v: int) -> str | None:
+    """0 (derived from ssd_bytes) or a key count an arena's SSD key set can have."""
+    from kvpool.tiers.arena import MAX_SSD_KEYS
+
+    return None if 0 <= v <= MAX_SSD_KEYS else f"must be 0 (automatic) to {MAX_SSD_KEYS}"
 
 
 def arena_mode_check(v: str) -> str | None:
@@ -335,6 +345,10 @@ class NodeConfig:
     ssd_dir: str = opt("./kvpool-data", "directory of the SSD tier (LMDB)")
     ssd_bytes: int = opt(0, "capacity of the SSD tier; 0: half the free disk at ssd_dir, at most 64 GiB", size=True,
                          check=size_check(0, "automatic"))
+    ssd_index_keys: int = opt(0, "most SSD keys the arena publishes to same-host readers (32-64 bytes of /dev/shm "
+                                 "each); 0: one per 16 KiB of ssd_bytes, 1024 to 4 Mi (at most 128 MiB); more SSD "
+                                 "keys than this make same-host lookups ask the master",
+                              check=ssd_index_keys_check)
     ssd_enabled: bool = opt(True, "keep an SSD tier (LMDB in ssd_dir) behind DRAM; off: DRAM only", flag="ssd")
     ssd_optional: bool = opt(False, "if the SSD directory cannot be used, start with DRAM only (logged and counted) "
                                     "instead of refusing to start")
@@ -405,6 +419,18 @@ class NodeConfig:
         shm_free = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else available
         auto = min(available // 4, 8 * _GIB, shm_free // 2)
         return max(_MIN_DRAM_BYTES, auto // _MIN_DRAM_BYTES * _MIN_DRAM_BYTES)
+
+    def resolved_ssd_index_keys(self) -> int:
+        """Room for the SSD key set in the arena: 0 without an SSD tier, else the configured or derived count."""
+        if not self.ssd_enabled:
+            return 0
+        if self.ssd_index_keys:
+            return self.ssd_index_keys
+        try:
+            derived = self.resolved_ssd_bytes() // SSD_BYTES_PER_INDEX_KEY
+        except OSError:  # the SSD directory cannot be looked at: opening it will say why
+            derived = 0
+        return max(MIN_SSD_INDEX_KEYS, min(MAX_SSD_INDEX_KEYS, derived))
 
     def resolved_ssd_bytes(self) -> int:
         """The configured SSD size, or half the free disk at ssd_dir capped at 64 GiB."""

@@ -93,7 +93,8 @@ def create_dram(config: NodeConfig, name: str, mode: int) -> DramStore:
     A stale arena under the name (its node killed with SIGKILL) is replaced.
     """
     capacity = config.resolved_dram_bytes()
-    arena = SharedArena.create(name, capacity, config.dram_slots or default_slots(capacity), mode, replace_stale=True)
+    arena = SharedArena.create(name, capacity, config.dram_slots or default_slots(capacity), mode, replace_stale=True,
+                               ssd_keys=config.resolved_ssd_index_keys())
     try:
         return DramStore(arena, max_block_bytes=config.max_block_bytes, high_watermark=config.high_watermark,
                          low_watermark=config.low_watermark)
@@ -193,7 +194,7 @@ class PoolNode:
                                           tls_ca=config.tls_ca)
             dram.on_change = link.listener(Tier.DRAM)
             if ssd is not None:
-                ssd.on_change = link.listener(Tier.SSD)
+                self.store.ssd_listener = link.listener(Tier.SSD)  # after the store's own: the arena's SSD key set
             if self.authority is not None and self.authority.quotas:
                 self.quota = self._quota_ledger(self.authority.quotas)
             self.core = NodeCore(self.store, max_keys_per_call=config.max_keys_per_call, errors=self.errors,
@@ -247,7 +248,7 @@ class PoolNode:
                              on_refused=lambda n: self.errors.count("quota_exceeded", n), on_evicted=evictions.inc)
         store.dram.on_change = ledger.listener(store.dram.on_change)
         if store.ssd is not None:
-            store.ssd.on_change = ledger.listener(store.ssd.on_change)
+            store.ssd_listener = ledger.listener(store.ssd_listener)
             ledger.load(store.ssd_inventory().inventory())
         return ledger
 

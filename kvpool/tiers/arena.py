@@ -5,7 +5,7 @@ for its group too; exactly that mode, whatever the umask: whoever can map
 the segment reads every block in it)::
 
     [header: 4 KiB][slot table: num_slots x 64 B][stamps: num_slots x 8 B][key index: index_cap x 16 B]
-    [pad to 4 KiB][data: data_bytes]
+    [SSD key set: ssd_cap x 16 B][pad to 4 KiB][data: data_bytes]
 
 A *slot* is one row of the slot table: it names one block's bytes, an
 extent of the data region of any length. A row holds ``gen`` (u64),
@@ -36,12 +36,41 @@ Generation protocol (a seqlock per slot):
 Key index: the owner publishes which slot holds each committed key in an
 open-addressing table (``index_cap``, a power of two >= 2 x num_slots,
 entries of (tag u64: the key's first 8 bytes, 0 meaning empty; slot u64),
-linear probing of at most ``INDEX_PROBES`` entries), so a same-host reader
-finds a block's slot without asking the node (:meth:`SharedArena.index_find`).
-It is a hint, like a stamp: only the owner writes it, a reader checks the
-row it names (:meth:`SharedArena.check_slots`) before trusting it, and an
-entry it misses (a key the table had no room for, or one moved while it
-looked) is only a miss, asked of the node instead.
+linear probing of at most ``INDEX_PROBES`` entries, :mod:`kvpool.tiers.keytable`),
+so a same-host reader finds a block's slot without asking the node
+(:meth:`SharedArena.index_find`). It is a hint, like a stamp: only the owner
+writes it, a reader checks the row it names (:meth:`SharedArena.check_slots`)
+before trusting it, and an entry it misses (a key the table had no room for,
+or one moved while it looked) is only a miss, asked of the node instead.
+
+SSD key set: the owner also publishes which keys its SSD tier holds, or has
+on its way there (a block in the demotion queue), in a second table of the
+same kind (``ssd_cap`` = :func:`~kvpool.tiers.keytable.table_entries` of
+``ssd_keys``, fixed at creation, 0: no set; an entry is the key's first 16
+bytes, the first 8 mapped to 1 if 0, so no entry is all-zero). It holds at
+most ``ssd_keys`` keys; only the owner writes it (:meth:`SharedArena.ssd_add`,
+:meth:`SharedArena.ssd_discard`), anyone reads it (:meth:`SharedArena.ssd_holds`).
+Keys are hashes, so two keys sharing 16 bytes are not expected; if they did,
+they would share an entry (a false "held", or, once one went, a false "not
+held": a miss either way).
+
+Inventory state: a u64 in the header any reader reads
+(:meth:`SharedArena.inventory_state`), saying what the two tables cover:
+- ``NO_SSD_SET`` (0): the node publishes no SSD set, because it has no SSD
+  tier: the DRAM key index (checked with ``check_slots``) is its whole
+  inventory.
+- ``COMPLETE`` (1): the DRAM key index plus the SSD key set name every key
+  the node holds.
+- ``INCOMPLETE`` (2): some key may be missing from them (an index or set
+  insert found no room, the node has an SSD tier but no set, or the owner
+  could not keep the set true; also a new arena with a set until its owner
+  filled it): a reader must ask the master (or the node) about what they do
+  not name. Once the owner found one failure it stays so for the segment's
+  life; a restarted node makes a new one.
+Both tables are read without locks, so a read racing the owner's write may
+be wrong for that moment: a false "not held" is a lookup that asks
+elsewhere or a miss, a false "held" costs the later read a miss (the reader
+still checks rows and checksums), never wrong bytes.
 
 Stamps: ``stamps[slot]`` is the ``CLOCK_MONOTONIC`` time (ns, the same clock
 in every process of the host) of the slot's last read. Any process may write
@@ -80,22 +109,28 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 
 from kvpool.buffers import BufferLike, as_array, as_buffer
 from kvpool.checksum import copy_with_checksum
 from kvpool.keys import KEY_BYTES, BlockKey
+from kvpool.tiers.keytable import PROBES, ProbeTable, table_entries
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _MAGIC = b"KVPARENA"
-_VERSION = 3
+_VERSION = 4
 _HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sIIQQQQQ")  # magic, version, pad, data_bytes, num_slots, table_off, stamps_off, data_off
 _OWNER = struct.Struct("<Q")  # the owner's pid, at _OWNER_OFF in every version
 _OWNER_OFF = 64
+_SSD_KEYS = struct.Struct("<Q")  # how many keys the SSD key set holds at most (0: no set)
+_SSD_KEYS_OFF = 72
+_STATE_OFF = 128  # the inventory state word (u64), on a cache line of its own
+MAX_SSD_KEYS = 1 << 28  # 4-8 GiB of set: beyond any sane configuration
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
@@ -103,11 +138,18 @@ SLOT_DTYPE = np.dtype(
     [("gen", "<u8"), ("length", "<u8"), ("checksum", "<u8"), ("key", f"V{KEY_BYTES}"), ("offset", "<u8")]
 )
 KEY_DTYPE = SLOT_DTYPE["key"]
-INDEX_PROBES = 32  # entries an index insert or lookup looks at, at most
+INDEX_PROBES = PROBES  # entries an index insert or lookup looks at, at most
 MAP_AHEAD_MIN_BYTES = 64 << 10  # map_for_write maps ahead only extents at least this long
-_GOLDEN = 0x9E3779B97F4A7C15
 assert SLOT_DTYPE.itemsize == 64, "arena: slot table rows must stay 64 bytes"
 INVENTORY_DRAM_ONLY, INVENTORY_WHOLE, INVENTORY_INCOMPLETE = 0, 1, 2  # placeholder until the SSD key set lands
+
+
+class InventoryState(IntEnum):
+    """What a node's published key tables cover (the header's inventory state word; module docstring)."""
+
+    NO_SSD_SET = 0  # no SSD tier: the DRAM key index is the node's whole inventory
+    COMPLETE = 1  # the DRAM key index plus the SSD key set name every key the node holds
+    INCOMPLETE = 2  # they may miss keys: ask the master about what they do not name
 
 
 def _round_up(n: int, to: int) -> int:
@@ -241,35 +283,42 @@ class SlotRef:
 class SharedArena:
     """One mapped arena segment. Create with :meth:`create` (owner) or :meth:`attach` (anyone)."""
 
-    def __init__(self, name: str, mm: mmap.mmap, data_bytes: int, num_slots: int, table_off: int, stamps_off: int,
-                 data_off: int, owner: bool, lock_fd: int | None = None):
+    def __init__(self, name: str, mm: mmap.mmap, layout: _Layout, owner: bool, lock_fd: int | None = None):
         self.name = name
-        self.data_bytes = data_bytes
-        self.num_slots = num_slots
+        self.data_bytes = layout.data_bytes
+        self.num_slots = num_slots = layout.num_slots
+        self.ssd_keys = layout.ssd_keys  # the most keys the SSD key set holds (0: no set)
         self.owner = owner
         self.file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the segment, for attached mappings
         self._lock_fd = lock_fd  # the owner's open, flock-ed segment (see "Ownership"); closed last
         self._mm = mm
-        self._data_off = data_off
+        self._data_off = layout.data_off
         buf = np.frombuffer(mm, dtype=np.uint8)
-        self.table = buf[table_off : table_off + num_slots * SLOT_DTYPE.itemsize].view(SLOT_DTYPE)
+        self.table = buf[layout.table_off : layout.table_off + num_slots * SLOT_DTYPE.itemsize].view(SLOT_DTYPE)
         self.gens = self.table["gen"]
-        self.stamps = buf[stamps_off : stamps_off + num_slots * 8].view(np.uint64)
-        index_off, self.index_cap = _index_layout(stamps_off, num_slots)
-        index = buf[index_off : index_off + self.index_cap * 16].view(np.uint64).reshape(-1, 2)
-        self.index_tags, self.index_slots = index[:, 0], index[:, 1]
-        self._index_shift = 64 - (self.index_cap.bit_length() - 1)
-        self.data = buf[data_off : data_off + data_bytes]
+        self.stamps = buf[layout.stamps_off : layout.stamps_off + num_slots * 8].view(np.uint64)
+        self.index_cap = layout.index_cap
+        self.index = ProbeTable(_words(buf, layout.index_off, layout.index_cap))
+        self.ssd_set = ProbeTable(_words(buf, layout.ssd_off, layout.ssd_cap)) if layout.ssd_cap else None
+        self._state = buf[_STATE_OFF : _STATE_OFF + 8].view(np.uint64)
+        self.data = buf[layout.data_off : layout.data_off + layout.data_bytes]
+        # owner only: keys in the SSD set, and whether any publication failed (see "Inventory state")
+        self._ssd_count = 0
+        self._lost = False
+        self._state_lock = threading.Lock()
 
     # -- lifecycle -------------------------------------------------------------
 
     @classmethod
     def create(cls, name: str, data_bytes: int, num_slots: int, mode: int = 0o600, *,
-               replace_stale: bool = False) -> SharedArena:
+               replace_stale: bool = False, ssd_keys: int = 0) -> SharedArena:
         """Create and map a new arena; its memory is reserved up front (ENOSPC now, not SIGBUS later).
 
         ``data_bytes`` of block data, described by at most ``num_slots``
-        rows. The segment gets exactly ``mode`` (owner read-write, optionally
+        rows; an SSD key set of up to ``ssd_keys`` keys (0: none; it costs
+        32 to 64 bytes of the segment a key). Its inventory state starts
+        ``NO_SSD_SET`` without a set, ``INCOMPLETE`` with one (until the
+        owner filled it: :meth:`declare_inventory`). The segment gets exactly ``mode`` (owner read-write, optionally
         the group's too; never other users: ValueError). A segment already
         under ``name`` that a live process holds is a ValueError naming its
         pid; one nobody holds (its owner died) is replaced with
@@ -279,22 +328,29 @@ class SharedArena:
         """
         if num_slots < 1 or data_bytes < 1:
             raise ValueError(f"arena needs num_slots >= 1 and data_bytes >= 1, got {num_slots}, {data_bytes}")
+        if not 0 <= ssd_keys <= MAX_SSD_KEYS:
+            raise ValueError(f"arena ssd_keys must be 0 to {MAX_SSD_KEYS}, got {ssd_keys}")
         if mode & ~0o660 or mode & 0o600 != 0o600:
             raise ValueError(f"arena mode {mode:#o}: the owner reads and writes (0600), only its group may be added")
         path = shm_path(name)
-        table_off, stamps_off, data_off, total = _layout(data_bytes, num_slots)
+        layout = _Layout.of(data_bytes, num_slots, ssd_keys)
         fd = _take_name(name, path, replace_stale)
         mm: mmap.mmap | None = None
         try:
             os.fchmod(fd, mode)  # exactly this, not what the umask leaves of it
             try:
-                os.posix_fallocate(fd, 0, total)
+                os.posix_fallocate(fd, 0, layout.total)
             except OSError as exc:
-                raise ValueError(f"cannot reserve {total} bytes of shared memory for arena {name!r}: {exc}") from exc
-            mm = mmap.mmap(fd, total)
-            _HEADER.pack_into(mm, 0, _MAGIC, _VERSION, 0, data_bytes, num_slots, table_off, stamps_off, data_off)
+                raise ValueError(f"cannot reserve {layout.total} bytes of shared memory for arena {name!r}: "
+                                 f"{exc}") from exc
+            mm = mmap.mmap(fd, layout.total)
+            _HEADER.pack_into(mm, 0, _MAGIC, _VERSION, 0, data_bytes, num_slots, layout.table_off, layout.stamps_off,
+                              layout.data_off)
             _OWNER.pack_into(mm, _OWNER_OFF, os.getpid())
-            rows = np.frombuffer(mm, dtype=SLOT_DTYPE, count=num_slots, offset=table_off)
+            _SSD_KEYS.pack_into(mm, _SSD_KEYS_OFF, ssd_keys)
+            state = InventoryState.INCOMPLETE if ssd_keys else InventoryState.NO_SSD_SET
+            struct.pack_into("<Q", mm, _STATE_OFF, state)
+            rows = np.frombuffer(mm, dtype=SLOT_DTYPE, count=num_slots, offset=layout.table_off)
             rows["gen"] = 1  # every slot starts free (odd)
             del rows
         except BaseException:
@@ -303,7 +359,7 @@ class SharedArena:
             os.unlink(path)  # ours: we hold its lock
             os.close(fd)
             raise
-        return cls(name, mm, data_bytes, num_slots, table_off, stamps_off, data_off, owner=True, lock_fd=fd)
+        return cls(name, mm, layout, owner=True, lock_fd=fd)
 
     @classmethod
     def attach(cls, name: str) -> SharedArena:
@@ -322,11 +378,13 @@ class SharedArena:
         if magic != _MAGIC or version != _VERSION:
             mm.close()
             raise ValueError(f"{path} is not a kvpool arena of version {_VERSION}")
-        if num_slots < 1 or (table_off, stamps_off, data_off) != _layout(data_bytes, num_slots)[:3] \
-                or data_off + data_bytes > size:
+        (ssd_keys,) = _SSD_KEYS.unpack_from(mm, _SSD_KEYS_OFF)
+        layout = _Layout.of(data_bytes, num_slots, ssd_keys) if num_slots >= 1 and ssd_keys <= MAX_SSD_KEYS else None
+        if layout is None or (table_off, stamps_off, data_off) != (layout.table_off, layout.stamps_off,
+                                                                   layout.data_off) or layout.total > size:
             mm.close()
             raise ValueError(f"{path} is truncated or not laid out as a kvpool arena")
-        arena = cls(name, mm, data_bytes, num_slots, table_off, stamps_off, data_off, owner=False)
+        arena = cls(name, mm, layout, owner=False)
         arena.file_id = (st.st_dev, st.st_ino)
         return arena
 
@@ -393,8 +451,8 @@ class SharedArena:
         """
         # Drop the views so the mapping can close. They are typed as they are while open (every use): after
         # close, a use fails loudly on None, a state the types do not follow.
-        self.table = self.gens = self.stamps = self.data = None  # type: ignore[assignment]
-        self.index_tags = self.index_slots = None  # type: ignore[assignment]
+        self.table = self.gens = self.stamps = self.data = self._state = None  # type: ignore[assignment]
+        self.index = self.ssd_set = None  # type: ignore[assignment]
         try:
             self._mm.close()
         except BufferError:
@@ -448,24 +506,29 @@ class SharedArena:
 
         A hint: check the row (:meth:`check_slots`) before trusting it.
         """
-        n = len(keys)
-        found = np.full(n, -1, dtype=np.int64)
-        if not n:
-            return found
-        tags = np.ascontiguousarray(keys).view("<u8")[:: KEY_BYTES // 8].copy()  # each key's first 8 bytes
+        if not len(keys):
+            return np.full(0, -1, dtype=np.int64)
+        words = np.ascontiguousarray(keys).view("<u8")
+        tags = words[:: KEY_BYTES // 8].copy()  # each key's first 8 bytes
         tags[tags == 0] = 1
-        mask = np.uint64(self.index_cap - 1)
-        home = (tags * np.uint64(_GOLDEN)) >> np.uint64(self._index_shift)
-        todo = np.arange(n)
-        for step in range(INDEX_PROBES):
-            at = (home[todo] + np.uint64(step)) & mask
-            seen = self.index_tags[at]
-            hit = seen == tags[todo]
-            found[todo[hit]] = self.index_slots[at[hit]].astype(np.int64)
-            todo = todo[~hit & (seen != 0)]
-            if not todo.size:
-                break
-        return found
+        at = self.index.lookup(tags)
+        return np.where(at >= 0, self.index.values[at].view(np.int64), -1)
+
+    def ssd_holds(self, keys: np.ndarray) -> np.ndarray:
+        """Per key (:data:`KEY_DTYPE`) whether the SSD key set names it (any process; no set: all False).
+
+        What it answers is worth what :meth:`inventory_state` says it is; a
+        read racing the owner may be wrong for that moment (see "Inventory
+        state" in the module docstring).
+        """
+        if self.ssd_set is None or not len(keys):
+            return np.zeros(len(keys), dtype=bool)
+        return self.ssd_set.holds(*_ssd_words(keys))
+
+    def inventory_state(self) -> InventoryState:
+        """What the DRAM key index and the SSD key set cover now (any process; see the module docstring)."""
+        state = int(self._state[0])
+        return InventoryState(state) if state in (0, 1) else InventoryState.INCOMPLETE
 
     def check_slots(self, slots: np.ndarray, keys: np.ndarray, sizes: np.ndarray | None = None,
                     sums: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -482,7 +545,7 @@ class SharedArena:
         block's.
         """
         valid = (slots >= 0) & (slots < self.num_slots)
-        rows = self.table[np.where(valid, slots, 0)]
+        rows = np.take(self.table, np.where(valid, slots, 0))  # np.take: several times faster than [] here
         gens, offsets, lengths = rows["gen"], rows["offset"], rows["length"]
         held = valid & (gens % 2 == 0) & (rows["key"] == keys)
         held &= (offsets <= self.data_bytes) & (lengths <= self.data_bytes - np.minimum(offsets, self.data_bytes))
@@ -570,22 +633,16 @@ class SharedArena:
         self.gens[slot] = gen + 1  # even: readable. Written last.
         return SlotRef(slot, gen + 1, offset, length, checksum)
 
-    def _index_home(self, tag: int) -> int:
-        """The first entry ``tag``'s probe run looks at (what :meth:`index_find` computes for a batch)."""
-        return ((tag * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> self._index_shift
-
     def index_insert(self, key: BlockKey, slot: int) -> bool:
-        """Name ``slot`` as ``key``'s in the key index (owner only); False if its probe run has no room."""
+        """Name ``slot`` as ``key``'s in the key index (owner only); False if its probe run has no room.
+
+        A refusal makes the inventory ``INCOMPLETE``: readers can no longer
+        take the index for every DRAM block.
+        """
         assert self.owner, "arena: only the owner writes the key index"
-        tag = _tag(key)
-        home = self._index_home(tag)
-        tags, slots, mask = self.index_tags, self.index_slots, self.index_cap - 1
-        for step in range(INDEX_PROBES):
-            at = (home + step) & mask
-            if int(tags[at]) == 0:
-                slots[at] = slot  # the slot first: a reader that sees the tag sees its slot
-                tags[at] = tag
-                return True
+        if self.index.insert(_tag(key), slot):
+            return True
+        self.inventory_lost()
         return False
 
     def index_remove(self, key: BlockKey, slot: int) -> None:
@@ -597,28 +654,60 @@ class SharedArena:
         key for that moment: a miss, never another block).
         """
         assert self.owner, "arena: only the owner writes the key index"
-        tag = _tag(key)
-        home = self._index_home(tag)
-        tags, slots, mask = self.index_tags, self.index_slots, self.index_cap - 1
-        for step in range(INDEX_PROBES):
-            at = (home + step) & mask
-            seen = int(tags[at])
-            if seen == 0:
-                return
-            if seen == tag and int(slots[at]) == slot:
-                break
-        else:
-            return
-        hole = at
-        nxt = (hole + 1) & mask
-        while int(tags[nxt]) != 0:
-            # its home is at or before the hole: move it up
-            if (nxt - self._index_home(int(tags[nxt]))) & mask >= (nxt - hole) & mask:
-                slots[hole] = slots[nxt]
-                tags[hole] = tags[nxt]
-                hole = nxt
-            nxt = (nxt + 1) & mask
-        tags[hole] = 0
+        self.index.remove(_tag(key), slot)
+
+    def ssd_add(self, key: BlockKey) -> bool:
+        """Enter ``key`` in the SSD key set (owner only; one thread at a time); True if it is in it now.
+
+        False (no set, ``ssd_keys`` keys already in it, or no room in its
+        probe run) makes the inventory ``INCOMPLETE``.
+        """
+        assert self.owner, "arena: only the owner writes the SSD key set"
+        table = self.ssd_set
+        if table is not None:
+            tag, value = _ssd_entry(key)
+            if table.find(tag, value) >= 0:
+                return True
+            if self._ssd_count < self.ssd_keys and table.insert(tag, value):
+                self._ssd_count += 1
+                return True
+        self.inventory_lost()
+        return False
+
+    def ssd_discard(self, key: BlockKey) -> None:
+        """Take ``key`` out of the SSD key set if it is in it (owner only; one thread at a time)."""
+        assert self.owner, "arena: only the owner writes the SSD key set"
+        if self.ssd_set is not None and self.ssd_set.remove(*_ssd_entry(key)):
+            self._ssd_count -= 1
+
+    @property
+    def ssd_count(self) -> int:
+        """Keys in the SSD key set (as the owner entered them; 0 in other processes)."""
+        return self._ssd_count
+
+    def inventory_lost(self) -> None:
+        """Publish ``INCOMPLETE`` for the rest of the segment's life: a key may be missing (owner only)."""
+        assert self.owner, "arena: only the owner sets the inventory state"
+        with self._state_lock:
+            self._lost = True
+            self._state[0] = InventoryState.INCOMPLETE
+
+    def declare_inventory(self, *, ssd: bool) -> InventoryState:
+        """Publish what the tables cover, once the owner knows its tiers and filled the set (owner only).
+
+        ``ssd``: the node has an SSD tier (the set must name its keys from
+        now on). ``COMPLETE`` with one and a set, ``NO_SSD_SET`` without one,
+        ``INCOMPLETE`` if it has one but no set, or after any earlier failure
+        (:meth:`inventory_lost`).
+        """
+        assert self.owner, "arena: only the owner sets the inventory state"
+        with self._state_lock:
+            if self._lost or (ssd and self.ssd_set is None):
+                state = InventoryState.INCOMPLETE
+            else:
+                state = InventoryState.COMPLETE if ssd else InventoryState.NO_SSD_SET
+            self._state[0] = state
+        return state
 
     def release(self, slot: int) -> None:
         """Mark a committed slot free; readers holding its old ref now miss (owner only)."""
@@ -629,20 +718,53 @@ class SharedArena:
         self.table[slot]["length"] = 0
 
 
-def _index_layout(stamps_off: int, num_slots: int) -> tuple[int, int]:
-    """(index_off, index_cap): the key index follows the stamps; at least twice as many entries as slots."""
-    return stamps_off + num_slots * 8, 1 << max(4, (2 * num_slots - 1).bit_length())
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where each region of an arena of these dimensions lies (see the module docstring)."""
+
+    data_bytes: int
+    num_slots: int
+    ssd_keys: int
+    table_off: int
+    stamps_off: int
+    index_off: int
+    index_cap: int  # entries of the key index: at least twice as many as slots
+    ssd_off: int
+    ssd_cap: int  # entries of the SSD key set (0: none)
+    data_off: int
+    total: int
+
+    @classmethod
+    def of(cls, data_bytes: int, num_slots: int, ssd_keys: int) -> _Layout:
+        table_off = _HEADER_BYTES
+        stamps_off = table_off + num_slots * SLOT_DTYPE.itemsize
+        index_off = stamps_off + num_slots * 8
+        index_cap = table_entries(num_slots)
+        ssd_off = index_off + index_cap * 16
+        ssd_cap = table_entries(ssd_keys) if ssd_keys else 0
+        data_off = _round_up(ssd_off + ssd_cap * 16, mmap.PAGESIZE)
+        return cls(data_bytes, num_slots, ssd_keys, table_off, stamps_off, index_off, index_cap, ssd_off, ssd_cap,
+                   data_off, data_off + data_bytes)
 
 
-def _layout(data_bytes: int, num_slots: int) -> tuple[int, int, int, int]:
-    """(table_off, stamps_off, data_off, total size) of an arena of these dimensions."""
-    table_off = _HEADER_BYTES
-    stamps_off = table_off + num_slots * SLOT_DTYPE.itemsize
-    index_off, index_cap = _index_layout(stamps_off, num_slots)
-    data_off = _round_up(index_off + index_cap * 16, mmap.PAGESIZE)
-    return table_off, stamps_off, data_off, data_off + data_bytes
+def _words(buf: np.ndarray, offset: int, entries: int) -> np.ndarray:
+    """``entries`` 16-byte table entries at ``offset`` of the segment, as an (entries, 2) uint64 view."""
+    return buf[offset : offset + entries * 16].view(np.uint64).reshape(-1, 2)
 
 
 def _tag(key: bytes) -> int:
     """A key's index tag: its first 8 bytes as a little-endian integer, never 0 (0 marks an empty entry)."""
     return int.from_bytes(key[:8], "little") or 1
+
+
+def _ssd_entry(key: bytes) -> tuple[int, int]:
+    """A key's SSD key set entry: (its index tag, its next 8 bytes), never all-zero."""
+    return _tag(key), int.from_bytes(key[8:16], "little")
+
+
+def _ssd_words(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_ssd_entry` for a batch of keys (:data:`KEY_DTYPE`): (tags, values), uint64."""
+    words = np.ascontiguousarray(keys).view("<u8")
+    tags = words[:: KEY_BYTES // 8].copy()
+    tags[tags == 0] = 1
+    return tags, words[1 :: KEY_BYTES // 8]

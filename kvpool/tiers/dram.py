@@ -190,18 +190,20 @@ class DramStore:
 
     @classmethod
     def create(cls, name: str, capacity_bytes: int, max_block_bytes: int | None = None, *, slots: int = 0,
-               mode: int = 0o600, **kwargs: Unpack[StoreOptions]) -> DramStore:
+               mode: int = 0o600, ssd_keys: int = 0, **kwargs: Unpack[StoreOptions]) -> DramStore:
         """A store over a new arena of ``capacity_bytes`` (segment permissions ``mode``).
 
         ``max_block_bytes``: the largest block it takes (None: any that fits);
-        ``slots``: how many blocks it can describe (0: :func:`default_slots`).
+        ``slots``: how many blocks it can describe (0: :func:`default_slots`);
+        ``ssd_keys``: room for the SSD key set the node store keeps (0: none).
         A refused argument leaves no arena behind.
         """
         if capacity_bytes < GRANULE:
             raise ValueError(f"DRAM capacity {capacity_bytes} B is below one {GRANULE}-byte unit")
         if max_block_bytes is not None and max_block_bytes < 1:
             raise ValueError(f"max_block_bytes must be > 0, got {max_block_bytes}")
-        arena = SharedArena.create(name, capacity_bytes, slots or default_slots(capacity_bytes), mode)
+        arena = SharedArena.create(name, capacity_bytes, slots or default_slots(capacity_bytes), mode,
+                                   ssd_keys=ssd_keys)
         try:
             return cls(arena, max_block_bytes=max_block_bytes, **kwargs)
         except BaseException:

@@ -18,10 +18,26 @@ Invariants:
   (:mod:`kvpool.tiers.demotion`): eviction copies the victims out and
   returns; a block being demoted is served, and reported, as on SSD.
   ``flush_demotions`` waits for the queue.
+- The arena publishes the SSD tier's keys for same-host readers (its SSD
+  key set, :mod:`kvpool.tiers.arena`): NodeStore is the SSD store's
+  ``on_change`` and, after every change, makes the set agree with
+  :meth:`SsdInventory.contains` for the keys that changed (stored blocks
+  plus pending demotions), under one lock, so the last look at a key comes
+  after its last change and the set ends up true. A demoted block enters the
+  set while its DRAM row is still held (the eviction sink reports it before
+  DRAM releases the row), so a reader never finds it in neither. The set is
+  filled from the SSD inventory that survived a restart before the
+  inventory is declared ``COMPLETE``; a key the set had no room for makes it
+  ``INCOMPLETE`` for the arena's life. Listeners of SSD changes (the master
+  link, the quota ledger) go in :attr:`NodeStore.ssd_listener` (whatever was
+  the SSD store's ``on_change`` before is kept there): NodeStore calls it after
+  updating the set.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -31,10 +47,12 @@ from kvpool.checksum import copy_with_checksum
 from kvpool.core import BlockMeta, Tier, TierStats
 from kvpool.keys import BlockKey, check_keys
 from kvpool.tiers.arena import SlotRef
-from kvpool.tiers.base import check_batch
+from kvpool.tiers.base import ChangeListener, check_batch
 from kvpool.tiers.demotion import DemotionQueue
 from kvpool.tiers.dram import DramStore
 from kvpool.tiers.ssd import HEADER_BYTES, SsdStore
+
+log = logging.getLogger(__name__)
 
 SCRATCH_POOL_BYTES = 64 << 20  # idle temporaries kept warm for promotions and SSD reads
 
@@ -67,6 +85,34 @@ class NodeStore:
                 dram.on_evict = self.demotions.submit
             else:
                 dram.on_evict = self._demote
+        self._ssd_set_lock = threading.Lock()  # one writer of the arena's SSD key set at a time
+        self.ssd_listener: ChangeListener | None = None  # hears SSD changes after the key set took them
+        if ssd is not None:
+            self.ssd_listener, ssd.on_change = ssd.on_change, self._ssd_changed
+            self._publish_ssd(ssd.keys())  # what survived a restart
+        dram.arena.declare_inventory(ssd=ssd is not None)
+
+    def _ssd_changed(self, added: Sequence[BlockMeta], removed: Sequence[BlockKey]) -> None:
+        """The SSD store's ``on_change``: the arena's SSD key set takes the change, then ``ssd_listener`` hears it."""
+        try:
+            self._publish_ssd(list(dict.fromkeys([*(m.key for m in added), *removed])))
+        except Exception:  # the set may be wrong now: readers must ask the master
+            log.exception("node store: updating the arena's SSD key set failed; published as incomplete")
+            self.dram.arena.inventory_lost()
+        if self.ssd_listener is not None:
+            self.ssd_listener(added, removed)
+
+    def _publish_ssd(self, keys: Sequence[BlockKey]) -> None:
+        """Make the SSD key set say, for each of ``keys``, what the SSD inventory says now (see module docstring)."""
+        arena = self.dram.arena
+        if not keys or arena.ssd_set is None:  # no set: declared incomplete, nothing to keep
+            return
+        with self._ssd_set_lock:  # the look and the update together: the last look wins
+            for key, held in zip(keys, self.ssd_inventory().contains(keys)):
+                if held:
+                    arena.ssd_add(key)
+                else:
+                    arena.ssd_discard(key)
 
     def _demote(self, keys: Sequence[BlockKey], views: Sequence[memoryview], checksums: Sequence[int]) -> None:
         assert self.ssd is not None, "tiered: demotion without an SSD tier"

@@ -1,0 +1,91 @@
+"""A same-host lookup without a round trip: which of 512 keys a node holds, and in which tier, from its arena.
+
+    python benchmarks/arena_inventory.py [--calls 2000]
+
+A node store in this process (a real arena in /dev/shm, real LMDB in a
+temporary directory) holds 1,000 blocks in DRAM (its key index half full)
+and 4,000 on SSD (its SSD key set half full: the most load either table
+has). A second mapping (``SharedArena.attach``, what a same-host client
+holds) answers 128 DRAM keys, 128 SSD keys and 256 unknown ones: the DRAM
+key index, the rows checked (``check_slots``), the SSD key set and the
+inventory state. Prints p50 / p99 in microseconds. Not a test: the numbers
+depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import tempfile
+import time
+import uuid
+
+import numpy as np
+
+from kvpool.keys import BlockKey
+from kvpool.tiers.arena import KEY_DTYPE, InventoryState, SharedArena
+from kvpool.tiers.dram import DramStore
+from kvpool.tiers.node_store import NodeStore
+from kvpool.tiers.ssd import SsdStore
+
+BLOCK = 1024
+DRAM_BLOCKS, DRAM_SLOTS = 1000, 1024  # key index: 2,048 entries
+SSD_BLOCKS, SSD_KEYS = 4000, 4096  # SSD key set: 8,192 entries
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey(hashlib.sha256(i.to_bytes(8, "little")).digest())
+
+
+def percentiles(ns: list[int]) -> str:
+    p50, p99 = np.percentile(np.array(ns) / 1000, [50, 99])
+    return f"p50 {p50:7.1f} us   p99 {p99:7.1f} us"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+    name = f"kvpool-bench-{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        dram = DramStore.create(name, DRAM_SLOTS * BLOCK, BLOCK, slots=DRAM_SLOTS, ssd_keys=SSD_KEYS)
+        node = NodeStore(dram, SsdStore(tmp, 64 << 20))
+        try:
+            value = bytes(BLOCK)
+            assert node.ssd is not None
+            node.ssd.put([key(i) for i in range(SSD_BLOCKS)], [value] * SSD_BLOCKS)
+            node.put([key(SSD_BLOCKS + i) for i in range(DRAM_BLOCKS)], [value] * DRAM_BLOCKS)
+            reader = SharedArena.attach(name)
+            asked = [key(i) for i in range(128)] + [key(SSD_BLOCKS + i) for i in range(128)]
+            asked += [key(10**9 + i) for i in range(256)]
+            keys = np.frombuffer(b"".join(asked), dtype=KEY_DTYPE)
+            total, dram_ns, ssd_ns = [], [], []
+            for _ in range(args.calls):
+                t0 = time.perf_counter_ns()
+                _, _, in_dram = reader.check_slots(reader.index_find(keys), keys)
+                t1 = time.perf_counter_ns()
+                on_ssd = reader.ssd_holds(keys)
+                complete = reader.inventory_state() != InventoryState.INCOMPLETE
+                t2 = time.perf_counter_ns()
+                total.append(t2 - t0)
+                dram_ns.append(t1 - t0)
+                ssd_ns.append(t2 - t1)
+            assert complete and int(in_dram.sum()) == 128 and int((on_ssd & ~in_dram).sum()) == 128
+            print(f"512 keys, {args.calls} calls, from an attached arena:")
+            print(f"  DRAM index_find + check_slots   {percentiles(dram_ns)}")
+            print(f"  ssd_holds + inventory_state     {percentiles(ssd_ns)}")
+            print(f"  both (the whole answer)         {percentiles(total)}")
+            ref = np.arange(512, dtype=np.uint64)
+            adds = []
+            for _ in range(args.calls):  # what one small array operation costs on this machine, now
+                t0 = time.perf_counter_ns()
+                ref + ref
+                adds.append(time.perf_counter_ns() - t0)
+            print(f"  reference: one numpy add of 512 {percentiles(adds)}")
+            reader.close()
+        finally:
+            node.close()
+
+
+if __name__ == "__main__":
+    main()
