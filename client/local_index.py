@@ -1,20 +1,19 @@
 """Lookups with no round trip: answered from the arenas of the pool's nodes when every live node is on this host.
 
-Each node publishes what it holds in its shared-memory arena: its DRAM rows
-with their key index, and the keys (with sizes and checksums) its SSD tier
-holds (:class:`~kvpool.tiers.arena.SharedArena`, the *SSD key set*). When the
-client's cluster view says every live node is on this host and every one of
-their arenas is mapped here and says its published inventory is whole, the
-union of those arenas is exactly what the master's index would answer, only
-fresher (a node's reports to the master lag its arena), so ``lookup`` and
-``exists`` read the arenas instead of asking the master.
+Each node publishes what it holds in its shared-memory arena: per key the
+tier it is best served from, its size and its checksum (the arena's
+*inventory*, :class:`~kvpool.tiers.arena.SharedArena`). When the client's
+cluster view says every live node is on this host and every one of their
+arenas is mapped here and says its inventory is whole, the union of those
+inventories is exactly what the master's index would answer, only fresher
+(a node's reports to the master lag its arena), so ``lookup`` and ``exists``
+read the arenas instead of asking the master: one batched table lookup per
+node, no round trip.
 
 Invariants:
-- A DRAM hit is a committed row naming the key, read under the arena's
-  seqlock (:meth:`SharedArena.check_slots`, then :meth:`SharedArena.unchanged`),
-  so its size and checksum are that block's. An SSD hit is an entry of the
-  node's SSD key set; a torn read of an entry the owner is rewriting can only
-  make a later read miss (bytes are checked against the checksum, always).
+- An answer is a hint as good as the master's: the read that follows checks
+  the DRAM row (key, gen, size, checksum) and the bytes' checksum, so a torn
+  read of an entry the owner is rewriting can only make that read miss.
 - Anything that makes the local answer possibly incomplete (a node on
   another host, an arena that cannot be mapped, an inventory a node marks
   incomplete, a tenant mask not known yet) returns None: the caller asks the
@@ -26,7 +25,6 @@ Invariants:
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,11 +38,11 @@ from kvpool.client.shared_path import TenantMask
 from kvpool.core import NodeRef, Tier
 from kvpool.keys import BlockKey
 from kvpool.rpc import MISS
-from kvpool.tiers.arena import INVENTORY_INCOMPLETE, INVENTORY_WHOLE, KEY_DTYPE, SharedArena
+from kvpool.tiers.arena import KEY_DTYPE, InventoryState, SharedArena
 
 __all__ = ["Holdings", "LocalIndex", "LocalLookupCounts"]
 
-REPORT_S = 1.0  # lookups answered here are reported to the master at most this often (and at close)
+REPORT_S = 1.0  # lookups answered here reach the master within this long (and at flush and close)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +76,7 @@ class LocalIndex:
         found = []
         for view in views:
             arena = self.nodes.arena(view.ref)
-            if arena is None or arena.inventory_state() == INVENTORY_INCOMPLETE:
+            if arena is None or arena.inventory_state() != InventoryState.COMPLETE:
                 return None
             found.append((view.ref, arena))
         return found
@@ -98,17 +96,10 @@ class LocalIndex:
         sizes = np.zeros(n, dtype=np.uint64)
         sums = np.zeros(n, dtype=np.uint64)
         for k, (_, arena) in enumerate(arenas):
-            slots = arena.index_find(stored)
-            gens, _, held = arena.check_slots(slots, stored)
-            rows = arena.table[np.where(held, slots, 0)]
-            length, checksum = rows["length"].astype(np.uint64), rows["checksum"].astype(np.uint64)
-            held &= arena.unchanged(slots, gens)  # the row was that block while we read its length and checksum
-            new = held & (tiers != Tier.DRAM)
-            tiers[new], node_indexes[new], sizes[new], sums[new] = Tier.DRAM, k, length[new], checksum[new]
-            if arena.inventory_state() == INVENTORY_WHOLE:
-                on_ssd, ssd_sizes, ssd_sums = arena.ssd_meta(stored)
-                new = on_ssd & (tiers == MISS)
-                tiers[new], node_indexes[new], sizes[new], sums[new] = Tier.SSD, k, ssd_sizes[new], ssd_sums[new]
+            found, size, checksum = arena.inventory_meta(stored)
+            better = found < tiers  # DRAM (1) before SSD (2) before MISS (255); the first node among equals
+            tiers[better], node_indexes[better], sizes[better], sums[better] = \
+                found[better], k, size[better], checksum[better]
         return Holdings(tiers, node_indexes, sizes, sums, [ref for ref, _ in arenas])
 
     def lookup(self, keys: Sequence[BlockKey]) -> PoolRun | None:
@@ -144,24 +135,23 @@ class LocalLookupCounts:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[int, LookupCounts] = {}  # per block_tokens
-        self._sent_at = time.monotonic()
 
-    def add(self, hbm_prefix_blocks: int, tiers: bytes, keys: int, block_tokens: int) -> None:
+    def add(self, hbm_prefix_blocks: int, tiers: bytes, keys: int, block_tokens: int) -> bool:
+        """Count one lookup; True if it is the first since the last :meth:`take` (the caller schedules one)."""
         run = np.frombuffer(tiers, dtype=np.uint8)
         dram = int(np.count_nonzero(run == Tier.DRAM))
         with self._lock:
+            first = not self._counts
             c = self._counts.setdefault(block_tokens, LookupCounts())
             c.lookups += 1
             c.requested += hbm_prefix_blocks + keys
             c.hbm += hbm_prefix_blocks
             c.dram += dram
             c.ssd += len(run) - dram
+        return first
 
-    def take(self, *, due_only: bool) -> dict[int, LookupCounts]:
-        """The counts so far, reset (``due_only``: empty unless REPORT_S passed since the last take)."""
-        now = time.monotonic()
+    def take(self) -> dict[int, LookupCounts]:
+        """The counts so far, reset."""
         with self._lock:
-            if due_only and now - self._sent_at < REPORT_S or not self._counts:
-                return {}
-            counts, self._counts, self._sent_at = self._counts, {}, now
+            counts, self._counts = self._counts, {}
         return counts

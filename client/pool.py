@@ -42,7 +42,7 @@ from kvpool.client.cluster import ClusterView, Placement
 from kvpool.client.datapath import DataPath
 from kvpool.client.faults import Faults, PoolFault, error_kind
 from kvpool.client.grpc_path import GrpcPath
-from kvpool.client.local_index import LocalIndex, LocalLookupCounts
+from kvpool.client.local_index import REPORT_S, LocalIndex, LocalLookupCounts
 from kvpool.client.lookup import EMPTY_RUN, BlockLocation, PoolRun
 from kvpool.client.nodes import MAX_MESSAGE_BYTES, NodeDirectory
 from kvpool.client.shared_path import SharedMemoryPath, TenantMask
@@ -128,9 +128,9 @@ class PoolClient:
         start = time.perf_counter()
         local = self.local.lookup(keys)
         if local is not None:
-            self._local_counts.add(hbm_prefix_blocks, local.tiers, len(keys), block_tokens)
+            if self._local_counts.add(hbm_prefix_blocks, local.tiers, len(keys), block_tokens):
+                self._report_timer()  # the first since the last report: send them within REPORT_S
             self._lookup_seconds.observe(time.perf_counter() - start)
-            self._send_local_counts(due_only=True)
             return local
         request = master_pb2.LookupRequest(
             keys=b"".join(keys), worker_id=self.worker_id, hbm_prefix_blocks=hbm_prefix_blocks,
@@ -191,17 +191,26 @@ class PoolClient:
         except grpc.RpcError as exc:
             self.faults.counted(_report_kind(exc))
 
-    def _send_local_counts(self, *, due_only: bool) -> None:
-        """Report the lookups answered locally since the last report (``due_only``: only once REPORT_S passed);
-        in the background, stats only."""
-        counts = self._local_counts.take(due_only=due_only)
-        for block_tokens, c in counts.items():
+    def _report_timer(self) -> None:
+        timer = threading.Timer(REPORT_S, self._send_local_counts)
+        timer.daemon = True
+        timer.start()
+
+    def _send_local_counts(self) -> bool:
+        """Report the lookups answered locally since the last report to the master (stats only; a failure is
+        counted and those counts are lost). True if there was nothing to send or the master took it."""
+        ok = True
+        for block_tokens, c in self._local_counts.take().items():
             request = master_pb2.ReportHbmRequest(
                 worker_id=self.worker_id, block_tokens=block_tokens, local_lookups=c.lookups,
                 local_requested_blocks=c.requested, local_hbm_blocks=c.hbm, local_dram_blocks=c.dram,
                 local_ssd_blocks=c.ssd)
-            future = self._master.ReportHbm.future(request, timeout=self.config.lookup_timeout_s)
-            future.add_done_callback(self._count_report_failure)
+            try:
+                self._master.ReportHbm(request, timeout=self.config.lookup_timeout_s)
+            except grpc.RpcError as exc:
+                self.faults.counted(_report_kind(exc))
+                ok = False
+        return ok
 
     def _count_report_failure(self, future: grpc.Future[master_pb2.ReportHbmResponse]) -> None:
         exc = future.exception()
@@ -264,7 +273,8 @@ class PoolClient:
 
         Nodes report what they store in the background (a put's reply does not
         wait for the master); this is the barrier: it asks each node written to
-        since the last flush to send its reports now. False on timeout, or if a
+        since the last flush to send its reports now, and sends the hit counts
+        of the lookups answered from this host's arenas. False on timeout, or if a
         node could not confirm (its blocks are stored; the master learns of
         them when the node's link is back).
         """
@@ -273,7 +283,7 @@ class PoolClient:
             return False
         with self._written_lock:
             written, self._written = self._written, set()
-        ok = True
+        ok = self._send_local_counts()
         for address in sorted(written):
             left = self.config.io_timeout_s if timeout is None else max(0.0, timeout - (time.monotonic() - start))
             try:
@@ -411,7 +421,7 @@ class PoolClient:
     def close(self) -> None:
         """Drain the write-behind queue (briefly), then close connections and unmap arenas."""
         self._writer.close()
-        self._send_local_counts(due_only=False)
+        self._send_local_counts()
         self.shared_path.close()
         self.bulk_path.close()
         self._calls.close()

@@ -42,9 +42,9 @@ DEFAULT_NODE_PORT = 7610
 DERIVED_PORT = -1  # metrics_port, call_port, data_port: follow ``port`` (see the module docstring)
 _MIN_DRAM_BYTES = 4 << 10
 _GIB = 1 << 30
-SSD_BYTES_PER_INDEX_KEY = 16 << 10  # the derived SSD key set: room for one key per this much SSD
+SSD_BYTES_PER_INDEX_KEY = 64 << 10  # the arena's inventory has room for one SSD key per this much SSD
 MIN_SSD_INDEX_KEYS = 1024
-MAX_SSD_INDEX_KEYS = 1 << 22  # derived at most: 4 Mi keys, 128 MiB of /dev/shm (64 GiB of 16 KiB blocks)
+MAX_SSD_INDEX_KEYS = 1 << 20  # derived room stops here (80 MiB of /dev/shm)
 _SIZE_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
 MAX_SIZE = 1 << 50  # 1024 TiB: larger than any real memory or disk, a typo rather than a size
@@ -345,9 +345,10 @@ class NodeConfig:
     ssd_dir: str = opt("./kvpool-data", "directory of the SSD tier (LMDB)")
     ssd_bytes: int = opt(0, "capacity of the SSD tier; 0: half the free disk at ssd_dir, at most 64 GiB", size=True,
                          check=size_check(0, "automatic"))
-    ssd_index_keys: int = opt(0, "most SSD keys the arena publishes to same-host readers (32-64 bytes of /dev/shm "
-                                 "each); 0: one per 16 KiB of ssd_bytes, 1024 to 4 Mi (at most 128 MiB); more SSD "
-                                 "keys than this make same-host lookups ask the master",
+    ssd_index_keys: int = opt(0, "room for SSD keys in the inventory the arena publishes to same-host readers "
+                                 "(beside one per DRAM slot; 40-80 bytes of /dev/shm each); 0: one per 64 KiB of "
+                                 "ssd_bytes, 1024 to 1 Mi (at most 80 MiB); a node holding more keys than its "
+                                 "inventory has room for makes same-host lookups ask the master",
                               check=ssd_index_keys_check)
     ssd_enabled: bool = opt(True, "keep an SSD tier (LMDB in ssd_dir) behind DRAM; off: DRAM only", flag="ssd")
     ssd_optional: bool = opt(False, "if the SSD directory cannot be used, start with DRAM only (logged and counted) "
@@ -421,7 +422,7 @@ class NodeConfig:
         return max(_MIN_DRAM_BYTES, auto // _MIN_DRAM_BYTES * _MIN_DRAM_BYTES)
 
     def resolved_ssd_index_keys(self) -> int:
-        """Room for the SSD key set in the arena: 0 without an SSD tier, else the configured or derived count."""
+        """Room for SSD keys in the arena's inventory: 0 without an SSD tier, else the configured or derived count."""
         if not self.ssd_enabled:
             return 0
         if self.ssd_index_keys:

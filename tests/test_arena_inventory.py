@@ -1,8 +1,8 @@
 """What a same-host reader learns from a node's arena alone: which keys it holds, and in which tier.
 
 Real shared memory (a second mapping through ``SharedArena.attach``, and one
-child process) and real LMDB. The reader's answer is the DRAM key index
-checked against the rows, plus the SSD key set; with the inventory state
+child process) and real LMDB. The reader's answer is the arena's inventory
+table (per key: the best tier, size and checksum); with the inventory state
 ``COMPLETE`` it must equal what the store holds.
 """
 
@@ -21,14 +21,14 @@ import pytest
 from kvpool.checksum import block_checksum
 from kvpool.core import Tier
 from kvpool.keys import BlockKey
+from kvpool.rpc import MISS
 from kvpool.tiers.arena import KEY_DTYPE, InventoryState, SharedArena
 from kvpool.tiers.dram import DramStore
-from kvpool.tiers.keytable import PROBES, table_entries
+from kvpool.tiers.keytable import WAYS, BucketTable, table_buckets
 from kvpool.tiers.node_store import NodeStore
 from kvpool.tiers.ssd import FORMAT_VERSION, HEADER_BYTES, MAGIC, SsdStore
 
 BLOCK = 16 << 10
-GOLDEN_INVERSE = pow(0x9E3779B97F4A7C15, -1, 1 << 64)
 
 
 def key(i: int) -> BlockKey:
@@ -45,10 +45,12 @@ def packed(keys: list[BlockKey]) -> np.ndarray:
 
 def seen(reader: SharedArena, keys: list[BlockKey]) -> list[Tier | None]:
     """The fastest tier holding each key, as the arena alone says (what a same-host lookup computes)."""
-    arr = packed(keys)
-    _, _, in_dram = reader.check_slots(reader.index_find(arr), arr)
-    on_ssd = reader.ssd_holds(arr)
-    return [Tier.DRAM if d else Tier.SSD if s else None for d, s in zip(in_dram, on_ssd)]
+    tiers, _, _ = reader.inventory_meta(packed(keys))
+    return [None if t == MISS else Tier(int(t)) for t in tiers]
+
+
+def held(reader: SharedArena, keys: list[BlockKey]) -> list[bool]:
+    return [t is not None for t in seen(reader, keys)]
 
 
 def ssd_room(blocks: int) -> int:
@@ -57,8 +59,8 @@ def ssd_room(blocks: int) -> int:
 
 
 def make(arena_name: str, ssd_dir: Path, *, dram_blocks: int = 4, ssd_blocks: int = 64, queue: int = 0,
-         ssd_keys: int = 1024) -> NodeStore:
-    dram = DramStore.create(arena_name, dram_blocks * BLOCK, BLOCK, ssd_keys=ssd_keys)
+         ssd_keys: int = 1024, slots: int = 0) -> NodeStore:
+    dram = DramStore.create(arena_name, dram_blocks * BLOCK, BLOCK, ssd_keys=ssd_keys, slots=slots)
     try:
         ssd = SsdStore(ssd_dir, ssd_room(ssd_blocks))
     except BaseException:
@@ -68,15 +70,17 @@ def make(arena_name: str, ssd_dir: Path, *, dram_blocks: int = 4, ssd_blocks: in
 
 
 def check_agrees(node: NodeStore, reader: SharedArena, keys: list[BlockKey]) -> None:
-    """The reader's view equals the store's, tier for tier, and the SSD set equals the SSD inventory."""
+    """The reader's view equals the store's: tier, size and checksum of every key."""
     node.flush_demotions()
     assert reader.inventory_state() == InventoryState.COMPLETE
     assert seen(reader, keys) == node.where(keys)
-    assert list(reader.ssd_holds(packed(keys))) == node.ssd_inventory().contains(keys)
+    _, sizes, sums = reader.inventory_meta(packed(keys))
+    want = [(0, 0) if f is None else (f[1].size, f[1].checksum) for f in node.where_meta(keys)]
+    assert [(int(a), int(b)) for a, b in zip(sizes, sums)] == want
 
 
 @pytest.mark.parametrize("queue", [0, 1 << 20], ids=["inline", "queued"])
-def test_demoted_blocks_appear_in_the_ssd_set_while_their_dram_rows_still_hold_them(arena_name, tmp_path, queue):
+def test_demoted_blocks_stay_in_the_inventory_while_they_move_down(arena_name, tmp_path, queue):
     node = make(arena_name, tmp_path / "ssd", queue=queue)
     reader = SharedArena.attach(arena_name)
     keys = [key(i) for i in range(8)]
@@ -86,7 +90,7 @@ def test_demoted_blocks_appear_in_the_ssd_set_while_their_dram_rows_still_hold_t
 
     def watched(ks, views, sums):  # the DRAM rows are released only after the sink returns
         sink(ks, views, sums)
-        during.append(list(reader.ssd_holds(packed(list(ks)))))
+        during.append(held(reader, list(ks)))
 
     node.dram.on_evict = watched
     try:
@@ -94,7 +98,7 @@ def test_demoted_blocks_appear_in_the_ssd_set_while_their_dram_rows_still_hold_t
         node.put(keys[:4], [block(i) for i in range(4)])
         assert seen(reader, keys) == [Tier.DRAM] * 4 + [None] * 4
         node.put(keys[4:6], [block(i) for i in range(4, 6)])  # DRAM is full: 0 and 1 move down
-        assert during and all(all(d) for d in during)  # in the set before DRAM let go of them
+        assert during and all(all(d) for d in during)  # held throughout: never in neither tier
         assert seen(reader, keys) == [Tier.SSD] * 2 + [Tier.DRAM] * 4 + [None] * 2
         check_agrees(node, reader, keys)  # and still once the queue wrote them
     finally:
@@ -113,17 +117,17 @@ def test_a_reader_in_another_process_sees_the_demoted_keys(arena_name, tmp_path)
             "a = SharedArena.attach(sys.argv[1])\n"
             "ks = np.frombuffer(b''.join(hashlib.sha256(i.to_bytes(8, 'little')).digest() for i in range(8)),"
             " dtype=KEY_DTYPE)\n"
-            "print(int(a.inventory_state()), ''.join('1' if h else '0' for h in a.ssd_holds(ks)))\n"
+            "print(int(a.inventory_state()), ''.join(str(t) if t != 255 else '-' for t in a.inventory_meta(ks)[0]))\n"
             "a.close()\n"
         )
         done = subprocess.run([sys.executable, "-c", code, arena_name], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
-        assert done.stdout.split() == [str(int(InventoryState.COMPLETE)), "11000000"]
+        assert done.stdout.split() == [str(int(InventoryState.COMPLETE)), "221111--"]
     finally:
         node.close()
 
 
-def test_keys_leave_the_set_when_ssd_evicts_or_removes_them(arena_name, tmp_path):
+def test_keys_leave_the_inventory_when_ssd_evicts_or_removes_them(arena_name, tmp_path):
     node = make(arena_name, tmp_path / "ssd", ssd_blocks=3)
     reader = SharedArena.attach(arena_name)
     keys = [key(i) for i in range(10)]
@@ -141,7 +145,7 @@ def test_keys_leave_the_set_when_ssd_evicts_or_removes_them(arena_name, tmp_path
         node.close()
 
 
-def test_a_corrupt_ssd_entry_leaves_the_set_when_it_is_deleted(arena_name, tmp_path):
+def test_a_corrupt_ssd_entry_leaves_the_inventory_when_it_is_deleted(arena_name, tmp_path):
     node = make(arena_name, tmp_path / "ssd")
     reader = SharedArena.attach(arena_name)
     keys = [key(i) for i in range(6)]
@@ -154,35 +158,35 @@ def test_a_corrupt_ssd_entry_leaves_the_set_when_it_is_deleted(arena_name, tmp_p
         with open(data, "r+b") as f:  # one payload byte flipped under the open store (the page cache LMDB maps)
             f.seek(header + HEADER_BYTES + 100)
             f.write(bytes([block(0)[100] ^ 0xFF]))
-        assert reader.ssd_holds(packed(keys[:2])).tolist() == [True, True]
+        assert seen(reader, keys[:2]) == [Tier.SSD, Tier.SSD]
         assert node.get_into([keys[0]], [bytearray(BLOCK)]) == [None]  # a miss, and deleted
         assert node.ssd.stats().corrupt == 1
-        assert reader.ssd_holds(packed(keys[:2])).tolist() == [False, True]
+        assert seen(reader, keys[:2]) == [None, Tier.SSD]
         check_agrees(node, reader, keys)
     finally:
         reader.close()
         node.close()
 
 
-def test_an_ssd_file_found_broken_empties_the_set(arena_name, tmp_path):
+def test_an_ssd_file_found_broken_leaves_only_dram_in_the_inventory(arena_name, tmp_path):
     node = make(arena_name, tmp_path / "ssd")
     reader = SharedArena.attach(arena_name)
     keys = [key(i) for i in range(6)]
     try:
         node.put(keys[:4], [block(i) for i in range(4)])
         node.put(keys[4:], [block(4), block(5)])  # 0, 1 demoted: on SSD only
-        assert reader.ssd_holds(packed(keys)).sum() == 2
+        assert seen(reader, keys).count(Tier.SSD) == 2
         os.truncate(tmp_path / "ssd" / "data.mdb", 0)  # cut under the running store
         assert node.get_into([keys[0]], [bytearray(BLOCK)]) == [None]  # the store notices, restarts empty
         assert node.ssd.keys() == []
-        assert reader.ssd_holds(packed(keys)).sum() == 0
+        assert seen(reader, keys) == [None] * 2 + [Tier.DRAM] * 4
         check_agrees(node, reader, keys)
     finally:
         reader.close()
         node.close()
 
 
-def test_a_failed_demotion_write_leaves_the_set(arena_name, tmp_path):
+def test_a_failed_demotion_write_leaves_the_inventory(arena_name, tmp_path):
     node = make(arena_name, tmp_path / "ssd", queue=1 << 20)
     reader = SharedArena.attach(arena_name)
     keys = [key(i) for i in range(6)]
@@ -197,9 +201,9 @@ def test_a_failed_demotion_write_leaves_the_set(arena_name, tmp_path):
     try:
         node.put(keys[:4], [block(i) for i in range(4)])
         node.put(keys[4:], [block(4), block(5)])  # 0, 1 queued for SSD
-        assert reader.ssd_holds(packed(keys[:2])).tolist() == [True, True]  # pending: served as on SSD
+        assert seen(reader, keys[:2]) == [Tier.SSD, Tier.SSD]  # pending: served as on SSD
         assert node.flush_demotions(10)
-        assert reader.ssd_holds(packed(keys[:2])).tolist() == [False, False]  # dropped: a miss
+        assert seen(reader, keys[:2]) == [None, None]  # dropped: a miss
         ssd.put = real
         check_agrees(node, reader, keys)
     finally:
@@ -207,7 +211,7 @@ def test_a_failed_demotion_write_leaves_the_set(arena_name, tmp_path):
         node.close()
 
 
-def test_the_set_is_filled_again_from_lmdb_after_a_restart(arena_name, tmp_path):
+def test_the_inventory_is_filled_again_from_lmdb_after_a_restart(arena_name, tmp_path):
     keys = [key(i) for i in range(8)]
     node = make(arena_name, tmp_path / "ssd")
     node.put(keys[:4], [block(i) for i in range(4)])
@@ -224,13 +228,13 @@ def test_the_set_is_filled_again_from_lmdb_after_a_restart(arena_name, tmp_path)
         node.close()
 
 
-def test_a_set_too_small_for_the_ssd_tier_makes_the_inventory_incomplete(arena_name, tmp_path):
-    node = make(arena_name, tmp_path / "ssd", ssd_keys=2)
+def test_an_inventory_too_small_for_what_the_node_holds_is_incomplete(arena_name, tmp_path):
+    node = make(arena_name, tmp_path / "ssd", ssd_keys=2, slots=4)  # room for 4 + 2 keys
     reader = SharedArena.attach(arena_name)
     keys = [key(i) for i in range(8)]
     try:
         node.put(keys[:4], [block(i) for i in range(4)])
-        node.put(keys[4:6], [block(4), block(5)])  # 2 demoted: the set is full, not over
+        node.put(keys[4:6], [block(4), block(5)])  # 2 demoted: the inventory is full, not over
         assert reader.inventory_state() == InventoryState.COMPLETE
         node.put(keys[6:7], [block(6)])  # a third SSD key finds no room
         assert reader.inventory_state() == InventoryState.INCOMPLETE
@@ -241,43 +245,53 @@ def test_a_set_too_small_for_the_ssd_tier_makes_the_inventory_incomplete(arena_n
         node.close()
 
 
-def test_an_ssd_tier_without_a_set_is_incomplete_and_no_ssd_tier_needs_none(arena_name, tmp_path):
-    node = make(arena_name, tmp_path / "ssd", ssd_keys=0)
+def test_a_bare_arena_is_incomplete_until_a_node_store_declares_its_inventory(arena_name):
+    dram = DramStore.create(arena_name, 4 * BLOCK, BLOCK)
+    assert dram.arena.inventory_state() == InventoryState.INCOMPLETE  # nobody filled it: readers ask the master
+    node = NodeStore(dram)  # DRAM only
     try:
-        assert node.dram.arena.inventory_state() == InventoryState.INCOMPLETE
-    finally:
-        node.close()
-    node = NodeStore(DramStore.create(arena_name, 4 * BLOCK, BLOCK, ssd_keys=16))
-    try:
-        assert node.dram.arena.inventory_state() == InventoryState.NO_SSD_SET
+        assert dram.arena.inventory_state() == InventoryState.COMPLETE
     finally:
         node.close()
 
 
-def colliding_keys(arena: SharedArena, n: int) -> list[BlockKey]:
-    """``n`` keys whose DRAM key index entries all have the same home (first 8 bytes crafted, rest random)."""
-    shift = 64 - (arena.index_cap.bit_length() - 1)
+def crafted_keys(table: BucketTable, n: int, *, same_alternate: bool) -> list[BlockKey]:
+    """``n`` keys of distinct tags that all have the same home bucket in ``table`` (and, if ``same_alternate``, the
+    same alternate too), found by trying random first 8 bytes (the tables are small)."""
     rng = random.Random(7)
-    return [BlockKey((((5 << shift) + i) * GOLDEN_INVERSE % (1 << 64)).to_bytes(8, "little") + rng.randbytes(24))
-            for i in range(n)]
+    want: tuple[int, int] | None = None
+    keys: list[BlockKey] = []
+    while len(keys) < n:
+        k = BlockKey(rng.randbytes(32))
+        home, alt = table.homes(int.from_bytes(k[:8], "little") or 1)
+        if want is None:
+            want = (home, alt)
+        if home == want[0] and (alt == want[1] or not same_alternate):
+            keys.append(k)
+    return keys
 
 
-@pytest.mark.parametrize("with_ssd", [False, True], ids=["dram-only", "dram+ssd"])
-def test_a_dram_key_index_overflow_makes_the_inventory_incomplete(arena_name, tmp_path, with_ssd):
+@pytest.mark.parametrize("table", ["index", "inventory"])
+def test_full_buckets_cost_a_hint_in_the_key_index_and_completeness_in_the_inventory(arena_name, tmp_path, table):
     dram = DramStore.create(arena_name, 64 * BLOCK, BLOCK, slots=64, ssd_keys=1024)
-    node = NodeStore(dram, SsdStore(tmp_path / "ssd", ssd_room(64)) if with_ssd else None)
+    node = NodeStore(dram, SsdStore(tmp_path / "ssd", ssd_room(64)))
     reader = SharedArena.attach(arena_name)
-    want = InventoryState.COMPLETE if with_ssd else InventoryState.NO_SSD_SET
-    keys = colliding_keys(dram.arena, PROBES + 1)
-    assert dram.arena.index_cap == table_entries(64)
+    full = 2 * WAYS  # a home bucket and its alternate
+    keys = crafted_keys(getattr(dram.arena, table), full + 1, same_alternate=True)
+    assert dram.arena.index.buckets == table_buckets(64)
     try:
-        assert reader.inventory_state() == want
-        node.put(keys[:PROBES], [block(i) for i in range(PROBES)])  # one probe run, full
-        assert reader.inventory_state() == want
-        assert seen(reader, keys[:PROBES]) == [Tier.DRAM] * PROBES
-        node.put(keys[PROBES:], [block(PROBES)])  # stored, but the index has no room for it
-        assert node.where(keys[PROBES:]) == [Tier.DRAM] and seen(reader, keys[PROBES:]) == [None]
-        assert reader.inventory_state() == InventoryState.INCOMPLETE
+        node.put(keys[:full], [block(i) for i in range(full)])  # both buckets, full
+        assert reader.inventory_state() == InventoryState.COMPLETE
+        assert seen(reader, keys[:full]) == [Tier.DRAM] * full
+        node.put(keys[full:], [block(full)])  # stored, but that table has no room for it
+        assert node.where(keys[full:]) == [Tier.DRAM]
+        slot = reader.index_find(packed(keys[full:]))[0]
+        if table == "index":  # only a hint: the reader asks the node for that slot; the inventory still knows it
+            assert slot == -1 and seen(reader, keys[full:]) == [Tier.DRAM]
+            assert reader.inventory_state() == InventoryState.COMPLETE
+        else:  # a reader can no longer take the inventory for everything (keys sharing buckets in the larger
+            assert seen(reader, keys[full:]) == [None]  # table share them in the index too: its hint is gone too)
+            assert reader.inventory_state() == InventoryState.INCOMPLETE
     finally:
         reader.close()
         node.close()
@@ -285,7 +299,8 @@ def test_a_dram_key_index_overflow_makes_the_inventory_incomplete(arena_name, tm
 
 @pytest.mark.parametrize("queue", [0, 1 << 20], ids=["inline", "queued"])
 def test_random_puts_gets_and_removes_keep_the_arena_s_inventory_equal_to_the_store_s(arena_name, tmp_path, queue):
-    """After every step: the DRAM index (checked rows) and the SSD set say exactly what ``where()`` says."""
+    """After every step: the inventory says exactly what ``where_meta()`` says, and the key index names every DRAM
+    block's slot."""
     node = make(arena_name, tmp_path / "ssd", dram_blocks=6, ssd_blocks=12, queue=queue)
     reader = SharedArena.attach(arena_name)
     keys = [key(i) for i in range(40)]
@@ -301,42 +316,49 @@ def test_random_puts_gets_and_removes_keep_the_arena_s_inventory_equal_to_the_st
             else:
                 node.remove([keys[i] for i in picked])
             check_agrees(node, reader, keys)
+            arr = packed(keys)
+            _, _, in_dram = reader.check_slots(reader.index_find(arr), arr)
+            assert [Tier.DRAM if d else None for d in in_dram] == [t if t == Tier.DRAM else None
+                                                                 for t in node.where(keys)]
         assert node.ssd is not None and node.ssd.stats().evictions > 0  # SSD's LRU took part
-        assert reader.ssd_holds(packed(keys)).any() and node.dram.stats().evictions > 0
+        assert Tier.SSD in seen(reader, keys) and node.dram.stats().evictions > 0
     finally:
         reader.close()
         node.close()
 
 
-def test_the_ssd_set_answers_like_a_set_through_churn_with_long_and_wrapping_runs(arena_name):
-    """Owner adds and discards (backward shifts included) against a model set, read back by another mapping."""
-    arena = SharedArena.create(arena_name, 4096, 1, ssd_keys=64)
+def test_the_inventory_answers_like_a_dict_through_churn_with_spilled_buckets(arena_name):
+    """Owner puts and discards (keys spilled to their alternate bucket included) against a model, read back by
+    another mapping: tier, size and checksum."""
+    arena = SharedArena.create(arena_name, 4096, 1, ssd_keys=63)  # room for 64 keys
     reader = SharedArena.attach(arena_name)
-    table = arena.ssd_set
-    assert table is not None and table.cap == table_entries(64)
+    table = arena.inventory
+    assert table.buckets == table_buckets(64)
     rng = random.Random(3)
-    last = table.cap - 3  # a run starting near the end wraps round to entry 0
-    shift = 64 - (table.cap.bit_length() - 1)
-    crafted = [BlockKey(((((last << shift) + i) * GOLDEN_INVERSE) % (1 << 64)).to_bytes(8, "little") +
-                        rng.randbytes(24)) for i in range(20)]  # 20 keys, one home: a run longer than a window
+    crafted = crafted_keys(table, 20, same_alternate=False)  # 20 keys, one home bucket of 8: most spill
     pool = crafted + [key(i) for i in range(80)]
-    model: set[BlockKey] = set()
+    model: dict[BlockKey, tuple[int, int, int]] = {}
     try:
         for _ in range(600):
             k = rng.choice(pool)
-            if k in model or len(model) >= 64 or rng.random() < 0.3:
-                arena.ssd_discard(k)
-                model.discard(k)
+            if (k in model and rng.random() < 0.5) or len(model) >= 64 or rng.random() < 0.3:
+                arena.inventory_discard(k)
+                model.pop(k, None)
             else:
-                assert arena.ssd_add(k)
-                model.add(k)
-            assert reader.ssd_holds(packed(pool)).tolist() == [k in model for k in pool]
-            assert arena.ssd_count == len(model)
-        assert reader.inventory_state() == InventoryState.INCOMPLETE  # never declared: a set not filled yet
-        arena.declare_inventory(ssd=True)
+                entry = (rng.choice([Tier.DRAM, Tier.SSD]), rng.randint(1, 1 << 40), rng.getrandbits(64))
+                assert arena.inventory_put(k, *entry)
+                model[k] = entry
+            tiers, sizes, sums = reader.inventory_meta(packed(pool))
+            assert [int(t) for t in tiers] == [int(model[k][0]) if k in model else MISS for k in pool]
+            assert [(int(a), int(b)) for a, b, k in zip(sizes, sums, pool) if k in model] == \
+                [model[k][1:] for k in pool if k in model]
+            assert arena.inventory_count == len(model)
+        assert reader.inventory_state() == InventoryState.INCOMPLETE  # never declared: not filled yet
+        arena.declare_inventory()
         assert reader.inventory_state() == InventoryState.COMPLETE
         full = [k for k in pool if k not in model][: 65 - len(model)]
-        assert all(arena.ssd_add(k) for k in full[:-1]) and not arena.ssd_add(full[-1])  # the 65th key: no room
+        assert all(arena.inventory_put(k, Tier.SSD, 1, 2) for k in full[:-1])
+        assert not arena.inventory_put(full[-1], Tier.SSD, 1, 2)  # the 65th key: no room
         assert reader.inventory_state() == InventoryState.INCOMPLETE
     finally:
         reader.close()

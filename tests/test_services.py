@@ -131,13 +131,17 @@ def test_a_restarted_master_is_refilled_by_the_nodes(procs):
     procs.start_node("n0")
     procs.wait_nodes(1)
     ks, vs = keys("restart", 6), blocks(6, seed=3)
-    with client(procs) as c:
+    # a remote client asks the master; a same-host one reads the node's inventory from its arena
+    with client(procs, shared_memory=False) as c, client(procs) as local:
         c.put(ks, vs)
         assert c.flush(timeout=10)
-        assert c.lookup(ks).hit_blocks == 6
+        assert c.lookup(ks).hit_blocks == 6 and local.lookup(ks).hit_blocks == 6
         master.send_signal(signal.SIGKILL)
         master.wait(10)
         assert c.lookup(ks).hit_blocks == 0  # master down: a miss, not an error
+        assert local.lookup(ks).hit_blocks == 6  # ...but the same-host client still hits: no master on its path
+        outs = [np.zeros(MIB, np.uint8) for _ in ks]
+        assert local.get(ks, outs) == 6 and all(np.array_equal(o, v) for o, v in zip(outs, vs))
         procs.start_master(**{"node-timeout-s": "3.0"})
         wait_until(lambda: c.lookup(ks).hit_blocks == 6, timeout=15)
         outs = [np.zeros(MIB, np.uint8) for _ in ks]

@@ -192,7 +192,7 @@ class PoolNode:
                                           max_block_bytes=self.store.max_block_bytes(),
                                           max_message_bytes=config.max_message_bytes, token=config.token,
                                           tls_ca=config.tls_ca)
-            dram.on_change = link.listener(Tier.DRAM)
+            self.store.dram_listener = link.listener(Tier.DRAM)  # after the store's own: the arena's inventory
             if ssd is not None:
                 self.store.ssd_listener = link.listener(Tier.SSD)  # after the store's own: the arena's SSD key set
             if self.authority is not None and self.authority.quotas:
@@ -246,7 +246,7 @@ class PoolNode:
         ledger = QuotaLedger(quotas, self.authority.tenant_of,
                              held=lambda keys: [t is not None for t in store.where(keys)], evict=store.remove,
                              on_refused=lambda n: self.errors.count("quota_exceeded", n), on_evicted=evictions.inc)
-        store.dram.on_change = ledger.listener(store.dram.on_change)
+        store.dram_listener = ledger.listener(store.dram_listener)
         if store.ssd is not None:
             store.ssd_listener = ledger.listener(store.ssd_listener)
             ledger.load(store.ssd_inventory().inventory())

@@ -4,8 +4,8 @@ Layout of the segment (``/dev/shm/<name>``, mode 0600 unless the owner asks
 for its group too; exactly that mode, whatever the umask: whoever can map
 the segment reads every block in it)::
 
-    [header: 4 KiB][slot table: num_slots x 64 B][stamps: num_slots x 8 B][key index: index_cap x 16 B]
-    [SSD key set: ssd_cap x 16 B][pad to 4 KiB][data: data_bytes]
+    [header: 4 KiB][slot table: num_slots x 64 B][stamps: num_slots x 8 B][key index: ~32 B a slot]
+    [inventory: ~80 B a key][pad to 4 KiB][data: data_bytes]
 
 A *slot* is one row of the slot table: it names one block's bytes, an
 extent of the data region of any length. A row holds ``gen`` (u64),
@@ -33,44 +33,42 @@ Generation protocol (a seqlock per slot):
   block's bytes. A row's ``offset`` and ``length`` are bounded by the data
   region before any copy, so a torn row cannot send a reader out of it.
 
-Key index: the owner publishes which slot holds each committed key in an
-open-addressing table (``index_cap``, a power of two >= 2 x num_slots,
-entries of (tag u64: the key's first 8 bytes, 0 meaning empty; slot u64),
-linear probing of at most ``INDEX_PROBES`` entries, :mod:`kvpool.tiers.keytable`),
-so a same-host reader finds a block's slot without asking the node
-(:meth:`SharedArena.index_find`). It is a hint, like a stamp: only the owner
-writes it, a reader checks the row it names (:meth:`SharedArena.check_slots`)
-before trusting it, and an entry it misses (a key the table had no room for,
-or one moved while it looked) is only a miss, asked of the node instead.
+Key index: the owner publishes which slot holds each committed key in a
+bucketed hash table (:class:`kvpool.tiers.keytable.BucketTable`, load at
+most 1/2 of num_slots; tag: the key's first 8 bytes, 0 meaning empty;
+value: the slot), so a same-host reader finds a block's slot without asking
+the node (:meth:`SharedArena.index_find`). It is a hint, like a stamp: only
+the owner writes it, a reader checks the row it names
+(:meth:`SharedArena.check_slots`) before trusting it, and an entry it misses
+(a key the table had no room for, or one written while it looked) is only a
+miss, asked of the node instead.
 
-SSD key set: the owner also publishes which keys its SSD tier holds, or has
-on its way there (a block in the demotion queue), in a second table of the
-same kind (``ssd_cap`` = :func:`~kvpool.tiers.keytable.table_entries` of
-``ssd_keys``, fixed at creation, 0: no set; an entry is the key's first 16
-bytes, the first 8 mapped to 1 if 0, so no entry is all-zero). It holds at
-most ``ssd_keys`` keys; only the owner writes it (:meth:`SharedArena.ssd_add`,
-:meth:`SharedArena.ssd_discard`), anyone reads it (:meth:`SharedArena.ssd_holds`).
-Keys are hashes, so two keys sharing 16 bytes are not expected; if they did,
-they would share an entry (a false "held", or, once one went, a false "not
-held": a miss either way).
+Inventory: the owner (the node's :class:`~kvpool.tiers.node_store.NodeStore`,
+which sees both tiers) also publishes every key the node holds, in DRAM,
+on SSD or on its way there (the demotion queue), with where it is best
+served (DRAM before SSD), its size and its checksum, in a second table of
+the same kind (room for ``num_slots + ssd_keys`` keys, ``ssd_keys`` fixed at
+creation; tag: the key's first 8 bytes, mapped to 1 if 0; values: its next 8
+bytes, the size, the checksum, the tier). Only the owner writes it
+(:meth:`SharedArena.inventory_put`, :meth:`SharedArena.inventory_discard`),
+anyone reads it (:meth:`SharedArena.inventory_meta`): it answers a
+same-host lookup with no round trip. Keys are hashes, so two keys sharing
+16 bytes are not expected; if they did, they would share an entry (a false
+"held", or, once one went, a false "not held": a miss either way).
 
 Inventory state: a u64 in the header any reader reads
-(:meth:`SharedArena.inventory_state`), saying what the two tables cover:
-- ``NO_SSD_SET`` (0): the node publishes no SSD set, because it has no SSD
-  tier: the DRAM key index (checked with ``check_slots``) is its whole
-  inventory.
-- ``COMPLETE`` (1): the DRAM key index plus the SSD key set name every key
-  the node holds.
-- ``INCOMPLETE`` (2): some key may be missing from them (an index or set
-  insert found no room, the node has an SSD tier but no set, or the owner
-  could not keep the set true; also a new arena with a set until its owner
-  filled it): a reader must ask the master (or the node) about what they do
-  not name. Once the owner found one failure it stays so for the segment's
-  life; a restarted node makes a new one.
-Both tables are read without locks, so a read racing the owner's write may
-be wrong for that moment: a false "not held" is a lookup that asks
-elsewhere or a miss, a false "held" costs the later read a miss (the reader
-still checks rows and checksums), never wrong bytes.
+(:meth:`SharedArena.inventory_state`), saying whether the inventory table
+may be taken for the whole truth:
+- ``COMPLETE`` (1): it names every key the node holds.
+- ``INCOMPLETE`` (2, and 0 in a segment nobody declared): some key may be
+  missing (an insert found no room, the owner could not keep it true, or a
+  new arena whose owner has not filled and declared it yet): a reader must
+  ask the master (or the node) instead. Once the owner found one failure it
+  stays so for the segment's life; a restarted node makes a new one.
+The tables are read without locks, so a read racing the owner's write may
+be wrong for that moment: a false "not held" is a lookup miss, a false
+"held" (or another key's size and checksum) costs the later read a miss
+(the reader still checks rows and checksums), never wrong bytes.
 
 Stamps: ``stamps[slot]`` is the ``CLOCK_MONOTONIC`` time (ns, the same clock
 in every process of the host) of the slot's last read. Any process may write
@@ -116,21 +114,21 @@ import numpy as np
 from kvpool.buffers import BufferLike, as_array, as_buffer
 from kvpool.checksum import copy_with_checksum
 from kvpool.keys import KEY_BYTES, BlockKey
-from kvpool.tiers.keytable import PROBES, ProbeTable, table_entries
+from kvpool.tiers.keytable import BucketTable, table_buckets, table_bytes
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 _MAGIC = b"KVPARENA"
-_VERSION = 4
+_VERSION = 5
 _HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sIIQQQQQ")  # magic, version, pad, data_bytes, num_slots, table_off, stamps_off, data_off
 _OWNER = struct.Struct("<Q")  # the owner's pid, at _OWNER_OFF in every version
 _OWNER_OFF = 64
-_SSD_KEYS = struct.Struct("<Q")  # how many keys the SSD key set holds at most (0: no set)
+_SSD_KEYS = struct.Struct("<Q")  # how many SSD keys the inventory has room for beyond num_slots
 _SSD_KEYS_OFF = 72
 _STATE_OFF = 128  # the inventory state word (u64), on a cache line of its own
-MAX_SSD_KEYS = 1 << 28  # 4-8 GiB of set: beyond any sane configuration
+MAX_SSD_KEYS = 1 << 28  # ~20 GiB of inventory: beyond any sane configuration
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14
 
@@ -138,18 +136,17 @@ SLOT_DTYPE = np.dtype(
     [("gen", "<u8"), ("length", "<u8"), ("checksum", "<u8"), ("key", f"V{KEY_BYTES}"), ("offset", "<u8")]
 )
 KEY_DTYPE = SLOT_DTYPE["key"]
-INDEX_PROBES = PROBES  # entries an index insert or lookup looks at, at most
+_MISS = 255  # kvpool.rpc.MISS: no tier
 MAP_AHEAD_MIN_BYTES = 64 << 10  # map_for_write maps ahead only extents at least this long
 assert SLOT_DTYPE.itemsize == 64, "arena: slot table rows must stay 64 bytes"
-INVENTORY_DRAM_ONLY, INVENTORY_WHOLE, INVENTORY_INCOMPLETE = 0, 1, 2  # placeholder until the SSD key set lands
 
 
 class InventoryState(IntEnum):
-    """What a node's published key tables cover (the header's inventory state word; module docstring)."""
+    """Whether a node's inventory table is the whole truth (the header's inventory state word; module docstring)."""
 
-    NO_SSD_SET = 0  # no SSD tier: the DRAM key index is the node's whole inventory
-    COMPLETE = 1  # the DRAM key index plus the SSD key set name every key the node holds
-    INCOMPLETE = 2  # they may miss keys: ask the master about what they do not name
+    UNDECLARED = 0  # nobody declared it (a bare arena): as INCOMPLETE
+    COMPLETE = 1  # the inventory table names every key the node holds
+    INCOMPLETE = 2  # some key may be missing: ask the master
 
 
 def _round_up(n: int, to: int) -> int:
@@ -287,7 +284,7 @@ class SharedArena:
         self.name = name
         self.data_bytes = layout.data_bytes
         self.num_slots = num_slots = layout.num_slots
-        self.ssd_keys = layout.ssd_keys  # the most keys the SSD key set holds (0: no set)
+        self.ssd_keys = layout.ssd_keys  # room in the inventory beyond num_slots (SSD keys)
         self.owner = owner
         self.file_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the segment, for attached mappings
         self._lock_fd = lock_fd  # the owner's open, flock-ed segment (see "Ownership"); closed last
@@ -297,13 +294,12 @@ class SharedArena:
         self.table = buf[layout.table_off : layout.table_off + num_slots * SLOT_DTYPE.itemsize].view(SLOT_DTYPE)
         self.gens = self.table["gen"]
         self.stamps = buf[layout.stamps_off : layout.stamps_off + num_slots * 8].view(np.uint64)
-        self.index_cap = layout.index_cap
-        self.index = ProbeTable(_words(buf, layout.index_off, layout.index_cap))
-        self.ssd_set = ProbeTable(_words(buf, layout.ssd_off, layout.ssd_cap)) if layout.ssd_cap else None
+        self.index = BucketTable(buf, layout.index_off, layout.index_buckets, 1)
+        self.inventory = BucketTable(buf, layout.inventory_off, layout.inventory_buckets, 4)
         self._state = buf[_STATE_OFF : _STATE_OFF + 8].view(np.uint64)
         self.data = buf[layout.data_off : layout.data_off + layout.data_bytes]
-        # owner only: keys in the SSD set, and whether any publication failed (see "Inventory state")
-        self._ssd_count = 0
+        # owner only: keys in the inventory, and whether any publication failed (see "Inventory state")
+        self._inventory_count = 0
         self._lost = False
         self._state_lock = threading.Lock()
 
@@ -315,11 +311,11 @@ class SharedArena:
         """Create and map a new arena; its memory is reserved up front (ENOSPC now, not SIGBUS later).
 
         ``data_bytes`` of block data, described by at most ``num_slots``
-        rows; an SSD key set of up to ``ssd_keys`` keys (0: none; it costs
-        32 to 64 bytes of the segment a key). Its inventory state starts
-        ``NO_SSD_SET`` without a set, ``INCOMPLETE`` with one (until the
-        owner filled it: :meth:`declare_inventory`). The segment gets exactly ``mode`` (owner read-write, optionally
-        the group's too; never other users: ValueError). A segment already
+        rows; an inventory table with room for ``num_slots + ssd_keys`` keys
+        (40 to 80 bytes of the segment a key). Its inventory state starts
+        ``INCOMPLETE`` (until the owner filled it: :meth:`declare_inventory`).
+        The segment gets exactly ``mode`` (owner read-write, optionally the
+        group's too; never other users: ValueError). A segment already
         under ``name`` that a live process holds is a ValueError naming its
         pid; one nobody holds (its owner died) is replaced with
         ``replace_stale``, else a FileExistsError (see "Ownership" in the
@@ -348,8 +344,7 @@ class SharedArena:
                               layout.data_off)
             _OWNER.pack_into(mm, _OWNER_OFF, os.getpid())
             _SSD_KEYS.pack_into(mm, _SSD_KEYS_OFF, ssd_keys)
-            state = InventoryState.INCOMPLETE if ssd_keys else InventoryState.NO_SSD_SET
-            struct.pack_into("<Q", mm, _STATE_OFF, state)
+            struct.pack_into("<Q", mm, _STATE_OFF, InventoryState.INCOMPLETE)
             rows = np.frombuffer(mm, dtype=SLOT_DTYPE, count=num_slots, offset=layout.table_off)
             rows["gen"] = 1  # every slot starts free (odd)
             del rows
@@ -452,7 +447,7 @@ class SharedArena:
         # Drop the views so the mapping can close. They are typed as they are while open (every use): after
         # close, a use fails loudly on None, a state the types do not follow.
         self.table = self.gens = self.stamps = self.data = self._state = None  # type: ignore[assignment]
-        self.index = self.ssd_set = None  # type: ignore[assignment]
+        self.index = self.inventory = None  # type: ignore[assignment]
         try:
             self._mm.close()
         except BufferError:
@@ -492,15 +487,6 @@ class SharedArena:
                 return ref
         return None
 
-    def inventory_state(self) -> int:
-        """Placeholder: the published inventory is not known to be whole (readers ask the master)."""
-        return INVENTORY_INCOMPLETE
-
-    def ssd_meta(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Placeholder: no SSD key set."""
-        n = len(keys)
-        return np.zeros(n, dtype=bool), np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.uint64)
-
     def index_find(self, keys: np.ndarray) -> np.ndarray:
         """Per key (:data:`KEY_DTYPE`, as rows store them) the slot the key index names, or -1 (any process).
 
@@ -508,27 +494,34 @@ class SharedArena:
         """
         if not len(keys):
             return np.full(0, -1, dtype=np.int64)
-        words = np.ascontiguousarray(keys).view("<u8")
-        tags = words[:: KEY_BYTES // 8].copy()  # each key's first 8 bytes
-        tags[tags == 0] = 1
+        tags, _ = _key_words(keys)
         at = self.index.lookup(tags)
-        return np.where(at >= 0, self.index.values[at].view(np.int64), -1)
+        return np.where(at >= 0, np.take(self.index.values[0], np.maximum(at, 0)).view(np.int64), -1)
 
-    def ssd_holds(self, keys: np.ndarray) -> np.ndarray:
-        """Per key (:data:`KEY_DTYPE`) whether the SSD key set names it (any process; no set: all False).
+    def inventory_meta(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per key (:data:`KEY_DTYPE`): the tier the inventory names (uint8, ``MISS`` where none), the size and
+        the checksum (uint64; meaningless where the tier is MISS) (any process).
 
         What it answers is worth what :meth:`inventory_state` says it is; a
         read racing the owner may be wrong for that moment (see "Inventory
-        state" in the module docstring).
+        state" in the module docstring): a reader still checks the block's
+        row and bytes.
         """
-        if self.ssd_set is None or not len(keys):
-            return np.zeros(len(keys), dtype=bool)
-        return self.ssd_set.holds(*_ssd_words(keys))
+        n = len(keys)
+        if not n:
+            return np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
+        tags, second = _key_words(keys)
+        at = self.inventory.lookup(tags, second)
+        entry = np.maximum(at, 0)
+        values = self.inventory.values
+        tiers = np.take(values[3], entry).astype(np.uint8)
+        tiers[at < 0] = _MISS
+        return tiers, np.take(values[1], entry), np.take(values[2], entry)
 
     def inventory_state(self) -> InventoryState:
-        """What the DRAM key index and the SSD key set cover now (any process; see the module docstring)."""
+        """Whether the inventory table names every key the node holds now (any process; module docstring)."""
         state = int(self._state[0])
-        return InventoryState(state) if state in (0, 1) else InventoryState.INCOMPLETE
+        return InventoryState.COMPLETE if state == InventoryState.COMPLETE else InventoryState.INCOMPLETE
 
     def check_slots(self, slots: np.ndarray, keys: np.ndarray, sizes: np.ndarray | None = None,
                     sums: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -634,56 +627,50 @@ class SharedArena:
         return SlotRef(slot, gen + 1, offset, length, checksum)
 
     def index_insert(self, key: BlockKey, slot: int) -> bool:
-        """Name ``slot`` as ``key``'s in the key index (owner only); False if its probe run has no room.
-
-        A refusal makes the inventory ``INCOMPLETE``: readers can no longer
-        take the index for every DRAM block.
-        """
+        """Name ``slot`` as ``key``'s in the key index (owner only); False if both its buckets are full (a reader
+        then asks the node for that block's slot: the index is a hint)."""
         assert self.owner, "arena: only the owner writes the key index"
-        if self.index.insert(_tag(key), slot):
+        return self.index.insert(_tag(key), (slot,)) >= 0
+
+    def index_remove(self, key: BlockKey, slot: int) -> None:
+        """Drop ``key``'s entry naming ``slot`` from the key index (owner only); entries never move, so a reader
+        misses at most this key."""
+        assert self.owner, "arena: only the owner writes the key index"
+        self.index.remove(_tag(key), slot)  # by tag and slot: another key of the same tag keeps its entry
+
+    def inventory_put(self, key: BlockKey, tier: int, size: int, checksum: int) -> bool:
+        """Say in the inventory that ``key`` (``size`` bytes, ``checksum``) is best served from ``tier`` (owner only;
+        one thread at a time); True if it says so now.
+
+        False (more keys than it has room for, or both its buckets full)
+        makes the inventory ``INCOMPLETE``.
+        """
+        assert self.owner, "arena: only the owner writes the inventory"
+        table = self.inventory
+        tag, second = _inventory_entry(key)
+        at = table.find(tag, second)
+        if at >= 0:
+            if tuple(int(v) for v in table.values[1:, at]) != (size, checksum, tier):  # moved, or another block
+                table.remove(tag, second)
+                table.insert(tag, (second, size, checksum, tier))  # the entry it left: always room
+            return True
+        if self._inventory_count < self.num_slots + self.ssd_keys and \
+                table.insert(tag, (second, size, checksum, tier)) >= 0:
+            self._inventory_count += 1
             return True
         self.inventory_lost()
         return False
 
-    def index_remove(self, key: BlockKey, slot: int) -> None:
-        """Drop ``key``'s entry naming ``slot`` from the key index (owner only), keeping every probe run whole.
-
-        Backward-shift deletion: the entries after it that belong before the
-        hole move up one by one, so no run ever holds an empty entry a
-        lookup would stop at too early (a reader racing the move may miss a
-        key for that moment: a miss, never another block).
-        """
-        assert self.owner, "arena: only the owner writes the key index"
-        self.index.remove(_tag(key), slot)
-
-    def ssd_add(self, key: BlockKey) -> bool:
-        """Enter ``key`` in the SSD key set (owner only; one thread at a time); True if it is in it now.
-
-        False (no set, ``ssd_keys`` keys already in it, or no room in its
-        probe run) makes the inventory ``INCOMPLETE``.
-        """
-        assert self.owner, "arena: only the owner writes the SSD key set"
-        table = self.ssd_set
-        if table is not None:
-            tag, value = _ssd_entry(key)
-            if table.find(tag, value) >= 0:
-                return True
-            if self._ssd_count < self.ssd_keys and table.insert(tag, value):
-                self._ssd_count += 1
-                return True
-        self.inventory_lost()
-        return False
-
-    def ssd_discard(self, key: BlockKey) -> None:
-        """Take ``key`` out of the SSD key set if it is in it (owner only; one thread at a time)."""
-        assert self.owner, "arena: only the owner writes the SSD key set"
-        if self.ssd_set is not None and self.ssd_set.remove(*_ssd_entry(key)):
-            self._ssd_count -= 1
+    def inventory_discard(self, key: BlockKey) -> None:
+        """Take ``key`` out of the inventory if it is in it (owner only; one thread at a time)."""
+        assert self.owner, "arena: only the owner writes the inventory"
+        if self.inventory.remove(*_inventory_entry(key)):
+            self._inventory_count -= 1
 
     @property
-    def ssd_count(self) -> int:
-        """Keys in the SSD key set (as the owner entered them; 0 in other processes)."""
-        return self._ssd_count
+    def inventory_count(self) -> int:
+        """Keys in the inventory (as the owner entered them; 0 in other processes)."""
+        return self._inventory_count
 
     def inventory_lost(self) -> None:
         """Publish ``INCOMPLETE`` for the rest of the segment's life: a key may be missing (owner only)."""
@@ -692,20 +679,12 @@ class SharedArena:
             self._lost = True
             self._state[0] = InventoryState.INCOMPLETE
 
-    def declare_inventory(self, *, ssd: bool) -> InventoryState:
-        """Publish what the tables cover, once the owner knows its tiers and filled the set (owner only).
-
-        ``ssd``: the node has an SSD tier (the set must name its keys from
-        now on). ``COMPLETE`` with one and a set, ``NO_SSD_SET`` without one,
-        ``INCOMPLETE`` if it has one but no set, or after any earlier failure
-        (:meth:`inventory_lost`).
-        """
+    def declare_inventory(self) -> InventoryState:
+        """Publish the inventory as ``COMPLETE`` once the owner filled it (owner only), unless an earlier failure
+        made it ``INCOMPLETE`` (:meth:`inventory_lost`)."""
         assert self.owner, "arena: only the owner sets the inventory state"
         with self._state_lock:
-            if self._lost or (ssd and self.ssd_set is None):
-                state = InventoryState.INCOMPLETE
-            else:
-                state = InventoryState.COMPLETE if ssd else InventoryState.NO_SSD_SET
+            state = InventoryState.INCOMPLETE if self._lost else InventoryState.COMPLETE
             self._state[0] = state
         return state
 
@@ -728,9 +707,9 @@ class _Layout:
     table_off: int
     stamps_off: int
     index_off: int
-    index_cap: int  # entries of the key index: at least twice as many as slots
-    ssd_off: int
-    ssd_cap: int  # entries of the SSD key set (0: none)
+    index_buckets: int  # buckets of the key index: load at most 1/2 of num_slots
+    inventory_off: int
+    inventory_buckets: int  # buckets of the inventory: load at most 1/2 of num_slots + ssd_keys
     data_off: int
     total: int
 
@@ -739,32 +718,27 @@ class _Layout:
         table_off = _HEADER_BYTES
         stamps_off = table_off + num_slots * SLOT_DTYPE.itemsize
         index_off = stamps_off + num_slots * 8
-        index_cap = table_entries(num_slots)
-        ssd_off = index_off + index_cap * 16
-        ssd_cap = table_entries(ssd_keys) if ssd_keys else 0
-        data_off = _round_up(ssd_off + ssd_cap * 16, mmap.PAGESIZE)
-        return cls(data_bytes, num_slots, ssd_keys, table_off, stamps_off, index_off, index_cap, ssd_off, ssd_cap,
-                   data_off, data_off + data_bytes)
-
-
-def _words(buf: np.ndarray, offset: int, entries: int) -> np.ndarray:
-    """``entries`` 16-byte table entries at ``offset`` of the segment, as an (entries, 2) uint64 view."""
-    return buf[offset : offset + entries * 16].view(np.uint64).reshape(-1, 2)
+        index_buckets = table_buckets(num_slots)
+        inventory_off = index_off + table_bytes(index_buckets, 1)
+        inventory_buckets = table_buckets(num_slots + ssd_keys)
+        data_off = _round_up(inventory_off + table_bytes(inventory_buckets, 4), mmap.PAGESIZE)
+        return cls(data_bytes, num_slots, ssd_keys, table_off, stamps_off, index_off, index_buckets, inventory_off,
+                   inventory_buckets, data_off, data_off + data_bytes)
 
 
 def _tag(key: bytes) -> int:
-    """A key's index tag: its first 8 bytes as a little-endian integer, never 0 (0 marks an empty entry)."""
+    """A key's table tag: its first 8 bytes as a little-endian integer, never 0 (0 marks an empty entry)."""
     return int.from_bytes(key[:8], "little") or 1
 
 
-def _ssd_entry(key: bytes) -> tuple[int, int]:
-    """A key's SSD key set entry: (its index tag, its next 8 bytes), never all-zero."""
+def _inventory_entry(key: bytes) -> tuple[int, int]:
+    """A key's inventory tag and first value word: its first 8 bytes (never 0) and its next 8."""
     return _tag(key), int.from_bytes(key[8:16], "little")
 
 
-def _ssd_words(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_ssd_entry` for a batch of keys (:data:`KEY_DTYPE`): (tags, values), uint64."""
-    words = np.ascontiguousarray(keys).view("<u8")
-    tags = words[:: KEY_BYTES // 8].copy()
+def _key_words(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_inventory_entry` for a batch of keys (:data:`KEY_DTYPE`): (tags, second words), uint64."""
+    words = np.ascontiguousarray(keys).view("<u8").reshape(-1, KEY_BYTES // 8)
+    tags = words[:, 0].copy()
     tags[tags == 0] = 1
-    return tags, words[1 :: KEY_BYTES // 8]
+    return tags, words[:, 1]

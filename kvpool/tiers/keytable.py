@@ -1,144 +1,163 @@
-"""Open-addressing tables of 16-byte entries in shared memory: one writer, any number of lock-free readers.
+"""Bucketed hash tables in shared memory: one writer, any number of lock-free readers, batched lookups.
 
-An entry is two little-endian u64 words, ``(tag, value)``. ``tag == 0``
-marks an empty entry, so a stored tag is never 0 (callers map a real 0 to
-1). The arena keeps two such tables: the DRAM key index (tag: a key's first
-8 bytes, value: its slot) and the SSD key set (tag and value: a key's first
-16 bytes); see :mod:`kvpool.tiers.arena`.
+A table has ``buckets`` (a power of two) of ``WAYS`` entries. An entry is a
+u64 *tag* (0: empty, so a stored tag is never 0; callers map a real 0 to 1)
+and ``value_words`` u64 values. Tags, each value word and the per-bucket
+*spill* counts are separate contiguous arrays, so a batched lookup gathers
+one contiguous row of ``WAYS`` tags per query and one word per hit
+(``np.take`` on contiguous arrays: a strided or fancy-indexed gather costs
+several times as much here). The arena keeps two such tables: the DRAM key index
+(tag: a key's first 8 bytes; value: its slot) and the SSD key set (tag: a
+key's first 8 bytes; values: its next 8 bytes, size, checksum); see
+:mod:`kvpool.tiers.arena`.
 
 Invariants:
 - Only the arena's owner writes, one thread at a time (its callers
   serialise); readers in any process never lock.
-- An entry sits at most ``PROBES - 1`` entries after its *home*
-  (``tag * golden >> shift``, mod the capacity), with no empty entry between
-  its home and it (linear probing). A lookup therefore stops at the first
-  empty entry or after ``PROBES`` entries; an insert whose run has no empty
-  entry within ``PROBES`` is refused (False), never placed further.
-- Deletion shifts later entries of the run back into the hole (no
-  tombstones), so runs stay whole and a full table never fills with dead
-  entries.
-- Writes go value first, tag last, word by word: a reader that races a
-  write or a shift may see, for that moment, a half-written entry (matching
-  nothing) or miss an entry being moved. A torn read is a false "absent"
-  (or, for an entry half-overwritten by a key with the same tag, a value the
-  caller must verify); never a crash or a read outside the table.
+- A tag lives in its *home* bucket or, when that was full, its *alternate*
+  bucket (two hashes of the tag); ``spills[home]`` counts the entries of
+  home's tags living in their alternate, so a lookup reads the alternate
+  only for queries not found at home whose home has spilled. An insert that
+  finds both full is refused (False); at load 1/2 that is vanishingly rare.
+- An entry moves only from its home to its alternate (an insert making room,
+  written there before it is cleared at home); a delete clears the tag.
+  Writes go values first, tag last; a reader racing a write may miss an
+  entry for that moment, or (an
+  entry cleared and reused between its reads of the tag and of the values)
+  read another key's values: callers verify what a value leads to (a DRAM
+  row against the key, a block against its checksum), so a torn read costs a
+  miss, never wrong bytes, and never a read outside the table.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-PROBES = 32  # entries an insert or lookup looks at, at most
-WINDOW = 8  # entries a batched lookup reads per query in its first pass
-_STEPS = np.arange(PROBES, dtype=np.int64)[:, None]
-_GOLDEN = 0x9E3779B97F4A7C15
+WAYS = 8  # entries a bucket holds: one row of tags a lookup reads per query
+_G1 = 0x9E3779B97F4A7C15
+_G2 = 0xC2B2AE3D27D4EB4F
 _U64 = 0xFFFFFFFFFFFFFFFF
 
 
-def table_entries(keys: int) -> int:
-    """Entries of a table meant for ``keys`` keys: a power of two, at least twice as many (load <= 1/2), >= 16."""
-    return 1 << max(4, (2 * keys - 1).bit_length())
+def table_buckets(keys: int) -> int:
+    """Buckets of a table meant for ``keys`` keys: a power of two, load at most 1/2, at least 2."""
+    need = max(2, -(-2 * keys // WAYS))
+    return 1 << (need - 1).bit_length()
 
 
-class ProbeTable:
-    """Linear probing over a ``(entries, 2)`` uint64 view (entries a power of two); see the module docstring."""
+def table_bytes(buckets: int, value_words: int) -> int:
+    """Bytes a table of ``buckets`` buckets with ``value_words`` values an entry takes in a segment."""
+    return buckets * WAYS * 8 * (1 + value_words) + buckets * 8
 
-    def __init__(self, words: np.ndarray):
-        cap = len(words)
-        assert cap & (cap - 1) == 0 and cap >= 16, f"keytable: {cap} entries is not a power of two >= 16"
-        self.tags, self.values = words[:, 0], words[:, 1]
-        self.cap = cap
-        self._mask = cap - 1
-        self._shift = 64 - (cap.bit_length() - 1)
 
-    def home(self, tag: int) -> int:
-        """The first entry ``tag``'s probe run looks at (what :meth:`lookup` computes for a batch)."""
-        return ((tag * _GOLDEN) & _U64) >> self._shift
+class BucketTable:
+    """One table over three arrays of a shared segment (see the module docstring)."""
+
+    def __init__(self, buf: np.ndarray, offset: int, buckets: int, value_words: int):
+        assert buckets >= 2 and buckets & (buckets - 1) == 0, f"keytable: {buckets} buckets is not a power of two"
+        entries = buckets * WAYS
+        words = buf[offset : offset + table_bytes(buckets, value_words)].view(np.uint64)
+        self.tags = words[:entries].reshape(buckets, WAYS)
+        self.flat_tags = words[:entries]
+        self.values = words[entries : entries * (1 + value_words)].reshape(value_words, entries)  # a row per word
+        self.spills = words[entries * (1 + value_words) :]
+        self.buckets = buckets
+        self.entries = entries
+        self._mask = buckets - 1
+        self._shift = 64 - (buckets.bit_length() - 1)
+
+    def homes(self, tag: int) -> tuple[int, int]:
+        """(home, alternate) bucket of ``tag`` (what :meth:`lookup` computes for a batch)."""
+        home = ((tag * _G1) & _U64) >> self._shift
+        alt = ((tag * _G2) & _U64) >> self._shift
+        return home, alt if alt != home else (home + 1) & self._mask
 
     # -- any process ---------------------------------------------------------------
 
-    def lookup(self, tags: np.ndarray) -> np.ndarray:
-        """Per query tag (uint64, none 0), the first entry of its run holding it, or -1; vectorised.
+    def lookup(self, tags: np.ndarray, match: np.ndarray | None = None) -> np.ndarray:
+        """Per query tag (uint64, none 0) the entry (``bucket * WAYS + way``) holding it, or -1; vectorised.
 
-        The same answer as probing one entry at a time, in two passes over
-        the batch: the first ``WINDOW`` entries of every run (nearly every
-        lookup ends there: a match, or an empty entry ending the run), then
-        the rest of ``PROBES`` for the few that did not, so a batch costs a
-        few dozen array operations whatever its runs look like. Arrays are
-        (probe step, query), so every operation runs along the batch.
+        ``match``: the entry's first value word must equal it too (uint64 per query).
         """
-        n = len(tags)
-        found = np.full(n, -1, dtype=np.int64)
-        if not n:
-            return found
-        home = ((tags * np.uint64(_GOLDEN)) >> np.uint64(self._shift)).view(np.int64)  # < 2**63: same bits
-        todo = np.arange(n)
-        for lo, hi in ((0, WINDOW), (WINDOW, PROBES)):
-            at = (home + _STEPS[lo:hi]) & self._mask  # (steps, queries)
-            seen = self.tags[at]  # fancy indexing: np.take would copy a strided view whole first
-            hit = seen == tags
-            stop = hit | (seen == 0)  # a match, or the end of the run
-            flat = stop.argmax(axis=0) * len(tags) + np.arange(len(tags))  # each query's first stop
-            got = np.take(hit, flat)
-            found[todo[got]] = np.take(at, flat[got])
-            left = ~np.take(stop, flat)
-            if not left.any():
-                break
-            todo, home, tags = todo[left], home[left], tags[left]
+        if not len(tags):
+            return np.full(0, -1, dtype=np.int64)
+        shift = np.uint64(self._shift)
+        home = ((tags * np.uint64(_G1)) >> shift).view(np.int64)  # < 2**63: the same bits
+        found = self._find_in(home, tags, match)
+        spilled = np.flatnonzero((found < 0) & (np.take(self.spills, home) != 0))
+        if spilled.size:
+            t = tags[spilled]
+            alt = ((t * np.uint64(_G2)) >> shift).view(np.int64)
+            alt = np.where(alt == home[spilled], (alt + 1) & self._mask, alt)
+            found[spilled] = self._find_in(alt, t, None if match is None else match[spilled])
         return found
 
-    def holds(self, tags: np.ndarray, values: np.ndarray) -> np.ndarray:
-        """Per query, whether the table holds exactly ``(tag, value)``; vectorised (see :meth:`lookup`)."""
-        at = self.lookup(tags)
-        held = at >= 0
-        held[held] = self.values[at[held]] == values[held]
-        for i in np.flatnonzero((at >= 0) & ~held):  # another entry with the same tag came first: rare
-            held[i] = self.find(int(tags[i]), int(values[i])) >= 0
-        return held
+    def _find_in(self, buckets: np.ndarray, tags: np.ndarray, match: np.ndarray | None) -> np.ndarray:
+        """Per query the first entry of its bucket with its tag (and ``match``), or -1. Two keys of one tag in one
+        bucket (8 equal bytes of two hashes) answer for the first only: the other is a miss, never a wrong entry."""
+        rows = np.take(self.tags, buckets, axis=0)  # (queries, WAYS): one contiguous row each
+        at = buckets * WAYS + (rows == tags[:, None]).argmax(axis=1)
+        ok = np.take(self.flat_tags, at) == tags
+        if match is not None:
+            ok &= np.take(self.values[0], at) == match
+        return np.where(ok, at, -1)
 
     # -- the owner -----------------------------------------------------------------
 
-    def find(self, tag: int, value: int) -> int:
-        """The entry holding exactly ``(tag, value)``, or -1."""
-        tags, values, mask = self.tags, self.values, self._mask
-        home = self.home(tag)
-        for step in range(PROBES):
-            at = (home + step) & mask
-            seen = int(tags[at])
-            if seen == 0:
-                return -1
-            if seen == tag and int(values[at]) == value:
-                return at
+    def find(self, tag: int, match: int | None = None) -> int:
+        """The entry holding ``tag`` (and, if given, first value word ``match``), or -1."""
+        for bucket in dict.fromkeys(self.homes(tag)):
+            for way in np.flatnonzero(self.tags[bucket] == tag).tolist():
+                at = bucket * WAYS + way
+                if match is None or int(self.values[0, at]) == match:
+                    return at
         return -1
 
-    def insert(self, tag: int, value: int) -> bool:
-        """Put ``(tag, value)`` in the first empty entry of its run; False if there is none within PROBES."""
-        assert tag, "keytable: tag 0 marks an empty entry"
-        tags, values, mask = self.tags, self.values, self._mask
-        home = self.home(tag)
-        for step in range(PROBES):
-            at = (home + step) & mask
-            if int(tags[at]) == 0:
-                values[at] = value  # the value first: a reader that sees the tag sees its value
-                tags[at] = tag
-                return True
-        return False
+    def insert(self, tag: int, values: tuple[int, ...]) -> int:
+        """Put ``tag`` with ``values`` in a free entry of its home, else its alternate; the entry, or -1 (full).
 
-    def remove(self, tag: int, value: int) -> bool:
-        """Drop the entry ``(tag, value)``, shifting the rest of its run back (see the module docstring)."""
-        hole = self.find(tag, value)
-        if hole < 0:
+        When both are full, one entry of the home bucket that lives at home
+        moves to its own alternate (if that has room) to make the room: written
+        there, counted as spilled, and only then cleared at home, so a reader
+        finds it in one place or the other throughout.
+        """
+        assert tag, "keytable: tag 0 marks an empty entry"
+        home, alt = self.homes(tag)
+        for bucket in (home, alt):
+            at = self._put(bucket, home, tag, values)
+            if at >= 0:
+                return at
+        for way in range(WAYS):  # make room at home
+            other = int(self.tags[home, way])
+            other_home, other_alt = self.homes(other)
+            if other_home != home:
+                continue  # it lives in its alternate already
+            at = home * WAYS + way
+            if self._put(other_alt, home, other, tuple(int(v) for v in self.values[:, at])) >= 0:
+                self.tags[home, way] = 0
+                return self._put(home, home, tag, values)
+        return -1
+
+    def _put(self, bucket: int, home: int, tag: int, values: tuple[int, ...]) -> int:
+        """Write ``tag`` (whose home is ``home``) with ``values`` into a free entry of ``bucket``; -1 if full."""
+        free = np.flatnonzero(self.tags[bucket] == 0)
+        if not free.size:
+            return -1
+        at = bucket * WAYS + int(free[0])
+        self.values[:, at] = values  # the values first: a reader that sees the tag sees them
+        if bucket != home:
+            self.spills[home] += np.uint64(1)  # before the tag: a reader that misses it at home looks here
+        self.tags[bucket, at % WAYS] = tag
+        return at
+
+    def remove(self, tag: int, match: int | None = None) -> bool:
+        """Clear the entry :meth:`find` names; False if there is none."""
+        at = self.find(tag, match)
+        if at < 0:
             return False
-        tags, values, mask = self.tags, self.values, self._mask
-        nxt = (hole + 1) & mask
-        for _ in range(self.cap):  # a run ends at an empty entry (callers never fill a table)
-            if int(tags[nxt]) == 0:
-                break
-            # it belongs at or before the hole (its home is no later, going round): move it up
-            if (nxt - self.home(int(tags[nxt]))) & mask >= (nxt - hole) & mask:
-                values[hole] = values[nxt]
-                tags[hole] = tags[nxt]
-                hole = nxt
-            nxt = (nxt + 1) & mask
-        tags[hole] = 0
+        bucket = at // WAYS
+        self.tags[bucket, at % WAYS] = 0
+        home, _ = self.homes(tag)
+        if bucket != home:
+            self.spills[home] -= np.uint64(1)
         return True

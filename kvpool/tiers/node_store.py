@@ -18,20 +18,20 @@ Invariants:
   (:mod:`kvpool.tiers.demotion`): eviction copies the victims out and
   returns; a block being demoted is served, and reported, as on SSD.
   ``flush_demotions`` waits for the queue.
-- The arena publishes the SSD tier's keys for same-host readers (its SSD
-  key set, :mod:`kvpool.tiers.arena`): NodeStore is the SSD store's
-  ``on_change`` and, after every change, makes the set agree with
-  :meth:`SsdInventory.contains` for the keys that changed (stored blocks
-  plus pending demotions), under one lock, so the last look at a key comes
-  after its last change and the set ends up true. A demoted block enters the
-  set while its DRAM row is still held (the eviction sink reports it before
-  DRAM releases the row), so a reader never finds it in neither. The set is
-  filled from the SSD inventory that survived a restart before the
-  inventory is declared ``COMPLETE``; a key the set had no room for makes it
-  ``INCOMPLETE`` for the arena's life. Listeners of SSD changes (the master
-  link, the quota ledger) go in :attr:`NodeStore.ssd_listener` (whatever was
-  the SSD store's ``on_change`` before is kept there): NodeStore calls it after
-  updating the set.
+- The arena publishes everything the node holds for same-host readers (its
+  inventory table, :mod:`kvpool.tiers.arena`: per key the best tier, size
+  and checksum): NodeStore is both stores' ``on_change`` and, after every
+  change, makes the table agree with :meth:`where_meta` for the keys that
+  changed (DRAM, then SSD blocks plus pending demotions), under one lock, so
+  the last look at a key comes after its last change and the table ends up
+  true. A demoted block is on SSD (pending) before its DRAM row is released
+  (the eviction sink reports it first), so a reader never finds it in
+  neither. The table is filled from the SSD inventory that survived a
+  restart before it is declared ``COMPLETE``; a key it had no room for makes
+  it ``INCOMPLETE`` for the arena's life. Listeners of changes (the master
+  link, the quota ledger) go in :attr:`NodeStore.dram_listener` and
+  :attr:`NodeStore.ssd_listener` (whatever was a store's ``on_change`` before
+  is kept there): NodeStore calls them after updating the table.
 """
 
 from __future__ import annotations
@@ -85,34 +85,58 @@ class NodeStore:
                 dram.on_evict = self.demotions.submit
             else:
                 dram.on_evict = self._demote
-        self._ssd_set_lock = threading.Lock()  # one writer of the arena's SSD key set at a time
-        self.ssd_listener: ChangeListener | None = None  # hears SSD changes after the key set took them
+        self._inventory_lock = threading.Lock()  # one writer of the arena's inventory table at a time
+        self.dram_listener: ChangeListener | None = None  # hear the tiers' changes after the inventory took them
+        self.ssd_listener: ChangeListener | None = None
+        self.dram_listener, dram.on_change = dram.on_change, self._dram_changed
+        self._publish(dram.keys())
         if ssd is not None:
             self.ssd_listener, ssd.on_change = ssd.on_change, self._ssd_changed
-            self._publish_ssd(ssd.keys())  # what survived a restart
-        dram.arena.declare_inventory(ssd=ssd is not None)
+            self._publish(ssd.keys())  # what survived a restart
+        dram.arena.declare_inventory()
+
+    def _dram_changed(self, added: Sequence[BlockMeta], removed: Sequence[BlockKey]) -> None:
+        """DRAM's ``on_change``: the arena's inventory takes the change, then ``dram_listener`` hears it."""
+        self._changed(added, removed)
+        if self.dram_listener is not None:
+            self.dram_listener(added, removed)
 
     def _ssd_changed(self, added: Sequence[BlockMeta], removed: Sequence[BlockKey]) -> None:
-        """The SSD store's ``on_change``: the arena's SSD key set takes the change, then ``ssd_listener`` hears it."""
-        try:
-            self._publish_ssd(list(dict.fromkeys([*(m.key for m in added), *removed])))
-        except Exception:  # the set may be wrong now: readers must ask the master
-            log.exception("node store: updating the arena's SSD key set failed; published as incomplete")
-            self.dram.arena.inventory_lost()
+        """SSD's ``on_change`` (the demotion queue's too): as :meth:`_dram_changed`, then ``ssd_listener``."""
+        self._changed(added, removed)
         if self.ssd_listener is not None:
             self.ssd_listener(added, removed)
 
-    def _publish_ssd(self, keys: Sequence[BlockKey]) -> None:
-        """Make the SSD key set say, for each of ``keys``, what the SSD inventory says now (see module docstring)."""
-        arena = self.dram.arena
-        if not keys or arena.ssd_set is None:  # no set: declared incomplete, nothing to keep
+    def _changed(self, added: Sequence[BlockMeta], removed: Sequence[BlockKey]) -> None:
+        try:
+            self._publish(list(dict.fromkeys([*(m.key for m in added), *removed])))
+        except Exception:  # the table may be wrong now: readers must ask the master
+            log.exception("node store: updating the arena's inventory failed; published as incomplete")
+            self.dram.arena.inventory_lost()
+
+    def _publish(self, keys: Sequence[BlockKey]) -> None:
+        """Make the inventory say, for each of ``keys``, where the node holds it now (see the module docstring)."""
+        if not keys:
             return
-        with self._ssd_set_lock:  # the look and the update together: the last look wins
-            for key, held in zip(keys, self.ssd_inventory().contains(keys)):
-                if held:
-                    arena.ssd_add(key)
+        arena = self.dram.arena
+        with self._inventory_lock:  # the look and the update together: the last look wins
+            for key, found in zip(keys, self.where_meta(keys)):
+                if found is None:
+                    arena.inventory_discard(key)
                 else:
-                    arena.ssd_discard(key)
+                    arena.inventory_put(key, found[0], found[1].size, found[1].checksum)
+
+    def where_meta(self, keys: Sequence[BlockKey]) -> list[tuple[Tier, BlockMeta] | None]:
+        """Per key the fastest tier holding it (a pending demotion counts as SSD) with its size and checksum."""
+        found: list[tuple[Tier, BlockMeta] | None] = [
+            None if r is None else (Tier.DRAM, BlockMeta(k, r.length, r.checksum))
+            for k, r in zip(keys, self.dram.locate(keys))]
+        lower = [i for i, f in enumerate(found) if f is None]
+        if lower and self.ssd is not None:
+            for i, meta in zip(lower, self.ssd_meta([keys[i] for i in lower])):
+                if meta is not None:
+                    found[i] = (Tier.SSD, meta)
+        return found
 
     def _demote(self, keys: Sequence[BlockKey], views: Sequence[memoryview], checksums: Sequence[int]) -> None:
         assert self.ssd is not None, "tiered: demotion without an SSD tier"
