@@ -88,6 +88,9 @@ def place(keys: Sequence[BlockKey], sizes: Sequence[int], nodes: Sequence[Candid
         raise NoPoolNodes("no pool nodes")
     if not keys:
         return []
+    if len(nodes) == 1:  # nothing to choose between (a one-node pool): what the arithmetic below gives, directly
+        only = nodes[0]
+        return [0 if n <= only.largest_block else TOO_LARGE for n in sizes]
     words = np.frombuffer(b"".join(keys), dtype="<u8").reshape(len(keys), KEY_BYTES // 8)
     folded = np.bitwise_xor.reduce(words, axis=1)  # all 256 key bits feed the hash
     salts = np.array([_node_salt(n.node_id) for n in nodes], dtype=np.uint64)

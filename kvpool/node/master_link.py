@@ -8,8 +8,11 @@ link's job is to keep the master's picture of this node whole:
   keys: the first chunk replaces, later ones add). Only then is the link
   ``registered``.
 - A background thread heartbeats at the interval the master returned and
-  sends queued inventory changes promptly. :meth:`MasterLink.flush` sends them
-  synchronously (the Put handler calls it before replying).
+  sends queued inventory changes promptly (``COALESCE_S`` after the first
+  change, so a burst of puts is one report: puts do not wait for it, and on a
+  small machine each report costs the puts CPU). :meth:`MasterLink.flush`
+  sends them synchronously (``FlushReports``, a writer's barrier, and
+  ``Remove``).
 - Stores report changes through ``on_change`` after commit, outside their
   locks, so two batches may arrive out of order. The link therefore queues
   only *which* keys changed (with the size and checksum of the latest add
@@ -50,6 +53,7 @@ from kvpool.wire import MASTER_CALLS, auth_hello
 log = logging.getLogger(__name__)
 
 CHUNK_KEYS = 50_000
+COALESCE_S = 0.002  # after a change wakes the thread, it waits this long for more before reporting
 # Reconnect quickly after a master restart (gRPC's default backoff grows to minutes).
 _RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -208,8 +212,8 @@ class MasterLink:
             if self._registered and time.monotonic() >= next_beat:
                 self._heartbeat()
                 next_beat = time.monotonic() + self._interval
-            if self._registered:
-                self._wake.wait(max(0.0, next_beat - time.monotonic()))
+            if self._registered and self._wake.wait(max(0.0, next_beat - time.monotonic())):
+                self._stop.wait(COALESCE_S)  # let a burst of puts gather: one report for all of them
 
     def _usage(self) -> list[common_pb2.TierUsage]:
         return [tier_usage(store.stats()) for store in self._stores.values()]

@@ -107,7 +107,8 @@ class BucketTable:
     def find(self, tag: int, match: int | None = None) -> int:
         """The entry holding ``tag`` (and, if given, first value word ``match``), or -1."""
         for bucket in dict.fromkeys(self.homes(tag)):
-            for way in np.flatnonzero(self.tags[bucket] == tag).tolist():
+            row = self.tags[bucket].tolist()  # one bucket: plain ints beat small-array numpy here
+            for way in (w for w, t in enumerate(row) if t == tag):
                 at = bucket * WAYS + way
                 if match is None or int(self.values[0, at]) == match:
                     return at
@@ -140,10 +141,10 @@ class BucketTable:
 
     def _put(self, bucket: int, home: int, tag: int, values: tuple[int, ...]) -> int:
         """Write ``tag`` (whose home is ``home``) with ``values`` into a free entry of ``bucket``; -1 if full."""
-        free = np.flatnonzero(self.tags[bucket] == 0)
-        if not free.size:
+        row = self.tags[bucket].tolist()
+        if 0 not in row:
             return -1
-        at = bucket * WAYS + int(free[0])
+        at = bucket * WAYS + row.index(0)
         self.values[:, at] = values  # the values first: a reader that sees the tag sees them
         if bucket != home:
             self.spills[home] += np.uint64(1)  # before the tag: a reader that misses it at home looks here
