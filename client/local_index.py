@@ -81,6 +81,10 @@ class LocalIndex:
             found.append((view.ref, arena))
         return found
 
+    def answers(self) -> bool:
+        """Whether lookups are answered here now (else by the master)."""
+        return self._arenas() is not None
+
     def holdings(self, keys: Sequence[BlockKey]) -> Holdings | None:
         """Where each key is held on this host's nodes; None: ask the master (see the module docstring)."""
         arenas = self._arenas()

@@ -284,10 +284,18 @@ class PoolClient:
         with self._written_lock:
             written, self._written = self._written, set()
         ok = self._send_local_counts()
-        for address in sorted(written):
-            left = self.config.io_timeout_s if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        left = self.config.io_timeout_s if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        return self._flush_reports(written, left) and ok
+
+    def _flush_reports(self, addresses: set[str], timeout: float) -> bool:
+        """Ask each node to send its reports to the master now; True once every one says the master has them."""
+        ok = True
+        deadline = time.monotonic() + timeout
+        for address in sorted(addresses):
             try:
-                ok &= self.nodes.stub(address).FlushReports(node_pb2.FlushReportsRequest(), timeout=left).indexed
+                reply = self.nodes.stub(address).FlushReports(node_pb2.FlushReportsRequest(),
+                                                              timeout=max(0.0, deadline - time.monotonic()))
+                ok &= reply.indexed
             except grpc.RpcError as exc:
                 self.faults.counted(_report_kind(exc))
                 ok = False
@@ -300,9 +308,13 @@ class PoolClient:
     def store(self, keys: Sequence[BlockKey], values: Sequence[BufferLike]) -> list[bool]:
         """Write blocks to the pool now (synchronously); per block, whether the pool holds it afterwards.
 
-        The master places each new block on one node (blocks it already holds
-        count as stored); each node gets its blocks in one batch by the
-        fastest path it offers (see the module docstring). A pool fault is a
+        Placement comes from the client's cluster view (the master's
+        ``PlaceBlocks`` without one); each node gets its blocks in one batch
+        by the fastest path it offers (see the module docstring). The nodes
+        report new blocks to the master in the background; when this
+        client's own lookups are answered by the master (not every node on
+        this host), ``store`` also waits for those reports (``FlushReports``),
+        so what it stored is what its next lookup finds. A pool fault is a
         False, counted in the error metrics; misuse (bad keys, empty or
         mismatched buffers) is a ValueError.
         """
@@ -361,6 +373,8 @@ class PoolClient:
             finally:
                 if idxs:  # no path took them: the node may be gone, so may the view that chose it
                     self.cluster.invalidate()
+        if by_node and not self.local.answers():  # read-your-writes: this client's lookups ask the master
+            self._flush_reports({nodes[n].address for n in by_node}, self.config.io_timeout_s)
         return [result[first[k]] for k in keys]
 
     def _place(self, keys: list[BlockKey], sizes: list[int]) -> Placement | None:

@@ -343,7 +343,7 @@ def lookup(master_address: str, ids: list[int]) -> master_pb2.LookupResponse:
 
 
 @needs_master
-def test_a_put_is_in_the_masters_index_when_it_returns(tmp_path, arena_name):
+def test_a_put_is_in_the_masters_index_once_flush_reports_answers(tmp_path, arena_name):
     master = start_master()
     try:
         with PoolNode(config(tmp_path, arena_name, master=master.address)) as n:
@@ -351,8 +351,9 @@ def test_a_put_is_in_the_masters_index_when_it_returns(tmp_path, arena_name):
             c = Client(n.address)
             try:
                 blocks = [block(1), block(2, 777)]
-                assert c.put([1, 2], blocks) == [1, 1]
-                reply = lookup(master.address, [1, 2, 3])  # no waiting: Put flushed its report
+                assert c.put([1, 2], blocks) == [1, 1]  # stored; the node reports it in the background
+                assert c.node.FlushReports(node_pb2.FlushReportsRequest(), timeout=10).indexed  # the barrier
+                reply = lookup(master.address, [1, 2, 3])
                 assert list(reply.tiers) == [Tier.DRAM, Tier.DRAM]
                 assert list(reply.sizes) == [SLOT, 777]
                 assert list(reply.checksums) == [block_checksum(b) for b in blocks]
