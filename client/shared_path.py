@@ -51,7 +51,7 @@ from kvpool.v1 import master_pb2, node_pb2
 log = logging.getLogger(__name__)
 
 MASK_RETRY_S = 5.0  # a mask the master could not be asked for is asked again after this long
-STOCK_BYTES = 8 << 20  # slots leased ahead per node: a put's sizes again, up to this many bytes (one block at least)
+STOCK_BYTES = 1 << 20  # slots leased ahead per node: a put's sizes again, up to this many bytes (one block at least)
 STOCK_USE_SHARE = 0.5  # a stock is used only within this share of its lease's timeout (it must not lapse mid-put)
 
 

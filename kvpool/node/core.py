@@ -44,7 +44,8 @@ from kvpool.node.quota import Charge, QuotaLedger
 from kvpool.tiers.arena import SlotRef
 from kvpool.tiers.node_store import NodeStore
 
-AHEAD_SHARE = 16  # one lease-ahead holds at most 1/AHEAD_SHARE of DRAM
+AHEAD_SHARE = 256  # slots one writer holds ahead take at most 1/AHEAD_SHARE of DRAM...
+AHEAD_ONE_SHARE = 16  # ...or one block of at most 1/AHEAD_ONE_SHARE of it (so a put of large blocks is one Commit)
 
 
 @dataclass
@@ -203,9 +204,10 @@ class NodeCore:
         if self.quota is not None and tenant:
             return Leased(0, {}, [])
         fit: list[int] = []
-        budget = self.store.dram.arena.data_bytes // AHEAD_SHARE  # what one writer may hold ahead
+        data = self.store.dram.arena.data_bytes
+        budget = data // AHEAD_SHARE  # what one writer may hold ahead (slots held ahead are DRAM no block uses)
         for n in (int(n) for n in sizes):
-            if not n or not self.store.fits_dram(n) or n > budget:
+            if not n or not self.store.fits_dram(n) or (n > budget and (fit or n > data // AHEAD_ONE_SHARE)):
                 break
             fit.append(n)
             budget -= n
