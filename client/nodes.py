@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 256 << 20
 BULK_RETRY_S = 5.0  # a node whose bulk listener could not be reached is sent gRPC calls this long
 MAP_RETRY_MIN_S = 0.1  # first wait before mapping an arena again after a failed attempt
+RECHECK_S = 0.1  # a mapped arena is checked against /dev/shm (a restarted node's new segment) this often
 MAP_RETRY_MAX_S = 5.0  # the longest such wait
 _NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"]
 
@@ -62,6 +63,7 @@ class NodeDirectory:
         self._stubs: dict[str, FastStub] = {}
         self._arenas: dict[str, SharedArena] = {}
         self._unmapped: dict[str, _FailedMap] = {}  # arena name -> the last failed attempt to map it
+        self._checked: dict[str, float] = {}  # arena name -> until when the mapping counts as current
         self._data_addresses: dict[str, str] = {}  # node gRPC address -> bulk address ("": none)
         self._bulk_down: dict[str, float] = {}  # node gRPC address -> monotonic time to try bulk again
         self._closing = threading.Event()
@@ -125,7 +127,11 @@ class NodeDirectory:
         with self._lock:
             cached = self._arenas.get(node.arena)
             if cached is not None:
+                now = time.monotonic()
+                if now < self._checked.get(node.arena, 0.0):
+                    return cached
                 if cached.is_current():
+                    self._checked[node.arena] = now + RECHECK_S
                     return cached
                 del self._arenas[node.arena]  # the node restarted; not closed: another thread may still copy
             failed = self._unmapped.get(node.arena)

@@ -235,11 +235,14 @@ class PoolClient:
             raise ValueError(f"output is {dsts[i].size} bytes, block {run.keys[i].hex()[:16]} is {int(run.sizes[i])}")
         start = time.perf_counter()
         ok = [False] * len(run)
-        order = np.argsort(run.node_indexes, kind="stable")
-        bounds = np.flatnonzero(np.diff(run.node_indexes[order])) + 1
-        for group in np.split(order, bounds) if len(run) else []:
-            node = run.nodes[int(run.node_indexes[group[0]])]
-            idxs = group.tolist()
+        if len(run.nodes) == 1:  # one node: one group, in order (no sorting)
+            groups = [list(range(len(run)))] if len(run) else []
+        else:
+            order = np.argsort(run.node_indexes, kind="stable")
+            bounds = np.flatnonzero(np.diff(run.node_indexes[order])) + 1
+            groups = [g.tolist() for g in np.split(order, bounds)] if len(run) else []
+        for idxs in groups:
+            node = run.nodes[int(run.node_indexes[idxs[0]])]
             deadline = time.monotonic() + self.config.io_timeout_s  # one deadline per node, not one per path
             for path, moved in zip(self.paths, self._moved["get"]):
                 offered, idxs = idxs, path.get(node, idxs, run, dsts, ok)
