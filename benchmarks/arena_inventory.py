@@ -3,13 +3,12 @@
     python benchmarks/arena_inventory.py [--calls 2000]
 
 A node store in this process (a real arena in /dev/shm, real LMDB in a
-temporary directory) holds 1,000 blocks in DRAM (its key index half full)
-and 4,000 on SSD (its SSD key set half full: the most load either table
-has). A second mapping (``SharedArena.attach``, what a same-host client
-holds) answers 128 DRAM keys, 128 SSD keys and 256 unknown ones: the DRAM
-key index, the rows checked (``check_slots``), the SSD key set and the
-inventory state. Prints p50 / p99 in microseconds. Not a test: the numbers
-depend on the machine.
+temporary directory) holds 1,000 blocks in DRAM and 4,000 on SSD (both
+tables about as full as they get). A second mapping (``SharedArena.attach``,
+what a same-host client holds) answers 128 DRAM keys, 128 SSD keys and 256
+unknown ones: the inventory table and state, and, beside it, the key index
+and the rows checked (``check_slots``). Prints p50 / p99 in microseconds.
+Not a test: the numbers depend on the machine.
 
 What a same-host lookup reads is the inventory table alone (one batched
 lookup: tier, size, checksum per key); the key index plus rows is what a
@@ -33,8 +32,8 @@ from kvpool.tiers.node_store import NodeStore
 from kvpool.tiers.ssd import SsdStore
 
 BLOCK = 1024
-DRAM_BLOCKS, DRAM_SLOTS = 1000, 1024  # key index: 2,048 entries
-SSD_BLOCKS, SSD_KEYS = 4000, 4096  # SSD key set: 8,192 entries
+DRAM_BLOCKS, DRAM_SLOTS = 1000, 1024
+SSD_BLOCKS, SSD_KEYS = 4000, 4096  # the inventory: room for 1,024 + 4,096 keys
 
 
 def key(i: int) -> BlockKey:

@@ -186,7 +186,7 @@ def arena_name_check(v: str) -> str | None:
 
 
 def ssd_index_keys_check(v: int) -> str | None:
-    """0 (derived from ssd_bytes) or a key count an arena's SSD key set can have."""
+    """0 (derived from ssd_bytes) or a count of SSD keys an arena's inventory can have room for."""
     from kvpool.tiers.arena import MAX_SSD_KEYS
 
     return None if 0 <= v <= MAX_SSD_KEYS else f"must be 0 (automatic) to {MAX_SSD_KEYS}"

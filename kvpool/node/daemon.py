@@ -194,7 +194,7 @@ class PoolNode:
                                           tls_ca=config.tls_ca)
             self.store.dram_listener = link.listener(Tier.DRAM)  # after the store's own: the arena's inventory
             if ssd is not None:
-                self.store.ssd_listener = link.listener(Tier.SSD)  # after the store's own: the arena's SSD key set
+                self.store.ssd_listener = link.listener(Tier.SSD)  # after the store's own: the arena's inventory
             if self.authority is not None and self.authority.quotas:
                 self.quota = self._quota_ledger(self.authority.quotas)
             self.core = NodeCore(self.store, max_keys_per_call=config.max_keys_per_call, errors=self.errors,

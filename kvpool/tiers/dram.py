@@ -195,7 +195,7 @@ class DramStore:
 
         ``max_block_bytes``: the largest block it takes (None: any that fits);
         ``slots``: how many blocks it can describe (0: :func:`default_slots`);
-        ``ssd_keys``: room for the SSD key set the node store keeps (0: none).
+        ``ssd_keys``: room in the arena's inventory for SSD keys, beside one per slot.
         A refused argument leaves no arena behind.
         """
         if capacity_bytes < GRANULE:

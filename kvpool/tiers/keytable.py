@@ -7,8 +7,8 @@ and ``value_words`` u64 values. Tags, each value word and the per-bucket
 one contiguous row of ``WAYS`` tags per query and one word per hit
 (``np.take`` on contiguous arrays: a strided or fancy-indexed gather costs
 several times as much here). The arena keeps two such tables: the DRAM key index
-(tag: a key's first 8 bytes; value: its slot) and the SSD key set (tag: a
-key's first 8 bytes; values: its next 8 bytes, size, checksum); see
+(tag: a key's first 8 bytes; value: its slot) and the inventory (tag: a
+key's first 8 bytes; values: its next 8 bytes, size, checksum, tier); see
 :mod:`kvpool.tiers.arena`.
 
 Invariants:
