@@ -170,7 +170,7 @@ class SharedMemoryPath:
         n = len(run)
         slots, gens = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint64)
         held = np.zeros(n, dtype=bool)
-        stock = self._stock.take(node.address, arena.name)
+        stock = self._stock.take(node.address, arena)
         lease = 0
         if stock is not None:
             lease = stock.lease
@@ -273,7 +273,7 @@ class Stock:
     """Slots one node leased to this client ahead of its next put (keys not known yet), until ``use_by``."""
 
     lease: int
-    arena: str
+    arena: SharedArena  # the mapping its slots are in (a restarted node's new segment is another)
     slots: np.ndarray  # int64
     gens: np.ndarray  # uint64, each != 0
     sizes: np.ndarray  # int64: the block size each slot was leased for (a block must be exactly that long)
@@ -298,10 +298,10 @@ class StockShelf:
         self._lock = threading.Lock()
         self._stock: dict[str, Stock] = {}
 
-    def take(self, address: str, arena: str) -> Stock | None:
+    def take(self, address: str, arena: SharedArena) -> Stock | None:
         with self._lock:
             stock = self._stock.pop(address, None)
-        if stock is None or stock.arena != arena or time.monotonic() > stock.use_by:
+        if stock is None or stock.arena is not arena or time.monotonic() > stock.use_by:
             return None
         return stock
 
@@ -311,7 +311,7 @@ class StockShelf:
             return
         gens = np.asarray(reply.slot_gens, dtype=np.uint64)
         got = np.flatnonzero(gens != 0)
-        stock = Stock(reply.lease, arena.name, np.asarray(reply.slots, dtype=np.int64)[got], gens[got],
+        stock = Stock(reply.lease, arena, np.asarray(reply.slots, dtype=np.int64)[got], gens[got],
                       np.asarray(asked[: len(gens)], dtype=np.int64)[got],
                       time.monotonic() + STOCK_USE_SHARE * reply.lease_timeout_s)
         with self._lock:
