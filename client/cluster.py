@@ -30,9 +30,11 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvpool.client.nodes import arena_file_id
 from kvpool.core import NodeRef
 from kvpool.keys import BlockKey
 from kvpool.placement import Candidate, place
+from kvpool.rpc import local_host_id
 from kvpool.v1 import common_pb2, master_pb2
 
 __all__ = ["ClusterView", "NodeView", "Placement"]
@@ -49,6 +51,7 @@ class NodeView:
     ref: NodeRef
     proto: common_pb2.NodeRef
     candidate: Candidate
+    arena_file: tuple[int, int] | None = None  # (st_dev, st_ino) of its arena here when the view was taken
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,5 +134,6 @@ def _node_view(status: master_pb2.NodeStatus) -> NodeView:
     used = dram.used_bytes if dram is not None else 0
     candidate = Candidate(n.node_id, int(capacity), int(used), int(status.dram_max_block_bytes),
                           int(status.max_block_bytes))
-    return NodeView(NodeRef(n.node_id, n.address, n.host_id, n.arena), n, candidate)
+    arena_file = arena_file_id(n.arena) if n.arena and n.host_id == local_host_id() else None
+    return NodeView(NodeRef(n.node_id, n.address, n.host_id, n.arena), n, candidate, arena_file)
 

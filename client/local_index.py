@@ -14,10 +14,10 @@ Invariants:
 - An answer is a hint as good as the master's: the read that follows checks
   the DRAM row (key, gen, size, checksum) and the bytes' checksum, so a torn
   read of an entry the owner is rewriting can only make that read miss.
-- Anything that makes the local answer possibly incomplete (a node on
-  another host, an arena that cannot be mapped, an inventory a node marks
-  incomplete, a tenant mask not known yet) returns None: the caller asks the
-  master, as before.
+- Anything that makes the local answer possibly incomplete or stale (a node
+  on another host, an arena that cannot be mapped, an inventory a node marks
+  incomplete, an arena that is not the segment the view saw, a tenant mask
+  not known yet) returns None: the caller asks the master, as before.
 - A block held by several nodes is reported where it is fastest (DRAM before
   SSD; the first node in the view's order among equals), as the master does.
 """
@@ -77,6 +77,9 @@ class LocalIndex:
         for view in views:
             arena = self.nodes.arena(view.ref)
             if arena is None or arena.inventory_state() != InventoryState.COMPLETE:
+                return None
+            if arena.file_id != view.arena_file:  # the node restarted since the view was taken: its address may
+                self.cluster.invalidate()  # have moved too, so its blocks cannot be named yet; ask again
                 return None
             found.append((view.ref, arena))
         return found

@@ -177,14 +177,14 @@ class _FailedMap:
     def after(cls, previous: _FailedMap | None, name: str) -> _FailedMap:
         """The record of a new failure: the back-off doubles from the previous one (bounded)."""
         backoff = MAP_RETRY_MIN_S if previous is None else min(previous.backoff_s * 2, MAP_RETRY_MAX_S)
-        return cls(time.monotonic() + backoff, backoff, name, _file_id(name))
+        return cls(time.monotonic() + backoff, backoff, name, arena_file_id(name))
 
     def due(self) -> bool:
         """Try again now? After the back-off, or at once if the segment is another file (a new incarnation)."""
-        return time.monotonic() >= self.retry_at or _file_id(self.name) != self.file_id
+        return time.monotonic() >= self.retry_at or arena_file_id(self.name) != self.file_id
 
 
-def _file_id(name: str) -> tuple[int, int] | None:
+def arena_file_id(name: str) -> tuple[int, int] | None:
     """(st_dev, st_ino) of ``/dev/shm/<name>``, or None if there is no such file."""
     try:
         st = os.stat(shm_path(name))

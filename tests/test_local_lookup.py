@@ -122,3 +122,38 @@ def test_a_lookup_the_arenas_cannot_answer_whole_asks_the_master(cluster, monkey
         assert len(pool.lookup(keys)) == 4
         assert pool.exists(keys) == [True] * 4 + [False] * 4
         assert calls == ["Lookup", "Exists"]
+
+
+def test_a_node_restarted_under_its_arena_name_is_never_named_by_a_stale_view(tmp_path, arena_name):
+    """The view still names the node's old address when its new segment appears under the same arena name: the
+    answer must come from the master (the new address), never the old address with the new arena's blocks."""
+    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
+
+    def node() -> PoolNode:
+        cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
+                         arena=arena_name, node_id="n0", dram_bytes=8 * BLOCK, max_block_bytes=BLOCK,
+                         write_through=True, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 << 20)
+        return PoolNode(cfg).start()
+
+    keys = [key(i) for i in range(6)]
+    try:
+        first = node()
+        wait_until(lambda: first.link.registered)
+        with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+            assert pool.store(keys, [block(i) for i in range(6)]) == [True] * 6  # on SSD too: they survive
+            assert len(pool.lookup(keys)) == 6
+            old = first.address
+            first.stop()
+            second = node()  # another port, the same arena name: a new segment
+            try:
+                wait_until(lambda: second.link.registered)
+                assert second.address != old
+                run = pool.lookup(keys)  # the view (taken before the restart) is not a second old yet
+                assert len(run) == 6 and {n.address for n in run.nodes} == {second.address}
+                outs = [np.empty(BLOCK, dtype=np.uint8) for _ in keys]
+                assert pool.get_into(run, outs) == [True] * 6
+                assert all(np.array_equal(o, block(i)) for i, o in enumerate(outs))
+            finally:
+                second.stop()
+    finally:
+        master.stop()

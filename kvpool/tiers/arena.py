@@ -97,6 +97,7 @@ Ownership of the name (one live owner per ``/dev/shm/<name>``):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -233,7 +234,7 @@ def _take_name(name: str, path: str, replace_stale: bool) -> int:
             os.close(fd)  # unlinked under us before we held it: someone else is taking the name; look again
             continue
         try:
-            old = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            old = _open_existing(path)
         except FileNotFoundError:
             continue  # gone meanwhile: try to create it again
         except OSError as exc:
@@ -250,10 +251,21 @@ def _take_name(name: str, path: str, replace_stale: bool) -> int:
             pid = _header_pid(old)
             log.warning("arena %s already exists but is stale (its owner%s is gone without removing it); "
                         "replacing it", path, f", pid {pid}," if pid else "")
+            if os.fstat(old).st_size >= _STATE_OFF + 8:  # readers still mapping it: its inventory is not the truth
+                with contextlib.suppress(OSError):  # opened read-only: they notice the new segment within 0.1 s
+                    os.pwrite(old, struct.pack("<Q", InventoryState.INCOMPLETE), _STATE_OFF)
             os.unlink(path)  # we hold its lock: no live owner uses the name
         finally:
             os.close(old)
     raise ValueError(f"arena {name!r}: {path} keeps being replaced by other processes; not starting")
+
+
+def _open_existing(path: str) -> int:
+    """The segment already under ``path``, read-write if we may (to mark it stale for its readers), else read-only."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except PermissionError:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
 
 
 def _is_at(fd: int, path: str) -> bool:
@@ -444,6 +456,8 @@ class SharedArena:
 
         Views handed out must be dropped first. Idempotent.
         """
+        if self.owner and self._state is not None:  # readers still mapping it must not take it for the truth
+            self._state[0] = InventoryState.INCOMPLETE
         # Drop the views so the mapping can close. They are typed as they are while open (every use): after
         # close, a use fails loudly on None, a state the types do not follow.
         self.table = self.gens = self.stamps = self.data = self._state = None  # type: ignore[assignment]
