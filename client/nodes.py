@@ -120,15 +120,20 @@ class NodeDirectory:
 
     # -- shared memory --------------------------------------------------------------------
 
-    def arena(self, node: NodeRef) -> SharedArena | None:
-        """The node's arena mapped here, or None if it is on another host or cannot be mapped now."""
+    def arena(self, node: NodeRef, *, recheck: bool = False) -> SharedArena | None:
+        """The node's arena mapped here, or None if it is on another host or cannot be mapped now.
+
+        A mapping is checked against ``/dev/shm`` at most every RECHECK_S (a
+        restarted node's new segment under the same name), or now with
+        ``recheck`` (writers: a slot of the old segment is not the new node's).
+        """
         if not self.config.shared_memory or node.host_id != self.host_id or not node.arena:
             return None
         with self._lock:
             cached = self._arenas.get(node.arena)
             if cached is not None:
                 now = time.monotonic()
-                if now < self._checked.get(node.arena, 0.0):
+                if not recheck and now < self._checked.get(node.arena, 0.0):
                     return cached
                 if cached.is_current():
                     self._checked[node.arena] = now + RECHECK_S

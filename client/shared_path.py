@@ -154,7 +154,7 @@ class SharedMemoryPath:
 
     def put(self, node: NodeRef, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
             sizes: list[int], result: list[bool]) -> list[int]:
-        arena = self.nodes.arena(node)
+        arena = self.nodes.arena(node, recheck=True)
         if arena is None:
             return idxs
         stub = self.nodes.stub(node.address)
