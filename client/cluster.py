@@ -121,10 +121,6 @@ class ClusterView:
         chosen = place(keys, sizes, [n.candidate for n in nodes])
         return Placement(chosen, [n.ref for n in nodes])
 
-    def all_on_host(self, host_id: str) -> bool:
-        """Whether every live node is on the host ``host_id`` (False without a view)."""
-        nodes = self.nodes()
-        return bool(nodes) and all(n.ref.host_id == host_id for n in nodes)
 
 
 def _node_view(status: master_pb2.NodeStatus) -> NodeView:
