@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from kvpool.checksum import copy_with_checksum
 from kvpool.core import Tier
 from kvpool.keys import BlockKey
 from kvpool.tiers.dram import DramStore
@@ -71,6 +73,32 @@ def test_write_through_puts_every_block_on_ssd_at_once(arena_name, tmp_path):
         node.put([key(i) for i in range(3, 6)], [block(i) for i in range(3, 6)])
         out = bytearray(SLOT)
         assert node.get_into([key(0)], [out]) == [Tier.SSD] and bytes(out) == block(0)
+    finally:
+        node.close()
+
+
+def test_write_through_copies_a_committed_block_before_a_concurrent_put_can_reuse_its_slot(arena_name, tmp_path):
+    """A Commit's write-through used to publish the slots first and copy them to SSD after: a put landing in
+    between evicted the block and reused its slot, and SSD stored the other block's bytes under its key (its
+    own verify had already passed)."""
+    node = make(arena_name, tmp_path, write_through=True, slots=2)
+    ssd_put = node.ssd.put
+    nested = []
+
+    def put_meanwhile(keys, values, checksums=None):
+        if not nested:  # the Commit's write-through: another writer fills DRAM before SSD copies
+            nested.append(True)
+            assert node.put([key(10), key(11)], [block(10), block(11)]) == [True, True]
+        return ssd_put(keys, values, checksums)
+
+    node.ssd.put = put_meanwhile
+    try:
+        res = node.dram.reserve([key(1)], [SLOT], None, owner="w")
+        sums = [copy_with_checksum(node.dram.arena.block(res.slots[0], SLOT), np.frombuffer(block(1), np.uint8))]
+        assert node.commit(res.lease, [key(1)], res.slots, sums, owner="w") == [True]
+        out = bytearray(SLOT)
+        assert node.ssd.get_into([key(1)], [out]) == [True] and bytes(out) == block(1)
+        assert nested and node.ssd.stats().corrupt == 0
     finally:
         node.close()
 

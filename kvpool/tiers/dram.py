@@ -65,7 +65,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypedDict
 
@@ -559,14 +559,16 @@ class DramStore:
 
     def commit(
         self, lease_id: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int], *,
-        owner: object = None,
+        owner: object = None, before_publish: Callable[[list[BlockKey], list[np.ndarray], list[int]], object] | None = None,
     ) -> list[bool]:
         """End ``owner``'s lease: publish the named slots whose bytes match ``checksums``; free the rest.
 
         Per key: True if stored now (or already held); False if the lease is
         unknown, lapsed or not ``owner``'s (then the lease is left as it was),
         the slot is not the lease's slot for that key, or the bytes do not
-        match the checksum.
+        match the checksum. ``before_publish(keys, views, checksums)`` sees the
+        verified blocks while their slots are still the lease's (nothing can
+        evict or reuse them yet: write-through copies them to SSD there).
         """
         keys = check_keys(keys)
         check_batch(keys, slots)
@@ -592,6 +594,10 @@ class DramStore:
                 good.append(item)
             else:
                 lease.slots[slot] = (keys[i], size)  # refused: freed with the rest below
+        if before_publish is not None and good:
+            views = [self.arena.block(slot, size) for _, slot, size, _ in good]
+            before_publish([keys[i] for i, *_ in good], views, [checksum for *_, checksum in good])
+            del views
         added: list[BlockMeta] = []
         with self._lock:
             for i, slot, size, checksum in good:

@@ -281,17 +281,12 @@ class NodeStore:
         self, lease: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int], *,
         owner: object = None,
     ) -> list[bool]:
-        """Publish ``owner``'s DRAM lease (:meth:`DramStore.commit`); with write-through, SSD gets its blocks too."""
-        stored = self.dram.commit(lease, keys, slots, checksums, owner=owner)
-        if self.write_through and any(stored):
-            assert self.ssd is not None, "tiered: write-through without an SSD tier"
-            picked = [(k, ref, int(c)) for k, ref, c, ok in zip(keys, self.dram.locate(keys), checksums, stored)
-                      if ok and ref is not None]
-            views = [self.dram.arena.view(ref.slot, ref.length) for _, ref, _ in picked]
-            # the checksums make SSD refuse bytes of a slot evicted and reused meanwhile
-            self.ssd.put([k for k, _, _ in picked], views, [c for _, _, c in picked])
-            del views
-        return stored
+        """Publish ``owner``'s DRAM lease (:meth:`DramStore.commit`); with write-through, SSD gets its blocks too,
+        copied while the slots are still leased (once published, a concurrent put may evict and reuse a slot
+        between SSD's verify and its copy)."""
+        ssd = self.ssd if self.write_through else None
+        return self.dram.commit(lease, keys, slots, checksums, owner=owner,
+                                before_publish=None if ssd is None else ssd.put)
 
     def remove(self, keys: Sequence[BlockKey]) -> int:
         """Drop keys from every tier; returns how many (key, tier) copies went."""
