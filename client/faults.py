@@ -10,6 +10,7 @@ ValueError either way, and is not counted here.
 from __future__ import annotations
 
 import logging
+import threading
 
 import grpc
 
@@ -44,6 +45,26 @@ class Faults:
     def __init__(self, errors: ErrorMetrics, *, strict: bool):
         self.errors = errors
         self.strict = strict
+        self._lock = threading.Lock()
+        self._later: PoolFault | None = None
+
+    def lost_later(self, kind: str, detail: object, n: int = 1) -> None:
+        """:meth:`lost` for a failure seen off the caller's thread (a commit sent without waiting): counted now;
+        in strict mode raised by the caller's next :meth:`raise_later`."""
+        self.errors.count(kind, n)
+        log.debug("pool fault (%s), seen in the background: %s", kind, detail)
+        if self.strict:
+            with self._lock:
+                self._later = self._later or PoolFault(kind, detail)
+
+    def raise_later(self) -> None:
+        """Raise the first :meth:`lost_later` fault not raised yet (strict mode only has any)."""
+        if self._later is None:
+            return
+        with self._lock:
+            fault, self._later = self._later, None
+        if fault is not None:
+            raise fault
 
     def lost(self, kind: str, detail: object, n: int = 1) -> None:
         """``n`` blocks lost to one failure: counted, and raised in strict mode."""

@@ -103,7 +103,7 @@ class PoolClient:
         mask = TenantMask(master_stub, config.lookup_timeout_s) if config.token else None
         self.local = LocalIndex(self.cluster, self.nodes, mask, enabled=config.shared_memory)
         self._local_counts = LocalLookupCounts()
-        self.shared_path = SharedMemoryPath(config, self.nodes, self.faults, mask)
+        self.shared_path = SharedMemoryPath(config, self.nodes, self.faults, mask, self._calls)
         self.bulk_path = BulkPath(config, self.nodes, self.faults, self._calls)
         self.grpc_path = GrpcPath(config, self.nodes, self.faults)
         self.paths: list[DataPath] = [self.shared_path, self.bulk_path, self.grpc_path]  # fastest first
@@ -126,6 +126,7 @@ class PoolClient:
         """
         keys = check_keys(keys)
         start = time.perf_counter()
+        self.shared_path.settle(self.config.io_timeout_s)  # read-your-writes: this client's commits published
         local = self.local.lookup(keys)
         if local is not None:
             if self._local_counts.add(hbm_prefix_blocks, local.tiers, len(keys), block_tokens):
@@ -160,6 +161,7 @@ class PoolClient:
         """Whether the pool holds each key; all False if the master cannot be asked (this host's arenas answer
         when every live node is here, as for :meth:`lookup`)."""
         packed = pack_keys(keys)
+        self.shared_path.settle(self.config.io_timeout_s)
         local = self.local.exists(keys)
         if local is not None:
             return local
@@ -234,6 +236,7 @@ class PoolClient:
             i = int(wrong[0])
             raise ValueError(f"output is {dsts[i].size} bytes, block {run.keys[i].hex()[:16]} is {int(run.sizes[i])}")
         start = time.perf_counter()
+        self.shared_path.settle(self.config.io_timeout_s)
         ok = [False] * len(run)
         if len(run.nodes) == 1:  # one node: one group, in order (no sorting)
             groups = [list(range(len(run)))] if len(run) else []
@@ -284,6 +287,8 @@ class PoolClient:
         start = time.monotonic()
         if not self._writer.flush(timeout):
             return False
+        if not self.shared_path.settle(self.config.io_timeout_s if timeout is None else timeout):
+            return False
         with self._written_lock:
             written, self._written = self._written, set()
         ok = self._send_local_counts()
@@ -309,18 +314,25 @@ class PoolClient:
         self.store(keys, arrays)
 
     def store(self, keys: Sequence[BlockKey], values: Sequence[BufferLike]) -> list[bool]:
-        """Write blocks to the pool now (synchronously); per block, whether the pool holds it afterwards.
+        """Write blocks to the pool now; per block, whether the pool took it.
 
         Placement comes from the client's cluster view (the master's
         ``PlaceBlocks`` without one); each node gets its blocks in one batch
-        by the fastest path it offers (see the module docstring). The nodes
-        report new blocks to the master in the background; when this
-        client's own lookups are answered by the master (not every node on
-        this host), ``store`` also waits for those reports (``FlushReports``),
-        so what it stored is what its next lookup finds. A pool fault is a
-        False, counted in the error metrics; misuse (bad keys, empty or
-        mismatched buffers) is a ValueError.
+        by the fastest path it offers (see the module docstring). On the
+        same-host path ``store`` returns once the bytes are in the node's
+        slots and the ``Commit`` is sent (:mod:`kvpool.client.commit_pipe`):
+        the node verifies and publishes them meanwhile, this client's next
+        ``lookup``, ``exists``, ``get_into`` or ``flush`` first waits for that,
+        and a block the node then refuses is a lost write (counted; in strict
+        mode raised by the next call). The nodes report new blocks to the
+        master in the background; when this client's own lookups are
+        answered by the master (not every node on this host), ``store`` also
+        waits for its commits and those reports (``FlushReports``), so what
+        it stored is what its next lookup finds. A pool fault is a False,
+        counted in the error metrics; misuse (bad keys, empty or mismatched
+        buffers) is a ValueError.
         """
+        self.faults.raise_later()
         keys = check_keys(keys)
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} buffers")
@@ -377,6 +389,7 @@ class PoolClient:
                 if idxs:  # no path took them: the node may be gone, so may the view that chose it
                     self.cluster.invalidate()
         if by_node and not self.local.answers():  # read-your-writes: this client's lookups ask the master
+            self.shared_path.settle(self.config.io_timeout_s)
             self._flush_reports({nodes[n].address for n in by_node}, self.config.io_timeout_s)
         return [result[first[k]] for k in keys]
 

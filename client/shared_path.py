@@ -30,7 +30,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import grpc
@@ -38,12 +40,14 @@ import numpy as np
 
 from kvpool.auth import MASK_BYTES, mask_keys
 from kvpool.checksum import copy_with_checksum
+from kvpool.client.commit_pipe import CommitPipe
 from kvpool.client.datapath import LEASE_CHUNK_BYTES, chunks
 from kvpool.client.faults import Faults, error_kind
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
 from kvpool.core import NodeRef
+from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.tiers.arena import KEY_DTYPE, SharedArena
 from kvpool.v1 import master_pb2, node_pb2
@@ -52,6 +56,7 @@ log = logging.getLogger(__name__)
 
 MASK_RETRY_S = 5.0  # a mask the master could not be asked for is asked again after this long
 STOCK_BYTES = 1 << 20  # slots leased ahead per node: a put's sizes again, up to this many bytes (one block at least)
+STOCK_DEPTH = 2  # stocks per node on the shelf or on their way (piped Commits): a put finds one without waiting
 STOCK_USE_SHARE = 0.5  # a stock is used only within this share of its lease's timeout (it must not lapse mid-put)
 
 
@@ -90,13 +95,17 @@ class SharedMemoryPath:
     """The :class:`~kvpool.client.datapath.DataPath` through a same-host node's arena (see module docstring)."""
 
     def __init__(self, config: ClientConfig, nodes: NodeDirectory, faults: Faults,
-                 tenant_mask: TenantMask | None = None):
+                 tenant_mask: TenantMask | None = None, calls: ConnectionPool | None = None):
         self.config = config
         self.nodes = nodes
         self.faults = faults
         self.tenant_mask = tenant_mask  # None: no token, keys are stored as sent
         self.use_index = True  # False: every read asks Locate (benchmarks measure that path)
+        self.calls = calls  # the wire connections commit pipes are made from (None: every Commit waits)
         self._stock = StockShelf()
+        self._lock = threading.Lock()
+        self._pipes: dict[str, CommitPipe] = {}
+        self._no_ahead: set[str] = set()  # nodes that lease nothing ahead to this client
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -165,12 +174,14 @@ class SharedMemoryPath:
 
     def _put_run(self, node: NodeRef, arena: SharedArena, stub: Any, run: list[int], keys: list[BlockKey],
                  arrays: list[np.ndarray], sizes: list[int], result: list[bool]) -> list[int]:
-        """One lease's worth: slots from the stock (leased ahead), Reserve for the rest, copy, one Commit."""
+        """One lease's worth: slots from the stock (leased ahead), Reserve for the rest, copy, one Commit (sent
+        without waiting where the node's :class:`CommitPipe` takes it)."""
         run_sizes = np.array([sizes[i] for i in run], dtype=np.int64)
         n = len(run)
         slots, gens = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint64)
         held = np.zeros(n, dtype=bool)
-        stock = self._stock.take(node.address, arena)
+        pipe = self._pipe(node.address)
+        stock = self._take_stock(node.address, arena, pipe)
         lease = 0
         if stock is not None:
             lease = stock.lease
@@ -206,9 +217,14 @@ class SharedMemoryPath:
         left = [run[j] for j in np.flatnonzero(~usable & ~held).tolist()]
         if not lease:
             return left
+        ahead = ahead_sizes(run_sizes)
         commit = node_pb2.CommitRequest(lease=lease, keys=pack_keys([keys[run[j]] for j in mine]),
-                                        slots=slots[mine].tolist(), checksums=sums,
-                                        next_sizes=ahead_sizes(run_sizes))
+                                        slots=slots[mine].tolist(), checksums=sums, next_sizes=ahead)
+        if pipe is not None and pipe.send(commit, partial(self._committed, node.address, arena, commit)):
+            for j in mine:  # in the node's slots, the Commit on its way: a refusal is a lost write, counted later
+                result[run[j]] = True
+            self._top_up(node.address, arena, pipe, ahead)
+            return left
         try:
             reply = stub.Commit(commit, timeout=self.config.io_timeout_s)
         except grpc.RpcError as exc:
@@ -218,7 +234,7 @@ class SharedMemoryPath:
         if len(reply.stored) != len(mine):
             self.faults.lost("bad_reply", "commit reply fields disagree", len(mine))
             return left
-        self._stock.keep(node.address, arena, reply.next, list(commit.next_sizes))
+        self._stock.keep(node.address, arena, reply.next, ahead)
         refused = 0
         for j, flag in zip(mine, reply.stored):
             result[run[j]] = flag != 0
@@ -226,6 +242,71 @@ class SharedMemoryPath:
         if refused:
             self.faults.counted("put_refused", refused)
         return left
+
+    def _pipe(self, address: str) -> CommitPipe | None:
+        """The node's commit pipe; None where commits must wait (TLS, see :mod:`kvpool.client.commit_pipe`)."""
+        if self.calls is None or self.calls.tls is not None:
+            return None
+        with self._lock:
+            pipe = self._pipes.get(address)
+            if pipe is None:
+                stub = self.nodes.stub(address)
+                pipe = self._pipes[address] = CommitPipe(self.calls, stub.wire_address,
+                                                         timeout_s=self.config.io_timeout_s)
+            return pipe
+
+    def _take_stock(self, address: str, arena: SharedArena, pipe: CommitPipe | None) -> Stock | None:
+        """A stock for the next put, waiting for the replies in flight (each brings one) if the shelf is empty."""
+        stock = self._stock.take(address, arena)
+        while stock is None and pipe is not None:
+            waiting = pipe.in_flight
+            if not waiting or not pipe.wait(waiting - 1, self.config.io_timeout_s):
+                break
+            stock = self._stock.take(address, arena)
+        return stock
+
+    def _top_up(self, address: str, arena: SharedArena, pipe: CommitPipe, ahead: list[int]) -> None:
+        """Keep STOCK_DEPTH stocks on the shelf or on their way: the next put then finds one without waiting
+        (an empty Commit with ``next_sizes`` only leases ahead)."""
+        if address in self._no_ahead or self._stock.count(address) + pipe.in_flight >= STOCK_DEPTH:
+            return
+        request = node_pb2.CommitRequest(next_sizes=ahead)
+        pipe.send(request, partial(self._committed, address, arena, request))
+
+    def _committed(self, address: str, arena: SharedArena, request: node_pb2.CommitRequest,
+                   reply: node_pb2.CommitResponse | None, error: grpc.RpcError | None) -> None:
+        """A piped Commit's answer (the pipe's reader thread): file its stock, count what it did not store.
+
+        A Commit the node never read (a full listener) is sent again the waiting way."""
+        n = len(request.slots)
+        if reply is None and n and getattr(error, "not_applied", False):
+            try:
+                reply = self.nodes.stub(address).Commit(request, timeout=self.config.io_timeout_s)
+            except grpc.RpcError as exc:
+                error = exc
+        if reply is None:
+            if n:
+                self.faults.lost_later(error_kind(error) if error is not None else "unavailable", error, n)
+            return
+        asked = list(request.next_sizes)
+        if len(reply.stored) != n:
+            self.faults.lost_later("bad_reply", "commit reply fields disagree", n)
+        else:
+            refused = reply.stored.count(0)
+            if refused:
+                self.faults.lost_later("put_refused", f"{address} refused {refused} of {n} committed blocks", refused)
+        if asked and not reply.next.lease:
+            self._no_ahead.add(address)  # e.g. a tenant under a quota: no stock comes, so none is asked for
+        self._stock.keep(address, arena, reply.next, asked)
+
+    def settle(self, timeout: float) -> bool:
+        """Wait until every Commit sent without waiting is answered (what this client stored is published), then
+        raise the first fault they left in strict mode; False on timeout."""
+        with self._lock:
+            pipes = list(self._pipes.values())
+        ok = all([pipe.wait(0, timeout) for pipe in pipes])
+        self.faults.raise_later()
+        return ok
 
     def _reserve(self, node: NodeRef, stub: Any, arena: SharedArena, run: list[int], keys: list[BlockKey],
                  sizes: list[int], lease: int) -> node_pb2.ReserveResponse | None:
@@ -250,7 +331,12 @@ class SharedMemoryPath:
         return self._stock.slots()
 
     def close(self) -> None:
-        """Hand the stock back (an empty Commit ends a lease; if it fails, the node reaps the lease)."""
+        """Wait briefly for the piped Commits, then hand the stock back (an empty Commit ends a lease; if it
+        fails, the node reaps the lease)."""
+        with self._lock:
+            pipes, self._pipes = list(self._pipes.values()), {}
+        for pipe in pipes:
+            pipe.close(min(self.config.io_timeout_s, 5.0))
         for address, stock in self._stock.clear():
             try:
                 self.nodes.stub(address).Commit(node_pb2.CommitRequest(lease=stock.lease),
@@ -291,19 +377,27 @@ class Stock:
 
 
 class StockShelf:
-    """Each node's :class:`Stock` for this client (thread-safe: a put takes the whole stock, its Commit brings
-    the next)."""
+    """Each node's :class:`Stock` s for this client, oldest first (thread-safe: a put takes a whole stock, its
+    Commit brings the next)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._stock: dict[str, Stock] = {}
+        self._stock: dict[str, deque[Stock]] = {}
 
     def take(self, address: str, arena: SharedArena) -> Stock | None:
+        """The oldest stock still usable in ``arena`` (older ones are dropped: their leases lapse on the node)."""
+        now = time.monotonic()
         with self._lock:
-            stock = self._stock.pop(address, None)
-        if stock is None or stock.arena is not arena or time.monotonic() > stock.use_by:
-            return None
-        return stock
+            shelf = self._stock.get(address)
+            while shelf:
+                stock = shelf.popleft()
+                if stock.arena is arena and now <= stock.use_by:
+                    return stock
+        return None
+
+    def count(self, address: str) -> int:
+        with self._lock:
+            return len(self._stock.get(address, ()))
 
     def keep(self, address: str, arena: SharedArena, reply: node_pb2.ReserveResponse, asked: list[int]) -> None:
         """File a Commit's ``next`` (slots leased for ``asked`` sizes, in order; gen 0: not granted)."""
@@ -315,14 +409,14 @@ class StockShelf:
                       np.asarray(asked[: len(gens)], dtype=np.int64)[got],
                       time.monotonic() + STOCK_USE_SHARE * reply.lease_timeout_s)
         with self._lock:
-            self._stock[address] = stock
+            self._stock.setdefault(address, deque()).append(stock)
 
     def slots(self) -> int:
         with self._lock:
-            return sum(len(stock.slots) for stock in self._stock.values())
+            return sum(len(stock.slots) for shelf in self._stock.values() for stock in shelf)
 
     def clear(self) -> list[tuple[str, Stock]]:
         """Empty the shelf; what was on it."""
         with self._lock:
-            stocks, self._stock = list(self._stock.items()), {}
+            stocks, self._stock = [(a, st) for a, shelf in self._stock.items() for st in shelf], {}
         return stocks

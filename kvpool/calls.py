@@ -67,9 +67,13 @@ class FastStub:
             return getattr(self._grpc, name)
         return lambda request, timeout=None: self.call(name, request, timeout)
 
+    def wire_address(self) -> str | None:
+        """The peer's wire ``host:port`` now; None: it has none, or it was unreachable lately (use gRPC)."""
+        return self._address() if time.monotonic() >= self._down_until else None
+
     def call(self, name: str, request: Message, timeout: float | None = None) -> Any:
         """Call ``name`` over fast calls if the peer has them, else over gRPC; errors are ``grpc.RpcError``."""
-        address = self._address() if time.monotonic() >= self._down_until else None
+        address = self.wire_address()
         if address is None:
             return getattr(self._grpc, name)(request, timeout=timeout)
         method, _ = self._methods[name]

@@ -634,6 +634,10 @@ class ConnectionPool:
                 raise
         return sock, False
 
+    def connect(self, address: str) -> socket.socket:
+        """A new connection to ``address`` (TLS and ``hello`` done) that the caller owns and closes; not pooled."""
+        return self._acquire(address, fresh=True)[0]
+
     def _release(self, address: str, sock: socket.socket) -> None:
         with self._lock:
             idle = self._idle.setdefault(address, [])

@@ -199,6 +199,8 @@ def request_limit(message: type[Message], max_keys: int) -> int:
 class CallError(grpc.RpcError):
     """A wire call that failed, shaped like a gRPC error (``code()``, ``details()``)."""
 
+    not_applied = False  # True: the peer read nothing of the request (a full listener's refusal)
+
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(f"{code.name}: {details}")
         self._code = code

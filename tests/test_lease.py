@@ -383,10 +383,10 @@ def test_client_store_on_the_same_host_goes_through_the_arena(tmp_path, arena_na
                 values = [block(i, n) for i, n in enumerate([1, 4096, 12345, 1 << 20, 1 << 20, 999])]
                 stored = pool.store(keys + keys[:1], values + values[:1])  # a repeated key shares its fate
                 assert stored == [True] * 7
+                assert pool.flush()  # the barrier: the piped Commits answered, the node's reports at the master
                 stocked = pool.shared_path.stocked_slots()
                 assert stocked >= 1  # slots leased ahead for the next put (it is one Commit)
                 assert n.store.dram.leased_slots == stocked
-                assert pool.flush()  # the barrier: the node's reports reached the master
                 locations = pool.lookup(keys)
                 assert [loc.tier for loc in locations] == [Tier.DRAM] * 6
                 outs = [np.empty_like(v) for v in values]

@@ -3,19 +3,25 @@ the put's path (issue 14)."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+
 import numpy as np
 import pytest
 from support import wait_until
 
 from kvpool.calls import FastStub
 from kvpool.checksum import copy_with_checksum
-from kvpool.client.pool import PoolClient
+from kvpool.client.commit_pipe import CommitPipe
+from kvpool.client.pool import PoolClient, PoolFault
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.master.server import MasterServer
+from kvpool.metrics import error_counts
 from kvpool.node.daemon import PoolNode
 from kvpool.tiers.dram import DramStore
-from kvpool.v1 import master_pb2
+from kvpool.v1 import master_pb2, node_pb2
+from kvpool.wire import Method
 
 SLOT = 4096
 
@@ -86,18 +92,27 @@ def pool_node(tmp_path, arena_name):
 
 class CallLog:
     """Every fast-call-capable method a client calls (both transports pass through FastStub.call; the node's
-    own link to the master, in this process too, is left out)."""
+    own link to the master, in this process too, is left out), and every Commit it pipes: ``Commit`` with
+    blocks, ``LeaseAhead`` for one that only leases slots ahead (how many of those depends on timing)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, node: PoolNode):
         self.names: list[str] = []
-        call = FastStub.call
+        call, send = FastStub.call, CommitPipe.send
 
         def logged(stub, name, request, timeout=None):
             if stub is not node.link._stub:
                 self.names.append(name)
             return call(stub, name, request, timeout)
 
+        def piped(pipe, request, done):
+            self.names.append("Commit" if request.keys else "LeaseAhead")
+            return send(pipe, request, done)
+
         monkeypatch.setattr(FastStub, "call", logged)
+        monkeypatch.setattr(CommitPipe, "send", piped)
+
+    def calls(self) -> list[str]:
+        return [name for name in self.names if name != "LeaseAhead"]
 
 
 def test_a_same_host_put_is_one_commit_and_no_master_call(pool_node, monkeypatch):
@@ -107,9 +122,9 @@ def test_a_same_host_put_is_one_commit_and_no_master_call(pool_node, monkeypatch
         calls = CallLog(monkeypatch, n)
         for i in range(1, 6):
             assert pool.store([key(i)], [block(i)]) == [True]
-        assert calls.names == ["Commit"] * 5  # no PlaceBlocks, no Reserve: slots were leased ahead by each Commit
+        assert calls.calls() == ["Commit"] * 5  # no PlaceBlocks, no Reserve: slots were leased ahead by each Commit
         assert pool.flush()
-        assert calls.names[5:] == ["FlushReports"]
+        assert calls.calls()[5:] == ["FlushReports"]
         present = master.servicer.Exists(master_pb2.ExistsRequest(keys=pack_keys([key(i) for i in range(6)])), None)
         assert present.present == b"\x01" * 6  # in the master's index once flush returned
         outs = [np.empty(SLOT, dtype=np.uint8) for _ in range(6)]
@@ -122,8 +137,9 @@ def test_a_put_whose_stock_lapsed_gets_fresh_slots_and_stores(pool_node):
     master, n = pool_node
     with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
         assert pool.store([key(0)], [block(0)]) == [True]
-        assert pool.shared_path.stocked_slots() == 1
-        assert n.store.dram.expire(now=float("inf")) == 1  # the node reaped the stock's lease under the client
+        assert pool.flush()
+        assert pool.shared_path.stocked_slots() == 2  # the Commit's stock and one more (STOCK_DEPTH)
+        assert n.store.dram.expire(now=float("inf")) == 2  # the node reaped the stocks' leases under the client
         assert pool.store([key(1), key(2)], [block(1), block(2)]) == [True, True]
         assert pool.flush()
         outs = [np.empty(SLOT, dtype=np.uint8) for _ in range(2)]
@@ -135,12 +151,14 @@ def test_a_put_of_other_sizes_extends_the_stock_lease_and_commits_once(pool_node
     master, n = pool_node
     with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
         assert pool.store([key(0)], [block(0)]) == [True]
+        assert pool.flush()  # two stocks of one slot on the shelf
         calls = CallLog(monkeypatch, n)
         values = [block(1), block(2, 3 * SLOT)]  # one size in stock, one not
         assert pool.store([key(1), key(2)], values) == [True, True]
-        assert calls.names == ["Reserve", "Commit"]
-        assert n.store.dram.leased_slots == pool.shared_path.stocked_slots() == 2  # the next stock: both sizes
+        assert calls.calls() == ["Reserve", "Commit"]
         assert pool.flush()
+        # the stock left and the next one, for both sizes
+        assert n.store.dram.leased_slots == pool.shared_path.stocked_slots() == 3
         outs = [np.empty_like(v) for v in values]
         assert pool.get_into(pool.lookup([key(1), key(2)]), outs) == [True, True]
         assert all(np.array_equal(o, v) for o, v in zip(outs, values))
@@ -169,3 +187,93 @@ def test_the_client_places_as_the_master_would(tmp_path, arena_name):
         for n in nodes:
             n.stop()
         master.stop()
+
+
+# -- commits sent without waiting (client/commit_pipe.py) ----------------------------------------------
+
+
+def hold_commits(node: PoolNode):
+    """Make the node's wire Commit handler wait for ``release`` (``entered`` once one arrived); restore with
+    the returned function."""
+    entered, release = threading.Event(), threading.Event()
+    handler = node.bulk.handler
+    route = handler.route(Method.COMMIT)
+    assert route is not None
+
+    def held(request, context):
+        entered.set()
+        assert release.wait(30), "test: commit never released"
+        return route.fn(request, context)
+
+    handler.replace(Method.COMMIT, dataclasses.replace(route, fn=held))
+    return entered, release, lambda: handler.replace(Method.COMMIT, route)
+
+
+def test_a_store_returns_before_the_node_answers_and_the_next_lookup_waits_for_it(pool_node):
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+        assert pool.store([key(0)], [block(0)]) == [True]
+        assert pool.flush()
+        entered, release, restore = hold_commits(n)
+        try:
+            assert pool.store([key(1)], [block(1)]) == [True]  # returned with the node's Commit handler held
+            assert entered.wait(10) and n.store.dram.locate([key(1)]) == [None]  # not published yet
+            found: list[int] = []
+            reader = threading.Thread(target=lambda: found.append(len(pool.lookup([key(1)]))))
+            reader.start()
+            reader.join(0.5)
+            assert reader.is_alive() and not found  # read-your-writes: it waits for the Commit's answer
+            release.set()
+            reader.join(10)
+            assert found == [1]
+        finally:
+            release.set()
+            restore()
+        out = np.empty(SLOT, dtype=np.uint8)
+        assert pool.get_into(pool.lookup([key(1)]), [out]) == [True] and np.array_equal(out, block(1))
+
+
+def test_a_commit_the_node_refuses_after_the_store_returned_is_a_lost_write_raised_next_in_strict_mode(pool_node):
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+        assert pool.store([key(0)], [block(0)]) == [True]
+        assert pool.flush()
+        handler = n.bulk.handler
+        route = handler.route(Method.COMMIT)
+        assert route is not None
+
+        def refuse(request, context):  # as a node does for bytes that do not match their checksums
+            return node_pb2.CommitResponse(stored=bytes(len(request.slots)))
+
+        handler.replace(Method.COMMIT, dataclasses.replace(route, fn=refuse))
+        try:
+            assert pool.store([key(1)], [block(1)]) == [True]
+            with pytest.raises(PoolFault) as raised:
+                pool.flush()
+            assert raised.value.kind == "put_refused"
+        finally:
+            handler.replace(Method.COMMIT, route)
+        assert error_counts(pool.registry).get("put_refused") == 1
+        assert pool.lookup([key(1)]).keys == []  # never published: a miss, not an error
+        assert pool.store([key(1)], [block(1)]) == [True] and pool.flush()  # the next Commit goes through
+        assert len(pool.lookup([key(1)])) == 1
+
+
+def test_commits_in_flight_when_the_node_dies_are_counted_lost_never_raised(pool_node):
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address)) as pool:  # not strict: what an engine runs
+        assert pool.store([key(0)], [block(0)]) == [True]
+        assert pool.flush()
+        entered, release, restore = hold_commits(n)
+        try:
+            assert pool.store([key(1)], [block(1)]) == [True]
+            assert entered.wait(10)
+            n.bulk.stop()  # the wire listener goes, cutting the connection the Commit came on
+            release.set()
+            assert pool.shared_path.settle(10)  # every piped Commit answered or failed
+        finally:
+            release.set()
+            restore()
+        counts = error_counts(pool.registry)
+        assert counts.get("unavailable", 0) + counts.get("timeout", 0) >= 1
+        assert pool.store([key(2)], [block(2)]) in ([True], [False])  # a fault is a miss or a False, never raised

@@ -333,9 +333,9 @@ def test_the_same_host_path_serves_an_authenticated_client_from_the_arena_with_i
     ks, vs = prompt_keys(3), blocks(3, seed=3)
     with client(master, TOKEN_A, shared_memory=True) as a:
         assert a.store(ks, vs) == [True] * 3
+        assert a.flush()
         # written into the arena under a lease, committed; what is leased now is the stock for the next put
         assert node.store.dram.leased_slots == a.shared_path.stocked_slots()
-        assert a.flush()
         hits = node.store.dram.stats().hits
         for use_index in (True, False):  # rows found by the arena's key index, or by Locate: checked against the
             a.shared_path.use_index = use_index  # masked keys either way
