@@ -31,8 +31,10 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from itertools import cycle, islice
 from typing import Any
 
 import grpc
@@ -55,8 +57,10 @@ from kvpool.v1 import master_pb2, node_pb2
 log = logging.getLogger(__name__)
 
 MASK_RETRY_S = 5.0  # a mask the master could not be asked for is asked again after this long
-STOCK_BYTES = 1 << 20  # slots leased ahead per node: a put's sizes again, up to this many bytes (one block at least)
-STOCK_DEPTH = 2  # stocks per node on the shelf or on their way (piped Commits): a put finds one without waiting
+STOCK_BYTES = 1 << 20  # slots leased ahead per stock: a put's sizes again and again, up to this many bytes (one
+# block at least); a stock serves several puts (each Commit keeps the lease's other slots), and the next is leased
+# before it runs out
+STOCK_SLOTS = 256  # most slots one stock leases ahead
 STOCK_USE_SHARE = 0.5  # a stock is used only within this share of its lease's timeout (it must not lapse mid-put)
 
 
@@ -106,6 +110,7 @@ class SharedMemoryPath:
         self._lock = threading.Lock()
         self._pipes: dict[str, CommitPipe] = {}
         self._no_ahead: set[str] = set()  # nodes that lease nothing ahead to this client
+        self._asking: dict[str, int] = {}  # per node: piped Commits with next_sizes not answered yet
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -185,11 +190,12 @@ class SharedMemoryPath:
         lease = 0
         if stock is not None:
             lease = stock.lease
-            stock.assign(run_sizes, slots, gens)
+            stock.assign(run_sizes.tolist(), slots, gens)
         short = np.flatnonzero(gens == 0)
         if short.size:
             reply = self._reserve(node, stub, arena, [run[j] for j in short.tolist()], keys, sizes, lease)
             if reply is None and lease:  # the stock's lease lapsed or was refused: a fresh one for the whole run
+                stock = None
                 lease, slots[:], gens[:] = 0, 0, 0
                 short = np.arange(n)
                 reply = self._reserve(node, stub, arena, run, keys, sizes, 0)
@@ -217,14 +223,22 @@ class SharedMemoryPath:
         left = [run[j] for j in np.flatnonzero(~usable & ~held).tolist()]
         if not lease:
             return left
-        ahead = ahead_sizes(run_sizes)
+        keep = stock is not None and stock.lease == lease and stock.left() > 0  # the rest for the next puts
+        if stock is not None and keep:
+            self._stock.put_back(node.address, stock)
+        ahead = ahead_sizes(run_sizes.tolist()) if self._wants_stock(node.address, n) else []
         commit = node_pb2.CommitRequest(lease=lease, keys=pack_keys([keys[run[j]] for j in mine]),
-                                        slots=slots[mine].tolist(), checksums=sums, next_sizes=ahead)
-        if pipe is not None and pipe.send(commit, partial(self._committed, node.address, arena, commit)):
-            for j in mine:  # in the node's slots, the Commit on its way: a refusal is a lost write, counted later
-                result[run[j]] = True
-            self._top_up(node.address, arena, pipe, ahead)
-            return left
+                                        slots=slots[mine].tolist(), checksums=sums, next_sizes=ahead,
+                                        keep_lease=keep)
+        if pipe is not None:
+            if ahead:
+                self._asking_more(node.address, +1)
+            if pipe.send(commit, partial(self._committed, node.address, arena, commit)):
+                for j in mine:  # in the node's slots, the Commit on its way: a refusal is a lost write, counted later
+                    result[run[j]] = True
+                return left
+            if ahead:
+                self._asking_more(node.address, -1)
         try:
             reply = stub.Commit(commit, timeout=self.config.io_timeout_s)
         except grpc.RpcError as exc:
@@ -265,13 +279,17 @@ class SharedMemoryPath:
             stock = self._stock.take(address, arena)
         return stock
 
-    def _top_up(self, address: str, arena: SharedArena, pipe: CommitPipe, ahead: list[int]) -> None:
-        """Keep STOCK_DEPTH stocks on the shelf or on their way: the next put then finds one without waiting
-        (an empty Commit with ``next_sizes`` only leases ahead)."""
-        if address in self._no_ahead or self._stock.count(address) + pipe.in_flight >= STOCK_DEPTH:
-            return
-        request = node_pb2.CommitRequest(next_sizes=ahead)
-        pipe.send(request, partial(self._committed, address, arena, request))
+    def _wants_stock(self, address: str, n: int) -> bool:
+        """Whether a Commit of ``n`` blocks should lease the next stock: the node leases ahead to this client, no
+        stock is on its way, and the shelf would not cover two more puts like this one."""
+        with self._lock:
+            if address in self._no_ahead or self._asking.get(address, 0):
+                return False
+        return self._stock.slots_at(address) < 2 * n
+
+    def _asking_more(self, address: str, change: int) -> None:
+        with self._lock:
+            self._asking[address] = self._asking.get(address, 0) + change
 
     def _committed(self, address: str, arena: SharedArena, request: node_pb2.CommitRequest,
                    reply: node_pb2.CommitResponse | None, error: grpc.RpcError | None) -> None:
@@ -279,6 +297,9 @@ class SharedMemoryPath:
 
         A Commit the node never read (a full listener) is sent again the waiting way."""
         n = len(request.slots)
+        asked = list(request.next_sizes)
+        if asked:
+            self._asking_more(address, -1)
         if reply is None and n and getattr(error, "not_applied", False):
             try:
                 reply = self.nodes.stub(address).Commit(request, timeout=self.config.io_timeout_s)
@@ -288,13 +309,13 @@ class SharedMemoryPath:
             if n:
                 self.faults.lost_later(error_kind(error) if error is not None else "unavailable", error, n)
             return
-        asked = list(request.next_sizes)
         if len(reply.stored) != n:
             self.faults.lost_later("bad_reply", "commit reply fields disagree", n)
         else:
             refused = reply.stored.count(0)
             if refused:
                 self.faults.lost_later("put_refused", f"{address} refused {refused} of {n} committed blocks", refused)
+                self._stock.drop(address, request.lease)  # its lease may be gone: its other slots too
         if asked and not reply.next.lease:
             self._no_ahead.add(address)  # e.g. a tenant under a quota: no stock comes, so none is asked for
         self._stock.keep(address, arena, reply.next, asked)
@@ -342,43 +363,47 @@ class SharedMemoryPath:
                 self.nodes.stub(address).Commit(node_pb2.CommitRequest(lease=stock.lease),
                                                 timeout=min(self.config.io_timeout_s, 1.0))
             except grpc.RpcError as exc:
-                log.debug("could not hand back %d slots leased ahead by %s (%s)", len(stock.slots), address,
+                log.debug("could not hand back %d slots leased ahead by %s (%s)", stock.left(), address,
                           error_kind(exc))
 
 
-def ahead_sizes(run_sizes: np.ndarray) -> list[int]:
-    """The slots to lease ahead after a put of ``run_sizes``: the same sizes again, at most STOCK_BYTES of them
-    (at least one block)."""
-    total = np.cumsum(run_sizes)
-    n = max(1, int(np.searchsorted(total, STOCK_BYTES, side="right")))
-    return run_sizes[:n].tolist()
+def ahead_sizes(run_sizes: Sequence[int]) -> list[int]:
+    """The slots to lease ahead after a put of ``run_sizes``: those sizes again and again, up to STOCK_BYTES and
+    STOCK_SLOTS (one block at least)."""
+    out: list[int] = []
+    total = 0
+    for n in islice(cycle(run_sizes), STOCK_SLOTS):
+        if out and total + n > STOCK_BYTES:
+            break
+        out.append(n)
+        total += n
+    return out
 
 
 @dataclass
 class Stock:
-    """Slots one node leased to this client ahead of its next put (keys not known yet), until ``use_by``."""
+    """Slots one node leased to this client ahead of its next puts (keys not known yet), until ``use_by``."""
 
     lease: int
     arena: SharedArena  # the mapping its slots are in (a restarted node's new segment is another)
-    slots: np.ndarray  # int64
-    gens: np.ndarray  # uint64, each != 0
-    sizes: np.ndarray  # int64: the block size each slot was leased for (a block must be exactly that long)
+    free: dict[int, list[tuple[int, int]]]  # block size -> (slot, gen) leased for blocks of exactly that size
     use_by: float  # time.monotonic() after which the lease may lapse under us: not used
 
-    def assign(self, want: np.ndarray, slots: np.ndarray, gens: np.ndarray) -> None:
-        """Give each wanted size a stock slot of exactly that size while there are any (gens 0: none left)."""
-        free = np.ones(len(self.sizes), dtype=bool)
-        for j, size in enumerate(want.tolist()):
-            match = np.flatnonzero(free & (self.sizes == size))
-            if match.size:
-                k = int(match[0])
-                free[k] = False
-                slots[j], gens[j] = self.slots[k], self.gens[k]
+    def assign(self, want: list[int], slots: np.ndarray, gens: np.ndarray) -> None:
+        """Give each wanted size a slot of exactly that size while there are any (gens 0: none left); the slots
+        given leave the stock."""
+        for j, size in enumerate(want):
+            pool = self.free.get(size)
+            if pool:
+                slots[j], gens[j] = pool.pop()
+
+    def left(self) -> int:
+        return sum(len(pool) for pool in self.free.values())
 
 
 class StockShelf:
-    """Each node's :class:`Stock` s for this client, oldest first (thread-safe: a put takes a whole stock, its
-    Commit brings the next)."""
+    """Each node's :class:`Stock` s for this client, oldest first (thread-safe: a put takes a stock, puts it back
+    if slots are left, and a Commit brings the next)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -395,25 +420,39 @@ class StockShelf:
                     return stock
         return None
 
-    def count(self, address: str) -> int:
+    def drop(self, address: str, lease: int) -> None:
+        """Forget the stock of ``lease`` (the node refused a commit of it)."""
         with self._lock:
-            return len(self._stock.get(address, ()))
+            shelf = self._stock.get(address)
+            if shelf:
+                self._stock[address] = deque(stock for stock in shelf if stock.lease != lease)
+
+    def put_back(self, address: str, stock: Stock) -> None:
+        """Return a taken stock with slots left, to be taken first."""
+        with self._lock:
+            self._stock.setdefault(address, deque()).appendleft(stock)
 
     def keep(self, address: str, arena: SharedArena, reply: node_pb2.ReserveResponse, asked: list[int]) -> None:
         """File a Commit's ``next`` (slots leased for ``asked`` sizes, in order; gen 0: not granted)."""
         if not reply.lease or reply.arena != arena.name or not len(reply.slots) == len(reply.slot_gens) <= len(asked):
             return
-        gens = np.asarray(reply.slot_gens, dtype=np.uint64)
-        got = np.flatnonzero(gens != 0)
-        stock = Stock(reply.lease, arena, np.asarray(reply.slots, dtype=np.int64)[got], gens[got],
-                      np.asarray(asked[: len(gens)], dtype=np.int64)[got],
-                      time.monotonic() + STOCK_USE_SHARE * reply.lease_timeout_s)
+        free: dict[int, list[tuple[int, int]]] = {}
+        for size, slot, gen in zip(asked, reply.slots, reply.slot_gens):
+            if gen:
+                free.setdefault(size, []).append((slot, gen))
+        if not free:
+            return
+        stock = Stock(reply.lease, arena, free, time.monotonic() + STOCK_USE_SHARE * reply.lease_timeout_s)
         with self._lock:
             self._stock.setdefault(address, deque()).append(stock)
 
+    def slots_at(self, address: str) -> int:
+        with self._lock:
+            return sum(stock.left() for stock in self._stock.get(address, ()))
+
     def slots(self) -> int:
         with self._lock:
-            return sum(len(stock.slots) for shelf in self._stock.values() for stock in shelf)
+            return sum(stock.left() for shelf in self._stock.values() for stock in shelf)
 
     def clear(self) -> list[tuple[str, Stock]]:
         """Empty the shelf; what was on it."""

@@ -246,7 +246,7 @@ class Connection:
     """
 
     __slots__ = ("sock", "host", "thread", "state", "trusted", "cut", "headers", "accepted", "since",
-                 "request_start", "deadline", "_listener")
+                 "request_start", "deadline", "_listener", "_armed")
 
     def __init__(self, listener: TcpListener, sock: socket.socket, host: str):
         now = time.monotonic()
@@ -262,6 +262,7 @@ class Connection:
         self.request_start = now
         self.deadline = now + FIRST_FRAME_S
         self._listener = listener
+        self._armed = False  # the socket's kernel timeouts are set (once: the watchdog keeps the deadlines)
 
     def _set_deadline(self) -> None:
         if not self.trusted:
@@ -270,9 +271,6 @@ class Connection:
             self.deadline = self.since + IDLE_TIMEOUT_S
         else:
             self.deadline = self.request_start + self._listener.request_deadline_s
-
-    def _left(self) -> float:
-        return max(0.001, self.deadline - time.monotonic())
 
     def next_request(self, header_bytes: int, *, authenticated: bool = True) -> bytes:
         """Wait for the next request and read its header (exactly ``header_bytes``); ``b""``: close the connection.
@@ -291,22 +289,25 @@ class Connection:
             if authenticated and self.headers:  # a header arrived before, and now it may ask
                 self.trusted = True
             self._set_deadline()
-            left = self._left()
-        set_io_timeout(self.sock, left)
-        try:
-            first = self.sock.recv(header_bytes)
-        except OSError as exc:
-            if is_timeout(exc):
-                return b""
-            raise
+        if not self._armed:  # one receive or send stalls at most this long; the watchdog cuts at the deadlines
+            set_io_timeout(self.sock, min(IO_TIMEOUT_S, self._listener.request_deadline_s))
+            self._armed = True
+        while True:
+            try:
+                first = self.sock.recv(header_bytes)
+                break
+            except OSError as exc:
+                if not is_timeout(exc):
+                    raise
+                with lock:  # quiet for one io timeout: keep waiting until the idle deadline
+                    if self.cut or time.monotonic() >= self.deadline:
+                        return b""
         with lock:
             if self.cut or not first:
                 return b""
             self.state = READING
             self.since = self.request_start = time.monotonic()
             self._set_deadline()
-            left = self._left()
-        set_io_timeout(self.sock, min(IO_TIMEOUT_S, left))
         header = first if len(first) == header_bytes else first + recv_exact(self.sock, header_bytes - len(first))
         with lock:
             if self.cut:

@@ -74,6 +74,38 @@ def test_a_lease_is_extended_only_by_its_owner_while_it_lives(dram):
     assert dram.reserve([key(3)], [SLOT], None, owner="a", extend=lapsed.lease).lease == 0  # past its deadline
 
 
+def test_a_kept_lease_publishes_what_is_named_frees_what_is_refused_and_keeps_the_rest_until_its_deadline(dram):
+    res = dram.lease_ahead([SLOT] * 4, 60.0, owner="a")
+    assert res.lease and all(res.gens)
+    good = copy_with_checksum(dram.arena.block(res.slots[0], SLOT), block(1))
+    copy_with_checksum(dram.arena.block(res.slots[1], SLOT), block(2))
+    assert dram.commit(res.lease, [key(1), key(2)], res.slots[:2], [good, 12345], owner="a", keep=True) == \
+        [True, False]  # the second's checksum is wrong: refused, and its slot freed
+    assert dram.leased_slots == 2  # slots 3 and 4 are still the lease's
+    assert dram.commit(res.lease, [key(3)], res.slots[:1], [good], owner="a", keep=True) == [False]  # used
+    third = copy_with_checksum(dram.arena.block(res.slots[2], SLOT), block(3))
+    assert dram.commit(res.lease, [key(3)], [res.slots[2]], [third], owner="a", keep=True) == [True]
+    assert dram.leased_slots == 1
+    assert dram.expire(now=float("inf")) == 1  # a kept lease still lapses at its deadline
+    assert dram.keys() == [key(1), key(3)]
+
+
+def test_keep_does_not_hold_a_lease_under_a_quota_charge(dram):
+    class Charge:
+        ended = 0
+
+        def keep(self, keys):
+            pass
+
+        def end(self):
+            Charge.ended += 1
+
+    res = dram.reserve([key(1), key(2)], [SLOT, SLOT], None, owner="t", charge=Charge())
+    value = copy_with_checksum(dram.arena.block(res.slots[0], SLOT), block(1))
+    assert dram.commit(res.lease, [key(1)], res.slots[:1], [value], owner="t", keep=True) == [True]
+    assert dram.leased_slots == 0 and Charge.ended == 1  # ended as without keep: the charge is per key
+
+
 # -- the client's put path --------------------------------------------------------------------------
 
 
@@ -92,11 +124,12 @@ def pool_node(tmp_path, arena_name):
 
 class CallLog:
     """Every fast-call-capable method a client calls (both transports pass through FastStub.call; the node's
-    own link to the master, in this process too, is left out), and every Commit it pipes: ``Commit`` with
-    blocks, ``LeaseAhead`` for one that only leases slots ahead (how many of those depends on timing)."""
+    own link to the master, in this process too, is left out), every Commit it pipes, and how many of those
+    leased a new stock (``next_sizes``)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, node: PoolNode):
         self.names: list[str] = []
+        self.stocks_asked = 0
         call, send = FastStub.call, CommitPipe.send
 
         def logged(stub, name, request, timeout=None):
@@ -105,14 +138,12 @@ class CallLog:
             return call(stub, name, request, timeout)
 
         def piped(pipe, request, done):
-            self.names.append("Commit" if request.keys else "LeaseAhead")
+            self.names.append("Commit")
+            self.stocks_asked += bool(request.next_sizes)
             return send(pipe, request, done)
 
         monkeypatch.setattr(FastStub, "call", logged)
         monkeypatch.setattr(CommitPipe, "send", piped)
-
-    def calls(self) -> list[str]:
-        return [name for name in self.names if name != "LeaseAhead"]
 
 
 def test_a_same_host_put_is_one_commit_and_no_master_call(pool_node, monkeypatch):
@@ -122,9 +153,10 @@ def test_a_same_host_put_is_one_commit_and_no_master_call(pool_node, monkeypatch
         calls = CallLog(monkeypatch, n)
         for i in range(1, 6):
             assert pool.store([key(i)], [block(i)]) == [True]
-        assert calls.calls() == ["Commit"] * 5  # no PlaceBlocks, no Reserve: slots were leased ahead by each Commit
+        assert calls.names == ["Commit"] * 5  # no PlaceBlocks, no Reserve: slots were leased ahead
+        assert calls.stocks_asked == 0  # one stock (16 slots here) serves them all, each Commit keeping the rest
         assert pool.flush()
-        assert calls.calls()[5:] == ["FlushReports"]
+        assert calls.names[5:] == ["FlushReports"]
         present = master.servicer.Exists(master_pb2.ExistsRequest(keys=pack_keys([key(i) for i in range(6)])), None)
         assert present.present == b"\x01" * 6  # in the master's index once flush returned
         outs = [np.empty(SLOT, dtype=np.uint8) for _ in range(6)]
@@ -133,13 +165,21 @@ def test_a_same_host_put_is_one_commit_and_no_master_call(pool_node, monkeypatch
     assert n.store.dram.leased_slots == 0  # close handed the stock back
 
 
-def test_a_put_whose_stock_lapsed_gets_fresh_slots_and_stores(pool_node):
+def test_a_put_whose_stock_lapsed_is_a_counted_lost_write_and_the_next_put_gets_fresh_slots(pool_node):
+    """A stock is used only within half its lease's timeout, so only a node that ends leases early (here: the
+    reaper run with the clock at infinity) refuses one: the blocks are lost writes, the stock is dropped."""
     master, n = pool_node
-    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+    with PoolClient(ClientConfig(master=master.address)) as pool:
         assert pool.store([key(0)], [block(0)]) == [True]
         assert pool.flush()
-        assert pool.shared_path.stocked_slots() == 2  # the Commit's stock and one more (STOCK_DEPTH)
-        assert n.store.dram.expire(now=float("inf")) == 2  # the node reaped the stocks' leases under the client
+        stocked = pool.shared_path.stocked_slots()
+        assert stocked > 2 and n.store.dram.leased_slots == stocked  # the stock the first Commit leased
+        assert n.store.dram.expire(now=float("inf")) == stocked  # the node reaped its lease under the client
+        assert pool.store([key(1), key(2)], [block(1), block(2)]) == [True, True]  # piped: refused later
+        pool.flush()
+        assert error_counts(pool.registry).get("put_refused") == 2
+        assert pool.shared_path.stocked_slots() == 0  # dropped with the refusal, not used for more lost writes
+        assert pool.lookup([key(1)]).keys == []  # a miss, never an error
         assert pool.store([key(1), key(2)], [block(1), block(2)]) == [True, True]
         assert pool.flush()
         outs = [np.empty(SLOT, dtype=np.uint8) for _ in range(2)]
@@ -151,14 +191,14 @@ def test_a_put_of_other_sizes_extends_the_stock_lease_and_commits_once(pool_node
     master, n = pool_node
     with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
         assert pool.store([key(0)], [block(0)]) == [True]
-        assert pool.flush()  # two stocks of one slot on the shelf
+        assert pool.flush()  # a stock of SLOT-sized slots on the shelf
+        stocked = pool.shared_path.stocked_slots()
         calls = CallLog(monkeypatch, n)
         values = [block(1), block(2, 3 * SLOT)]  # one size in stock, one not
         assert pool.store([key(1), key(2)], values) == [True, True]
-        assert calls.calls() == ["Reserve", "Commit"]
+        assert calls.names == ["Reserve", "Commit"]  # Reserve adds the other size to the stock's lease
         assert pool.flush()
-        # the stock left and the next one, for both sizes
-        assert n.store.dram.leased_slots == pool.shared_path.stocked_slots() == 3
+        assert n.store.dram.leased_slots == pool.shared_path.stocked_slots() == stocked - 1  # the rest kept
         outs = [np.empty_like(v) for v in values]
         assert pool.get_into(pool.lookup([key(1), key(2)]), outs) == [True, True]
         assert all(np.array_equal(o, v) for o, v in zip(outs, values))

@@ -193,9 +193,9 @@ class NodeCore:
         return Leased(res.lease, slots, held, refused)
 
     def commit(self, lease: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int], *,
-               owner: object = None) -> list[bool]:
+               owner: object = None, keep: bool = False) -> list[bool]:
         """Publish the lease's slots whose bytes match their checksums (see NodeStore.commit)."""
-        return self.store.commit(lease, keys, slots, checksums, owner=owner)
+        return self.store.commit(lease, keys, slots, checksums, owner=owner, keep=keep)
 
     def lease_ahead(self, sizes: Sequence[int], timeout_s: float | None, *, owner: object = None) -> Leased:
         """Slots for ``owner``'s next put, keys not known yet (none for a tenant under a quota: its charge is per

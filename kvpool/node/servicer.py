@@ -219,7 +219,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         ahead = list(request.next_sizes)
         if len(ahead) > self.core.max_keys_per_call:
             raise ValueError(f"{len(ahead)} slots to lease ahead; the limit is {self.core.max_keys_per_call}")
-        stored = self.core.commit(request.lease, keys, slots, sums, owner=caller())
+        stored = self.core.commit(request.lease, keys, slots, sums, owner=caller(), keep=request.keep_lease)
         if any(stored):
             self.core.trim(keys)
         self.core.count("commit_refused", stored.count(False))

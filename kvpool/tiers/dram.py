@@ -141,6 +141,9 @@ class Reservation:
     held: list[bool]  # the store already holds the key (nothing to write)
 
 
+BeforePublish = Callable[[list[BlockKey], list[np.ndarray], list[int]], object]  # (keys, views, checksums)
+
+
 class DramStore:
     """The DRAM tier of one pool node (owner side of the arena)."""
 
@@ -559,7 +562,7 @@ class DramStore:
 
     def commit(
         self, lease_id: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int], *,
-        owner: object = None, before_publish: Callable[[list[BlockKey], list[np.ndarray], list[int]], object] | None = None,
+        owner: object = None, before_publish: BeforePublish | None = None, keep: bool = False,
     ) -> list[bool]:
         """End ``owner``'s lease: publish the named slots whose bytes match ``checksums``; free the rest.
 
@@ -569,6 +572,9 @@ class DramStore:
         match the checksum. ``before_publish(keys, views, checksums)`` sees the
         verified blocks while their slots are still the lease's (nothing can
         evict or reuse them yet: write-through copies them to SSD there).
+        ``keep``: the lease keeps its slots not named here (its deadline as it
+        was) for a later commit; refused slots are freed. Not for a lease under
+        a quota charge (it ends as without ``keep``).
         """
         keys = check_keys(keys)
         check_batch(keys, slots)
@@ -587,13 +593,16 @@ class DramStore:
                 continue
             del lease.slots[int(slot)]  # each slot commits once
             todo.append((i, int(slot), entry[1], int(checksum)))
+        keep = keep and lease.charge is None
         good: list[tuple[int, int, int, int]] = []
+        refused: list[int] = []
         for item in todo:  # verify outside the lock: the slots are ours until published
             i, slot, size, checksum = item
             if block_checksum(self.arena.block(slot, size)) == checksum:
                 good.append(item)
             else:
-                lease.slots[slot] = (keys[i], size)  # refused: freed with the rest below
+                refused.append(slot)
+                lease.slots[slot] = (keys[i], size)  # freed with the rest below (or, kept, at once)
         if before_publish is not None and good:
             views = [self.arena.block(slot, size) for _, slot, size, _ in good]
             before_publish([keys[i] for i, *_ in good], views, [checksum for *_, checksum in good])
@@ -610,7 +619,15 @@ class DramStore:
             self._leased -= len(good)
             self._stats.puts += len(added)
             self._stats.bytes_in += sum(m.size for m in added)
-        self._free_lease(lease)
+            if keep:
+                for slot in refused:
+                    del lease.slots[slot]
+                    self._give_back(slot)
+                self._leased -= len(refused)
+                if lease.slots:
+                    self._leases[lease.id] = lease  # the rest stays leased, as it was
+        if not keep:
+            self._free_lease(lease)
         notify(self.on_change, added, (), "DRAM")
         if lease.charge is not None:  # after the listeners counted the blocks as held: never undercharged
             lease.charge.end()

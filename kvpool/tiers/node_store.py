@@ -279,13 +279,13 @@ class NodeStore:
 
     def commit(
         self, lease: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int], *,
-        owner: object = None,
+        owner: object = None, keep: bool = False,
     ) -> list[bool]:
         """Publish ``owner``'s DRAM lease (:meth:`DramStore.commit`); with write-through, SSD gets its blocks too,
         copied while the slots are still leased (once published, a concurrent put may evict and reuse a slot
         between SSD's verify and its copy)."""
         ssd = self.ssd if self.write_through else None
-        return self.dram.commit(lease, keys, slots, checksums, owner=owner,
+        return self.dram.commit(lease, keys, slots, checksums, owner=owner, keep=keep,
                                 before_publish=None if ssd is None else ssd.put)
 
     def remove(self, keys: Sequence[BlockKey]) -> int:

@@ -156,18 +156,20 @@ class ReserveResponse(_message.Message):
     def __init__(self, arena: _Optional[str] = ..., lease: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ..., slot_gens: _Optional[_Iterable[int]] = ..., already_held: _Optional[bytes] = ..., lease_timeout_s: _Optional[float] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease", "keys", "slots", "checksums", "next_sizes")
+    __slots__ = ("lease", "keys", "slots", "checksums", "next_sizes", "keep_lease")
     LEASE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     NEXT_SIZES_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LEASE_FIELD_NUMBER: _ClassVar[int]
     lease: int
     keys: bytes
     slots: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
     next_sizes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease: _Optional[int] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., next_sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+    keep_lease: bool
+    def __init__(self, lease: _Optional[int] = ..., keys: _Optional[bytes] = ..., slots: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., next_sizes: _Optional[_Iterable[int]] = ..., keep_lease: _Optional[bool] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("stored", "next")
