@@ -24,7 +24,7 @@ from kvpool.keys import BlockKey
 from kvpool.rpc import MISS
 from kvpool.tiers.arena import KEY_DTYPE, InventoryState, SharedArena
 from kvpool.tiers.dram import DramStore
-from kvpool.tiers.keytable import WAYS, BucketTable, table_buckets
+from kvpool.tiers.keytable import SCALAR_QUERIES, WAYS, BucketTable, table_buckets, table_bytes
 from kvpool.tiers.node_store import NodeStore
 from kvpool.tiers.ssd import FORMAT_VERSION, HEADER_BYTES, MAGIC, SsdStore
 
@@ -363,3 +363,28 @@ def test_the_inventory_answers_like_a_dict_through_churn_with_spilled_buckets(ar
     finally:
         reader.close()
         arena.close()
+
+
+@pytest.mark.parametrize("batch", [1, 3, SCALAR_QUERIES, SCALAR_QUERIES + 1, 200])
+def test_a_lookup_answers_alike_one_by_one_and_vectorised_with_spills_moves_and_deletes(batch):
+    """Batches of up to SCALAR_QUERIES tags go through ``find``; larger ones through numpy: both must say where
+    each tag is, wherever inserts, room-making moves and deletes left it."""
+    buckets = 16
+    table = BucketTable(np.zeros(table_bytes(buckets, 1), np.uint8), 0, buckets, 1)
+    rng = random.Random(batch)
+    truth: dict[int, int] = {}
+    for step in range(3 * buckets * WAYS):
+        tag = rng.randrange(1, 1 << 64)
+        if truth and rng.random() < 0.3:  # delete one
+            gone = rng.choice(sorted(truth))
+            table.remove(gone, truth.pop(gone))
+        elif table.insert(tag, (step,)) >= 0:
+            truth[tag] = step
+        present = rng.sample(sorted(truth), min(batch, len(truth)))
+        absent = [rng.randrange(1, 1 << 64) for _ in range(batch - len(present))]
+        queries = np.array(present + absent, dtype=np.uint64)
+        at = table.lookup(queries)
+        assert [int(table.values[0, a]) for a in at[: len(present)]] == [truth[t] for t in present]
+        assert (at[len(present) :] == -1).all()
+        matched = table.lookup(queries[: len(present)], np.array([truth[t] + 1 for t in present], dtype=np.uint64))
+        assert (matched == -1).all()  # the value word must match too
