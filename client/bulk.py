@@ -57,6 +57,7 @@ CORRUPT = 3  # the bytes arrived but do not match the checksum
 
 MAX_BLOCK_BYTES = 1 << 40  # a larger size in a reply is a protocol error, not an allocation
 _DISCARD_BYTES = 1 << 20
+_RECV_GROUP_BYTES = 1 << 20  # a GET receives about this much per call and hashes it before the next
 _REPLY_BYTES_PER_KEY = 24  # a BulkGetReply's bytes per key at most: tier 1, size <= 11, checksum 9, rounded up
 
 
@@ -139,16 +140,26 @@ class BulkClient:
         want_sums = np.fromiter(checksums, dtype=np.uint64, count=n)
         match = (sizes == want_sizes) & (sums == want_sums)
         status = np.where(sizes == 0, GONE, np.where(match, OK, CHANGED))
-        plan = []
         discard = np.empty(_DISCARD_BYTES, dtype=np.uint8) if not match[sizes != 0].all() else None
+        group: list[np.ndarray] = []  # buffers received in one call, then the blocks among them hashed
+        hashed: list[int] = []
+        landed: dict[int, int] = {}  # block -> checksum of what landed in its output
+        group_bytes = 0
         for j in np.flatnonzero(sizes).tolist():  # the blocks sent, in order
             if match[j]:
-                plan.append(outs[j])
+                group.append(outs[j])
+                hashed.append(j)
             else:  # not what we asked for: read past it, a piece of scratch at a time
                 size = int(sizes[j])
                 pieces = range(0, size, _DISCARD_BYTES)
-                plan += [discard[: min(_DISCARD_BYTES, size - o)] for o in pieces]  # type: ignore[index]
-        recv_buffers(sock, plan)
+                group += [discard[: min(_DISCARD_BYTES, size - o)] for o in pieces]  # type: ignore[index]
+            group_bytes += int(sizes[j])
+            if group_bytes >= _RECV_GROUP_BYTES:  # hash these while the kernel buffers the next blocks
+                recv_buffers(sock, group)
+                landed.update((k, block_checksum(outs[k])) for k in hashed)
+                group, hashed, group_bytes = [], [], 0
+        recv_buffers(sock, group)
+        landed.update((k, block_checksum(outs[k])) for k in hashed)
         try:
             valid = node_pb2.BulkGetTrailer.FromString(bytes(recv_exact(sock, head.trailer))).valid
         except DecodeError as exc:
@@ -157,7 +168,7 @@ class BulkClient:
             raise _malformed(f"a GET trailer for {len(valid)} keys, not {n}")
         status[(status == OK) & (np.frombuffer(valid, dtype=np.uint8) == 0)] = GONE
         for j in np.flatnonzero(status == OK).tolist():
-            if block_checksum(outs[j]) != checksums[j]:
+            if landed[j] != checksums[j]:
                 status[j] = CORRUPT
         return head, body, status.tolist()
 
