@@ -20,6 +20,8 @@ Invariants:
 - ``send`` returning False means nothing of the frame reached the node: the
   caller still holds its lease and may commit another way.
 - At most ``max_in_flight`` requests are unanswered; ``send`` waits for room.
+- An idle connection the node closed (its idle timeout) is noticed before a
+  frame is sent on it, and replaced: the frame is not lost to it.
 - ``wait(0)`` returning True means every ``done`` so far has run: what this
   client stored is published on the node (read-your-writes).
 - Not over TLS: an ``ssl.SSLSocket`` must not be read and written from two
@@ -47,6 +49,17 @@ log = logging.getLogger(__name__)
 
 Done = Callable[[node_pb2.CommitResponse | None, grpc.RpcError | None], None]
 MAX_REPLY_BYTES = 64 << 20  # a Commit reply: per-key flags and the slots leased ahead
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle connection is done: the peer closed it, or sent bytes nobody asked for (one syscall)."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"": closed; a byte: one nobody asked for
+    except BlockingIOError:
+        return False  # open, nothing to read: usable
+    except OSError:
+        pass
+    return True
 
 
 class _Link:
@@ -118,6 +131,11 @@ class CommitPipe:
                 if self._closed:
                     return None
                 link = self._link
+                if link is not None and not link.dead and not link.unanswered() and _closed_by_peer(link.sock):
+                    # the node closed it while idle: a frame sent now would be lost (the lock is reentrant, and a
+                    # link with nothing pending calls back nobody)
+                    self._kill(link, ConnectionError("closed by the node while idle"))
+                    continue
                 if link is not None and not link.dead and link.unanswered() < self.max_in_flight:
                     return link
                 if link is None or link.dead:
@@ -182,6 +200,7 @@ class CommitPipe:
             self._failing += len(failed)
             if self._link is link:
                 self._link = None
+            self._cond.notify_all()  # the reader ends, a sender connects anew
         try:
             link.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -206,8 +225,6 @@ class CommitPipe:
             with self._cond:
                 self._failing -= 1
                 self._cond.notify_all()
-        with self._cond:
-            self._cond.notify_all()
 
     def wait(self, most: int = 0, timeout: float | None = None) -> bool:
         """Wait until at most ``most`` requests are unanswered; False on timeout."""

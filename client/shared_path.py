@@ -255,6 +255,7 @@ class SharedMemoryPath:
             refused += flag == 0
         if refused:
             self.faults.counted("put_refused", refused)
+            self._stock.drop(node.address, lease)  # its lease may be gone: its other slots too
         return left
 
     def _pipe(self, address: str) -> CommitPipe | None:
@@ -270,14 +271,19 @@ class SharedMemoryPath:
             return pipe
 
     def _take_stock(self, address: str, arena: SharedArena, pipe: CommitPipe | None) -> Stock | None:
-        """A stock for the next put, waiting for the replies in flight (each brings one) if the shelf is empty."""
+        """A stock for the next put, waiting for the replies in flight if the shelf is empty and one brings a
+        stock."""
         stock = self._stock.take(address, arena)
-        while stock is None and pipe is not None:
+        while stock is None and pipe is not None and self._stock_coming(address):
             waiting = pipe.in_flight
             if not waiting or not pipe.wait(waiting - 1, self.config.io_timeout_s):
                 break
             stock = self._stock.take(address, arena)
         return stock
+
+    def _stock_coming(self, address: str) -> bool:
+        with self._lock:
+            return self._asking.get(address, 0) > 0
 
     def _wants_stock(self, address: str, n: int) -> bool:
         """Whether a Commit of ``n`` blocks should lease the next stock: the node leases ahead to this client, no
@@ -296,10 +302,15 @@ class SharedMemoryPath:
         """A piped Commit's answer (the pipe's reader thread): file its stock, count what it did not store.
 
         A Commit the node never read (a full listener) is sent again the waiting way."""
+        try:
+            self._answered(address, arena, request, reply, error)
+        finally:
+            if request.next_sizes:  # after its stock is on the shelf: a put waiting for one then finds it
+                self._asking_more(address, -1)
+
+    def _answered(self, address: str, arena: SharedArena, request: node_pb2.CommitRequest,
+                  reply: node_pb2.CommitResponse | None, error: grpc.RpcError | None) -> None:
         n = len(request.slots)
-        asked = list(request.next_sizes)
-        if asked:
-            self._asking_more(address, -1)
         if reply is None and n and getattr(error, "not_applied", False):
             try:
                 reply = self.nodes.stub(address).Commit(request, timeout=self.config.io_timeout_s)
@@ -316,8 +327,10 @@ class SharedMemoryPath:
             if refused:
                 self.faults.lost_later("put_refused", f"{address} refused {refused} of {n} committed blocks", refused)
                 self._stock.drop(address, request.lease)  # its lease may be gone: its other slots too
+        asked = list(request.next_sizes)
         if asked and not reply.next.lease:
-            self._no_ahead.add(address)  # e.g. a tenant under a quota: no stock comes, so none is asked for
+            with self._lock:
+                self._no_ahead.add(address)  # e.g. a tenant under a quota: no stock comes, so none is asked for
         self._stock.keep(address, arena, reply.next, asked)
 
     def settle(self, timeout: float) -> bool:

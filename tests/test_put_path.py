@@ -12,7 +12,8 @@ from support import wait_until
 
 from kvpool.calls import FastStub
 from kvpool.checksum import copy_with_checksum
-from kvpool.client.commit_pipe import CommitPipe
+from kvpool import framing
+from kvpool.client.commit_pipe import CommitPipe, _closed_by_peer as closed_by_peer
 from kvpool.client.pool import PoolClient, PoolFault
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
 from kvpool.keys import BlockKey, opaque_key, pack_keys
@@ -317,3 +318,24 @@ def test_commits_in_flight_when_the_node_dies_are_counted_lost_never_raised(pool
         counts = error_counts(pool.registry)
         assert counts.get("unavailable", 0) + counts.get("timeout", 0) >= 1
         assert pool.store([key(2)], [block(2)]) in ([True], [False])  # a fault is a miss or a False, never raised
+
+
+def test_a_pipe_connection_the_node_closed_while_idle_is_replaced_before_a_commit_is_lost_on_it(pool_node,
+                                                                                                  monkeypatch):
+    """A node closes a connection idle for IDLE_TIMEOUT_S; a Commit written on it then would get no answer."""
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+        assert pool.store([key(0)], [block(0)]) == [True]
+        assert pool.flush()
+        link = pool.shared_path._pipes[n.node_ref.address]._link
+        assert link is not None
+        monkeypatch.setattr(framing, "IDLE_TIMEOUT_S", 0.2)  # read by the node's listener at each request's end
+        assert pool.store([key(1)], [block(1)]) == [True]  # the connection's idle deadline is now 0.2 s away
+        assert pool.flush()
+        link = pool.shared_path._pipes[n.node_ref.address]._link
+        assert link is not None
+        wait_until(lambda: closed_by_peer(link.sock))  # the node's watchdog cut it
+        assert pool.store([key(2)], [block(2)]) == [True]
+        assert pool.flush()  # strict: a commit lost on the dead connection would raise here
+        assert len(pool.lookup([key(2)])) == 1
+        assert pool.shared_path._pipes[n.node_ref.address]._link is not link  # a fresh connection took it
