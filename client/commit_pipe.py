@@ -51,7 +51,7 @@ Done = Callable[[node_pb2.CommitResponse | None, grpc.RpcError | None], None]
 MAX_REPLY_BYTES = 64 << 20  # a Commit reply: per-key flags and the slots leased ahead
 
 
-def _closed_by_peer(sock: socket.socket) -> bool:
+def closed_by_peer(sock: socket.socket) -> bool:
     """Whether an idle connection is done: the peer closed it, or sent bytes nobody asked for (one syscall)."""
     try:
         sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"": closed; a byte: one nobody asked for
@@ -131,7 +131,7 @@ class CommitPipe:
                 if self._closed:
                     return None
                 link = self._link
-                if link is not None and not link.dead and not link.unanswered() and _closed_by_peer(link.sock):
+                if link is not None and not link.dead and not link.unanswered() and closed_by_peer(link.sock):
                     # the node closed it while idle: a frame sent now would be lost (the lock is reentrant, and a
                     # link with nothing pending calls back nobody)
                     self._kill(link, ConnectionError("closed by the node while idle"))

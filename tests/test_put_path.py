@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from support import wait_until
 
+from kvpool import framing
 from kvpool.calls import FastStub
 from kvpool.checksum import copy_with_checksum
-from kvpool import framing
-from kvpool.client.commit_pipe import CommitPipe, _closed_by_peer as closed_by_peer
+from kvpool.client.commit_pipe import CommitPipe, closed_by_peer
 from kvpool.client.pool import PoolClient, PoolFault
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
 from kvpool.keys import BlockKey, opaque_key, pack_keys
