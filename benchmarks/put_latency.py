@@ -1,12 +1,13 @@
 """Where a small same-host put and get spend their time: `kvpool serve` in a subprocess, a PoolClient here.
 
-    python benchmarks/put_latency.py [--size 4096] [--calls 1000]
+    python benchmarks/put_latency.py [--size 4096] [--calls 1000] [--wait-commits]
 
 Prints p50 microseconds of: placement from the client's cluster view, one
 wire round trip (an empty ``Commit``), ``FlushReports``, a one-block
 ``store`` (one ``Commit``), a one-block ``lookup`` (from the arena, no round
-trip) and a one-block ``get_into``. Not a test: the numbers depend on the
-machine (and on the node sharing its cores).
+trip) and a one-block ``get_into``. ``--wait-commits``: every Commit waits
+for its answer (no commit pipe), the A/B of the pipe. Not a test: the
+numbers depend on the machine (and on the node sharing its cores).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--wait-commits", action="store_true", help="no commit pipe: each Commit waits")
     args = parser.parse_args()
     port = free_port()
     serve = subprocess.Popen(
@@ -56,6 +58,8 @@ def main() -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         with PoolClient(ClientConfig(master=f"127.0.0.1:{port}", strict=True)) as pool:
+            if args.wait_commits:
+                pool.shared_path.calls = None  # no connections to make pipes from: the waiting Commit
             deadline = time.monotonic() + 30
             while not pool.cluster.refresh() or not pool.cluster.nodes():
                 if time.monotonic() > deadline or serve.poll() is not None:
