@@ -90,7 +90,8 @@ class PoolClient:
         master_stub = master_pb2_grpc.MasterStub(self._master_channel)
         tls = client_context(config.tls_ca) if config.tls_ca else None
         self._calls = ConnectionPool(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0), tls=tls,
-                                     hello=auth_hello(config.token) if config.token else None)
+                                     hello=auth_hello(config.token) if config.token else None,
+                                     spin_wait_s=config.spin_wait_us * 1e-6)
         master_calls = MasterCallAddress(master_stub, config.master, config.lookup_timeout_s)
         self._master = FastStub(master_stub, _MASTER_SERVICE, MASTER_CALLS, self._calls, master_calls,
                                 on_unreachable=master_calls.forget, max_reply_bytes=MAX_MESSAGE_BYTES)

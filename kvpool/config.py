@@ -456,6 +456,9 @@ class ClientConfig:
     device: str = opt("cpu", "HBM tier device: cpu, cuda, cuda:N, npu, npu:N", check=device_check)
     lookup_timeout_s: float = opt(0.5, "deadline of a master call; past it the lookup is a miss", check=seconds_check)
     io_timeout_s: float = opt(5.0, "deadline of a node data call; past it the blocks are misses", check=seconds_check)
+    spin_wait_us: int = opt(300, "poll this long for a master or node reply before blocking on it (a blocked "
+                            "thread's wake-up can cost more than a small call); 0: block at once",
+                            check=at_least(0, "0: block at once"))
     put_queue_bytes: int = opt(1 << 30, "write-behind bound in bytes; a full queue drops new puts (counted)", size=True,
                                check=size_check(1))
     shared_memory: bool = opt(True, "read same-host nodes' DRAM arena directly (needs permission to map it)")

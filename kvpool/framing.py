@@ -32,6 +32,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import ssl
 import struct
@@ -581,17 +582,51 @@ class Refused(ConnectFailed):
 
 
 class Exchange:
-    """Per-attempt state an exchange function updates: set ``replied`` once any reply byte arrived."""
+    """Per-attempt state an exchange function updates: set ``replied`` once any reply byte arrived.
+
+    ``spin_s``: how long the exchange polls for its reply before it blocks (the pool's ``spin_wait_s``; see
+    :func:`await_bytes`).
+    """
 
     replied = False
+
+    def __init__(self, spin_s: float = 0.0):
+        self.spin_s = spin_s
+
+
+def await_bytes(sock: socket.socket, spin_s: float) -> None:
+    """Poll ``sock`` for up to ``spin_s`` until a byte is readable, yielding the CPU between polls; then return
+    (the caller's blocking read follows, and reports a closed peer or an error).
+
+    A reply that comes within a few hundred microseconds then costs no wake-up: on a VM a thread blocked that
+    long has its virtual CPU halted, and waking it costs ~100-300 us here, more than a small call's work
+    (``benchmarks/reply_spin.py``). The poll holds the GIL only between system calls, and ``sched_yield``
+    gives the core to anything runnable. TLS sockets are not polled (their reads are Python's).
+    """
+    if spin_s <= 0 or isinstance(sock, ssl.SSLSocket):
+        return
+    deadline = time.perf_counter() + spin_s
+    while True:
+        try:
+            sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            return  # a byte, or b"" for a closed peer
+        except BlockingIOError:
+            pass
+        except OSError:
+            return
+        if time.perf_counter() >= deadline:
+            return
+        os.sched_yield()
 
 
 class ConnectionPool:
     """Idle connections per ``host:port`` (thread-safe); see the module docstring."""
 
     def __init__(self, timeout_s: float, *, connect_timeout_s: float | None = None, max_idle_per_address: int = 4,
-                 tls: ssl.SSLContext | None = None, hello: Callable[[socket.socket], None] | None = None):
+                 tls: ssl.SSLContext | None = None, hello: Callable[[socket.socket], None] | None = None,
+                 spin_wait_s: float = 0.0):
         self.timeout_s = timeout_s
+        self.spin_wait_s = spin_wait_s
         self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         self.max_idle_per_address = max_idle_per_address
         self.tls = tls
@@ -656,7 +691,7 @@ class ConnectionPool:
         for attempt in range(2):
             sock, reused = self._acquire(address, fresh=attempt > 0)  # the retry: a new connection, not another
             # pooled one (the listener may have closed several idle ones to make room)
-            state = Exchange()
+            state = Exchange(self.spin_wait_s)
             try:
                 result = fn(sock, state, *args)
             except OSError as exc:

@@ -83,6 +83,7 @@ from kvpool.framing import (
     Connection,
     Exchange,
     Refused,
+    await_bytes,
     recv_buffers,
     recv_discard,
     recv_exact,
@@ -220,6 +221,8 @@ def read_reply(sock: socket.socket, state: Exchange | None, max_header: int) -> 
     CallError for a reply this protocol does not allow (the connection is then
     out of step: drop it). An error reply leaves the connection usable.
     """
+    if state is not None:
+        await_bytes(sock, state.spin_s)
     head = parse(recv_exact(sock, FRAME.size))
     if state is not None:
         state.replied = True

@@ -3,8 +3,11 @@ master."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import socket
+import threading
+import time
 
 import grpc
 import pytest
@@ -13,7 +16,7 @@ from support import free_port
 from kvpool import wire
 from kvpool.calls import FastStub, MasterCallAddress
 from kvpool.config import MasterConfig
-from kvpool.framing import ConnectionPool, recv_exact
+from kvpool.framing import ConnectionPool, await_bytes, recv_exact
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.master import MasterServer
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
@@ -71,6 +74,47 @@ def test_info_advertises_the_call_port_and_lookup_answers_as_over_grpc(master, p
     assert server._calls.connections == 1  # it really went over the fast-call listener
     # Methods that are not fast calls are the gRPC stub's own.
     assert fast.ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=2.0).indexed_blocks == 4
+
+
+def test_a_spinning_pool_gets_the_same_answers_and_a_slow_reply_still_arrives(master):
+    server, stub = master
+    spinning = ConnectionPool(2.0, spin_wait_s=0.0003)
+    try:
+        fast = FastStub(stub, MASTER, MASTER_CALLS, spinning, MasterCallAddress(stub, server.address, 2.0))
+        request = master_pb2.LookupRequest(keys=pack_keys(keys(8)), worker_id="w")
+        assert fast.Lookup(request, timeout=2.0) == stub.Lookup(request, timeout=2.0)
+        # A handler far slower than the spin: the spin gives up, the blocking read gets the reply.
+        real, served = server.servicer.Lookup, []
+
+        def slow(request, context):
+            time.sleep(0.05)
+            served.append(request)
+            return real(request, context)
+
+        handler = server._calls._serve.__self__  # the WireHandler behind the fast-call listener
+        handler.replace(Method.LOOKUP, dataclasses.replace(handler.route(Method.LOOKUP), fn=slow))
+        assert fast.Lookup(request, timeout=2.0) == stub.Lookup(request, timeout=2.0)
+        assert served == [request]  # the slow handler answered it, over the wire
+    finally:
+        spinning.close()
+
+
+def test_await_bytes_returns_when_a_byte_is_there_leaves_it_unread_and_gives_up_after_its_spin():
+    a, b = socket.socketpair()
+    with a, b:
+        started = time.perf_counter()
+        await_bytes(a, 0.01)  # nothing comes: it returns after its spin, having read nothing
+        assert time.perf_counter() - started >= 0.01
+        threading.Timer(0.002, b.sendall, (b"xy",)).start()
+        await_bytes(a, 5.0)  # returns once the bytes are there, long before its spin ends
+        assert time.perf_counter() - started < 4.0
+        a.settimeout(1.0)
+        assert a.recv(2) == b"xy"  # peeked, not consumed
+        b.close()
+        started = time.perf_counter()
+        await_bytes(a, 5.0)  # a closed peer: at once, no error (the read that follows reports it)
+        assert time.perf_counter() - started < 4.0
+        assert a.recv(1) == b""
 
 
 def test_bad_requests_get_a_clear_status_and_change_nothing(master, pool):
