@@ -113,8 +113,8 @@ BAD_VALUES = {
     },
     ClientConfig: {
         "master": "host:0", "worker_id": 1, "model": "", "tenant": None, "layout": {"dtype": "bf16"},
-        "hbm_blocks": -1, "device": "gpu", "lookup_timeout_s": 0.0, "io_timeout_s": NAN, "put_queue_bytes": 0,
-        "shared_memory": "yes", "token": 1, "tls_ca": 1, "strict": 1, "metrics_port": 65536,
+        "hbm_blocks": -1, "device": "gpu", "lookup_timeout_s": 0.0, "io_timeout_s": NAN, "spin_wait_us": -1,
+        "put_queue_bytes": 0, "shared_memory": "yes", "token": 1, "tls_ca": 1, "strict": 1, "metrics_port": 65536,
     },
 }
 
