@@ -316,6 +316,7 @@ def test_two_tenants_with_identical_prompts_never_see_or_change_each_others_bloc
             assert stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys(ks)), timeout=5).tiers == bytes([MISS]) * 4
             # B writes and removes "the same" keys: its own blocks, never A's.
             assert b.store(ks, vb) == [True] * 4
+            assert b.flush()  # its Commits answered (a same-host put returns before), so the node holds them
             assert stub.Remove(node_pb2.RemoveRequest(keys=pack_keys(ks[:2])), timeout=5).removed == 2
         assert b.exists(ks) == [False, False, True, True]
         assert a.exists(ks) == [True] * 4
