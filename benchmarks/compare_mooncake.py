@@ -195,7 +195,7 @@ def loopback_gbps(total: int, rounds: int, chunk: int = 1 << 20, working_set: bo
                 if working_set:
                     landing = np.empty(total, np.uint8)
                     landing[:] = 0  # faulted in, as the get's destination is
-                    view = memoryview(landing)
+                    view = memoryview(landing.data)
                 else:
                     view = memoryview(bytearray(chunk))
                 got = conn.recv_into(view[:chunk])
