@@ -36,7 +36,6 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter
 
 from kvpool.buffers import BufferLike, as_array, byte_view
-from kvpool.calls import FastStub, MasterCallAddress
 from kvpool.client.bulk_path import BulkPath
 from kvpool.client.cluster import ClusterView, Placement
 from kvpool.client.datapath import DataPath
@@ -51,12 +50,13 @@ from kvpool.config import ClientConfig
 from kvpool.core import NodeRef, Tier
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey, check_keys, pack_keys
+from kvpool.master_client import MasterConnection
 from kvpool.metrics import ErrorMetrics, LookupMetrics, MetricsServer, latency_histogram
 from kvpool.placement import TOO_LARGE
-from kvpool.rpc import flags_from_bytes, make_channel
+from kvpool.rpc import flags_from_bytes
 from kvpool.tls import client_context
-from kvpool.v1 import master_pb2, master_pb2_grpc, node_pb2
-from kvpool.wire import MASTER_CALLS, auth_hello
+from kvpool.v1 import master_pb2, node_pb2
+from kvpool.wire import auth_hello
 
 __all__ = ["PoolClient", "PoolFault"]
 
@@ -64,7 +64,6 @@ log = logging.getLogger(__name__)
 
 _TIER_BYTES = frozenset(int(t) for t in Tier)
 PRESENT = -2  # a placement's answer for a block the pool holds already (PlaceBlocks only)
-_MASTER_SERVICE = master_pb2.DESCRIPTOR.services_by_name["Master"]
 
 
 def _report_kind(exc: BaseException) -> str:
@@ -85,16 +84,16 @@ class PoolClient:
         self._lookup_seconds = latency_histogram(self.registry, "lookup", "Pool lookup latency (one master call)")
         self._get_seconds = latency_histogram(self.registry, "get", "Pool get latency (one batch)")
         self._put_seconds = latency_histogram(self.registry, "put", "Pool put latency (one write-behind batch)")
-        self._master_channel = make_channel(config.master, max_message_bytes=MAX_MESSAGE_BYTES, token=config.token,
-                                            tls_ca=config.tls_ca)
-        master_stub = master_pb2_grpc.MasterStub(self._master_channel)
         tls = client_context(config.tls_ca) if config.tls_ca else None
         self._calls = ConnectionPool(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0), tls=tls,
                                      hello=auth_hello(config.token) if config.token else None,
                                      spin_wait_s=config.spin_wait_us * 1e-6)
-        master_calls = MasterCallAddress(master_stub, config.master, config.lookup_timeout_s)
-        self._master = FastStub(master_stub, _MASTER_SERVICE, MASTER_CALLS, self._calls, master_calls,
-                                on_unreachable=master_calls.forget, max_reply_bytes=MAX_MESSAGE_BYTES)
+        # The master, or the leader etcd names (followed when a call finds it gone: kvpool.master_client).
+        self.masters = MasterConnection(config.master, pool=self._calls, timeout_s=config.lookup_timeout_s,
+                                        max_message_bytes=MAX_MESSAGE_BYTES, token=config.token,
+                                        tls_ca=config.tls_ca)
+        master_stub = self.masters.grpc_stub
+        self._master = self.masters.stub
         self.nodes = NodeDirectory(config, self._calls)
         self.cluster = ClusterView(
             lambda: master_stub.ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=config.lookup_timeout_s),
@@ -457,7 +456,7 @@ class PoolClient:
         self.bulk_path.close()
         self._calls.close()
         self.nodes.close()
-        self._master_channel.close()
+        self.masters.close()
         if self._metrics_server is not None:
             self._metrics_server.close()
 

@@ -163,6 +163,44 @@ def address_check(optional: bool) -> Check:
     return check
 
 
+def master_target_check(v: str) -> str | None:
+    """A master to follow: ``host:port``, or ``etcd://HOST:PORT[,HOST:PORT]/CLUSTER`` (the leader etcd names)."""
+    if v.startswith("etcd://"):
+        from kvpool.etcd import EtcdTarget
+
+        try:
+            EtcdTarget.parse(v)
+        except ValueError as exc:
+            return str(exc)
+        return None
+    if _split_address(v) is not None:
+        return None
+    return "must be host:port with a port 1-65535, or etcd://HOST:PORT[,HOST:PORT]/CLUSTER"
+
+
+def etcd_check(v: str) -> str | None:
+    """Empty, or etcd endpoints ``[http://]host:port[,...]``."""
+    if v == "":
+        return None
+    from kvpool.etcd import parse_endpoints
+
+    try:
+        parse_endpoints(v)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def cluster_check(v: str) -> str | None:
+    from kvpool.etcd import check_cluster
+
+    try:
+        check_cluster(v)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def host_check(v: str) -> str | None:
     """A listen address: a host name or IP, no spaces (empty or 0.0.0.0: all interfaces)."""
     return "must be a host name or IP address without spaces" if any(c.isspace() for c in v) else None
@@ -308,6 +346,15 @@ class MasterConfig:
                              "(docs/security.md); empty: no authentication")
     tls_cert: str = opt("", "PEM certificate chain: serve gRPC and fast calls over TLS only (with tls_key)")
     tls_key: str = opt("", "PEM private key of tls_cert")
+    etcd: str = opt("", "etcd endpoints [http://]host:port[,...]: stand by, and lead while this master holds the "
+                        "cluster's leader key (docs/operations.md); empty: a single master, always leading",
+                    check=etcd_check)
+    cluster: str = opt("kvpool", "cluster name: masters of one cluster elect one leader; nodes and clients follow "
+                                 "it as etcd://ETCD/CLUSTER", check=cluster_check)
+    leader_ttl_s: int = opt(5, "etcd lease of the leader key, whole seconds (>= 2): a killed leader is replaced "
+                               "about this long after its last renewal", check=at_least(2))
+    advertise_host: str = opt("", "host nodes and clients dial this master at, as put in etcd; empty: host (the "
+                                  "machine's name if host is 0.0.0.0)", check=host_check)
 
     def __post_init__(self) -> None:
         _check_types(self, "master")
@@ -321,7 +368,8 @@ class MasterConfig:
 class NodeConfig:
     """A pool node: the DRAM arena and SSD store of one host. Valid once constructed; ``metrics_port`` -1 resolved."""
 
-    master: str = opt(f"127.0.0.1:{DEFAULT_MASTER_PORT}", "the master's host:port", check=address_check(False))
+    master: str = opt(f"127.0.0.1:{DEFAULT_MASTER_PORT}", "the master's host:port, or etcd://HOST:PORT/CLUSTER to "
+                      "follow the leader etcd names", check=master_target_check)
     host: str = opt("127.0.0.1", "address the node listens on (0.0.0.0: all interfaces)", check=host_check)
     port: int = opt(DEFAULT_NODE_PORT, "gRPC port of the node's data service; 0: any free port",
                     check=port_check("0: any free port"))
@@ -447,7 +495,8 @@ class NodeConfig:
 class ClientConfig:
     """The client library inside an inference worker. Valid once constructed (module docstring)."""
 
-    master: str = opt(f"127.0.0.1:{DEFAULT_MASTER_PORT}", "the master's host:port", check=address_check(False))
+    master: str = opt(f"127.0.0.1:{DEFAULT_MASTER_PORT}", "the master's host:port, or etcd://HOST:PORT/CLUSTER to "
+                      "follow the leader etcd names", check=master_target_check)
     worker_id: str = opt("", "this worker's name; empty: <hostname>-<pid>")
     model: str = opt("default", "model id: part of every block key's namespace", check=nonempty_check)
     tenant: str = opt("", "salt: tenants never share keys")

@@ -497,6 +497,12 @@ class HbmIndex:
             self._total -= len(held)
             return len(held)
 
+    def clear(self) -> None:
+        """Forget every worker (a master that stops leading keeps no state)."""
+        with self._lock:
+            self._workers.clear()
+            self._total = 0
+
     def blocks(self) -> int:
         """HBM block copies over all workers."""
         with self._lock:

@@ -169,6 +169,19 @@ class Membership:
             )
         return [info.ref.node_id for info in dead]
 
+    def drop_all(self) -> int:
+        """Forget every node (with its index entries) and worker: a master that stops leading keeps no state, so
+        that leading again starts from the nodes' full reports. Returns how many nodes went."""
+        with self._lock:
+            gone = list(self._nodes.values())
+            self._nodes.clear()
+            self._by_number.clear()
+            self._workers.clear()
+            self._hbm.clear()
+        for info in gone:
+            self._index.drop_node(info.number)
+        return len(gone)
+
     def live_nodes(self) -> list[NodeInfo]:
         """Snapshots of all registered nodes, in registration order."""
         with self._lock:

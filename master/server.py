@@ -15,23 +15,32 @@ Invariants:
 - With ``auth_file`` both listeners (gRPC and fast calls) check tokens and
   roles (:mod:`kvpool.auth`; refusals counted in
   ``kvpool_errors_total{kind}``); with ``tls_cert``/``tls_key`` both speak TLS only.
+- With ``etcd`` the master starts as a standby and leads only while its
+  :class:`~kvpool.master.election.Election` says so: a standby answers
+  node and client calls UNAVAILABLE (``Info`` says it stands by and where
+  the leader is) and its health service says NOT_SERVING; a master that stops
+  leading drops every node and worker (soft state: leading again starts from
+  the nodes' full reports, as after a restart).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from types import TracebackType
 
 import grpc
-from grpc_health.v1 import health
-from prometheus_client import CollectorRegistry
+from grpc_health.v1 import health, health_pb2
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvpool.auth import load_authority
 from kvpool.config import MasterConfig
+from kvpool.etcd import EtcdClient, LeaderInfo, parse_endpoints
 from kvpool.framing import TcpListener
 from kvpool.keys import KEY_BYTES
 from kvpool.lifecycle import wait_for_shutdown
+from kvpool.master.election import Election
 from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
 from kvpool.master.servicer import MasterServicer
@@ -89,6 +98,12 @@ class MasterServer:
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._lifecycle = threading.Lock()
+        self.election: Election | None = None  # with config.etcd, once started
+        self._leader_gauge = Gauge("kvpool_master_leader", "1 while this master leads its cluster (always 1 without "
+                                   "etcd), 0 while it stands by", registry=self.registry)
+        self._elections = Counter("kvpool_master_elections", "Times this master became its cluster's leader",
+                                  registry=self.registry)
+        self._leader_gauge.set(0 if config.etcd else 1)
 
     @property
     def address(self) -> str:
@@ -132,7 +147,45 @@ class MasterServer:
                 raise
             self._sweeper = threading.Thread(target=self._sweep, name="kvpool-master-sweeper", daemon=True)
             self._sweeper.start()
+            if self.config.etcd:
+                self._stand_by()
             return self
+
+    def advertised_address(self) -> str:
+        """The gRPC ``host:port`` nodes and clients dial this master at (what it puts in etcd when it leads)."""
+        host = self.config.advertise_host or self.config.host
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            host = socket.gethostname()
+        return f"{host}:{self.port}"
+
+    def _stand_by(self) -> None:
+        """Start as a standby and campaign (see the module docstring)."""
+        assert self._health is not None, "MasterServer: standing by before the gRPC server exists"
+        self._serving(False)
+        etcd = EtcdClient(parse_endpoints(self.config.etcd), timeout_s=min(2.0, self.config.leader_ttl_s / 3))
+        election = Election(etcd, self.config.cluster, LeaderInfo.new(self.advertised_address()),
+                            self.config.leader_ttl_s, on_elected=self._elected, on_deposed=self._deposed)
+        servicer = self.servicer
+        servicer.cluster = self.config.cluster
+        servicer.leading = election.leading
+        servicer.leader_address = lambda: leader.address if (leader := election.leader()) is not None else ""
+        self.election = election.start()
+
+    def _serving(self, leading: bool) -> None:
+        assert self._health is not None, "MasterServer: no health service"
+        status = health_pb2.HealthCheckResponse.SERVING if leading else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", master_pb2.DESCRIPTOR.services_by_name["Master"].full_name):
+            self._health.set(name, status)
+        self._leader_gauge.set(1 if leading else 0)
+
+    def _elected(self) -> None:
+        self._elections.inc()
+        self._serving(True)
+
+    def _deposed(self) -> None:
+        self._serving(False)
+        dropped = self.membership.drop_all()
+        log.info("master: standing by; dropped %d nodes (they register with the new leader)", dropped)
 
     def _call_listener(self) -> TcpListener:
         """The wire listener for fast calls (:mod:`kvpool.wire`) over the same servicer as gRPC."""
@@ -161,6 +214,9 @@ class MasterServer:
             if self._stopping.is_set():
                 return
             self._stopping.set()
+            if self.election is not None:  # resign first: a standby takes over while this one winds down
+                self.election.stop()
+                self.election.etcd.close()
             if self._server is not None:
                 assert self._health is not None, "MasterServer: a server without its health service"
                 self._health.enter_graceful_shutdown()
@@ -192,5 +248,8 @@ def run_master(config: MasterConfig) -> None:
         metrics = f":{server.metrics_port}" if server.metrics_port else "off"
         log.info("kvpool master listening on %s (fast calls :%d, metrics %s)", server.address,
                  server.servicer.call_port, metrics)
+        if config.etcd:
+            log.info("kvpool master: standing by for cluster %s in etcd %s as %s (leader TTL %d s)", config.cluster,
+                     config.etcd, server.advertised_address(), config.leader_ttl_s)
         wait_for_shutdown()
         log.info("kvpool master stopping")

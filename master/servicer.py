@@ -28,7 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -63,6 +63,19 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self._membership = membership
         self._metrics = metrics
         self.call_port = 0  # the fast-call listener's port, once bound (0: none)
+        # With an election (MasterServer, etcd): whether this master leads now, and where the leader is.
+        self.leading: Callable[[], bool] = lambda: True
+        self.leader_address: Callable[[], str] = lambda: ""
+        self.cluster = ""
+
+    def _lead(self, context: Any) -> None:
+        """UNAVAILABLE on a standby: only the leader serves nodes and clients (they follow it, see
+        :mod:`kvpool.master_client`)."""
+        if not self.leading():
+            where = self.leader_address()
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"standby master of cluster {self.cluster}: not the leader"
+                          + (f" (the leader is {where})" if where else " (no leader elected yet)"))
 
     # -- validation helpers -------------------------------------------------------------
 
@@ -116,6 +129,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     # -- nodes ----------------------------------------------------------------------------
 
     def RegisterNode(self, request: master_pb2.RegisterNodeRequest, context: Any) -> master_pb2.RegisterNodeResponse:
+        self._lead(context)
         ref = request.node
         if not ref.node_id:
             raise ValueError("RegisterNode: node.node_id must not be empty")
@@ -138,11 +152,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         )
 
     def Heartbeat(self, request: master_pb2.HeartbeatRequest, context: Any) -> master_pb2.HeartbeatResponse:
+        self._lead(context)
         tiers = self._tier_stats(request.tiers)
         known = self._membership.heartbeat(request.node_id, request.incarnation, tiers)
         return master_pb2.HeartbeatResponse(known=known)
 
     def ReportBlocks(self, request: master_pb2.ReportBlocksRequest, context: Any) -> master_pb2.ReportBlocksResponse:
+        self._lead(context)
         tier = self._tier(request.tier)
         added = self._keys(request.added_keys, "added_keys")
         removed = self._keys(request.removed_keys, "removed_keys")
@@ -163,12 +179,14 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     def UnregisterNode(
         self, request: master_pb2.UnregisterNodeRequest, context: Any
     ) -> master_pb2.UnregisterNodeResponse:
+        self._lead(context)
         self._membership.unregister(request.node_id, request.incarnation)
         return master_pb2.UnregisterNodeResponse()
 
     # -- clients --------------------------------------------------------------------------
 
     def Lookup(self, request: master_pb2.LookupRequest, context: Any) -> master_pb2.LookupResponse:
+        self._lead(context)
         started = time.perf_counter()
         n_keys = self._count_keys(request.keys)
         if request.worker_id:
@@ -214,10 +232,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return response
 
     def Exists(self, request: master_pb2.ExistsRequest, context: Any) -> master_pb2.ExistsResponse:
+        self._lead(context)
         self._count_keys(request.keys)
         return master_pb2.ExistsResponse(present=flag_bytes(self._index.exists_packed(caller_keys(request.keys))))
 
     def PlaceBlocks(self, request: master_pb2.PlaceBlocksRequest, context: Any) -> master_pb2.PlaceBlocksResponse:
+        self._lead(context)
         keys = self._client_keys(request.keys)
         self._same_length(keys, "sizes", request.sizes)
         if any(size == 0 for size in request.sizes):
@@ -256,6 +276,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return response
 
     def ReportHbm(self, request: master_pb2.ReportHbmRequest, context: Any) -> master_pb2.ReportHbmResponse:
+        self._lead(context)
         if not request.worker_id:
             raise ValueError("ReportHbm: worker_id must not be empty")
         added = self._client_keys(request.added_keys, "added_keys")
@@ -276,9 +297,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     def Info(self, request: master_pb2.MasterInfoRequest, context: Any) -> master_pb2.MasterInfoResponse:
         who = caller()
         return master_pb2.MasterInfoResponse(call_port=self.call_port, version=__version__,
-                                             tenant_mask=who.mask if who is not None else b"")
+                                             tenant_mask=who.mask if who is not None else b"",
+                                             standby=not self.leading(), leader_address=self.leader_address(),
+                                             cluster=self.cluster)
 
     def ClusterStatus(self, request: master_pb2.ClusterStatusRequest, context: Any) -> master_pb2.ClusterStatusResponse:
+        self._lead(context)
         now = self._membership.now()
         response = master_pb2.ClusterStatusResponse()
         for info in self._membership.live_nodes():

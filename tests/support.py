@@ -199,3 +199,56 @@ class PoolProcesses:
     def assert_stopped_cleanly(self) -> None:
         """After :meth:`close`: every process exited 0 on SIGTERM (or was killed on purpose, -9)."""
         assert all(code in (0, -signal.SIGKILL) for code in self.exit_codes), self.exit_codes
+
+
+class EtcdServer:
+    """A real single-member etcd (Debian's etcd-server; tests/run.sh installs it) on free loopback ports.
+
+    ``pause``/``resume`` (SIGSTOP/SIGCONT) make it unresponsive without losing its state; ``stop`` ends it.
+    Fails loudly when no ``etcd`` binary is installed: never a silent skip.
+    """
+
+    def __init__(self, data_dir):
+        import shutil
+
+        binary = shutil.which("etcd")
+        assert binary is not None, "etcd not found: apt-get install etcd-server (tests/run.sh does)"
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.log = open(data_dir / "etcd.log", "wb")
+        self.proc = subprocess.Popen(
+            [binary, "--name", "kvpool-test", "--data-dir", str(data_dir / "etcd"),
+             "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"kvpool-test={peer}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        from kvpool.etcd import EtcdClient
+
+        client = EtcdClient([self.endpoint], timeout_s=1.0)
+        try:
+            def answers() -> bool:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"etcd exited with {self.proc.returncode}")
+                try:
+                    return bool(client.status().version)
+                except grpc.RpcError:
+                    return False
+
+            wait_until(answers, timeout, interval=0.1)
+        finally:
+            client.close()
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        self.resume()
+        stop_process(self.proc)
+        self.log.close()

@@ -101,6 +101,7 @@ BAD_VALUES = {
         "host": "two words", "port": 65536, "metrics_port": -2, "call_port": -3, "node_timeout_s": NAN,
         "heartbeat_interval_s": 0.0, "worker_timeout_s": INF, "max_keys_per_call": 0, "max_connections": 0,
         "max_concurrent_rpcs": -1, "auth_file": None, "tls_cert": 1, "tls_key": b"key",
+        "etcd": "https://etcd:2379", "cluster": "a/b", "leader_ttl_s": 1, "advertise_host": "two words",
     },
     NodeConfig: {
         "master": "no-port", "host": "two words", "port": -1, "metrics_port": 70000, "data_port": -5,

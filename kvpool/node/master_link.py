@@ -23,7 +23,8 @@ link's job is to keep the master's picture of this node whole:
   Whatever order events arrive in, the last send after the last change tells
   the truth.
 - Any failed call, or ``known = false`` from the master (it restarted, or
-  timed us out), drops the registration; the thread registers again with
+  timed us out), drops the registration (and, with ``etcd://`` masters, makes
+  the link look up the leader again: :mod:`kvpool.master_client`); the thread registers again with
   backoff (capped at ``retry_cap_s``) and re-syncs everything. While
   unregistered, changes are not queued (the re-sync's snapshot, taken after
   queueing resumes, covers them), so an outage costs no memory. The master
@@ -40,15 +41,15 @@ from typing import Protocol
 
 import grpc
 
-from kvpool.calls import FastStub, MasterCallAddress
 from kvpool.core import BlockMeta, Tier, TierStats
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
-from kvpool.rpc import make_channel, proto_tier, tier_usage
+from kvpool.master_client import MasterConnection
+from kvpool.rpc import proto_tier, tier_usage
 from kvpool.tiers.base import ChangeListener
 from kvpool.tls import client_context
-from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
-from kvpool.wire import MASTER_CALLS, auth_hello
+from kvpool.v1 import common_pb2, master_pb2
+from kvpool.wire import auth_hello
 
 log = logging.getLogger(__name__)
 
@@ -103,15 +104,14 @@ class MasterLink:
         self._retry_cap = retry_cap_s
         self._chunk = chunk_keys
         # token: a node token for the master (auth on); tls_ca: the master speaks TLS
-        self._channel = make_channel(master, max_message_bytes=max_message_bytes, token=token, tls_ca=tls_ca,
-                                     options=_RECONNECT_OPTIONS)
-        grpc_stub = master_pb2_grpc.MasterStub(self._channel)
         self._calls = ConnectionPool(rpc_timeout_s, tls=client_context(tls_ca) if tls_ca else None,
                                      hello=auth_hello(token) if token else None)
-        call_address = MasterCallAddress(grpc_stub, master, rpc_timeout_s)
-        # ReportBlocks (before every put's reply) goes over fast calls; the rest over gRPC.
-        self._stub = FastStub(grpc_stub, master_pb2.DESCRIPTOR.services_by_name["Master"], MASTER_CALLS,
-                              self._calls, call_address, on_unreachable=call_address.forget)
+        # The master, or the leader etcd names (followed when it moves: the link then registers with it). Reports
+        # go over fast calls; the rest over gRPC.
+        self._master = MasterConnection(master, pool=self._calls, timeout_s=rpc_timeout_s,
+                                        max_message_bytes=max_message_bytes, token=token, tls_ca=tls_ca,
+                                        options=_RECONNECT_OPTIONS)
+        self._stub = self._master.stub
         self._pending_lock = threading.Lock()
         self._pending: dict[Tier, dict[BlockKey, BlockMeta | None]] = {t: {} for t in self._stores}
         self._send_lock = threading.Lock()  # one conversation with the master at a time, in order
@@ -179,7 +179,7 @@ class MasterLink:
                     log.info("node %s: unregister failed (%s); the master will time us out",
                              self.node_ref.node_id, _status(exc))
             self._drop_registration()
-            self._channel.close()
+            self._master.close()
             self._calls.close()
 
     def flush(self) -> bool:

@@ -234,11 +234,17 @@ class MasterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MasterInfoResponse(_message.Message):
-    __slots__ = ("call_port", "version", "tenant_mask")
+    __slots__ = ("call_port", "version", "tenant_mask", "standby", "leader_address", "cluster")
     CALL_PORT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENANT_MASK_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
     call_port: int
     version: str
     tenant_mask: bytes
-    def __init__(self, call_port: _Optional[int] = ..., version: _Optional[str] = ..., tenant_mask: _Optional[bytes] = ...) -> None: ...
+    standby: bool
+    leader_address: str
+    cluster: str
+    def __init__(self, call_port: _Optional[int] = ..., version: _Optional[str] = ..., tenant_mask: _Optional[bytes] = ..., standby: _Optional[bool] = ..., leader_address: _Optional[str] = ..., cluster: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,214 @@
+"""Issue 15: masters elect one leader through a real etcd; nodes and clients follow it without a restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support import EtcdServer, free_port, kvpool_process, stop_process, wait_until
+
+from kvpool.client.pool import PoolClient
+from kvpool.config import ClientConfig, MasterConfig
+from kvpool.etcd import EtcdClient, EtcdTarget, LeaderInfo, leader_key
+from kvpool.keys import opaque_key
+from kvpool.master import MasterServer
+from kvpool.master_client import leader_address
+from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
+
+TTL_S = 2
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop()
+
+
+def new_cluster() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+def start_masters(etcd: EtcdServer, cluster: str, n: int) -> list[MasterServer]:
+    return [MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0, etcd=etcd.endpoint, cluster=cluster,
+                                      leader_ttl_s=TTL_S)).start() for _ in range(n)]
+
+
+def the_leader(masters: list[MasterServer]) -> MasterServer | None:
+    leading = [m for m in masters if m.election is not None and m.election.leading()]
+    return leading[0] if len(leading) == 1 else None
+
+
+def info(address: str) -> master_pb2.MasterInfoResponse:
+    with grpc.insecure_channel(address) as channel:
+        return master_pb2_grpc.MasterStub(channel).Info(master_pb2.MasterInfoRequest(), timeout=5)
+
+
+def health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def test_one_master_leads_and_the_standby_refuses_node_and_client_calls_saying_where_the_leader_is(etcd):
+    masters = start_masters(etcd, new_cluster(), 2)
+    try:
+        leader = wait_until(lambda: the_leader(masters), timeout=15)
+        standby = next(m for m in masters if m is not leader)
+        assert info(leader.address).standby is False and info(standby.address).standby is True
+        assert info(standby.address).leader_address == leader.advertised_address()
+        assert health(leader.address) == health_pb2.HealthCheckResponse.SERVING
+        assert health(standby.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with grpc.insecure_channel(standby.address) as channel:
+            stub = master_pb2_grpc.MasterStub(channel)
+            for call, request in [
+                (stub.Lookup, master_pb2.LookupRequest(keys=opaque_key("x"))),
+                (stub.RegisterNode,
+                 master_pb2.RegisterNodeRequest(node=common_pb2.NodeRef(node_id="n", address="a:1"))),
+                (stub.ClusterStatus, master_pb2.ClusterStatusRequest()),
+            ]:
+                with pytest.raises(grpc.RpcError) as caught:
+                    call(request, timeout=5)
+                assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert leader.advertised_address() in caught.value.details()
+        assert standby.membership.node_count() == 0  # the RegisterNode changed nothing
+        # The leader key names the leader; a client following the cluster dials it.
+        client = EtcdClient([etcd.endpoint])
+        try:
+            assert leader_address(client, leader.config.cluster) == leader.advertised_address()
+        finally:
+            client.close()
+    finally:
+        for m in masters:
+            m.stop()
+
+
+def test_a_stopped_leader_resigns_and_the_standby_takes_over(etcd):
+    masters = start_masters(etcd, new_cluster(), 2)
+    try:
+        leader = wait_until(lambda: the_leader(masters), timeout=15)
+        standby = next(m for m in masters if m is not leader)
+        leader.stop()
+        assert wait_until(lambda: the_leader([standby]), timeout=15) is standby
+        assert info(standby.address).standby is False
+    finally:
+        for m in masters:
+            m.stop()
+
+
+def test_etcd_unreachable_the_leader_steps_down_within_its_lease_and_two_masters_never_lead_at_once(etcd):
+    masters = start_masters(etcd, new_cluster(), 2)
+    both: list[float] = []
+    done = threading.Event()
+
+    def watch() -> None:  # the no-split-brain invariant, sampled all through the test
+        while not done.is_set():
+            if all(m.election is not None and m.election.leading() for m in masters):
+                both.append(time.monotonic())
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        wait_until(lambda: the_leader(masters), timeout=15)
+        etcd.pause()
+        paused = time.monotonic()
+        try:
+            wait_until(lambda: not any(m.election is not None and m.election.leading() for m in masters),
+                       timeout=TTL_S + 5, interval=0.01)
+            stepped_down = time.monotonic() - paused
+        finally:
+            etcd.resume()
+        # It stops leading by its own clock, before its lease can lapse in etcd: within the TTL of the pause.
+        assert stepped_down <= TTL_S, f"the leader kept leading {stepped_down:.2f} s without etcd"
+        wait_until(lambda: the_leader(masters), timeout=30)  # etcd back: one leads again
+    finally:
+        done.set()
+        watcher.join()
+        for m in masters:
+            m.stop()
+    assert both == [], f"two masters led at once at {len(both)} samples"
+
+
+def test_a_killed_leader_is_replaced_and_a_node_and_a_client_follow_it_without_a_restart(etcd, tmp_path):
+    cluster = new_cluster()
+    target = f"etcd://{etcd.endpoint}/{cluster}"
+    procs: dict[str, subprocess.Popen] = {}
+    ports = {}
+    for name in ("m1", "m2"):
+        ports[name] = free_port()
+        procs[name] = kvpool_process(
+            "master", "--port", str(ports[name]), "--metrics-port", "0", "--call-port", str(free_port()),
+            "--etcd", f"http://{etcd.endpoint}", "--cluster", cluster, "--leader-ttl-s", str(TTL_S),
+            log_path=tmp_path / f"{name}.log")
+    arena = f"kvpool-test-ha-{uuid.uuid4().hex[:8]}"
+    node = kvpool_process(
+        "node", "--master", target, "--port", str(free_port()), "--metrics-port", "0", "--data-port", "0",
+        "--node-id", "n1", "--arena", arena, "--dram-bytes", "16M", "--max-block-bytes", "64K", "--no-ssd",
+        log_path=tmp_path / "node.log")
+    etcd_client = EtcdClient([etcd.endpoint])
+    pool = None
+    try:
+        def leading_name() -> str | None:
+            address = leader_address(etcd_client, cluster)
+            return next((n for n, p in ports.items() if address == f"127.0.0.1:{p}"), None)
+
+        first = wait_until(leading_name, timeout=20)
+        config = ClientConfig(master=target, shared_memory=False, lookup_timeout_s=1.0, io_timeout_s=2.0)
+        pool = PoolClient(config)
+        keys = [opaque_key(f"ha-{cluster}-{i}") for i in range(8)]
+        values = [np.full(4096, i + 1, np.uint8) for i in range(8)]
+        wait_until(lambda: pool.cluster.refresh() and len(pool.cluster.nodes()) == 1, timeout=20)
+        assert pool.store(keys, values) == [True] * 8
+        wait_until(pool.flush, timeout=20)  # False while the node's link is still sending its first report
+        assert len(pool.lookup(keys)) == 8
+
+        os.kill(procs[first].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        hit_again = None
+        while time.monotonic() - killed < 30:
+            found = pool.lookup(keys)  # during the failover a miss, never an error
+            if len(found) == 8:
+                hit_again = time.monotonic() - killed
+                break
+            time.sleep(0.05)
+        assert hit_again is not None, "lookups never hit again after the leader was killed"
+        second = leading_name()
+        assert second is not None and second != first
+        assert info(f"127.0.0.1:{ports[second]}").standby is False
+        outs = [np.zeros(4096, np.uint8) for _ in keys]
+        assert pool.get_into(pool.lookup(keys), outs) == [True] * 8
+        assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+        assert node.poll() is None and pool.masters.changes >= 1  # the same node process, followed
+        print(f"failover: lookups hit again {hit_again:.2f} s after kill -9 of the leader (TTL {TTL_S} s)")
+    finally:
+        if pool is not None:
+            pool.close()
+        etcd_client.close()
+        stop_process(node)
+        for proc in procs.values():
+            stop_process(proc)
+        try:
+            os.unlink(f"/dev/shm/{arena}")
+        except FileNotFoundError:
+            pass
+
+
+def test_etcd_targets_parse_or_say_what_is_wrong():
+    assert EtcdTarget.parse("127.0.0.1:7600") is None
+    assert EtcdTarget.parse("etcd://a:2379,b:2380/prod") == EtcdTarget(("a:2379", "b:2380"), "prod")
+    for bad in ["etcd://a:2379", "etcd://a/prod", "etcd://a:2379/pr/od", "etcd://a:2379/p r", "etcd:///prod"]:
+        with pytest.raises(ValueError):
+            EtcdTarget.parse(bad)
+    with pytest.raises(ValueError, match="host:port"):
+        ClientConfig(master="etcd://a/prod")
+    assert leader_key("prod") == b"/kvpool/prod/master/leader"
+    assert LeaderInfo.decode(b"not json") is None and LeaderInfo.decode(LeaderInfo("h:1", "x").encode()) == \
+        LeaderInfo("h:1", "x")
