@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_section_flags(node, "node")
 
     status = command("status", "show node health, tier usage and capacity, and hit rates per tier", _run_status)
-    status.add_argument("--master", help="the master's host:port (default: the client config's)")
+    status.add_argument("--master", help="the master's host:port, or etcd://HOST:PORT/CLUSTER for an HA cluster "
+                        "(leader, standbys, etcd's health; default: the client config's)")
     status.add_argument("--timeout", type=_positive_seconds, default=3.0, metavar="SECONDS",
                         help="how long to wait for the master (default: 3 s)")
     status.add_argument("--prometheus", metavar="URL",
@@ -185,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="measure the pool against this machine's limits", parents=[common])
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
-    from kvpool.bench import fragmentation, index_scale, lru_sweep, replay, soak, tiers, tracegen, ttft
+    from kvpool.bench import failover, fragmentation, index_scale, lru_sweep, replay, soak, tiers, tracegen, ttft
     from kvpool.bench import vllm as vllm_bench
 
     for name, module, help_text in (
@@ -195,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("lru-sweep", lru_sweep, "HBM + DRAM hit rate beside an exact LRU, at several DRAM capacities"),
         ("tracegen", tracegen, "write a Mooncake-format trace of a named reuse pattern (seeded)"),
         ("index", index_scale, "master index: lookup cost and bytes per block, 1K to 10M blocks"),
+        ("failover", failover, "kill -9 of the leading master (etcd HA): seconds until lookups hit again"),
         ("soak", soak, "many clients for minutes: memory, fds and threads of every process must stay flat, no errors"),
         ("ttft", ttft, "transformers engine: time to first token, prefix from each tier"),
         ("vllm", vllm_bench, "real vLLM: time to first token, kvpool against vLLM's prefix cache and Mooncake"),

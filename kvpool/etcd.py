@@ -96,6 +96,16 @@ def leader_key(cluster: str) -> bytes:
     return f"/kvpool/{check_cluster(cluster)}/master/leader".encode()
 
 
+def members_prefix(cluster: str) -> bytes:
+    """Where each running master of ``cluster`` keeps a key (its :class:`LeaderInfo`, under its own lease)."""
+    return f"/kvpool/{check_cluster(cluster)}/master/members/".encode()
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """etcd's range end for every key that starts with ``prefix``."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
 @dataclass(frozen=True)
 class LeaderInfo:
     """What the leader key says: the leading master's gRPC ``address`` and a unique ``id`` per process."""
@@ -166,6 +176,12 @@ class EtcdClient:
             return None
         kv = reply.kvs[0]
         return KeyValue(kv.value, kv.create_revision, kv.mod_revision, kv.lease)
+
+    def get_prefix(self, prefix: bytes, timeout: float | None = None) -> list[tuple[bytes, KeyValue]]:
+        """Every key starting with ``prefix``, with its value, in key order."""
+        reply = self._call(lambda c: etcd_pb2_grpc.KVStub(c).Range,
+                           etcd_pb2.RangeRequest(key=prefix, range_end=prefix_end(prefix)), timeout)
+        return [(kv.key, KeyValue(kv.value, kv.create_revision, kv.mod_revision, kv.lease)) for kv in reply.kvs]
 
     def create(self, key: bytes, value: bytes, lease: int, timeout: float | None = None) -> KeyValue | None:
         """Put ``key`` = ``value`` under ``lease`` if the key is absent; None if created, else what it holds."""

@@ -239,16 +239,68 @@ class MasterUnreachable(ValueError):
         self.code = code
 
 
+@dataclass(frozen=True)
+class Masters:
+    """What etcd says of an HA cluster's masters (``etcd://`` targets): the leader, the standbys, etcd's health."""
+
+    cluster: str
+    leader: str | None  # the leading master's gRPC address; None: no leader now
+    standbys: list[str]
+    etcd: list[tuple[str, str]]  # (endpoint, "etcd 3.4.23, raft term 2" or what went wrong)
+
+
+def ask_etcd(target: str, timeout: float = 3.0) -> Masters | None:
+    """The masters of an ``etcd://`` target, as etcd names them; None for a plain ``host:port``."""
+    from kvpool.etcd import EtcdClient, EtcdTarget, LeaderInfo, members_prefix
+    from kvpool.master_client import leader_address
+
+    parsed = EtcdTarget.parse(target)
+    if parsed is None:
+        return None
+    etcd = EtcdClient(parsed.endpoints, timeout_s=timeout)
+    try:
+        health = []
+        for i, endpoint in enumerate(parsed.endpoints):
+            try:
+                st = etcd.status(i)
+                health.append((endpoint, f"etcd {st.version}, raft term {st.raftTerm}"
+                               + (f", alarms: {', '.join(st.errors)}" if st.errors else "")))
+            except grpc.RpcError as exc:
+                health.append((endpoint, f"UNREACHABLE ({exc.code().name})"))
+        try:
+            leader = leader_address(etcd, parsed.cluster)
+            members = [info.address for _, kv in etcd.get_prefix(members_prefix(parsed.cluster))
+                       if (info := LeaderInfo.decode(kv.value)) is not None]
+        except grpc.RpcError:
+            leader, members = None, []
+        return Masters(parsed.cluster, leader, sorted(m for m in members if m != leader), health)
+    finally:
+        etcd.close()
+
+
+def render_masters(masters: Masters) -> str:
+    lines = [f"masters of cluster {masters.cluster}: leader {masters.leader or 'NONE (no leader elected now)'}; "
+             f"standbys: {', '.join(masters.standbys) or 'none'}"]
+    lines += [f"  etcd {endpoint}: {health}" for endpoint, health in masters.etcd]
+    return "\n".join(lines)
+
+
 def cluster_status(master: str, *, token: str = "", tls_ca: str = "",
                    timeout: float = 5.0) -> master_pb2.ClusterStatusResponse:
     """The master's ``ClusterStatus``, asked over a channel with the caller's credentials (``token`` and
-    ``tls_ca`` as in a client config, so a master with an auth file or TLS answers too).
+    ``tls_ca`` as in a client config, so a master with an auth file or TLS answers too). ``master`` may be
+    ``etcd://HOST:PORT/CLUSTER``: the leader etcd names is asked.
 
     The one way every command and benchmark asks it. :class:`MasterUnreachable` (a ValueError) when the
     master cannot be asked.
     """
     from kvpool.rpc import make_channel
 
+    if master.startswith("etcd://"):
+        masters = ask_etcd(master, timeout)
+        if masters is None or masters.leader is None:
+            raise MasterUnreachable(master, "UNAVAILABLE", "etcd names no leading master")
+        master = masters.leader
     try:
         with make_channel(master, max_message_bytes=64 << 20, token=token, tls_ca=tls_ca) as channel:
             return master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(),
@@ -264,6 +316,16 @@ def run_status(master: str, timeout: float = 3.0, prometheus: str | None = None,
     ``token`` / ``tls_ca``: the client config's, for a master with an auth file or TLS.
     """
     code = 0
+    try:
+        masters = ask_etcd(master, timeout)
+    except ValueError as exc:  # a malformed etcd:// target
+        print(f"kvpool status: {exc}", file=sys.stderr)
+        return 1
+    if masters is not None:
+        print(render_masters(masters))
+        print()
+        if any(h.startswith("UNREACHABLE") for _, h in masters.etcd) or masters.leader is None:
+            code = 1
     try:
         print(render_status(master, cluster_status(master, token=token, tls_ca=tls_ca, timeout=timeout)))
     except MasterUnreachable as exc:

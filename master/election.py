@@ -19,6 +19,10 @@ Invariants:
   ``on_elected`` first; ``on_deposed`` also runs at :meth:`stop` if leading.
 - :meth:`stop` resigns: the lease is revoked, so a standby takes over within
   its poll interval instead of waiting for the TTL.
+- Every running master, leader or standby, keeps a member key
+  (:func:`kvpool.etcd.members_prefix` + its id) under a lease of its own, so
+  ``kvpool status`` can list the standbys; a killed master's key goes with
+  that lease.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from collections.abc import Callable
 
 import grpc
 
-from kvpool.etcd import EtcdClient, LeaderInfo, leader_key
+from kvpool.etcd import EtcdClient, LeaderInfo, leader_key, members_prefix
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,8 @@ class Election:
         self._leader: LeaderInfo | None = None  # the leader as last read
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._member_key = members_prefix(cluster) + me.id.encode()
+        self._member_lease = 0
         self.elections = 0  # times this master became leader
         self.elected_at = 0.0  # monotonic time of the last election (0: never)
 
@@ -97,6 +103,12 @@ class Election:
             self._valid_until = 0.0
         if was:
             self._on_deposed()
+        for gone in (self._member_lease,):
+            if gone:
+                try:
+                    self.etcd.revoke(gone, timeout=1.0)
+                except grpc.RpcError:
+                    pass  # it expires by itself
         if lease:
             try:
                 self.etcd.revoke(lease, timeout=1.0)
@@ -111,14 +123,26 @@ class Election:
             try:
                 if self._elected:
                     self._renew()
+                    self._announce()  # after the renewal: a slow etcd must not delay it
                     self._stop.wait(self.ttl_s / 3)
                 else:
+                    self._announce()
                     if not self._campaign():
                         self._stop.wait(self.poll_s)
             except Exception:  # a bug here must be loud, and must not leave a leader that cannot step down
                 log.exception("master election failed; standing down")
                 self._depose("election error")
                 self._stop.wait(self.poll_s)
+
+    def _announce(self) -> None:
+        """Keep this master's member key (best effort: only ``kvpool status`` reads it)."""
+        try:
+            if self._member_lease and self.etcd.keep_alive(self._member_lease, timeout=self.poll_s) > 0:
+                return
+            self._member_lease, _ = self.etcd.grant(self.ttl_s, timeout=self.poll_s)
+            self.etcd.put(self._member_key, self.me.encode(), lease=self._member_lease, timeout=self.poll_s)
+        except grpc.RpcError:
+            self._member_lease = 0
 
     def _campaign(self) -> bool:
         """Try to take the key; True if this master leads now."""

@@ -23,6 +23,9 @@ Invariants:
   the keys as sent.
 - Lookup returns only blocks whose node still resolves: a run entry on a node
   dropped mid-call ends the run there (a miss, never a dangling reference).
+- On a standby (an election says this master does not lead) every call but
+  ``Info`` is UNAVAILABLE before it reads or changes anything; ``Info`` says
+  ``standby`` and where the leader is.
 """
 
 from __future__ import annotations

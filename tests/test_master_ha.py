@@ -212,3 +212,33 @@ def test_etcd_targets_parse_or_say_what_is_wrong():
     assert leader_key("prod") == b"/kvpool/prod/master/leader"
     assert LeaderInfo.decode(b"not json") is None and LeaderInfo.decode(LeaderInfo("h:1", "x").encode()) == \
         LeaderInfo("h:1", "x")
+
+
+def test_kvpool_status_shows_the_leader_the_standbys_and_etcd_health(etcd):
+    import subprocess
+    import sys
+
+    cluster = new_cluster()
+    masters = start_masters(etcd, cluster, 2)
+    try:
+        leader = wait_until(lambda: the_leader(masters), timeout=15)
+        standby = next(m for m in masters if m is not leader)
+        target = f"etcd://{etcd.endpoint}/{cluster}"
+
+        def status() -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--master", target],
+                                  capture_output=True, text=True, timeout=60)
+
+        # each master's member key appears within its first poll
+        done = wait_until(lambda: (r := status()).returncode == 0 and standby.advertised_address() in r.stdout and r,
+                          timeout=15)
+        first = done.stdout.splitlines()[0]
+        assert f"leader {leader.advertised_address()}" in first and f"standbys: {standby.advertised_address()}" in first
+        assert f"etcd {etcd.endpoint}: etcd 3." in done.stdout
+        assert "kvpool master" in done.stdout  # then the leader's own table
+    finally:
+        for m in masters:
+            m.stop()
+    nobody = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--master",
+                             f"etcd://{etcd.endpoint}/{new_cluster()}"], capture_output=True, text=True, timeout=60)
+    assert nobody.returncode == 1 and "leader NONE" in nobody.stdout
