@@ -150,8 +150,15 @@ class Election:
         try:
             current = self.etcd.get(self.key)
             if current is not None:
-                self._saw(LeaderInfo.decode(current.value))
-                return False
+                info = LeaderInfo.decode(current.value)
+                if info is not None and current.lease:
+                    self._saw(info)
+                    return False
+                # Not a leader's key (no lease, or not ours to read): it would block every election. Remove it,
+                # if it still holds what we read, and campaign.
+                log.warning("master: the leader key of cluster %s holds %r%s; removing it", self.cluster,
+                            current.value[:80], "" if current.lease else " with no lease")
+                self.etcd.delete_if(self.key, current.value)
             lease, ttl = self.etcd.grant(self.ttl_s)
             held = self.etcd.create(self.key, self.me.encode(), lease)
         except grpc.RpcError as exc:

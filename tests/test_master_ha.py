@@ -242,3 +242,53 @@ def test_kvpool_status_shows_the_leader_the_standbys_and_etcd_health(etcd):
     nobody = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--master",
                              f"etcd://{etcd.endpoint}/{new_cluster()}"], capture_output=True, text=True, timeout=60)
     assert nobody.returncode == 1 and "leader NONE" in nobody.stdout
+
+
+def test_a_leader_cut_off_from_etcd_is_replaced_and_never_overlaps_the_new_one(etcd):
+    masters = start_masters(etcd, new_cluster(), 2)
+    overlap: list[float] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if all(m.election is not None and m.election.leading() for m in masters):
+                overlap.append(time.monotonic())
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        leader = wait_until(lambda: the_leader(masters), timeout=15)
+        standby = next(m for m in masters if m is not leader)
+        assert leader.election is not None
+        # Partition the leader from etcd (and only it): its etcd client now dials a port nobody listens on.
+        dead = EtcdClient([f"127.0.0.1:{free_port()}"], timeout_s=0.3)
+        live, leader.election.etcd = leader.election.etcd, dead
+        try:
+            assert wait_until(lambda: the_leader([standby]), timeout=TTL_S * 4 + 5) is standby
+            assert not leader.election.leading()
+            assert info(leader.address).standby is True
+        finally:
+            leader.election.etcd = live
+            dead.close()
+    finally:
+        done.set()
+        watcher.join()
+        for m in masters:
+            m.stop()
+    assert overlap == [], f"two masters led at once at {len(overlap)} samples"
+
+
+def test_a_leader_key_no_election_wrote_does_not_block_elections(etcd):
+    cluster = new_cluster()
+    client = EtcdClient([etcd.endpoint])
+    try:
+        client.put(leader_key(cluster), b"garbage, and no lease")  # an operator's mistake, or another program
+        masters = start_masters(etcd, cluster, 1)
+        try:
+            assert wait_until(lambda: the_leader(masters), timeout=15) is masters[0]
+            assert leader_address(client, cluster) == masters[0].advertised_address()
+        finally:
+            masters[0].stop()
+    finally:
+        client.close()
