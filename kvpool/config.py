@@ -163,16 +163,21 @@ def address_check(optional: bool) -> Check:
     return check
 
 
+def _refusal(parse: Callable[[str], object], v: str) -> str | None:
+    """What ``parse`` says is wrong with ``v`` (its ValueError), or None."""
+    try:
+        parse(v)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def master_target_check(v: str) -> str | None:
     """A master to follow: ``host:port``, or ``etcd://HOST:PORT[,HOST:PORT]/CLUSTER`` (the leader etcd names)."""
-    if v.startswith("etcd://"):
-        from kvpool.etcd import EtcdTarget
+    from kvpool.etcd import EtcdTarget
 
-        try:
-            EtcdTarget.parse(v)
-        except ValueError as exc:
-            return str(exc)
-        return None
+    if v.startswith("etcd://"):
+        return _refusal(EtcdTarget.parse, v)
     if _split_address(v) is not None:
         return None
     return "must be host:port with a port 1-65535, or etcd://HOST:PORT[,HOST:PORT]/CLUSTER"
@@ -180,25 +185,15 @@ def master_target_check(v: str) -> str | None:
 
 def etcd_check(v: str) -> str | None:
     """Empty, or etcd endpoints ``[http://]host:port[,...]``."""
-    if v == "":
-        return None
     from kvpool.etcd import parse_endpoints
 
-    try:
-        parse_endpoints(v)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return None if v == "" else _refusal(parse_endpoints, v)
 
 
 def cluster_check(v: str) -> str | None:
     from kvpool.etcd import check_cluster
 
-    try:
-        check_cluster(v)
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return _refusal(check_cluster, v)
 
 
 def host_check(v: str) -> str | None:

@@ -51,7 +51,7 @@ def master_calls(monkeypatch: pytest.MonkeyPatch, pool: PoolClient) -> list[str]
     call = FastStub.call
 
     def logged(stub, name, request, timeout=None):
-        if stub is pool._master:
+        if stub is pool.masters.current(fast=True):
             names.append(name)
         return call(stub, name, request, timeout)
 

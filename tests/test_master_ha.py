@@ -47,6 +47,30 @@ def the_leader(masters: list[MasterServer]) -> MasterServer | None:
     return leading[0] if len(leading) == 1 else None
 
 
+class OverlapWatch:
+    """Samples every 2 ms, from a thread, whether all ``masters`` lead at once (the no-split-brain invariant)."""
+
+    def __init__(self, masters: list[MasterServer]):
+        self.masters = masters
+        self.both: list[float] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            if all(m.election is not None and m.election.leading() for m in self.masters):
+                self.both.append(time.monotonic())
+            time.sleep(0.002)
+
+    def start(self) -> OverlapWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def info(address: str) -> master_pb2.MasterInfoResponse:
     with grpc.insecure_channel(address) as channel:
         return master_pb2_grpc.MasterStub(channel).Info(master_pb2.MasterInfoRequest(), timeout=5)
@@ -105,17 +129,7 @@ def test_a_stopped_leader_resigns_and_the_standby_takes_over(etcd):
 
 def test_etcd_unreachable_the_leader_steps_down_within_its_lease_and_two_masters_never_lead_at_once(etcd):
     masters = start_masters(etcd, new_cluster(), 2)
-    both: list[float] = []
-    done = threading.Event()
-
-    def watch() -> None:  # the no-split-brain invariant, sampled all through the test
-        while not done.is_set():
-            if all(m.election is not None and m.election.leading() for m in masters):
-                both.append(time.monotonic())
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    watch = OverlapWatch(masters).start()
     try:
         wait_until(lambda: the_leader(masters), timeout=15)
         etcd.pause()
@@ -130,11 +144,10 @@ def test_etcd_unreachable_the_leader_steps_down_within_its_lease_and_two_masters
         assert stepped_down <= TTL_S, f"the leader kept leading {stepped_down:.2f} s without etcd"
         wait_until(lambda: the_leader(masters), timeout=30)  # etcd back: one leads again
     finally:
-        done.set()
-        watcher.join()
+        watch.stop()
         for m in masters:
             m.stop()
-    assert both == [], f"two masters led at once at {len(both)} samples"
+    assert watch.both == [], f"two masters led at once at {len(watch.both)} samples"
 
 
 def test_a_killed_leader_is_replaced_and_a_node_and_a_client_follow_it_without_a_restart(etcd, tmp_path):
@@ -246,17 +259,7 @@ def test_kvpool_status_shows_the_leader_the_standbys_and_etcd_health(etcd):
 
 def test_a_leader_cut_off_from_etcd_is_replaced_and_never_overlaps_the_new_one(etcd):
     masters = start_masters(etcd, new_cluster(), 2)
-    overlap: list[float] = []
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            if all(m.election is not None and m.election.leading() for m in masters):
-                overlap.append(time.monotonic())
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
+    watch = OverlapWatch(masters).start()
     try:
         leader = wait_until(lambda: the_leader(masters), timeout=15)
         standby = next(m for m in masters if m is not leader)
@@ -272,11 +275,10 @@ def test_a_leader_cut_off_from_etcd_is_replaced_and_never_overlaps_the_new_one(e
             leader.election.etcd = live
             dead.close()
     finally:
-        done.set()
-        watcher.join()
+        watch.stop()
         for m in masters:
             m.stop()
-    assert overlap == [], f"two masters led at once at {len(overlap)} samples"
+    assert watch.both == [], f"two masters led at once at {len(watch.both)} samples"
 
 
 def test_a_leader_key_no_election_wrote_does_not_block_elections(etcd):

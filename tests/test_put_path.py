@@ -134,7 +134,7 @@ class CallLog:
         call, send = FastStub.call, CommitPipe.send
 
         def logged(stub, name, request, timeout=None):
-            if stub is not node.link._stub:
+            if stub is not node.link._master.current(fast=True):
                 self.names.append(name)
             return call(stub, name, request, timeout)
 
