@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -75,8 +75,7 @@ class MasterConnection:
     """The current master's stubs (see the module docstring). Thread-safe."""
 
     def __init__(self, master: str, *, pool: ConnectionPool, timeout_s: float, max_message_bytes: int,
-                 token: str = "", tls_ca: str = "", options: Sequence[tuple[str, Any]] = (),
-                 on_change: Callable[[str], None] | None = None):
+                 token: str = "", tls_ca: str = "", options: Sequence[tuple[str, Any]] = ()):
         self.target = master
         self._pool = pool
         self._timeout = timeout_s
@@ -84,7 +83,6 @@ class MasterConnection:
         self._token = token
         self._tls_ca = tls_ca
         self._options = list(options)
-        self._on_change = on_change
         self._lock = threading.Lock()
         self._etcd_target = EtcdTarget.parse(master)
         self._etcd = EtcdClient(self._etcd_target.endpoints, timeout_s=min(timeout_s, 2.0)) \
@@ -165,8 +163,6 @@ class MasterConnection:
             self._address, self._grpc, self._stub = address, grpc_stub, fast if fast is not None else grpc_stub
         if old is not None:
             old.close()
-        if self._on_change is not None and address is not None:
-            self._on_change(address)
 
     def failed(self, exc: grpc.RpcError) -> None:
         """A call failed: if the master may have moved, look again (rate limited)."""
