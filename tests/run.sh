@@ -2,7 +2,9 @@
 # Install what the tests need on a fresh machine, then run them: `bash tests/run.sh [pytest args]`.
 #
 # - Debian's prometheus package (prometheus + promtool: the operations tests start a real Prometheus),
-#   if either is missing; etcd-server (the master-HA tests start a real etcd) if etcd is missing; g++ and libssl-dev if missing (SGLang builds its C++ page hash with them).
+#   if either is missing; etcd-server (the master-HA tests start a real etcd) if etcd is missing;
+#   iproute2 (the multi-host tests' network namespaces) if ip is missing; g++ and libssl-dev if missing
+#   (SGLang builds its C++ page hash with them).
 #   Needs apt-get and root (or sudo); anything else fails here, loudly.
 # - The CPU build of torch (pinned: an unpinned torch pulls a multi-GB CUDA build) and kvpool with its
 #   client and test extras, into the Python that runs this script (`python3`, or $PYTHON).
@@ -19,6 +21,7 @@ PYTHON=${PYTHON:-python3}
 need_packages=()
 command -v prometheus >/dev/null && command -v promtool >/dev/null || need_packages+=(prometheus)
 command -v etcd >/dev/null || need_packages+=(etcd-server)  # the HA tests start a real etcd (tests/test_master_ha.py)
+command -v ip >/dev/null || need_packages+=(iproute2)  # the multi-host tests make network namespaces (tests/netns.py)
 command -v g++ >/dev/null || need_packages+=(g++)  # SGLang compiles its page hash on first use
 [ -e /usr/include/openssl/sha.h ] || need_packages+=(libssl-dev)
 if [ ${#need_packages[@]} -gt 0 ]; then

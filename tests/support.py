@@ -208,13 +208,13 @@ class EtcdServer:
     Fails loudly when no ``etcd`` binary is installed: never a silent skip.
     """
 
-    def __init__(self, data_dir):
+    def __init__(self, data_dir, host: str = "127.0.0.1"):
         import shutil
 
         binary = shutil.which("etcd")
         assert binary is not None, "etcd not found: apt-get install etcd-server (tests/run.sh does)"
         self.client_port, self.peer_port = free_port(), free_port()
-        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.endpoint = f"{host}:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         self.log = open(data_dir / "etcd.log", "wb")
         self.proc = subprocess.Popen(
