@@ -69,7 +69,7 @@ def main() -> int:
             flushed, flush_by = False, time.monotonic() + 30
             while not flushed and time.monotonic() < flush_by:
                 flushed = pool.flush()
-            report = {"stored": stored, "flushed": flushed}
+            report: dict[str, object] = {"stored": stored, "flushed": flushed}
             if args.start_at:
                 report.update(begin=begin, end=time.time())
             print(json.dumps(report))
