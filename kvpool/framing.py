@@ -588,9 +588,8 @@ class Exchange:
     :func:`await_bytes`).
     """
 
-    replied = False
-
     def __init__(self, spin_s: float = 0.0):
+        self.replied = False
         self.spin_s = spin_s
 
 

@@ -103,7 +103,8 @@ class MasterServer:
                                    "etcd), 0 while it stands by", registry=self.registry)
         self._elections = Counter("kvpool_master_elections", "Times this master became its cluster's leader",
                                   registry=self.registry)
-        self._leader_gauge.set(0 if config.etcd else 1)
+        # read at scrape time from the election's own clock (a lagging thread cannot make it claim leadership)
+        self._leader_gauge.set_function(lambda: 0 if self.config.etcd and not self._leading() else 1)
 
     @property
     def address(self) -> str:
@@ -171,12 +172,14 @@ class MasterServer:
         servicer.leader_address = lambda: leader.address if (leader := election.leader()) is not None else ""
         self.election = election.start()
 
+    def _leading(self) -> bool:
+        return self.election is not None and self.election.leading()
+
     def _serving(self, leading: bool) -> None:
         assert self._health is not None, "MasterServer: no health service"
         status = health_pb2.HealthCheckResponse.SERVING if leading else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", master_pb2.DESCRIPTOR.services_by_name["Master"].full_name):
             self._health.set(name, status)
-        self._leader_gauge.set(1 if leading else 0)
 
     def _elected(self) -> None:
         self._elections.inc()

@@ -656,3 +656,9 @@ def test_run_master_logs_its_address_and_stops_on_sigterm(tmp_path):
             proc.kill()
             proc.wait()
     assert "clean exit" in log_path.read_text()
+
+
+def test_a_master_without_etcd_always_leads():
+    with MasterServer(MasterConfig(port=0, metrics_port=0)) as master:
+        assert master.registry.get_sample_value("kvpool_master_leader") == 1
+        assert master.election is None

@@ -90,6 +90,9 @@ def test_one_master_leads_and_the_standby_refuses_node_and_client_calls_saying_w
         assert info(standby.address).leader_address == leader.advertised_address()
         assert health(leader.address) == health_pb2.HealthCheckResponse.SERVING
         assert health(standby.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert leader.registry.get_sample_value("kvpool_master_leader") == 1
+        assert standby.registry.get_sample_value("kvpool_master_leader") == 0
+        assert leader.registry.get_sample_value("kvpool_master_elections_total") == 1
         with grpc.insecure_channel(standby.address) as channel:
             stub = master_pb2_grpc.MasterStub(channel)
             for call, request in [

@@ -23,9 +23,10 @@ link's job is to keep the master's picture of this node whole:
   Whatever order events arrive in, the last send after the last change tells
   the truth.
 - Any failed call, or ``known = false`` from the master (it restarted, or
-  timed us out), drops the registration (and, with ``etcd://`` masters, makes
-  the link look up the leader again: :mod:`kvpool.master_client`); the thread registers again with
-  backoff (capped at ``retry_cap_s``) and re-syncs everything. While
+  timed us out), drops the registration (with an ``etcd://`` master, a failed
+  call also makes the link read the leader again: :mod:`kvpool.master_client`);
+  the thread registers again with backoff (capped at ``retry_cap_s``) and
+  re-syncs everything. While
   unregistered, changes are not queued (the re-sync's snapshot, taken after
   queueing resumes, covers them), so an outage costs no memory. The master
   being down never raises into the node: flush just returns False.
