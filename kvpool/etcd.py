@@ -206,6 +206,15 @@ class EtcdClient:
             compare=[same], success=[etcd_pb2.RequestOp(request_delete_range=etcd_pb2.DeleteRangeRequest(key=key))])
         return self._call(lambda c: etcd_pb2_grpc.KVStub(c).Txn, request, timeout).succeeded
 
+    def put_if(self, key: bytes, value: bytes, lease: int, timeout: float | None = None) -> bool:
+        """Write ``key`` = ``value`` under ``lease`` again if it holds ``value`` now (its mod revision moves on);
+        True if it did."""
+        same = etcd_pb2.Compare(result=etcd_pb2.Compare.EQUAL, target=etcd_pb2.Compare.VALUE, key=key, value=value)
+        request = etcd_pb2.TxnRequest(
+            compare=[same], success=[etcd_pb2.RequestOp(request_put=etcd_pb2.PutRequest(key=key, value=value,
+                                                                                        lease=lease))])
+        return self._call(lambda c: etcd_pb2_grpc.KVStub(c).Txn, request, timeout).succeeded
+
     def put(self, key: bytes, value: bytes, lease: int = 0, timeout: float | None = None) -> None:
         self._call(lambda c: etcd_pb2_grpc.KVStub(c).Put, etcd_pb2.PutRequest(key=key, value=value, lease=lease),
                    timeout)

@@ -19,6 +19,13 @@ Invariants:
   ``on_elected`` first; ``on_deposed`` also runs at :meth:`stop` if leading.
 - :meth:`stop` resigns: the lease is revoked, so a standby takes over within
   its poll interval instead of waiting for the TTL.
+- Each renewal also rewrites the leader key (same value, only if it is still
+  this master's), so its mod revision moves on at least every ``ttl_s / 3``:
+  that is how a standby sees the leader alive. When a standby is elected,
+  :attr:`Election.failover_s` is the time since it last saw the old leader's
+  key move: the old leader's last renewal to this election, give or take one
+  poll. After a ``kill -9`` that is the time from the kill to the election
+  plus up to ``ttl_s / 3`` (the renewal came before the kill).
 - Every running master, leader or standby, keeps a member key
   (:func:`kvpool.etcd.members_prefix` + its id) under a lease of its own, so
   ``kvpool status`` can list the standbys; a killed master's key goes with
@@ -68,6 +75,8 @@ class Election:
         self._member_lease = 0
         self.elections = 0  # times this master became leader
         self.elected_at = 0.0  # monotonic time of the last election (0: never)
+        self.failover_s: float | None = None  # at the last election: since the old leader's key last moved
+        self._moved: tuple[int, float] | None = None  # another leader's key: (mod revision, when first seen)
 
     # -- what the master asks -------------------------------------------------------------
 
@@ -153,6 +162,8 @@ class Election:
                 info = LeaderInfo.decode(current.value)
                 if info is not None and current.lease:
                     self._saw(info)
+                    if self._moved is None or self._moved[0] != current.mod_revision:
+                        self._moved = (current.mod_revision, sent)
                     return False
                 # Not a leader's key (no lease, or not ours to read): it would block every election. Remove it,
                 # if it still holds what we read, and campaign.
@@ -178,6 +189,8 @@ class Election:
             self._leader = self.me
         self.elections += 1
         self.elected_at = time.monotonic()
+        self.failover_s = None if self._moved is None else self.elected_at - self._moved[1]
+        self._moved = None
         log.info("master %s: elected leader of cluster %s (lease %x, TTL %d s)", self.me.address, self.cluster,
                  lease, ttl)
         self._on_elected()
@@ -190,7 +203,7 @@ class Election:
         sent = time.monotonic()
         try:
             ttl = self.etcd.keep_alive(lease, timeout=max(0.2, self.ttl_s / 3))
-            current = self.etcd.get(self.key, timeout=max(0.2, self.ttl_s / 3)) if ttl > 0 else None
+            ours = ttl > 0 and self.etcd.put_if(self.key, self.me.encode(), lease, timeout=max(0.2, self.ttl_s / 3))
         except grpc.RpcError as exc:
             if time.monotonic() >= self._deadline():
                 self._depose(f"etcd unreachable past the lease ({exc.code().name})")
@@ -198,7 +211,7 @@ class Election:
         if ttl <= 0:
             self._depose("the lease expired in etcd")
             return
-        if current is None or current.value != self.me.encode():
+        if not ours:
             self._depose("the leader key is no longer this master's")
             return
         with self._lock:

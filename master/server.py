@@ -165,7 +165,8 @@ class MasterServer:
         self._serving(False)
         etcd = EtcdClient(parse_endpoints(self.config.etcd), timeout_s=min(2.0, self.config.leader_ttl_s / 3))
         election = Election(etcd, self.config.cluster, LeaderInfo.new(self.advertised_address()),
-                            self.config.leader_ttl_s, on_elected=self._elected, on_deposed=self._deposed)
+                            self.config.leader_ttl_s, on_elected=lambda: self._elected(election),
+                            on_deposed=self._deposed)
         servicer = self.servicer
         servicer.cluster = self.config.cluster
         servicer.leading = election.leading
@@ -181,8 +182,11 @@ class MasterServer:
         for name in ("", master_pb2.DESCRIPTOR.services_by_name["Master"].full_name):
             self._health.set(name, status)
 
-    def _elected(self) -> None:
+    def _elected(self, election: Election) -> None:
         self._elections.inc()
+        if election.failover_s is not None:
+            self.metrics.failover_seconds.observe(election.failover_s)
+        self.servicer.elected()
         self._serving(True)
 
     def _deposed(self) -> None:

@@ -70,6 +70,14 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.leading: Callable[[], bool] = lambda: True
         self.leader_address: Callable[[], str] = lambda: ""
         self.cluster = ""
+        self._elected_at = 0.0  # monotonic time of this master's last election (0: never, or no etcd)
+        self._resyncing: set[str] = set()  # nodes that registered soon after it, their inventories not yet whole
+
+    def elected(self) -> None:
+        """This master was just elected: nodes registering within ``node_timeout_s`` count as following from the
+        old leader, and the time until each one's inventory is whole is observed."""
+        self._resyncing.clear()
+        self._elected_at = time.monotonic()
 
     def _lead(self, context: Any) -> None:
         """UNAVAILABLE on a standby: only the leader serves nodes and clients (they follow it, see
@@ -148,6 +156,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             NodeRef(ref.node_id, ref.address, ref.host_id, ref.arena, ref.data_address), tiers,
             request.dram_max_block_bytes, request.max_block_bytes,
         )
+        if self._elected_at and time.monotonic() - self._elected_at <= self._config.node_timeout_s:
+            self._resyncing.add(ref.node_id)
         return master_pb2.RegisterNodeResponse(
             incarnation=info.incarnation,
             heartbeat_interval_s=self._config.heartbeat_interval_s,
@@ -177,6 +187,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             known = self._index.add(number, tier, added, sizes, checksums) if added else True
         if removed:  # after the additions: a key in both lists ends up absent
             known = self._index.remove(number, tier, removed) and known
+        if request.sync_complete and known and request.node_id in self._resyncing:
+            try:
+                self._resyncing.remove(request.node_id)
+            except KeyError:  # a concurrent report of the same node counted it
+                pass
+            else:
+                self._metrics.failover_resync_seconds.observe(time.monotonic() - self._elected_at)
         return master_pb2.ReportBlocksResponse(known=known)
 
     def UnregisterNode(

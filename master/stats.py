@@ -12,6 +12,13 @@
   ``kvpool_cluster_tier_blocks`` with ``node=<node id>``) from each node's last
   heartbeat. The names differ from the nodes' own ``kvpool_tier_*`` so a query
   never mixes the two sources; the master exports no movement counters.
+- Failover, observed on a master when it is elected (with etcd):
+  ``kvpool_master_failover_seconds`` (from the old leader's last renewal this
+  master saw to its election, :attr:`~kvpool.master.election.Election.failover_s`)
+  and ``kvpool_master_failover_resync_seconds`` (from the election to each
+  node's whole inventory being in the index, for nodes that registered within
+  ``node_timeout_s`` of it: the nodes that followed from the old leader).
+  Their sum is the time a node's blocks were misses through a failover.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
@@ -68,6 +75,9 @@ class _UsageGauges(Collector):
         return self._tiers.collect()
 
 
+_FAILOVER_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 60, 120, 300)
+
+
 class MasterMetrics:
     """Everything the master exports, registered on ``registry``."""
 
@@ -87,6 +97,12 @@ class MasterMetrics:
         Gauge("kvpool_workers", "Workers seen recently", registry=registry).set_function(membership.worker_count)
         Gauge("kvpool_hbm_blocks", "Blocks in workers' HBM tiers (copies)", registry=registry).set_function(hbm.blocks)
         registry.register(_UsageGauges(membership))
+        self.failover_seconds = Histogram(
+            "kvpool_master_failover_seconds", "On a newly elected master: seconds from the old leader's last lease "
+            "renewal it saw to this election", buckets=_FAILOVER_BUCKETS, registry=registry)
+        self.failover_resync_seconds = Histogram(
+            "kvpool_master_failover_resync_seconds", "Seconds from this master's election to each re-registering "
+            "node's whole inventory being in its index", buckets=_FAILOVER_BUCKETS, registry=registry)
 
     def record_lookup(self, hbm: int, dram: int, ssd: int, requested: int, block_tokens: int, lookups: int = 1) -> None:
         """Count ``lookups`` lookups: ``requested`` blocks (HBM prefix included), the runs served as given."""

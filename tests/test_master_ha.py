@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import EtcdServer, free_port, kvpool_process, stop_process, wait_until
+from support import EtcdServer, free_port, kvpool_process, metric, scrape, stop_process, wait_until
 
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig
@@ -157,11 +157,12 @@ def test_a_killed_leader_is_replaced_and_a_node_and_a_client_follow_it_without_a
     cluster = new_cluster()
     target = f"etcd://{etcd.endpoint}/{cluster}"
     procs: dict[str, subprocess.Popen] = {}
-    ports = {}
+    ports, metrics_ports = {}, {}
     for name in ("m1", "m2"):
-        ports[name] = free_port()
+        ports[name], metrics_ports[name] = free_port(), free_port()
         procs[name] = kvpool_process(
-            "master", "--port", str(ports[name]), "--metrics-port", "0", "--call-port", str(free_port()),
+            "master", "--port", str(ports[name]), "--metrics-port", str(metrics_ports[name]),
+            "--call-port", str(free_port()),
             "--etcd", f"http://{etcd.endpoint}", "--cluster", cluster, "--leader-ttl-s", str(TTL_S),
             log_path=tmp_path / f"{name}.log")
     arena = f"kvpool-test-ha-{uuid.uuid4().hex[:8]}"
@@ -203,7 +204,18 @@ def test_a_killed_leader_is_replaced_and_a_node_and_a_client_follow_it_without_a
         assert pool.get_into(pool.lookup(keys), outs) == [True] * 8
         assert all(np.array_equal(o, v) for o, v in zip(outs, values))
         assert node.poll() is None and pool.masters.changes >= 1  # the same node process, followed
-        print(f"failover: lookups hit again {hit_again:.2f} s after kill -9 of the leader (TTL {TTL_S} s)")
+        # The new leader's failover metrics: from the old leader's last renewal it saw to its election, and from
+        # the election to the node's inventory being whole. The lease outlived the kill by at least 2/3 TTL (the
+        # last renewal came at most TTL/3 before it), less one standby poll (0.5 s) for seeing the key move.
+        samples = scrape(metrics_ports[second])
+        assert metric(samples, "kvpool_master_failover_seconds_count") == 1
+        assert metric(samples, "kvpool_master_failover_resync_seconds_count") == 1
+        elected_s = metric(samples, "kvpool_master_failover_seconds_sum")
+        resync_s = metric(samples, "kvpool_master_failover_resync_seconds_sum")
+        assert TTL_S * 2 / 3 - 0.5 <= elected_s <= hit_again + TTL_S / 3 + 0.5, (elected_s, hit_again)
+        assert 0 < resync_s <= hit_again - TTL_S * 2 / 3 + 0.2, (resync_s, hit_again)  # hits follow the resync
+        print(f"failover: lookups hit again {hit_again:.2f} s after kill -9 of the leader (TTL {TTL_S} s); "
+              f"metrics: elected {elected_s:.2f} s after the last renewal, node resynced {resync_s:.2f} s later")
     finally:
         if pool is not None:
             pool.close()

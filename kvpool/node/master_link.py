@@ -236,9 +236,10 @@ class MasterLink:
                     for pending in self._pending.values():
                         pending.clear()
                 blocks = 0
-                for tier, store in self._stores.items():
+                tiers = list(self._stores.items())
+                for n, (tier, store) in enumerate(tiers):
                     held = store.inventory()
-                    self._report(tier, held, (), full_sync=True)
+                    self._report(tier, held, (), full_sync=True, sync_complete=n == len(tiers) - 1)
                     blocks += len(held)
             except (grpc.RpcError, _NotKnown) as exc:
                 self._drop_registration()
@@ -301,18 +302,20 @@ class MasterLink:
             return False
         return True
 
-    def _report(self, tier: Tier, added: Sequence[BlockMeta], removed: Sequence[BlockKey], *, full_sync: bool) -> None:
-        """ReportBlocks in chunks; with ``full_sync`` the first chunk (maybe empty) replaces the master's set."""
-        first = True
-        for start in range(0, max(len(added), 1 if full_sync else 0), self._chunk):
+    def _report(self, tier: Tier, added: Sequence[BlockMeta], removed: Sequence[BlockKey], *, full_sync: bool,
+                sync_complete: bool = False) -> None:
+        """ReportBlocks in chunks; with ``full_sync`` the first chunk (maybe empty) replaces the master's set.
+        ``sync_complete`` marks the last chunk (the registration's inventory is all sent)."""
+        starts = range(0, max(len(added), 1 if full_sync else 0), self._chunk)
+        for start in starts:
             part = added[start : start + self._chunk]
-            self._call_report(tier, full_sync and first, part, ())
-            first = False
+            self._call_report(tier, full_sync and start == 0, part, (), sync_complete and start == starts[-1])
         for start in range(0, len(removed), self._chunk):
             self._call_report(tier, False, (), removed[start : start + self._chunk])
 
     def _call_report(
-        self, tier: Tier, full_sync: bool, added: Sequence[BlockMeta], removed: Sequence[BlockKey]
+        self, tier: Tier, full_sync: bool, added: Sequence[BlockMeta], removed: Sequence[BlockKey],
+        sync_complete: bool = False,
     ) -> None:
         reply = self._stub.ReportBlocks(
             master_pb2.ReportBlocksRequest(
@@ -324,6 +327,7 @@ class MasterLink:
                 added_sizes=[m.size for m in added],
                 added_checksums=[m.checksum for m in added],
                 removed_keys=b"".join(removed),
+                sync_complete=sync_complete,
             ),
             timeout=self._timeout,
         )

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpool.v1 import common_pb2 as kvpool_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpool/v1/master.proto\x12\tkvpool.v1\x1a\x16kvpool/v1/common.proto\"\x93\x01\n\x13RegisterNodeRequest\x12 \n\x04node\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.NodeRef\x12#\n\x05tiers\x18\x02 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\x12\x1c\n\x14\x64ram_max_block_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fmax_block_bytes\x18\x04 \x01(\x04\"a\n\x14RegisterNodeResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x16\n\x0enode_timeout_s\x18\x03 \x01(\x01\"]\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12#\n\x05tiers\x18\x03 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\xc5\x01\n\x13ReportBlocksRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvpool.v1.Tier\x12\x11\n\tfull_sync\x18\x04 \x01(\x08\x12\x12\n\nadded_keys\x18\x05 \x01(\x0c\x12\x13\n\x0b\x61\x64\x64\x65\x64_sizes\x18\x06 \x03(\x04\x12\x17\n\x0f\x61\x64\x64\x65\x64_checksums\x18\x07 \x03(\x06\x12\x14\n\x0cremoved_keys\x18\x08 \x01(\x0c\"%\n\x14ReportBlocksResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"=\n\x15UnregisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\x18\n\x16UnregisterNodeResponse\"a\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x19\n\x11hbm_prefix_blocks\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x04 \x01(\r\"\xa3\x01\n\x0eLookupResponse\x12\r\n\x05tiers\x18\x01 \x01(\x0c\x12\x14\n\x0cnode_indexes\x18\x02 \x03(\r\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x06\x12!\n\x05nodes\x18\x05 \x03(\x0b\x32\x12.kvpool.v1.NodeRef\x12\x13\n\x0b\x64ram_blocks\x18\x06 \x01(\r\x12\x12\n\nssd_blocks\x18\x07 \x01(\r\"\x1d\n\rExistsRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x01(\x0c\"1\n\x12PlaceBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\"r\n\x13PlaceBlocksResponse\x12\x14\n\x0cnode_indexes\x18\x01 \x03(\r\x12\x0f\n\x07present\x18\x02 \x01(\x0c\x12!\n\x05nodes\x18\x03 \x03(\x0b\x32\x12.kvpool.v1.NodeRef\x12\x11\n\ttoo_large\x18\x04 \x01(\x0c\"\xdd\x02\n\x10ReportHbmRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nadded_keys\x18\x02 \x01(\x0c\x12\x14\n\x0cremoved_keys\x18\x03 \x01(\x0c\x12\x11\n\tfull_sync\x18\x04 \x01(\x08\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x12\n\nused_bytes\x18\x06 \x01(\x04\x12\x18\n\x10hbm_only_lookups\x18\x07 \x01(\x04\x12\x17\n\x0fhbm_only_blocks\x18\x08 \x01(\x04\x12\x14\n\x0c\x62lock_tokens\x18\t \x01(\r\x12\x15\n\rlocal_lookups\x18\n \x01(\x04\x12\x1e\n\x16local_requested_blocks\x18\x0b \x01(\x04\x12\x18\n\x10local_hbm_blocks\x18\x0c \x01(\x04\x12\x19\n\x11local_dram_blocks\x18\r \x01(\x04\x12\x18\n\x10local_ssd_blocks\x18\x0e \x01(\x04\"\x13\n\x11ReportHbmResponse\"\x16\n\x14\x43lusterStatusRequest\"\xc0\x01\n\nNodeStatus\x12 \n\x04node\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.NodeRef\x12#\n\x05tiers\x18\x02 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x1c\n\x14\x64ram_max_block_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fmax_block_bytes\x18\x06 \x01(\x04\"\xc4\x02\n\x15\x43lusterStatusResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.kvpool.v1.NodeStatus\x12\x16\n\x0eindexed_blocks\x18\x02 \x01(\x04\x12\x0f\n\x07workers\x18\x03 \x01(\r\x12\x12\n\nhbm_blocks\x18\x04 \x01(\x04\x12\x0f\n\x07lookups\x18\x05 \x01(\x04\x12\x18\n\x10requested_blocks\x18\x06 \x01(\x04\x12\x16\n\x0ehit_blocks_hbm\x18\x07 \x01(\x04\x12\x17\n\x0fhit_blocks_dram\x18\x08 \x01(\x04\x12\x16\n\x0ehit_blocks_ssd\x18\t \x01(\x04\x12\x18\n\x10\x62locks_too_large\x18\n \x01(\x04\x12\x1d\n\x15largest_refused_bytes\x18\x0b \x01(\x04\x12\x1b\n\x13largest_block_bytes\x18\x0c \x01(\x04\"\x13\n\x11MasterInfoRequest\"\x87\x01\n\x12MasterInfoResponse\x12\x11\n\tcall_port\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0btenant_mask\x18\x03 \x01(\x0c\x12\x0f\n\x07standby\x18\x04 \x01(\x08\x12\x16\n\x0eleader_address\x18\x05 \x01(\t\x12\x0f\n\x07\x63luster\x18\x06 \x01(\t2\xf6\x05\n\x06Master\x12O\n\x0cRegisterNode\x12\x1e.kvpool.v1.RegisterNodeRequest\x1a\x1f.kvpool.v1.RegisterNodeResponse\x12\x46\n\tHeartbeat\x12\x1b.kvpool.v1.HeartbeatRequest\x1a\x1c.kvpool.v1.HeartbeatResponse\x12O\n\x0cReportBlocks\x12\x1e.kvpool.v1.ReportBlocksRequest\x1a\x1f.kvpool.v1.ReportBlocksResponse\x12U\n\x0eUnregisterNode\x12 .kvpool.v1.UnregisterNodeRequest\x1a!.kvpool.v1.UnregisterNodeResponse\x12=\n\x06Lookup\x12\x18.kvpool.v1.LookupRequest\x1a\x19.kvpool.v1.LookupResponse\x12=\n\x06\x45xists\x12\x18.kvpool.v1.ExistsRequest\x1a\x19.kvpool.v1.ExistsResponse\x12L\n\x0bPlaceBlocks\x12\x1d.kvpool.v1.PlaceBlocksRequest\x1a\x1e.kvpool.v1.PlaceBlocksResponse\x12\x46\n\tReportHbm\x12\x1b.kvpool.v1.ReportHbmRequest\x1a\x1c.kvpool.v1.ReportHbmResponse\x12R\n\rClusterStatus\x12\x1f.kvpool.v1.ClusterStatusRequest\x1a .kvpool.v1.ClusterStatusResponse\x12\x43\n\x04Info\x12\x1c.kvpool.v1.MasterInfoRequest\x1a\x1d.kvpool.v1.MasterInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpool/v1/master.proto\x12\tkvpool.v1\x1a\x16kvpool/v1/common.proto\"\x93\x01\n\x13RegisterNodeRequest\x12 \n\x04node\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.NodeRef\x12#\n\x05tiers\x18\x02 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\x12\x1c\n\x14\x64ram_max_block_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fmax_block_bytes\x18\x04 \x01(\x04\"a\n\x14RegisterNodeResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x16\n\x0enode_timeout_s\x18\x03 \x01(\x01\"]\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12#\n\x05tiers\x18\x03 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\xdc\x01\n\x13ReportBlocksRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvpool.v1.Tier\x12\x11\n\tfull_sync\x18\x04 \x01(\x08\x12\x12\n\nadded_keys\x18\x05 \x01(\x0c\x12\x13\n\x0b\x61\x64\x64\x65\x64_sizes\x18\x06 \x03(\x04\x12\x17\n\x0f\x61\x64\x64\x65\x64_checksums\x18\x07 \x03(\x06\x12\x14\n\x0cremoved_keys\x18\x08 \x01(\x0c\x12\x15\n\rsync_complete\x18\t \x01(\x08\"%\n\x14ReportBlocksResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"=\n\x15UnregisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\x18\n\x16UnregisterNodeResponse\"a\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x19\n\x11hbm_prefix_blocks\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x04 \x01(\r\"\xa3\x01\n\x0eLookupResponse\x12\r\n\x05tiers\x18\x01 \x01(\x0c\x12\x14\n\x0cnode_indexes\x18\x02 \x03(\r\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x06\x12!\n\x05nodes\x18\x05 \x03(\x0b\x32\x12.kvpool.v1.NodeRef\x12\x13\n\x0b\x64ram_blocks\x18\x06 \x01(\r\x12\x12\n\nssd_blocks\x18\x07 \x01(\r\"\x1d\n\rExistsRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x01(\x0c\"1\n\x12PlaceBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\"r\n\x13PlaceBlocksResponse\x12\x14\n\x0cnode_indexes\x18\x01 \x03(\r\x12\x0f\n\x07present\x18\x02 \x01(\x0c\x12!\n\x05nodes\x18\x03 \x03(\x0b\x32\x12.kvpool.v1.NodeRef\x12\x11\n\ttoo_large\x18\x04 \x01(\x0c\"\xdd\x02\n\x10ReportHbmRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nadded_keys\x18\x02 \x01(\x0c\x12\x14\n\x0cremoved_keys\x18\x03 \x01(\x0c\x12\x11\n\tfull_sync\x18\x04 \x01(\x08\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x12\n\nused_bytes\x18\x06 \x01(\x04\x12\x18\n\x10hbm_only_lookups\x18\x07 \x01(\x04\x12\x17\n\x0fhbm_only_blocks\x18\x08 \x01(\x04\x12\x14\n\x0c\x62lock_tokens\x18\t \x01(\r\x12\x15\n\rlocal_lookups\x18\n \x01(\x04\x12\x1e\n\x16local_requested_blocks\x18\x0b \x01(\x04\x12\x18\n\x10local_hbm_blocks\x18\x0c \x01(\x04\x12\x19\n\x11local_dram_blocks\x18\r \x01(\x04\x12\x18\n\x10local_ssd_blocks\x18\x0e \x01(\x04\"\x13\n\x11ReportHbmResponse\"\x16\n\x14\x43lusterStatusRequest\"\xc0\x01\n\nNodeStatus\x12 \n\x04node\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.NodeRef\x12#\n\x05tiers\x18\x02 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x1c\n\x14\x64ram_max_block_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fmax_block_bytes\x18\x06 \x01(\x04\"\xc4\x02\n\x15\x43lusterStatusResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.kvpool.v1.NodeStatus\x12\x16\n\x0eindexed_blocks\x18\x02 \x01(\x04\x12\x0f\n\x07workers\x18\x03 \x01(\r\x12\x12\n\nhbm_blocks\x18\x04 \x01(\x04\x12\x0f\n\x07lookups\x18\x05 \x01(\x04\x12\x18\n\x10requested_blocks\x18\x06 \x01(\x04\x12\x16\n\x0ehit_blocks_hbm\x18\x07 \x01(\x04\x12\x17\n\x0fhit_blocks_dram\x18\x08 \x01(\x04\x12\x16\n\x0ehit_blocks_ssd\x18\t \x01(\x04\x12\x18\n\x10\x62locks_too_large\x18\n \x01(\x04\x12\x1d\n\x15largest_refused_bytes\x18\x0b \x01(\x04\x12\x1b\n\x13largest_block_bytes\x18\x0c \x01(\x04\"\x13\n\x11MasterInfoRequest\"\x87\x01\n\x12MasterInfoResponse\x12\x11\n\tcall_port\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0btenant_mask\x18\x03 \x01(\x0c\x12\x0f\n\x07standby\x18\x04 \x01(\x08\x12\x16\n\x0eleader_address\x18\x05 \x01(\t\x12\x0f\n\x07\x63luster\x18\x06 \x01(\t2\xf6\x05\n\x06Master\x12O\n\x0cRegisterNode\x12\x1e.kvpool.v1.RegisterNodeRequest\x1a\x1f.kvpool.v1.RegisterNodeResponse\x12\x46\n\tHeartbeat\x12\x1b.kvpool.v1.HeartbeatRequest\x1a\x1c.kvpool.v1.HeartbeatResponse\x12O\n\x0cReportBlocks\x12\x1e.kvpool.v1.ReportBlocksRequest\x1a\x1f.kvpool.v1.ReportBlocksResponse\x12U\n\x0eUnregisterNode\x12 .kvpool.v1.UnregisterNodeRequest\x1a!.kvpool.v1.UnregisterNodeResponse\x12=\n\x06Lookup\x12\x18.kvpool.v1.LookupRequest\x1a\x19.kvpool.v1.LookupResponse\x12=\n\x06\x45xists\x12\x18.kvpool.v1.ExistsRequest\x1a\x19.kvpool.v1.ExistsResponse\x12L\n\x0bPlaceBlocks\x12\x1d.kvpool.v1.PlaceBlocksRequest\x1a\x1e.kvpool.v1.PlaceBlocksResponse\x12\x46\n\tReportHbm\x12\x1b.kvpool.v1.ReportHbmRequest\x1a\x1c.kvpool.v1.ReportHbmResponse\x12R\n\rClusterStatus\x12\x1f.kvpool.v1.ClusterStatusRequest\x1a .kvpool.v1.ClusterStatusResponse\x12\x43\n\x04Info\x12\x1c.kvpool.v1.MasterInfoRequest\x1a\x1d.kvpool.v1.MasterInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,39 +41,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATRESPONSE']._serialized_start=405
   _globals['_HEARTBEATRESPONSE']._serialized_end=439
   _globals['_REPORTBLOCKSREQUEST']._serialized_start=442
-  _globals['_REPORTBLOCKSREQUEST']._serialized_end=639
-  _globals['_REPORTBLOCKSRESPONSE']._serialized_start=641
-  _globals['_REPORTBLOCKSRESPONSE']._serialized_end=678
-  _globals['_UNREGISTERNODEREQUEST']._serialized_start=680
-  _globals['_UNREGISTERNODEREQUEST']._serialized_end=741
-  _globals['_UNREGISTERNODERESPONSE']._serialized_start=743
-  _globals['_UNREGISTERNODERESPONSE']._serialized_end=767
-  _globals['_LOOKUPREQUEST']._serialized_start=769
-  _globals['_LOOKUPREQUEST']._serialized_end=866
-  _globals['_LOOKUPRESPONSE']._serialized_start=869
-  _globals['_LOOKUPRESPONSE']._serialized_end=1032
-  _globals['_EXISTSREQUEST']._serialized_start=1034
-  _globals['_EXISTSREQUEST']._serialized_end=1063
-  _globals['_EXISTSRESPONSE']._serialized_start=1065
-  _globals['_EXISTSRESPONSE']._serialized_end=1098
-  _globals['_PLACEBLOCKSREQUEST']._serialized_start=1100
-  _globals['_PLACEBLOCKSREQUEST']._serialized_end=1149
-  _globals['_PLACEBLOCKSRESPONSE']._serialized_start=1151
-  _globals['_PLACEBLOCKSRESPONSE']._serialized_end=1265
-  _globals['_REPORTHBMREQUEST']._serialized_start=1268
-  _globals['_REPORTHBMREQUEST']._serialized_end=1617
-  _globals['_REPORTHBMRESPONSE']._serialized_start=1619
-  _globals['_REPORTHBMRESPONSE']._serialized_end=1638
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1640
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1662
-  _globals['_NODESTATUS']._serialized_start=1665
-  _globals['_NODESTATUS']._serialized_end=1857
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1860
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2184
-  _globals['_MASTERINFOREQUEST']._serialized_start=2186
-  _globals['_MASTERINFOREQUEST']._serialized_end=2205
-  _globals['_MASTERINFORESPONSE']._serialized_start=2208
-  _globals['_MASTERINFORESPONSE']._serialized_end=2343
-  _globals['_MASTER']._serialized_start=2346
-  _globals['_MASTER']._serialized_end=3104
+  _globals['_REPORTBLOCKSREQUEST']._serialized_end=662
+  _globals['_REPORTBLOCKSRESPONSE']._serialized_start=664
+  _globals['_REPORTBLOCKSRESPONSE']._serialized_end=701
+  _globals['_UNREGISTERNODEREQUEST']._serialized_start=703
+  _globals['_UNREGISTERNODEREQUEST']._serialized_end=764
+  _globals['_UNREGISTERNODERESPONSE']._serialized_start=766
+  _globals['_UNREGISTERNODERESPONSE']._serialized_end=790
+  _globals['_LOOKUPREQUEST']._serialized_start=792
+  _globals['_LOOKUPREQUEST']._serialized_end=889
+  _globals['_LOOKUPRESPONSE']._serialized_start=892
+  _globals['_LOOKUPRESPONSE']._serialized_end=1055
+  _globals['_EXISTSREQUEST']._serialized_start=1057
+  _globals['_EXISTSREQUEST']._serialized_end=1086
+  _globals['_EXISTSRESPONSE']._serialized_start=1088
+  _globals['_EXISTSRESPONSE']._serialized_end=1121
+  _globals['_PLACEBLOCKSREQUEST']._serialized_start=1123
+  _globals['_PLACEBLOCKSREQUEST']._serialized_end=1172
+  _globals['_PLACEBLOCKSRESPONSE']._serialized_start=1174
+  _globals['_PLACEBLOCKSRESPONSE']._serialized_end=1288
+  _globals['_REPORTHBMREQUEST']._serialized_start=1291
+  _globals['_REPORTHBMREQUEST']._serialized_end=1640
+  _globals['_REPORTHBMRESPONSE']._serialized_start=1642
+  _globals['_REPORTHBMRESPONSE']._serialized_end=1661
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1663
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1685
+  _globals['_NODESTATUS']._serialized_start=1688
+  _globals['_NODESTATUS']._serialized_end=1880
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1883
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2207
+  _globals['_MASTERINFOREQUEST']._serialized_start=2209
+  _globals['_MASTERINFOREQUEST']._serialized_end=2228
+  _globals['_MASTERINFORESPONSE']._serialized_start=2231
+  _globals['_MASTERINFORESPONSE']._serialized_end=2366
+  _globals['_MASTER']._serialized_start=2369
+  _globals['_MASTER']._serialized_end=3127
 # @@protoc_insertion_point(module_scope)

@@ -46,7 +46,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class ReportBlocksRequest(_message.Message):
-    __slots__ = ("node_id", "incarnation", "tier", "full_sync", "added_keys", "added_sizes", "added_checksums", "removed_keys")
+    __slots__ = ("node_id", "incarnation", "tier", "full_sync", "added_keys", "added_sizes", "added_checksums", "removed_keys", "sync_complete")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class ReportBlocksRequest(_message.Message):
     ADDED_SIZES_FIELD_NUMBER: _ClassVar[int]
     ADDED_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: int
     tier: _common_pb2.Tier
@@ -63,7 +64,8 @@ class ReportBlocksRequest(_message.Message):
     added_sizes: _containers.RepeatedScalarFieldContainer[int]
     added_checksums: _containers.RepeatedScalarFieldContainer[int]
     removed_keys: bytes
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., full_sync: _Optional[bool] = ..., added_keys: _Optional[bytes] = ..., added_sizes: _Optional[_Iterable[int]] = ..., added_checksums: _Optional[_Iterable[int]] = ..., removed_keys: _Optional[bytes] = ...) -> None: ...
+    sync_complete: bool
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., full_sync: _Optional[bool] = ..., added_keys: _Optional[bytes] = ..., added_sizes: _Optional[_Iterable[int]] = ..., added_checksums: _Optional[_Iterable[int]] = ..., removed_keys: _Optional[bytes] = ..., sync_complete: _Optional[bool] = ...) -> None: ...
 
 class ReportBlocksResponse(_message.Message):
     __slots__ = ("known",)
