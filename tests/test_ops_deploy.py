@@ -8,6 +8,7 @@ systemd units by ``systemd-analyze verify`` where systemd is installed.
 from __future__ import annotations
 
 import configparser
+import dataclasses
 import re
 import shlex
 import shutil
@@ -20,20 +21,22 @@ import yaml
 
 from kvpool.cli import build_parser
 from kvpool.config import load_config
+from kvpool.etcd import EtcdTarget, parse_endpoints
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S, SYSTEMD = DEPLOY / "k8s", DEPLOY / "systemd"
+K8S_HA = K8S / "ha"  # applied instead of configmap.yaml and master.yaml for masters on etcd
 _QUANTITY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
 
 
-def _manifests() -> list[dict]:
-    docs = [d for f in sorted(K8S.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
-    assert docs, "no manifests in deploy/k8s"
+def _manifests(where: Path = K8S) -> list[dict]:
+    docs = [d for f in sorted(where.glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+    assert docs, f"no manifests in {where}"
     return docs
 
 
-def _one(kind: str, name: str) -> dict:
-    found = [d for d in _manifests() if d["kind"] == kind and d["metadata"]["name"] == name]
+def _one(kind: str, name: str, where: Path = K8S) -> dict:
+    found = [d for d in _manifests(where) if d["kind"] == kind and d["metadata"]["name"] == name]
     assert len(found) == 1, (kind, name)
     return found[0]
 
@@ -45,10 +48,19 @@ def _bytes(quantity: str) -> int:
     return int(number) * _QUANTITY[unit]
 
 
-def _k8s_config(tmp_path: Path):
+def _k8s_config(tmp_path: Path, where: Path = K8S):
     path = tmp_path / "kvpool.json"
-    path.write_text(_one("ConfigMap", "kvpool-config")["data"]["kvpool.json"])
+    path.write_text(_one("ConfigMap", "kvpool-config", where)["data"]["kvpool.json"])
     return load_config(path, env={})
+
+
+def _follows_the_masters(config) -> None:
+    """Masters elect in etcd; nodes and clients follow etcd://(the same endpoints)/(the same cluster)."""
+    assert config.master.etcd and config.master.leader_ttl_s >= 2
+    for target in (config.node.master, config.client.master):
+        parsed = EtcdTarget.parse(target)
+        assert parsed is not None, f"{target!r} does not follow the masters through etcd"
+        assert parsed == EtcdTarget(tuple(parse_endpoints(config.master.etcd)), config.master.cluster)
 
 
 def test_every_manifest_is_valid_for_the_kubernetes_api():
@@ -103,6 +115,59 @@ def test_k8s_config_and_manifests_agree(tmp_path):
         assert {m["mountPath"]: m["name"] for m in container["volumeMounts"]}["/etc/kvpool"] == "config"
 
 
+def test_ha_manifests_are_valid_and_replace_the_single_master():
+    version = kubernetes_validate.latest_version()
+    for doc in _manifests(K8S_HA):
+        kubernetes_validate.validate(doc, version, strict=True)
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in _manifests(K8S_HA))
+    assert kinds == [("ConfigMap", "kvpool-config"), ("PodDisruptionBudget", "kvpool-master"),
+                     ("Service", "kvpool-master"), ("StatefulSet", "kvpool-master")]
+    assert {d["metadata"]["namespace"] for d in _manifests(K8S_HA)} == {"kvpool"}
+    # What HA replaces in the base (the rest, namespace.yaml and node.yaml, is applied with it).
+    base = {(d["kind"], d["metadata"]["name"]): f.name for f in sorted(K8S.glob("*.yaml"))
+            for d in yaml.safe_load_all(f.read_text()) if d}
+    replaced = {base[k] for k in base if k[1] in ("kvpool-config", "kvpool-master")}
+    assert replaced == {"configmap.yaml", "master.yaml"}
+
+
+def test_ha_config_and_manifests_agree(tmp_path):
+    config, base = _k8s_config(tmp_path, K8S_HA), _k8s_config(tmp_path, K8S)
+    _follows_the_masters(config)
+    # Apart from the election and whom to follow, the same settings as the base (which node.yaml is checked against).
+    assert dataclasses.replace(config.master, etcd="", cluster=base.master.cluster,
+                               leader_ttl_s=base.master.leader_ttl_s) == base.master
+    assert dataclasses.replace(config.node, master=base.node.master) == base.node
+    assert dataclasses.replace(config.client, master=base.client.master) == base.client
+    sts = _one("StatefulSet", "kvpool-master", K8S_HA)
+    pdb = _one("PodDisruptionBudget", "kvpool-master", K8S_HA)
+    service = _one("Service", "kvpool-master", K8S_HA)
+    assert sts["spec"]["replicas"] >= 2 and 1 <= pdb["spec"]["minAvailable"] < sts["spec"]["replicas"]
+    tmpl = sts["spec"]["template"]
+    (master_c,) = tmpl["spec"]["containers"]
+    args = build_parser().parse_args(master_c["args"][1:])
+    assert args.command == "master" and args.config == "/etc/kvpool/kvpool.json"
+    assert {m["mountPath"]: m["name"] for m in master_c["volumeMounts"]}["/etc/kvpool"] == "config"
+    # Each master advertises its own pod IP (a variable defined before it) as a real config field.
+    env = [e["name"] for e in master_c["env"]]
+    advertise = next(e for e in master_c["env"] if e["name"] == "KVPOOL_MASTER_ADVERTISE_HOST")
+    assert advertise["value"] == "$(POD_IP)" and env.index("POD_IP") < env.index(advertise["name"])
+    assert load_config(None, env={advertise["name"]: "10.1.2.3"}).master.advertise_host == "10.1.2.3"
+    # A standby's gRPC health is NOT_SERVING by design: a gRPC probe would keep it unready or restart it.
+    ports = {p["name"]: p["containerPort"] for p in master_c["ports"]}
+    assert (ports["grpc"], ports["metrics"]) == (config.master.port, config.master.metrics_port)
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert set(master_c[probe]) & {"grpc", "httpGet", "exec"} == set(), probe
+        assert master_c[probe]["tcpSocket"]["port"] == config.master.port
+    assert int(tmpl["metadata"]["annotations"]["prometheus.io/port"]) == config.master.metrics_port
+    # Headless, with standbys listed: Prometheus scrapes every master under job kvpool-master.
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert sts["spec"]["serviceName"] == service["metadata"]["name"]
+    for selector in (service["spec"]["selector"], sts["spec"]["selector"]["matchLabels"],
+                     pdb["spec"]["selector"]["matchLabels"]):
+        assert selector.items() <= tmpl["metadata"]["labels"].items()
+    assert tmpl["metadata"]["labels"]["app.kubernetes.io/component"] == "kvpool-master"
+
+
 def test_prometheus_kubernetes_config_scrapes_the_services_on_the_metrics_ports(tmp_path):
     config = _k8s_config(tmp_path)
     scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-kubernetes.yml").read_text())["scrape_configs"]
@@ -148,6 +213,18 @@ def test_systemd_example_config_and_environment_load():
     env = dict(line.split("=", 1) for line in (SYSTEMD / "node.env").read_text().splitlines()
                if line and not line.startswith("#"))
     assert load_config(SYSTEMD / "kvpool.json", env=env).node.resolved_advertise() == env["KVPOOL_NODE_ADVERTISE"]
+
+
+def test_systemd_ha_config_and_master_environment_load():
+    config = load_config(SYSTEMD / "kvpool-ha.json", env={})
+    _follows_the_masters(config)
+    base = load_config(SYSTEMD / "kvpool.json", env={})
+    assert dataclasses.replace(config.node, master=base.node.master) == base.node
+    env = dict(line.split("=", 1) for line in (SYSTEMD / "master.env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    assert set(env) == {"KVPOOL_MASTER_ADVERTISE_HOST"}
+    assert load_config(SYSTEMD / "kvpool-ha.json", env=env).master.advertise_host == env["KVPOOL_MASTER_ADVERTISE_HOST"]
+    assert _unit("kvpool-master.service")["Service"]["EnvironmentFile"] == "-/etc/kvpool/master.env"
 
 
 def test_systemd_analyze_verify_finds_nothing_to_complain_about(tmp_path):
