@@ -86,11 +86,12 @@ class Election:
             return self._elected and time.monotonic() < self._valid_until
 
     def leader(self) -> LeaderInfo | None:
-        """The leader as this master last saw it (itself while leading); None if there is none."""
+        """The leader as this master last saw it (itself while leading); None if there is none. Never itself once
+        :meth:`leading` is False, even before the thread has noticed its lease is gone."""
         if self.leading():
             return self.me
         with self._lock:
-            return self._leader
+            return None if self._leader == self.me else self._leader
 
     # -- lifecycle ------------------------------------------------------------------------
 

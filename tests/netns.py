@@ -6,7 +6,9 @@ a veth pair, with address ``10.77.X.N``. Each process started on a host also
 gets a private mount namespace with its own ``/dev/shm`` (a fresh tmpfs) and
 its own hostname, so kvpool's host id differs from every other host's and a
 client on another host cannot map a node's arena: it must use the network.
-:meth:`Host.link` cuts or restores a host's link (``ip link set ... down``).
+:meth:`Host.link` cuts or restores a host's link (``ip link set ... down``);
+:meth:`Host.block` drops only what the host sends to one TCP address and port
+(a policy-routing rule in its namespace), leaving the rest of its network up.
 
 Needs root and iproute2 (tests/run.sh installs it). Without them the
 harness fails loudly: a test that cannot make its hosts errors, never skips.
@@ -65,6 +67,11 @@ class Host:
     def link(self, up: bool) -> None:
         """Restore or cut this host's only link (its veth's root-namespace end)."""
         _ip("link", "set", self.veth, "up" if up else "down")
+
+    def block(self, address: str, port: int, blocked: bool = True) -> None:
+        """Drop (or stop dropping) every TCP packet this host sends to ``address:port``, open connections too."""
+        _ip("-n", self.ns, "rule", "add" if blocked else "del", "to", f"{address}/32", "ipproto", "tcp", "dport",
+            str(port), "blackhole")
 
 
 class Hosts:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -135,6 +136,70 @@ def test_cutting_the_leading_master_off_moves_leadership_and_the_pool_keeps_work
             old.link(up=True)
         # Back on the network, the old leader stands by: its lease is gone and the key is the new leader's.
         assert wait_until(lambda: (i := master_info(f"{old.address}:7600")) is not None and i, timeout=30).standby
+        assert leader_address(reader, CLUSTER) == f"{other.address}:7600"
+    finally:
+        reader.close()
+
+
+class LeaderWatch:
+    """Asks both masters' Info every 20 ms from the root namespace; records any moment both said they lead."""
+
+    def __init__(self, addresses: list[str]):
+        self.addresses = addresses
+        self.both = 0
+        self.samples = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        channels = [grpc.insecure_channel(a) for a in self.addresses]
+        try:
+            stubs = [master_pb2_grpc.MasterStub(c) for c in channels]
+            while not self._done.wait(0.02):
+                try:
+                    leading = [not s.Info(master_pb2.MasterInfoRequest(), timeout=1).standby for s in stubs]
+                except grpc.RpcError:
+                    continue
+                self.samples += 1
+                self.both += all(leading)
+        finally:
+            for c in channels:
+                c.close()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def test_partitioning_only_the_leader_from_etcd_moves_leadership_and_the_pool_keeps_working(pool):
+    """The old leader stays reachable by nodes and clients; only its etcd traffic is dropped. It must stand
+    down by its own clock (never two leaders), the nodes must leave it for the new leader, and nothing is lost."""
+    hosts, etcd, target, _ = pool
+    reader = EtcdClient([etcd.endpoint])
+    try:
+        leader = leader_address(reader, CLUSTER)
+        old = next(h for h in hosts.hosts.values() if leader == f"{h.address}:7600")
+        other = next(h for h in hosts.hosts.values() if h.name in ("m1", "m2") and h is not old)
+        etcd_host, etcd_port = etcd.endpoint.rsplit(":", 1)
+        watch = LeaderWatch([f"{old.address}:7600", f"{other.address}:7600"])
+        old.block(etcd_host, int(etcd_port))
+        try:
+            wait_until(lambda: leader_address(reader, CLUSTER) == f"{other.address}:7600", timeout=30)
+            info = master_info(f"{old.address}:7600")  # still on the network, and it says so
+            assert info is not None and info.standby and info.leader_address == ""
+            wait_until(lambda: live_nodes(target) == 3, timeout=60, interval=0.2)
+            put = client(hosts, "cb", target, "put", "etcd-cut", "48", str(BLOCK), "--nodes", "3")
+            assert put == {"stored": 48, "flushed": True}
+            assert client(hosts, "ca", target, "get", "etcd-cut", "48", str(BLOCK))["ok"] == 48
+            assert client(hosts, "ca", target, "get", "spread", str(BLOCKS), str(BLOCK))["ok"] == BLOCKS
+        finally:
+            old.block(etcd_host, int(etcd_port), blocked=False)
+            watch.stop()
+        assert watch.samples > 50 and watch.both == 0, (watch.samples, watch.both)
+        # With etcd back, the old leader reads who leads and stays a standby.
+        assert wait_until(lambda: (i := master_info(f"{old.address}:7600")) is not None
+                          and i.leader_address == f"{other.address}:7600" and i, timeout=30).standby
         assert leader_address(reader, CLUSTER) == f"{other.address}:7600"
     finally:
         reader.close()
