@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from netns import Hosts
+from netns import Host, Hosts
 from support import EtcdServer, wait_until
 
 from kvpool.etcd import EtcdClient
@@ -86,6 +86,13 @@ def master_info(address: str) -> master_pb2.MasterInfoResponse | None:
         return None
 
 
+def master_hosts(hosts: Hosts, reader: EtcdClient) -> tuple[Host, Host]:
+    """(the leading master's host, the other master's host), as etcd says now."""
+    leader = leader_address(reader, CLUSTER)
+    old = next(h for h in hosts.hosts.values() if leader == f"{h.address}:7600")
+    return old, next(h for h in hosts.hosts.values() if h.name in ("m1", "m2") and h is not old)
+
+
 def test_blocks_spread_by_capacity_and_a_client_on_another_host_reads_what_one_wrote(pool):
     hosts, _, target, _ = pool
     put = client(hosts, "cb", target, "put", "spread", str(BLOCKS), str(BLOCK), "--nodes", "3")
@@ -120,9 +127,7 @@ def test_cutting_the_leading_master_off_moves_leadership_and_the_pool_keeps_work
     hosts, etcd, target, _ = pool
     reader = EtcdClient([etcd.endpoint])
     try:
-        leader = leader_address(reader, CLUSTER)
-        old = next(h for h in hosts.hosts.values() if leader == f"{h.address}:7600")
-        other = next(h for h in hosts.hosts.values() if h.name in ("m1", "m2") and h is not old)
+        old, other = master_hosts(hosts, reader)
         old.link(up=False)
         try:
             wait_until(lambda: leader_address(reader, CLUSTER) == f"{other.address}:7600", timeout=30)
@@ -178,9 +183,7 @@ def test_partitioning_only_the_leader_from_etcd_moves_leadership_and_the_pool_ke
     hosts, etcd, target, _ = pool
     reader = EtcdClient([etcd.endpoint])
     try:
-        leader = leader_address(reader, CLUSTER)
-        old = next(h for h in hosts.hosts.values() if leader == f"{h.address}:7600")
-        other = next(h for h in hosts.hosts.values() if h.name in ("m1", "m2") and h is not old)
+        old, other = master_hosts(hosts, reader)
         etcd_host, etcd_port = etcd.endpoint.rsplit(":", 1)
         watch = LeaderWatch([f"{old.address}:7600", f"{other.address}:7600"])
         old.block(etcd_host, int(etcd_port))
