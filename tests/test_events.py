@@ -1,0 +1,260 @@
+"""Issue 16, the event stream: kvpool's KV events on a real ZMQ PUB socket with replay, in vLLM's format.
+
+Subscribers are real pyzmq sockets (SUB for the stream, DEALER for replay, as vLLM's own subscriber
+example does); the format is checked by vLLM's own decoder (``vllm.distributed.kv_events``, in
+build/vllm-venv).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+
+import msgspec
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+from support import wait_until
+
+from kvpool.events import (
+    END_SEQ,
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    EventPublisher,
+    KVEventBatch,
+    removed,
+    stored,
+)
+
+DECODE = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+
+@pytest.fixture
+def publisher():
+    registry = CollectorRegistry()
+    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kvpool", registry=registry)
+    pub.registry = registry
+    yield pub
+    pub.close()
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def subscribe(ctx: zmq.Context, pub: EventPublisher) -> zmq.Socket:
+    """A SUB socket that is known to be receiving: a PUB drops what it sends before a subscription reaches
+    it, so publish probes (AllBlocksCleared) until one arrives, then drain the rest."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kvpool")
+    sub.setsockopt(zmq.RCVTIMEO, 100)
+    sub.connect(pub.endpoint)
+
+    def joined() -> bool:
+        pub.publish([AllBlocksCleared()])
+        try:
+            sub.recv_multipart()
+            return True
+        except zmq.Again:
+            return False
+
+    wait_until(joined, timeout=10, interval=0)
+    while True:
+        try:
+            sub.recv_multipart()
+        except zmq.Again:
+            break
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    return sub
+
+
+def receive(sub: zmq.Socket) -> tuple[int, KVEventBatch]:
+    topic, seq, payload = sub.recv_multipart()
+    assert topic == b"kvpool"
+    return int.from_bytes(seq, "big"), DECODE.decode(payload)
+
+
+def replay(ctx: zmq.Context, pub: EventPublisher, start: int) -> list[tuple[int, bytes]]:
+    assert pub.replay_endpoint is not None
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.connect(pub.replay_endpoint)
+    try:
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        got: list[tuple[int, bytes]] = []
+        while True:
+            empty, topic, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            if seq == END_SEQ:
+                assert topic == b"" and payload == b""
+                return got
+            assert topic == b"kvpool"
+            got.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        dealer.close(linger=0)
+
+
+def test_a_subscriber_sees_every_batch_in_order_with_no_gap(publisher, ctx):
+    sub = subscribe(ctx, publisher)
+    first = None
+    for i in range(200):
+        seq = publisher.publish([stored([bytes([i]) * 32], MEDIUM_CPU, 4096), removed([bytes([i]) * 32], MEDIUM_CPU)])
+        assert seq is not None
+        first = seq if first is None else first
+    seen = [receive(sub) for _ in range(200)]
+    assert [s for s, _ in seen] == list(range(first, first + 200))
+    for i, (_, batch) in enumerate(seen):
+        stored_event, removed_event = batch.events
+        assert stored_event.block_hashes == [bytes([i]) * 32] and stored_event.medium == MEDIUM_CPU
+        assert stored_event.block_size == 4096 and removed_event.block_hashes == [bytes([i]) * 32]
+    wait_until(lambda: publisher.registry.get_sample_value("kvpool_events_published_total") >= first + 200)
+    assert publisher.registry.get_sample_value("kvpool_event_subscribers") == 1
+
+
+def test_a_late_subscriber_recovers_the_missed_range_through_replay(publisher, ctx):
+    early = [publisher.publish([stored([bytes([i]) * 32], MEDIUM_STORAGE)]) for i in range(30)]
+    assert early == list(range(30))
+    sub = subscribe(ctx, publisher)  # its probes are 30, 31, ...: it sees a gap from 0
+    seq = publisher.publish([removed([b"x" * 32], MEDIUM_GPU)])
+    got_seq, batch = receive(sub)
+    assert got_seq == seq and batch.events[0].medium == MEDIUM_GPU
+    missed = replay(ctx, publisher, 0)
+    assert [s for s, _ in missed] == list(range(seq + 1))  # everything from 0, in order, up to the newest
+    for i, (_, payload) in enumerate(missed[:30]):
+        assert DECODE.decode(payload).events[0].block_hashes == [bytes([i]) * 32]
+    assert replay(ctx, publisher, seq + 1) == []  # nothing newer: just the end marker
+    assert publisher.registry.get_sample_value("kvpool_events_replayed_total") == seq + 1
+
+
+def test_the_replay_buffer_keeps_the_newest_batches(ctx):
+    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kvpool", buffer_batches=10,
+                         registry=CollectorRegistry())
+    try:
+        for i in range(25):
+            pub.publish([stored([bytes([i]) * 32], MEDIUM_CPU)])
+        wait_until(lambda: [s for s, _ in replay(ctx, pub, 0)] == list(range(15, 25)), timeout=10)
+    finally:
+        pub.close()
+
+
+def test_a_stuck_publisher_thread_drops_new_batches_without_blocking_and_the_gap_shows(ctx):
+    registry = CollectorRegistry()
+    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kvpool", max_queue=5, registry=registry)
+    release = threading.Event()
+    encode = pub._encoder.encode
+
+    def slow_encode(batch):  # stands for a publisher thread that cannot keep up
+        release.wait(30)
+        return encode(batch)
+
+    try:
+        sub = subscribe(ctx, pub)
+        pub._encoder = type("Slow", (), {"encode": staticmethod(slow_encode)})()
+        results = [pub.publish([stored([bytes([i]) * 32], MEDIUM_CPU)]) for i in range(40)]
+        accepted = [r for r in results if r is not None]
+        dropped = results.count(None)
+        # The thread holds at most one batch, the queue five: everything past those is dropped, at once.
+        assert 5 <= len(accepted) <= 6 and dropped == 40 - len(accepted)
+        assert registry.get_sample_value("kvpool_events_dropped_total") == dropped
+        after = pub.publish([removed([b"z" * 32], MEDIUM_CPU)])
+        assert after is None  # still stuck: still dropped, still numbered
+        release.set()
+        seen = [receive(sub)[0] for _ in accepted]
+        assert seen == accepted  # in order; the dropped numbers are the gap
+        nxt = pub.publish([removed([b"z" * 32], MEDIUM_CPU)])
+        assert nxt is not None and receive(sub)[0] == nxt and nxt == accepted[-1] + dropped + 2
+    finally:
+        release.set()
+        pub.close()
+
+
+def test_a_malformed_replay_request_is_ignored_and_the_stream_goes_on(publisher, ctx):
+    assert publisher.replay_endpoint is not None
+    bad = ctx.socket(zmq.DEALER)
+    bad.connect(publisher.replay_endpoint)
+    bad.send_multipart([b"", b"\x01\x02"])  # a 2-byte sequence
+    bad.send_multipart([b"no delimiter"])
+    sub = subscribe(ctx, publisher)
+    seq = publisher.publish([stored([b"k" * 32], MEDIUM_CPU)])
+    assert receive(sub)[0] == seq
+    assert [s for s, _ in replay(ctx, publisher, seq)] == [seq]
+    bad.close(linger=0)
+
+
+def test_a_second_publisher_on_the_same_port_is_refused_clearly(publisher):
+    with pytest.raises(ValueError, match="cannot bind"):
+        EventPublisher(publisher.endpoint, registry=CollectorRegistry())
+
+
+def test_vllms_own_decoder_reads_kvpools_batches(publisher):
+    """The format check that matters: vllm.distributed.kv_events.KVEventBatch decodes what kvpool sends."""
+    from kvpool.bench.vllm_runtime import vllm_python
+
+    python = vllm_python()
+    assert python is not None, "no vLLM here: run `bash tests/vllm_env.sh` (tests/run.sh does)"
+    batch = KVEventBatch(ts=123.5, events=[stored([b"a" * 32, b"b" * 32], MEDIUM_CPU, 4096, parent=b"p" * 32),
+                                          removed([b"a" * 32], MEDIUM_STORAGE), AllBlocksCleared()])
+    payload = msgspec.msgpack.encode(batch)
+    script = (
+        "import sys, json, msgspec\n"
+        "from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared\n"
+        "b = msgspec.msgpack.Decoder(type=KVEventBatch).decode(bytes.fromhex(sys.stdin.read()))\n"
+        "out = {'ts': b.ts, 'events': [[type(e).__name__, [h.hex() for h in getattr(e, 'block_hashes', [])],\n"
+        "        getattr(e, 'medium', None), getattr(e, 'block_size', None),\n"
+        "        (e.parent_block_hash.hex() if getattr(e, 'parent_block_hash', None) else None)] for e in b.events]}\n"
+        "print(json.dumps(out))\n")
+    done = subprocess.run([python, "-c", script], input=payload.hex(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    decoded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert decoded == {"ts": 123.5, "events": [
+        ["BlockStored", [(b"a" * 32).hex(), (b"b" * 32).hex()], "CPU", 4096, (b"p" * 32).hex()],
+        ["BlockRemoved", [(b"a" * 32).hex()], "STORAGE", None, None],
+        ["AllBlocksCleared", [], None, None, None]]}
+
+
+def test_a_subscriber_that_never_reads_slows_no_one(ctx):
+    """It loses batches past its high-water mark; the publisher drops nothing, and a reading subscriber gets
+    every batch, from the stream or, where it fell behind the mark too, from replay."""
+    registry = CollectorRegistry()
+    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kvpool", hwm=200, registry=registry)
+    try:
+        stuck = ctx.socket(zmq.SUB)
+        stuck.setsockopt(zmq.RCVHWM, 1)
+        stuck.setsockopt(zmq.SUBSCRIBE, b"")
+        stuck.connect(pub.endpoint)
+        reader = subscribe(ctx, pub)
+        wait_until(lambda: registry.get_sample_value("kvpool_event_subscribers") == 2, timeout=10)
+        sent = [pub.publish([stored([i.to_bytes(32, "big")], MEDIUM_CPU)]) for i in range(3000)]
+        assert None not in sent
+        got: dict[int, KVEventBatch] = {}
+        reader.setsockopt(zmq.RCVTIMEO, 1000)
+        while sent[-1] not in got:
+            try:
+                seq, batch = receive(reader)
+            except zmq.Again:
+                break
+            got[seq] = batch
+        missing = [s for s in sent if s not in got]
+        for seq, payload in replay(ctx, pub, missing[0]) if missing else []:
+            got.setdefault(seq, DECODE.decode(payload))
+        assert [got[s].events[0].block_hashes for s in sent] == [[i.to_bytes(32, "big")] for i in range(3000)]
+        assert registry.get_sample_value("kvpool_events_dropped_total") == 0
+        stuck.setsockopt(zmq.RCVTIMEO, 100)
+        held = 0
+        while True:
+            try:
+                stuck.recv_multipart()
+                held += 1
+            except zmq.Again:
+                break
+        assert held < 3000  # it lost batches at its mark, and nothing waited for it
+        print(f"the stuck subscriber kept {held} of 3000; the reader missed {len(missing)} and replayed them")
+        stuck.close(linger=0)
+    finally:
+        pub.close()
