@@ -24,8 +24,21 @@ from collections.abc import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from kvpool.core import TierStats
+
+
+def scrape_samples(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> list[Sample]:
+    """Every sample a process's ``/metrics`` endpoint exports now; OSError if it does not answer."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as reply:
+        text = reply.read().decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TIER_LABELS = ("hbm", "dram", "ssd")

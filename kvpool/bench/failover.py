@@ -191,13 +191,9 @@ def measure(etcd_endpoint: str, tmp: Path, blocks: int, block_bytes: int, ttl: i
 
 def _failover_metrics(port: int) -> tuple[float, float] | None:
     """(failover, resync) seconds from a master's /metrics once both were observed; None before."""
-    import urllib.request
+    from kvpool.metrics import scrape_samples
 
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    values = {s.name: s.value for s in scrape_samples(port)}
     if not values.get("kvpool_master_failover_seconds_count") or \
             not values.get("kvpool_master_failover_resync_seconds_count"):
         return None

@@ -280,9 +280,7 @@ class LocalPool:
 
     def scrape(self) -> dict[str, dict[str, float]]:
         """Each process's counters of interest (errors, evictions, demotions, ...) from its /metrics; {} if down."""
-        import urllib.request
-
-        from prometheus_client.parser import text_string_to_metric_families
+        from kvpool.metrics import scrape_samples
 
         wanted = ("kvpool_errors_total", "kvpool_demotions_total", "kvpool_promotions_total",
                   "kvpool_tier_evictions_total", "kvpool_tier_corrupt_blocks_total", "kvpool_evictions_total",
@@ -291,17 +289,15 @@ class LocalPool:
         for p in self.processes:
             values: dict[str, float] = {}
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{p.metrics_port}/metrics", timeout=5) as reply:
-                    text = reply.read().decode()
+                samples = scrape_samples(p.metrics_port)
             except OSError:
                 out[p.name] = values
                 continue
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name in wanted:
-                        label = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "node")
-                        name = sample.name + (f"{{{label}}}" if label else "")
-                        values[name] = values.get(name, 0.0) + sample.value
+            for sample in samples:
+                if sample.name in wanted:
+                    label = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "node")
+                    name = sample.name + (f"{{{label}}}" if label else "")
+                    values[name] = values.get(name, 0.0) + sample.value
             out[p.name] = values
         return out
 

@@ -125,16 +125,9 @@ class LocalPool:
 
     def demotion_queue_bytes(self) -> float:
         """The node's ``kvpool_demotion_queue_bytes`` (blocks on their way to SSD)."""
-        import urllib.request
+        from kvpool.metrics import scrape_samples
 
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
-            text = reply.read().decode()
-        for family in text_string_to_metric_families(text):
-            if family.name == "kvpool_demotion_queue_bytes":
-                return sum(s.value for s in family.samples)
-        return 0.0
+        return sum(s.value for s in scrape_samples(self.metrics_port) if s.name == "kvpool_demotion_queue_bytes")
 
     def log_tail(self) -> str:
         with open(os.path.join(self._tmp, "serve.log"), "rb") as f:

@@ -60,7 +60,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -204,15 +203,9 @@ def driver_main(spec_path: str) -> int:
 
 def _node_counter(metrics_port: int, name: str) -> float:
     """A counter (``name`` with its ``_total``) on the pool node's /metrics, summed over labels."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from kvpool.metrics import scrape_samples
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
-        text = reply.read().decode()
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        if family.name == name:
-            total += sum(s.value for s in family.samples if s.name in (name, f"{name}_total"))
-    return total
+    return sum(s.value for s in scrape_samples(metrics_port) if s.name in (name, f"{name}_total"))
 
 
 def _master_counts(master: str) -> dict[str, int]:
