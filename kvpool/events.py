@@ -21,7 +21,8 @@ Invariants:
 - Batches are sent in sequence order, from one thread that owns both sockets (ZMQ sockets are not
   thread-safe). A slow subscriber loses batches at the PUB socket's high-water mark, never slowing the
   publisher; it sees the gap and replays.
-- The replay buffer holds the last ``buffer_batches`` batches sent.
+- The replay buffer holds the last ``buffer_batches`` batches sent, and the replay socket's send mark
+  holds one whole replay of it (a ROUTER drops past its mark silently).
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ class EventPublisher:
             if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # A ROUTER drops what passes its send mark without a word: one whole replay (the buffer and
+                # the end marker) must fit, or a late subscriber gets a silently truncated range.
+                self._replay.setsockopt(zmq.SNDHWM, buffer_batches + 1)
                 self.replay_endpoint = self._bind(self._replay, replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()

@@ -258,3 +258,31 @@ def test_a_subscriber_that_never_reads_slows_no_one(ctx):
         stuck.close(linger=0)
     finally:
         pub.close()
+
+
+def test_a_replay_of_a_buffer_larger_than_zmqs_default_mark_arrives_whole(ctx):
+    """ZMQ's default send mark is 1,000 messages and a ROUTER drops past it silently. A requester that reads
+    only after the whole replay was sent (6 MB: more than the kernel's socket buffers) still gets all 3,000
+    batches, then the end marker."""
+    registry = CollectorRegistry()
+    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kvpool", buffer_batches=3000,
+                         registry=registry)
+    try:
+        chain = [j.to_bytes(32, "big") for j in range(64)]
+        sent = [pub.publish([stored(chain, MEDIUM_CPU, parent=i.to_bytes(32, "big"))]) for i in range(3000)]
+        wait_until(lambda: registry.get_sample_value("kvpool_events_published_total") == 3000, timeout=30)
+        assert pub.replay_endpoint is not None
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVHWM, 10)
+        dealer.setsockopt(zmq.RCVTIMEO, 5000)
+        dealer.connect(pub.replay_endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        # All of it sent before any of it is read.
+        wait_until(lambda: registry.get_sample_value("kvpool_events_replayed_total") == 3000, timeout=30)
+        got = []
+        while (frames := dealer.recv_multipart())[2] != END_SEQ:
+            got.append(int.from_bytes(frames[2], "big"))
+        assert got == sent
+        dealer.close(linger=0)
+    finally:
+        pub.close()
