@@ -190,6 +190,21 @@ def etcd_check(v: str) -> str | None:
     return None if v == "" else _refusal(parse_endpoints, v)
 
 
+def zmq_endpoint_check(v: str) -> str | None:
+    """Empty, or a ZMQ endpoint to bind: ``tcp://HOST:PORT`` (port 0: any free one) or ``ipc://PATH``."""
+    if v == "" or (v.startswith("ipc://") and len(v) > 6):
+        return None
+    host, sep, port = v[6:].rpartition(":") if v.startswith("tcp://") else ("", "", "")
+    if not sep or not host or not port.isdigit() or int(port) > 65535 or any(c.isspace() for c in v):
+        return "must be tcp://HOST:PORT (port 0-65535, 0: any free one) or ipc://PATH"
+    return None
+
+
+def topic_check(v: str) -> str | None:
+    """A ZMQ topic prefix: letters, digits, '.', '_', '-', '/'; not empty."""
+    return None if re.fullmatch(r"[A-Za-z0-9._/-]+", v) else "must be letters, digits, '.', '_', '-', '/', not empty"
+
+
 def cluster_check(v: str) -> str | None:
     from kvpool.etcd import check_cluster
 
@@ -350,6 +365,15 @@ class MasterConfig:
                                "about this long after its last renewal", check=at_least(2))
     advertise_host: str = opt("", "host nodes and clients dial this master at, as put in etcd; empty: host (the "
                                   "machine's name if host is 0.0.0.0)", check=host_check)
+    kv_events_endpoint: str = opt("", "ZMQ PUB endpoint of the KV event stream, vLLM's format (docs/routing.md), "
+                                      "e.g. tcp://0.0.0.0:7605; empty: no events", check=zmq_endpoint_check)
+    kv_events_replay_endpoint: str = opt("", "ZMQ ROUTER endpoint that replays buffered event batches from a "
+                                             "sequence number; empty: no replay", check=zmq_endpoint_check)
+    kv_events_topic: str = opt("kvpool", "topic prefix: pool batches go out as TOPIC/pool, a worker's HBM batches "
+                                         "as TOPIC/hbm/WORKER", check=topic_check)
+    kv_events_buffer: int = opt(10_000, "event batches kept for replay", check=at_least(1))
+    kv_events_max_queue: int = opt(10_000, "event batches waiting to be sent before new ones are dropped (and "
+                                           "counted: a gap in the sequence)", check=at_least(1))
 
     def __post_init__(self) -> None:
         _check_types(self, "master")

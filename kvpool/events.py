@@ -3,14 +3,19 @@
 The wire is vLLM's (``vllm.distributed.kv_events`` in vllm 0.32, ``ZmqEventPublisher``), so a router that
 subscribes to vLLM engines reads kvpool with the same code:
 
-- a PUB socket sends each batch as three frames: the topic, the batch's sequence number (8 bytes, big
+- a PUB socket sends each batch as three frames: its topic, the batch's sequence number (8 bytes, big
   endian) and the payload, msgpack of ``KVEventBatch`` ``[ts, events, data_parallel_rank?]``; each event a
   map tagged ``"type"``: ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``;
 - a ROUTER socket replays: a request ``[b"", start_seq]`` (8 bytes, big endian) is answered with every
   batch still buffered from ``start_seq`` on, ``[b"", topic, seq, payload]`` each, then
   ``[b"", b"", -1, b""]``;
 - the medium of a block is ``GPU`` for a worker's HBM, ``CPU`` for a node's DRAM, ``STORAGE`` for its SSD
-  (vLLM's constants ``MEDIUM_GPU``, ``MEDIUM_CPU``, ``MEDIUM_STORAGE``).
+  (vLLM's constants ``MEDIUM_GPU``, ``MEDIUM_CPU``, ``MEDIUM_STORAGE``);
+- a block's hash is :func:`key_hash` of its kvpool key: the 64-bit int form vLLM's events use by default.
+
+One publisher numbers all its batches in one sequence, whatever their topic (vLLM's publisher has one
+topic; kvpool's master sends pool and per-worker HBM batches on one stream): a subscriber of every topic
+(``""`` or the common prefix) sees no gap unless a batch was dropped.
 
 Invariants:
 
@@ -46,6 +51,12 @@ MEDIUM_STORAGE = "STORAGE"  # a pool node's SSD
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 BlockHash = bytes | int
+
+
+def key_hash(key: bytes) -> int:
+    """A kvpool key's hash in events: its first 8 bytes as a big-endian unsigned int (64 bits, like vLLM's
+    int block hashes; the master keys its index by the first 16 bytes, so it can name every key it drops)."""
+    return int.from_bytes(key[:8], "big")
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -111,8 +122,8 @@ class EventPublisher:
             raise ValueError("buffer_batches and max_queue must be at least 1")
         self.metrics = EventMetrics(registry)
         self._topic = topic.encode()
-        self._queue: queue.Queue[tuple[int, KVEventBatch] | None] = queue.Queue(maxsize=max_queue)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._queue: queue.Queue[tuple[int, bytes, KVEventBatch] | None] = queue.Queue(maxsize=max_queue)
+        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_batches)  # (seq, topic, payload)
         self._seq = 0
         self._seq_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
@@ -149,15 +160,17 @@ class EventPublisher:
         sock.bind(endpoint)
         return endpoint
 
-    def publish(self, events: Sequence[KVEvent]) -> int | None:
-        """Queue one batch; its sequence number, or None if it was dropped (the queue is full). Never blocks."""
+    def publish(self, events: Sequence[KVEvent], topic: str | None = None) -> int | None:
+        """Queue one batch (on ``topic``, else the publisher's); its sequence number, or None if it was dropped
+        (the queue is full). Never blocks."""
         if not events or not self._running:
             return None
+        wire_topic = self._topic if topic is None else topic.encode()
         with self._seq_lock:
             seq = self._seq
             self._seq += 1
             try:
-                self._queue.put_nowait((seq, KVEventBatch(ts=time.time(), events=list(events))))
+                self._queue.put_nowait((seq, wire_topic, KVEventBatch(ts=time.time(), events=list(events))))
             except queue.Full:
                 self.metrics.dropped.inc()
                 return None
@@ -205,13 +218,13 @@ class EventPublisher:
                 continue
             if item is None:
                 return
-            seq, batch = item
+            seq, topic, batch = item
             payload = self._encoder.encode(batch)
             try:
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+                self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
             except zmq.Again:  # PUB does not block; a full peer queue drops for that peer only
                 pass
-            self._buffer.append((seq, payload))
+            self._buffer.append((seq, topic, payload))
             self.metrics.published.inc()
 
     def _count_subscribers(self) -> None:
@@ -229,8 +242,8 @@ class EventPublisher:
             return
         client, _, start = frames
         start_seq = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
+        for seq, topic, payload in list(self._buffer):
             if seq >= start_seq:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+                self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
                 self.metrics.replayed.inc()
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -95,6 +95,9 @@ def run_serve(config: PoolConfig) -> None:
     config = dataclasses.replace(config, master=master_config_for(config))
     check_ports(config.master, config.node)
     with MasterServer(config.master) as master:
+        if master.events is not None:
+            log.info("kvpool serve: KV events on %s (replay %s)", master.events.publisher.endpoint,
+                     master.events.publisher.replay_endpoint or "off")
         node_config = node_config_for(config, master.port)
         node = PoolNode(node_config)
         try:

@@ -54,8 +54,18 @@ verifies on every read (a mismatch is a miss too).
 feeds stats (HBM block counts); lookups never consult it (workers check their
 own HBM first).
 
+Changes as events. Given an ``on_change`` sink, :class:`BlockIndex` reports
+each key's *tier transitions*: stored when a key's first copy in a tier appears
+(on any node), removed when its last copy in that tier goes (a removal, a full
+sync's replacement, a dropped node). Copies on a second node or a second
+report of a held key change nothing and are not reported. :class:`HbmIndex`
+does the same per worker. A sink is called once per changing call, in the
+order the changes were applied.
+
 Each class has one lock, taken only with ``with``, never held while calling
-out of the class.
+out of the class, but for the change sink: it is called under the lock (that
+keeps its order the index's order), and must neither block nor call back
+(:meth:`kvpool.events.EventPublisher.publish` only queues).
 """
 
 from __future__ import annotations
@@ -124,11 +134,33 @@ class IndexCounts:
     nodes: int  # open node numbers
 
 
+class TierChange(NamedTuple):
+    """Keys whose first copy in ``tier`` appeared (``stored``) or whose last copy there went, as the table
+    keys them: their first 16 bytes, two native-order uint64 words each."""
+
+    tier: Tier
+    stored: bool
+    k0: U64
+    k1: U64
+
+    def prefixes(self) -> list[bytes]:
+        """Each key's first 16 bytes."""
+        words = np.empty((len(self.k0), 2), np.uint64)
+        words[:, 0], words[:, 1] = self.k0, self.k1
+        raw = words.tobytes()
+        return [raw[i:i + 16] for i in range(0, len(raw), 16)]
+
+
+ChangeSink = Callable[[list[TierChange]], None]
+
+
 class BlockIndex:
     """Key -> size, checksum and the (node number, tier) locations holding it. Thread-safe."""
 
-    def __init__(self, min_capacity: int = 1024) -> None:
+    def __init__(self, min_capacity: int = 1024, on_change: ChangeSink | None = None) -> None:
         self._lock = threading.Lock()
+        self._on_change = on_change
+        self._changes: list[TierChange] = []  # gathered during one call (lock held), handed to on_change at its end
         self._table = KeyTable(
             {"loc1": np.uint32, "loc2": np.uint32, "size": np.uint64, "checksum": np.uint64}, min_capacity
         )
@@ -154,6 +186,7 @@ class BlockIndex:
                 return 0
             removed = self._strip_all((lambda locs: (locs & _NODE_MASK) == node, lambda loc: loc & _NODE_MASK == node))
             self._table.compact()
+            self._report_changes()
             return removed
 
     # -- reports from nodes ----------------------------------------------------------
@@ -167,6 +200,7 @@ class BlockIndex:
             if node not in self._open:
                 return False
             refused = self._link(q0, q1, size, checksum, _location(node, tier))
+            self._report_changes()
         _refused(refused)
         return True
 
@@ -182,6 +216,7 @@ class BlockIndex:
             if rows.size:
                 self._strip(rows, _exactly(loc))
                 self._table.compact()
+                self._report_changes()
             return True
 
     def replace_node_tier(
@@ -200,6 +235,7 @@ class BlockIndex:
             keep[rows[rows >= 0]] = True
             self._strip_all(_exactly(loc), keep)
             t.compact()
+            self._report_changes()
         _refused(refused)
         return True
 
@@ -290,6 +326,15 @@ class BlockIndex:
         q0, q1, size, checksum = _last_wins(q0, q1, size, checksum)
         t = self._table
         rows = t.find(q0, q1)
+        before = self._tier_masks(rows) if self._on_change is not None else None
+        refused = self._link_rows(q0, q1, size, checksum, loc, rows)
+        if before is not None:
+            self._note_changes(q0, q1, before, self._tier_masks(t.find(q0, q1)))  # rows moved while linking
+        return refused
+
+    def _link_rows(self, q0: U64, q1: U64, size: U64, checksum: U64, loc: int, rows: Rows) -> int:
+        """:meth:`_link` of distinct keys whose current rows (-1: absent) are ``rows``."""
+        t = self._table
         new = rows < 0
         old = rows[~new]
         if old.size:  # first the keys already indexed: inserting moves rows
@@ -334,9 +379,13 @@ class BlockIndex:
             if keep is not None:
                 candidate &= ~keep[rows]
             gone, promoted, second_gone, count = _losses(first, second, match_array, candidate)
+            touched = np.flatnonzero(gone | promoted | second_gone) + rows.start if self._on_change else None
+            before = self._tier_masks(touched) if touched is not None else None
             t.rec["loc1"][rows][promoted] = second[promoted]
             t.rec["loc2"][rows][promoted | second_gone] = _NONE
             t.delete(np.flatnonzero(gone) + rows.start)
+            if touched is not None and before is not None:
+                self._note_changes(t.k0[touched], t.k1[touched], before, self._tier_masks(touched))
             removed += count
         listed = self._rows_of(key for key, locs in self._more.items() if any(match_one(loc) for loc in locs))
         if keep is not None:
@@ -350,6 +399,8 @@ class BlockIndex:
             return 0
         match_array, match_one = match
         t = self._table
+        touched = rows
+        before = self._tier_masks(touched) if self._on_change is not None else None
         loc1, loc2 = t.rec["loc1"], t.rec["loc2"]
         second = loc2[rows]
         listed = second == _MORE
@@ -371,6 +422,8 @@ class BlockIndex:
                 del self._more[t.key(row)]
                 dead.append(np.array([row], np.intp))
         t.delete(np.concatenate(dead))
+        if before is not None:  # deleted rows keep their keys until the next insert or compact
+            self._note_changes(t.k0[touched], t.k1[touched], before, self._tier_masks(touched))
         self._copies -= removed
         return removed
 
@@ -384,6 +437,39 @@ class BlockIndex:
         else:
             t.rec["loc2"][row] = _MORE
             self._more[t.key(row)] = locs
+
+    def _tier_masks(self, rows: Rows) -> npt.NDArray[np.uint8]:
+        """Per row (-1 or an empty slot: none), a bit per tier it has a location in: ``1 << tier``."""
+        t = self._table
+        safe = np.maximum(rows, 0)
+        live = (rows >= 0) & (t.fp[safe] != 0)
+        loc1, loc2 = t.rec["loc1"][safe], t.rec["loc2"][safe]
+        one = np.uint8(1)
+        masks = np.where(live, one << (loc1 >> _NODE_BITS).astype(np.uint8), 0).astype(np.uint8)
+        two = live & (loc2 < _MORE)
+        masks |= np.where(two, one << (loc2 >> _NODE_BITS).astype(np.uint8), 0).astype(np.uint8)
+        for i in np.flatnonzero(live & (loc2 == _MORE)).tolist():
+            for loc in self._more[t.key(int(rows[i]))]:
+                masks[i] |= 1 << (loc >> _NODE_BITS)
+        return masks
+
+    def _note_changes(self, k0: U64, k1: U64, before: npt.NDArray[np.uint8], after: npt.NDArray[np.uint8]) -> None:
+        """Gather the tier transitions of keys whose masks went from ``before`` to ``after``."""
+        for tier in _TIERS:
+            bit = np.uint8(1 << int(tier))
+            had, has = (before & bit) != 0, (after & bit) != 0
+            for stored, which in ((True, has & ~had), (False, had & ~has)):
+                if which.any():
+                    self._changes.append(TierChange(tier, stored, k0[which].copy(), k1[which].copy()))
+
+    def _report_changes(self) -> None:
+        """Hand the call's gathered transitions to the sink (lock held: the index's order is the sink's)."""
+        if self._changes and self._on_change is not None:
+            changes, self._changes = self._changes, []
+            try:
+                self._on_change(changes)
+            except Exception:  # the sink must never undo or fail a change that already happened
+                log.exception("BlockIndex: the change sink failed; its events are lost")
 
     def _rows_of(self, keys: Iterable[tuple[int, int]]) -> Rows:
         """Rows of keys known to be indexed (``_more``'s keys)."""
@@ -465,17 +551,23 @@ def _last_wins(q0: U64, q1: U64, size: U64, checksum: U64) -> tuple[U64, U64, U6
     return q0[keep], q1[keep], size[keep], checksum[keep]
 
 
+HbmSink = Callable[[str, list[BlockKey], list[BlockKey]], None]  # (worker, keys it now holds, keys it lost)
+
+
 class HbmIndex:
-    """Worker id -> the keys in that worker's HBM tier (stats only). Thread-safe.
+    """Worker id -> the keys in that worker's HBM tier (stats, routing scores, events). Thread-safe.
 
     Invariant: ``_total`` equals the sum of the workers' set sizes (a block in
-    two workers' HBM counts twice: it is two copies).
+    two workers' HBM counts twice: it is two copies). ``on_change`` hears each
+    worker's exact transitions: keys it did not hold and now does, keys it held
+    and no longer does (a re-report of a held key is no change).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_change: HbmSink | None = None) -> None:
         self._lock = threading.Lock()
         self._workers: dict[str, set[BlockKey]] = {}
         self._total = 0
+        self._on_change = on_change
 
     def report(
         self, worker: str, added: Iterable[BlockKey], removed: Iterable[BlockKey], full_sync: bool = False
@@ -484,24 +576,45 @@ class HbmIndex:
         with self._lock:
             held = self._workers.setdefault(worker, set())
             before = len(held)
+            old = set(held) if self._on_change is not None else None
             if full_sync:
                 held.clear()
             held.update(added)
             held.difference_update(removed)
             self._total += len(held) - before
+            if old is not None:
+                self._report_changes(worker, [k for k in held if k not in old], [k for k in old if k not in held])
 
     def drop_worker(self, worker: str) -> int:
         """Forget a worker's HBM contents; returns how many keys went."""
         with self._lock:
             held = self._workers.pop(worker, set())
             self._total -= len(held)
+            self._report_changes(worker, [], list(held))
             return len(held)
 
     def clear(self) -> None:
         """Forget every worker (a master that stops leading keeps no state)."""
         with self._lock:
+            for worker, held in self._workers.items():
+                self._report_changes(worker, [], list(held))
             self._workers.clear()
             self._total = 0
+
+    def held_run(self, worker: str, keys: Sequence[BlockKey]) -> int:
+        """How many of ``keys``, from the first, ``worker`` holds in HBM (its leading run)."""
+        with self._lock:
+            held = self._workers.get(worker)
+            if not held:
+                return 0
+            for i, key in enumerate(keys):
+                if key not in held:
+                    return i
+            return len(keys)
+
+    def worker_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._workers)
 
     def blocks(self) -> int:
         """HBM block copies over all workers."""
@@ -511,3 +624,11 @@ class HbmIndex:
     def workers(self) -> int:
         with self._lock:
             return len(self._workers)
+
+    def _report_changes(self, worker: str, stored: list[BlockKey], gone: list[BlockKey]) -> None:
+        """Hand one worker's transitions to the sink (lock held, see the module docstring)."""
+        if (stored or gone) and self._on_change is not None:
+            try:
+                self._on_change(worker, stored, gone)
+            except Exception:
+                log.exception("HbmIndex: the change sink failed; its events are lost")

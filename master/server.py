@@ -15,6 +15,9 @@ Invariants:
 - With ``auth_file`` both listeners (gRPC and fast calls) check tokens and
   roles (:mod:`kvpool.auth`; refusals counted in
   ``kvpool_errors_total{kind}``); with ``tls_cert``/``tls_key`` both speak TLS only.
+- With ``kv_events_endpoint`` the index's tier transitions go out as KV events
+  (:mod:`~kvpool.master.kv_events`) from ``start`` until ``stop``; a port it
+  cannot bind is the same one-line ValueError.
 - With ``etcd`` the master starts as a standby and leads only while its
   :class:`~kvpool.master.election.Election` says so: a standby answers
   node and client calls UNAVAILABLE (``Info`` says it stands by and where
@@ -37,11 +40,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kvpool.auth import load_authority
 from kvpool.config import MasterConfig
 from kvpool.etcd import EtcdClient, LeaderInfo, parse_endpoints
+from kvpool.events import EventPublisher
 from kvpool.framing import TcpListener
-from kvpool.keys import KEY_BYTES
+from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.lifecycle import wait_for_shutdown
 from kvpool.master.election import Election
-from kvpool.master.index import BlockIndex, HbmIndex
+from kvpool.master.index import BlockIndex, HbmIndex, TierChange
+from kvpool.master.kv_events import MasterEventFeed
 from kvpool.master.membership import Membership
 from kvpool.master.servicer import MasterServicer
 from kvpool.master.stats import MasterMetrics
@@ -81,8 +86,10 @@ class MasterServer:
         self.config = config
         self.registry = CollectorRegistry()
         self.errors = ErrorMetrics(self.registry)
-        self.index = BlockIndex()
-        self.hbm = HbmIndex()
+        self.events: MasterEventFeed | None = None  # with kv_events_endpoint, once started
+        on = bool(config.kv_events_endpoint)
+        self.index = BlockIndex(on_change=self._pool_changed if on else None)
+        self.hbm = HbmIndex(on_change=self._hbm_changed if on else None)
         self.membership = Membership(
             self.index, self.hbm, node_timeout_s=config.node_timeout_s, worker_timeout_s=config.worker_timeout_s
         )
@@ -127,6 +134,11 @@ class MasterServer:
                 max_concurrent_rpcs=self.config.max_concurrent_rpcs, name="master gRPC server",
             )
             try:
+                if self.config.kv_events_endpoint:
+                    self.events = MasterEventFeed(EventPublisher(
+                        self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint or None,
+                        buffer_batches=self.config.kv_events_buffer, max_queue=self.config.kv_events_max_queue,
+                        registry=self.registry), self.config.kv_events_topic)
                 self._calls = self._call_listener()
                 servicer.call_port = self._calls.port
                 if self.config.metrics_port != 0:
@@ -144,6 +156,9 @@ class MasterServer:
                 if self._metrics_server is not None:
                     self._metrics_server.close()
                     self._metrics_server = None
+                if self.events is not None:
+                    self.events.close()
+                    self.events = None
                 self.metrics_port = 0
                 raise
             self._sweeper = threading.Thread(target=self._sweep, name="kvpool-master-sweeper", daemon=True)
@@ -173,6 +188,14 @@ class MasterServer:
         servicer.leader_address = lambda: leader.address if (leader := election.leader()) is not None else ""
         self.election = election.start()
 
+    def _pool_changed(self, changes: list[TierChange]) -> None:
+        if self.events is not None:
+            self.events.pool_changed(changes)
+
+    def _hbm_changed(self, worker: str, held: list[BlockKey], gone: list[BlockKey]) -> None:
+        if self.events is not None:
+            self.events.hbm_changed(worker, held, gone)
+
     def _leading(self) -> bool:
         return self.election is not None and self.election.leading()
 
@@ -187,6 +210,8 @@ class MasterServer:
         if election.failover_s is not None:
             self.metrics.failover_seconds.observe(election.failover_s)
         self.servicer.elected()
+        if self.events is not None:
+            self.events.cleared()
         self._serving(True)
 
     def _deposed(self) -> None:
@@ -234,6 +259,8 @@ class MasterServer:
                 self._metrics_server.close()
             if self._sweeper is not None:
                 self._sweeper.join()
+            if self.events is not None:
+                self.events.close()
             self._stopped.set()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -255,6 +282,9 @@ def run_master(config: MasterConfig) -> None:
         metrics = f":{server.metrics_port}" if server.metrics_port else "off"
         log.info("kvpool master listening on %s (fast calls :%d, metrics %s)", server.address,
                  server.servicer.call_port, metrics)
+        if server.events is not None:
+            log.info("kvpool master: KV events on %s (replay %s)", server.events.publisher.endpoint,
+                     server.events.publisher.replay_endpoint or "off")
         if config.etcd:
             log.info("kvpool master: standing by for cluster %s in etcd %s as %s (leader TTL %d s)", config.cluster,
                      config.etcd, server.advertised_address(), config.leader_ttl_s)

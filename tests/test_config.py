@@ -102,6 +102,8 @@ BAD_VALUES = {
         "heartbeat_interval_s": 0.0, "worker_timeout_s": INF, "max_keys_per_call": 0, "max_connections": 0,
         "max_concurrent_rpcs": -1, "auth_file": None, "tls_cert": 1, "tls_key": b"key",
         "etcd": "https://etcd:2379", "cluster": "a/b", "leader_ttl_s": 1, "advertise_host": "two words",
+        "kv_events_endpoint": "tcp://*", "kv_events_replay_endpoint": "udp://h:1", "kv_events_topic": "a b",
+        "kv_events_buffer": 0, "kv_events_max_queue": 0,
     },
     NodeConfig: {
         "master": "no-port", "host": "two words", "port": -1, "metrics_port": 70000, "data_port": -5,

@@ -12,6 +12,7 @@ import subprocess
 import threading
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 from prometheus_client import CollectorRegistry
@@ -23,8 +24,10 @@ from kvpool.events import (
     MEDIUM_GPU,
     MEDIUM_STORAGE,
     AllBlocksCleared,
+    BlockStored,
     EventPublisher,
     KVEventBatch,
+    key_hash,
     removed,
     stored,
 )
@@ -80,11 +83,15 @@ def receive(sub: zmq.Socket) -> tuple[int, KVEventBatch]:
     return int.from_bytes(seq, "big"), DECODE.decode(payload)
 
 
-def replay(ctx: zmq.Context, pub: EventPublisher, start: int) -> list[tuple[int, bytes]]:
-    assert pub.replay_endpoint is not None
+def replay(ctx: zmq.Context, endpoint: str | None, start: int,
+           topic: bytes = b"kvpool") -> list[tuple[int, bytes]]:
+    """(seq, payload) of every buffered batch from ``start`` on, each on ``topic``, through a DEALER as vLLM's
+    subscriber example asks."""
+    assert endpoint is not None
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.RCVTIMEO, 5000)
-    dealer.connect(pub.replay_endpoint)
+    dealer.connect(endpoint)
+    topic_wanted = topic
     try:
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
         got: list[tuple[int, bytes]] = []
@@ -94,7 +101,7 @@ def replay(ctx: zmq.Context, pub: EventPublisher, start: int) -> list[tuple[int,
             if seq == END_SEQ:
                 assert topic == b"" and payload == b""
                 return got
-            assert topic == b"kvpool"
+            assert topic == topic_wanted
             got.append((int.from_bytes(seq, "big"), payload))
     finally:
         dealer.close(linger=0)
@@ -124,11 +131,11 @@ def test_a_late_subscriber_recovers_the_missed_range_through_replay(publisher, c
     seq = publisher.publish([removed([b"x" * 32], MEDIUM_GPU)])
     got_seq, batch = receive(sub)
     assert got_seq == seq and batch.events[0].medium == MEDIUM_GPU
-    missed = replay(ctx, publisher, 0)
+    missed = replay(ctx, publisher.replay_endpoint, 0)
     assert [s for s, _ in missed] == list(range(seq + 1))  # everything from 0, in order, up to the newest
     for i, (_, payload) in enumerate(missed[:30]):
         assert DECODE.decode(payload).events[0].block_hashes == [bytes([i]) * 32]
-    assert replay(ctx, publisher, seq + 1) == []  # nothing newer: just the end marker
+    assert replay(ctx, publisher.replay_endpoint, seq + 1) == []  # nothing newer: just the end marker
     assert publisher.registry.get_sample_value("kvpool_events_replayed_total") == seq + 1
 
 
@@ -138,7 +145,7 @@ def test_the_replay_buffer_keeps_the_newest_batches(ctx):
     try:
         for i in range(25):
             pub.publish([stored([bytes([i]) * 32], MEDIUM_CPU)])
-        wait_until(lambda: [s for s, _ in replay(ctx, pub, 0)] == list(range(15, 25)), timeout=10)
+        wait_until(lambda: [s for s, _ in replay(ctx, pub.replay_endpoint, 0)] == list(range(15, 25)), timeout=10)
     finally:
         pub.close()
 
@@ -183,7 +190,7 @@ def test_a_malformed_replay_request_is_ignored_and_the_stream_goes_on(publisher,
     sub = subscribe(ctx, publisher)
     seq = publisher.publish([stored([b"k" * 32], MEDIUM_CPU)])
     assert receive(sub)[0] == seq
-    assert [s for s, _ in replay(ctx, publisher, seq)] == [seq]
+    assert [s for s, _ in replay(ctx, publisher.replay_endpoint, seq)] == [seq]
     bad.close(linger=0)
 
 
@@ -241,7 +248,7 @@ def test_a_subscriber_that_never_reads_slows_no_one(ctx):
                 break
             got[seq] = batch
         missing = [s for s in sent if s not in got]
-        for seq, payload in replay(ctx, pub, missing[0]) if missing else []:
+        for seq, payload in replay(ctx, pub.replay_endpoint, missing[0]) if missing else []:
             got.setdefault(seq, DECODE.decode(payload))
         assert [got[s].events[0].block_hashes for s in sent] == [[i.to_bytes(32, "big")] for i in range(3000)]
         assert registry.get_sample_value("kvpool_events_dropped_total") == 0
@@ -286,3 +293,138 @@ def test_a_replay_of_a_buffer_larger_than_zmqs_default_mark_arrives_whole(ctx):
         dealer.close(linger=0)
     finally:
         pub.close()
+
+
+# -- the master's feed, end to end: a real `kvpool serve` -----------------------------------------------
+
+
+class Subscriber:
+    """A real SUB socket on a thread, keeping every (topic, seq, batch) it receives, in order."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, topic: bytes = b""):
+        self.sock = ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.got: list[tuple[bytes, int, KVEventBatch]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(50):
+                topic, seq, payload = self.sock.recv_multipart()
+                self.got.append((topic, int.from_bytes(seq, "big"), DECODE.decode(payload)))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close(linger=0)
+
+
+class MediaModel:
+    """Applies a pool event stream to empty sets: per block hash, the media holding it. Asserts each event
+    is a real transition (stored into a medium it lacked, removed from one it had)."""
+
+    def __init__(self) -> None:
+        self.media: dict[int, set[str]] = {}
+        self.seen: list[tuple[str, str, int]] = []  # (event type, medium, hash)
+
+    def apply(self, batch: KVEventBatch) -> None:
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                self.media.clear()
+                continue
+            medium = event.medium
+            assert isinstance(medium, str)
+            for h in event.block_hashes:
+                assert isinstance(h, int), "kvpool's hashes are ints (vLLM's default form)"
+                held = self.media.setdefault(h, set())
+                if isinstance(event, BlockStored):
+                    assert medium not in held, f"stored {h:x} in {medium} twice"
+                    held.add(medium)
+                else:
+                    assert medium in held, f"removed {h:x} from {medium}, which did not hold it"
+                    held.discard(medium)
+                self.seen.append((type(event).__name__, medium, h))
+
+    def holding(self, medium: str) -> int:
+        return sum(medium in held for held in self.media.values())
+
+
+def test_a_subscriber_of_kvpool_serve_sees_every_tier_change_in_order_and_replays_what_it_missed(tmp_path):
+    """Puts fill DRAM (stored CPU), evictions demote to SSD (removed CPU, stored STORAGE), a full SSD drops its
+    oldest (removed STORAGE), a get of an SSD block promotes it (stored CPU). The stream, the part the late
+    subscriber missed replayed, has no gap, every event is a real transition, and the model it builds agrees
+    with the node's tier counts and with what lookups find."""
+    from support import PoolProcesses, free_port, metric, scrape
+
+    from kvpool.client.kvclient import KVCacheClient
+    from kvpool.config import ClientConfig
+    from kvpool.keys import opaque_key
+
+    procs = PoolProcesses(tmp_path, **{"dram-bytes": "4M", "ssd-bytes": "4M", "max-block-bytes": "1M"})
+    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context()
+    sub = None
+    try:
+        procs.serve(**{"master-kv-events-endpoint": pub, "master-kv-events-replay-endpoint": rep})
+        ks = [opaque_key(f"events-{i}") for i in range(20)]
+        rng = np.random.default_rng(3)
+        values = [rng.integers(0, 256, 512 << 10, dtype=np.uint8) for _ in ks]  # 10 MiB: twice DRAM + SSD
+        with KVCacheClient(ClientConfig(master=procs.master, lookup_timeout_s=2.0, io_timeout_s=5.0)) as c:
+            assert c.put(ks[:3], values[:3]) == [True] * 3 and c.flush(timeout=10)
+            wait_until(lambda: c.lookup(ks[:3]).hit_blocks == 3)
+            sub = Subscriber(ctx, pub, b"kvpool/")  # joins late: the first batches reach it only by replay
+            wait_until(lambda: metric(scrape(procs.master_metrics_port), "kvpool_event_subscribers") == 1)
+            for i in range(3, len(ks)):  # one by one: DRAM holds about 7, SSD as many
+                assert c.put([ks[i]], [values[i]]) == [True] and c.flush(timeout=10)
+            on_ssd = [k for k in ks if (r := c.lookup([k])).hit_blocks == 1 and r.ssd_blocks == 1]
+            assert on_ssd, "test setup: nothing was demoted to SSD"
+            out = [np.zeros_like(values[0])]
+            assert c.get([on_ssd[-1]], out) == 1 and np.array_equal(out[0], values[ks.index(on_ssd[-1])])
+
+            def settled() -> bool:
+                model = MediaModel()
+                for _, _, batch in stream():
+                    model.apply(batch)
+                node = procs.status().nodes[0]
+                counts = {t.tier: t.blocks for t in node.tiers}
+                return (model.holding(MEDIUM_CPU), model.holding(MEDIUM_STORAGE)) == (counts.get(1), counts.get(2))
+
+            def stream():
+                first = sub.got[0][1] if sub.got else 0
+                missed = [(b"kvpool/pool", seq, DECODE.decode(p)) for seq, p in replay(ctx, rep, 0, b"kvpool/pool")]
+                return missed[:first] + list(sub.got) if first else list(sub.got)
+
+            wait_until(settled, timeout=20)
+            batches = stream()
+            seqs = [seq for _, seq, _ in batches]
+            assert seqs == list(range(len(seqs))), "a gap or a reordering in the sequence"
+            assert sub.got[0][1] > 0, "the subscriber joined late: the replay must have supplied the first batches"
+            assert isinstance(batches[0][2].events[0], AllBlocksCleared)  # a fresh master starts from empty
+            model = MediaModel()
+            for topic, _, batch in batches:
+                assert topic == b"kvpool/pool"
+                model.apply(batch)
+            kinds = {(kind, medium) for kind, medium, _ in model.seen}
+            assert kinds == {("BlockStored", MEDIUM_CPU), ("BlockRemoved", MEDIUM_CPU),
+                             ("BlockStored", MEDIUM_STORAGE), ("BlockRemoved", MEDIUM_STORAGE)}, kinds
+            promoted = key_hash(on_ssd[-1])
+            cpu_stores = [i for i, (kind, medium, h) in enumerate(model.seen)
+                          if h == promoted and (kind, medium) == ("BlockStored", MEDIUM_CPU)]
+            assert len(cpu_stores) == 2, "the promoted block is stored in CPU a second time"
+            for key in ks:  # the events' view is the index's: best medium = the tier lookups serve from
+                held = model.media.get(key_hash(key), set())
+                r = c.lookup([key])
+                want = (0, 0, 0) if not held else (1, 1, 0) if MEDIUM_CPU in held else (1, 0, 1)
+                assert (r.hit_blocks, r.dram_blocks, r.ssd_blocks) == want, (key_hash(key), held, r)
+    finally:
+        if sub is not None:
+            sub.close()
+        ctx.term()
+        procs.close()
+    procs.assert_stopped_cleanly()

@@ -410,3 +410,76 @@ def test_leading_run_arrays_agree_with_leading_run():
     assert len(index.leading_run_arrays(b"").tiers) == 0
     with pytest.raises(ValueError):
         index.leading_run_arrays(b"x" * 33)
+
+
+# -- tier transitions (the master's KV events) ----------------------------------------------
+
+
+def test_change_events_are_exactly_each_keys_tier_transitions():
+    """Replaying the sink's changes on an empty model rebuilds, after every call, which tiers hold each key,
+    and no change repeats what the model already says (a stored tier it had, a removed tier it lacked)."""
+    model: dict[bytes, set[Tier]] = {}
+    calls: list[int] = []
+
+    def sink(changes):
+        calls.append(len(changes))
+        for change in changes:
+            for prefix in change.prefixes():
+                tiers = model.setdefault(prefix, set())
+                if change.stored:
+                    assert change.tier not in tiers, "a stored event for a tier the key already had"
+                    tiers.add(change.tier)
+                else:
+                    assert change.tier in tiers, "a removed event for a tier the key did not have"
+                    tiers.discard(change.tier)
+
+    rng = random.Random(11)
+    keys = make_keys(600, "events")
+    index, ref = BlockIndex(min_capacity=64, on_change=sink), Reference()
+    open_nodes, next_node = [0, 1, 2, 3], 4
+    for node in open_nodes:
+        index.open_node(node)
+    most = 0  # the most locations one key had: 3 or more takes the index's rare multi-location path
+    for _ in range(400):
+        node, tier = rng.choice(open_nodes), rng.choice([DRAM, SSD])
+        batch = [rng.choice(keys) for _ in range(rng.randint(0, 120))]
+        sizes, sums = sizes_for(batch)
+        roll = rng.random()
+        if roll < 0.5:
+            index.add(node, tier, batch, sizes, sums)
+            ref.add(node, tier, batch, sizes, sums)
+        elif roll < 0.8:
+            index.remove(node, tier, batch)
+            ref.remove(node, tier, batch)
+        elif roll < 0.95:
+            index.replace_node_tier(node, tier, batch, sizes, sums)
+            ref.replace(node, tier, batch, sizes, sums)
+        else:
+            index.drop_node(node)
+            ref.drop(node)
+            open_nodes.remove(node)
+            index.open_node(next_node)
+            open_nodes.append(next_node)
+            next_node += 1
+        expected = {key[:16]: {Tier(t) for t, _ in locs} for key, (_, _, locs) in ref.entries.items()}
+        assert {k: v for k, v in model.items() if v} == expected
+        most = max([most, *(len(locs) for _, _, locs in ref.entries.values())])
+    assert most >= 3 and len(calls) > 100
+
+
+def test_a_second_copy_or_a_repeated_report_is_no_change():
+    seen: list = []
+    index = BlockIndex(min_capacity=64, on_change=seen.extend)
+    for node in (0, 1):
+        index.open_node(node)
+    keys = make_keys(5)
+    sizes, sums = sizes_for(keys)
+    index.add(0, DRAM, keys, sizes, sums)
+    assert [(c.tier, c.stored, len(c.k0)) for c in seen] == [(DRAM, True, 5)]
+    seen.clear()
+    index.add(0, DRAM, keys, sizes, sums)  # the same report again
+    index.add(1, DRAM, keys[:3], sizes[:3], sums[:3])  # a second node's copy
+    index.remove(1, DRAM, keys[:3])  # node 0 still holds them
+    assert seen == []
+    index.drop_node(0)
+    assert [(c.tier, c.stored, sorted(c.prefixes())) for c in seen] == [(DRAM, False, sorted(k[:16] for k in keys))]

@@ -1,0 +1,75 @@
+"""The master's KV event feed: the index's tier transitions as vLLM-format event batches (:mod:`kvpool.events`).
+
+Invariants:
+
+- One batch per changing index call, published from under that index's lock (the publisher only queues), so
+  the stream's order is the order the changes were applied.
+- Pool batches (media ``CPU`` for DRAM, ``STORAGE`` for SSD) go out on ``TOPIC/pool``; a worker's HBM batches
+  (``GPU``) on ``TOPIC/hbm/WORKER``. Both share the publisher's one sequence.
+- A stored event means the key's first copy in that tier appeared on some node, a removed event that its
+  last copy there went: a router that applies the stream to an empty set knows, per key, the tiers the pool
+  holds it in, exactly, until a gap (a dropped batch) or ``AllBlocksCleared`` (sent when the feed starts and
+  when its master is elected: the index starts empty).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpool.core import Tier
+from kvpool.events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    EventPublisher,
+    KVEvent,
+    key_hash,
+    removed,
+    stored,
+)
+from kvpool.keys import BlockKey
+from kvpool.master.index import TierChange
+
+MEDIUM = {Tier.DRAM: MEDIUM_CPU, Tier.SSD: MEDIUM_STORAGE, Tier.HBM: MEDIUM_GPU}
+
+
+def change_hashes(change: TierChange) -> list[int]:
+    """:func:`~kvpool.events.key_hash` of each key of ``change``, from the table's first word (8 key bytes)."""
+    return np.frombuffer(np.ascontiguousarray(change.k0).tobytes(), ">u8").tolist()
+
+
+class MasterEventFeed:
+    """Publishes a master's index changes on ``publisher`` (which it closes with :meth:`close`)."""
+
+    def __init__(self, publisher: EventPublisher, topic: str):
+        self.publisher = publisher
+        self.pool_topic = f"{topic}/pool"
+        self._hbm_prefix = f"{topic}/hbm/"
+        self.cleared()
+
+    def hbm_topic(self, worker: str) -> str:
+        return self._hbm_prefix + worker
+
+    def cleared(self) -> None:
+        """Tell subscribers the pool's view starts empty (a fresh or newly elected master)."""
+        self.publisher.publish([AllBlocksCleared()], self.pool_topic)
+
+    def pool_changed(self, changes: list[TierChange]) -> None:
+        """:class:`~kvpool.master.index.BlockIndex`'s sink."""
+        events: list[KVEvent] = [
+            (stored if change.stored else removed)(change_hashes(change), MEDIUM[change.tier]) for change in changes
+        ]
+        self.publisher.publish(events, self.pool_topic)
+
+    def hbm_changed(self, worker: str, held: list[BlockKey], gone: list[BlockKey]) -> None:
+        """:class:`~kvpool.master.index.HbmIndex`'s sink."""
+        events: list[KVEvent] = []
+        if held:
+            events.append(stored([key_hash(k) for k in held], MEDIUM_GPU))
+        if gone:
+            events.append(removed([key_hash(k) for k in gone], MEDIUM_GPU))
+        self.publisher.publish(events, self.hbm_topic(worker))
+
+    def close(self) -> None:
+        self.publisher.close()
