@@ -131,6 +131,36 @@ def _run_status(args: argparse.Namespace) -> int:
                       token=client.token, tls_ca=client.tls_ca)
 
 
+def _run_route(args: argparse.Namespace) -> int:
+    from kvpool.keys import KeyNamespace, chain_block_keys
+    from kvpool.routing import ScoreClient, render
+
+    client = _config(args).client
+    if args.master:
+        client = dataclasses.replace(client, master=args.master)
+    client = dataclasses.replace(client, lookup_timeout_s=args.timeout)
+    if client.layout is None:
+        print("kvpool route: keys need client.layout (and client.model) in --config: the workers' own",
+              file=sys.stderr)
+        return 2
+    text = open(args.tokens_file).read() if args.tokens_file else args.tokens
+    try:
+        tokens = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        print("kvpool route: tokens must be integers separated by spaces or commas", file=sys.stderr)
+        return 2
+    namespace = KeyNamespace(client.model, client.layout.fingerprint(), tenant=client.tenant)
+    keys = chain_block_keys(tokens, client.layout.block_size, namespace)
+    workers = [w for w in (args.workers or "").split(",") if w]
+    with ScoreClient(client) as scores:
+        score = scores.score(keys, workers)
+    if score is None:
+        print(f"kvpool route: cannot reach the master at {client.master}", file=sys.stderr)
+        return 1
+    print(render(score, client.layout.block_size))
+    return 0
+
+
 def _positive_seconds(text: str) -> float:
     """An argparse type: a finite number of seconds > 0."""
     try:
@@ -177,6 +207,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long to wait for the master (default: 3 s)")
     status.add_argument("--prometheus", metavar="URL",
                         help="also show the dashboard's 5-minute hit rates and target health from this Prometheus")
+
+    route = command("route", "per worker, how much of a prompt's prefix it would reuse (HBM, then the pool)",
+                    _run_route)
+    prompt = route.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--tokens", help="the prompt's token ids, separated by spaces or commas")
+    prompt.add_argument("--tokens-file", metavar="PATH", help="a file of the prompt's token ids")
+    route.add_argument("--workers", metavar="ID[,ID...]", help="workers to score (default: every worker the master "
+                       "knows)")
+    route.add_argument("--master", help="the master's host:port or etcd://HOST:PORT/CLUSTER (default: the client "
+                       "config's)")
+    route.add_argument("--timeout", type=_positive_seconds, default=3.0, metavar="SECONDS",
+                       help="how long to wait for the master (default: 3 s)")
 
     from kvpool import demo
 

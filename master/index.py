@@ -93,6 +93,7 @@ _NODE_MASK = np.uint32(MAX_NODES - 1)
 _NONE = np.uint32(0xFFFF_FFFF)  # loc2: the row has one location
 _MORE = np.uint32(0xFFFF_FFFE)  # loc2: three or more locations, listed in _more[key]
 _TIERS = tuple(Tier)  # Tier by value, without an enum lookup per block
+ABSENT = 255  # BlockIndex.best_tiers: no location holds the key
 assert [int(t) for t in _TIERS] == list(range(len(_TIERS))) and len(_TIERS) <= 3  # packed tiers stay below _MORE
 
 U64 = npt.NDArray[np.uint64]
@@ -266,6 +267,17 @@ class BlockIndex:
             sizes = t.rec["size"][rows]
             checksums = t.rec["checksum"][rows]
         return RunArrays((best >> _NODE_BITS).astype(np.uint8), best & _NODE_MASK, sizes, checksums)
+
+    def best_tiers(self, packed: bytes) -> npt.NDArray[np.uint8]:
+        """Per packed key, the tier a lookup would serve it from (its best location's), or :data:`ABSENT`."""
+        if len(packed) % KEY_BYTES:
+            raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
+        words = np.frombuffer(packed, np.uint64).reshape(-1, KEY_BYTES // 8)
+        with self._lock:
+            t = self._table
+            rows = t.find(words[:, 0], words[:, 1])
+            best = t.rec["loc1"][np.maximum(rows, 0)]
+        return np.where(rows >= 0, best >> _NODE_BITS, ABSENT).astype(np.uint8)
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key: whether any node holds it in any tier."""
@@ -601,16 +613,19 @@ class HbmIndex:
             self._workers.clear()
             self._total = 0
 
-    def held_run(self, worker: str, keys: Sequence[BlockKey]) -> int:
-        """How many of ``keys``, from the first, ``worker`` holds in HBM (its leading run)."""
+    def held_runs(self, workers: Sequence[str], keys: Sequence[BlockKey]) -> list[int]:
+        """Per worker, how many of ``keys``, from the first, it holds in HBM (its leading run; unknown: 0)."""
+        runs = []
         with self._lock:
-            held = self._workers.get(worker)
-            if not held:
-                return 0
-            for i, key in enumerate(keys):
-                if key not in held:
-                    return i
-            return len(keys)
+            for worker in workers:
+                held = self._workers.get(worker, ())
+                run = 0
+                for key in keys:
+                    if key not in held:
+                        break
+                    run += 1
+                runs.append(run)
+        return runs
 
     def worker_ids(self) -> list[str]:
         with self._lock:

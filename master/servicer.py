@@ -42,7 +42,7 @@ from kvpool.auth import caller, caller_keys
 from kvpool.config import MasterConfig
 from kvpool.core import NodeRef, Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
-from kvpool.master.index import BlockIndex, HbmIndex
+from kvpool.master.index import ABSENT, BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
 from kvpool.master.stats import MasterMetrics
 from kvpool.placement import TOO_LARGE, Candidate, NoPoolNodes, place
@@ -50,7 +50,8 @@ from kvpool.rpc import flag_bytes, tier_usage
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 
 _NODE_TIERS = (Tier.DRAM, Tier.SSD)
-MAX_REF_CHARS = 1024  # longest NodeRef string field RegisterNode accepts
+MAX_REF_CHARS = 1024  # longest NodeRef string field RegisterNode accepts (and worker id Score accepts)
+MAX_SCORE_WORKERS = 4096  # most workers one Score call answers for
 _U64_MAX = (1 << 64) - 1
 
 
@@ -311,6 +312,43 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                         request.local_requested_blocks, request.block_tokens,
                                         lookups=request.local_lookups)
         return master_pb2.ReportHbmResponse()
+
+    def Score(self, request: master_pb2.ScoreRequest, context: Any) -> master_pb2.ScoreResponse:
+        """Per worker: its HBM's leading run of the prompt, then the pool's leading run of the rest by tier.
+
+        It answers what that worker's Lookup would hit: the client checks its own HBM first and asks the pool
+        for the keys after its HBM run (the index holds only open nodes' entries, so every run block resolves).
+        """
+        self._lead(context)
+        started = time.perf_counter()
+        self._count_keys(request.keys)
+        if len(request.worker_ids) > MAX_SCORE_WORKERS:
+            raise ValueError(f"Score: {len(request.worker_ids)} worker ids; at most {MAX_SCORE_WORKERS} per call")
+        for worker in request.worker_ids:
+            if not worker or len(worker) > MAX_REF_CHARS:
+                raise ValueError(f"Score: a worker id must have 1 to {MAX_REF_CHARS} characters")
+        packed = caller_keys(request.keys)
+        tiers = self._index.best_tiers(packed)
+        workers = list(request.worker_ids) or self._hbm.worker_ids()[:MAX_SCORE_WORKERS]
+        runs = self._hbm.held_runs(workers, unpack_keys(packed)) if workers else []
+        # One pass for every worker: where the pool's run from position h ends, and its DRAM/SSD blocks so far.
+        absent = np.flatnonzero(tiers == ABSENT)
+        dram = np.concatenate(([0], np.cumsum(tiers == Tier.DRAM)))
+        ssd = np.concatenate(([0], np.cumsum(tiers == Tier.SSD)))
+
+        def pool_run(h: int) -> tuple[int, int]:
+            at = int(np.searchsorted(absent, h))
+            end = int(absent[at]) if at < len(absent) else len(tiers)
+            return int(dram[end] - dram[h]), int(ssd[end] - ssd[h])
+
+        response = master_pb2.ScoreResponse()
+        response.pool_dram_blocks, response.pool_ssd_blocks = pool_run(0)
+        for worker, held in zip(workers, runs):
+            d, s = pool_run(held)
+            response.workers.append(master_pb2.WorkerScore(worker_id=worker, hbm_blocks=held, dram_blocks=d,
+                                                           ssd_blocks=s))
+        self._metrics.score_seconds.observe(time.perf_counter() - started)
+        return response
 
     # -- status ---------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@
   running totals for ``ClusterStatus``. Invariant: both are updated together
   under one lock, so ClusterStatus's counters always equal what Prometheus
   counted.
-- ``kvpool_lookup_seconds``: master-side latency of a Lookup call.
+- ``kvpool_lookup_seconds``: master-side latency of a Lookup call;
+  ``kvpool_score_seconds`` of a Score call (all its workers).
 - Gauges read at scrape time, so they never drift from the state they
   describe: ``kvpool_nodes``, ``kvpool_index_blocks``, ``kvpool_workers``,
   ``kvpool_hbm_blocks``, and its cluster view of per-node tier usage
@@ -87,6 +88,7 @@ class MasterMetrics:
         self.errors = errors
         self._lookup = LookupMetrics(registry)
         self.lookup_seconds = latency_histogram(registry, "lookup", "Master-side latency of a Lookup call")
+        self.score_seconds = latency_histogram(registry, "score", "Master-side latency of a Score call (routing)")
         self._lock = threading.Lock()
         self._totals = LookupTotals()
         self._too_large = TooLargeTotals()

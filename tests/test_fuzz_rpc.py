@@ -85,6 +85,7 @@ MASTER_METHODS = {
     "Exists": (master_pb2.ExistsRequest, master_pb2.ExistsResponse),
     "PlaceBlocks": (master_pb2.PlaceBlocksRequest, master_pb2.PlaceBlocksResponse),
     "ReportHbm": (master_pb2.ReportHbmRequest, master_pb2.ReportHbmResponse),
+    "Score": (master_pb2.ScoreRequest, master_pb2.ScoreResponse),
     "ClusterStatus": (master_pb2.ClusterStatusRequest, master_pb2.ClusterStatusResponse),
     "Info": (master_pb2.MasterInfoRequest, master_pb2.MasterInfoResponse),
 }
@@ -291,6 +292,26 @@ def test_lookup(pool, case, worker, hbm, tokens, extra):
                 assert (run.sizes[i], run.checksums[i]) == KNOWN[keys[i]][:2]
                 assert run.nodes[run.node_indexes[i]].node_id == REAL_NODE_ID
     pool.count("Master.Lookup")
+
+
+@FUZZ
+@given(case=read_keys(), workers=st.lists(id_text, max_size=4), extra=unknown_fields())
+def test_score(pool, case, workers, extra):
+    packed, n = case
+    pool.node.link.flush()
+    valid = n is not None and all(0 < len(w) <= MAX_REF_CHARS for w in workers)
+    code, reply = checked(pool, "master", "Score", master_pb2.ScoreRequest(keys=packed, worker_ids=workers), extra,
+                          valid_if(valid))
+    if code == OK:
+        keys = keys_of(packed)
+        lead = 0
+        while lead < len(keys) and keys[lead] in KNOWN:
+            lead += 1
+        assert lead <= reply.pool_dram_blocks + reply.pool_ssd_blocks <= n, "the pool's run misses a known block"
+        assert [w.worker_id for w in reply.workers] == workers
+        for w in reply.workers:  # no fuzzed worker holds HBM the known run would start with
+            assert w.hbm_blocks + w.dram_blocks + w.ssd_blocks <= n
+    pool.count("Master.Score")
 
 
 @FUZZ

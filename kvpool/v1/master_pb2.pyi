@@ -115,6 +115,36 @@ class LookupResponse(_message.Message):
     ssd_blocks: int
     def __init__(self, tiers: _Optional[bytes] = ..., node_indexes: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeRef, _Mapping]]] = ..., dram_blocks: _Optional[int] = ..., ssd_blocks: _Optional[int] = ...) -> None: ...
 
+class ScoreRequest(_message.Message):
+    __slots__ = ("keys", "worker_ids")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[bytes] = ..., worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WorkerScore(_message.Message):
+    __slots__ = ("worker_id", "hbm_blocks", "dram_blocks", "ssd_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HBM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SSD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    hbm_blocks: int
+    dram_blocks: int
+    ssd_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., hbm_blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., ssd_blocks: _Optional[int] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("workers", "pool_dram_blocks", "pool_ssd_blocks")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    POOL_DRAM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    POOL_SSD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerScore]
+    pool_dram_blocks: int
+    pool_ssd_blocks: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ..., pool_dram_blocks: _Optional[int] = ..., pool_ssd_blocks: _Optional[int] = ...) -> None: ...
+
 class ExistsRequest(_message.Message):
     __slots__ = ("keys",)
     KEYS_FIELD_NUMBER: _ClassVar[int]

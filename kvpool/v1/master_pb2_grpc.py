@@ -74,6 +74,11 @@ class MasterStub:
                 request_serializer=kvpool_dot_v1_dot_master__pb2.ReportHbmRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_master__pb2.ReportHbmResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/kvpool.v1.Master/Score',
+                request_serializer=kvpool_dot_v1_dot_master__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_master__pb2.ScoreResponse.FromString,
+                _registered_method=True)
         self.ClusterStatus = channel.unary_unary(
                 '/kvpool.v1.Master/ClusterStatus',
                 request_serializer=kvpool_dot_v1_dot_master__pb2.ClusterStatusRequest.SerializeToString,
@@ -142,7 +147,16 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportHbm(self, request, context):
-        """Blocks a worker added to or dropped from its own HBM tier (for stats).
+        """Blocks a worker added to or dropped from its own HBM tier (stats,
+        routing scores, KV events).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """For a router: per worker, how much of one prompt's prefix it would not
+        recompute (its HBM, then what the pool serves after that, by tier).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -205,6 +219,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ReportHbm,
                     request_deserializer=kvpool_dot_v1_dot_master__pb2.ReportHbmRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_master__pb2.ReportHbmResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=kvpool_dot_v1_dot_master__pb2.ScoreRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_master__pb2.ScoreResponse.SerializeToString,
             ),
             'ClusterStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.ClusterStatus,
@@ -433,6 +452,33 @@ class Master:
             '/kvpool.v1.Master/ReportHbm',
             kvpool_dot_v1_dot_master__pb2.ReportHbmRequest.SerializeToString,
             kvpool_dot_v1_dot_master__pb2.ReportHbmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/Score',
+            kvpool_dot_v1_dot_master__pb2.ScoreRequest.SerializeToString,
+            kvpool_dot_v1_dot_master__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
