@@ -208,17 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--prometheus", metavar="URL",
                         help="also show the dashboard's 5-minute hit rates and target health from this Prometheus")
 
-    route = command("route", "per worker, how much of a prompt's prefix it would reuse (HBM, then the pool)",
-                    _run_route)
-    prompt = route.add_mutually_exclusive_group(required=True)
+    route_parser = command("route", "per worker, how much of a prompt's prefix it would reuse (HBM, then the pool)",
+                           _run_route)
+    prompt = route_parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--tokens", help="the prompt's token ids, separated by spaces or commas")
     prompt.add_argument("--tokens-file", metavar="PATH", help="a file of the prompt's token ids")
-    route.add_argument("--workers", metavar="ID[,ID...]", help="workers to score (default: every worker the master "
-                       "knows)")
-    route.add_argument("--master", help="the master's host:port or etcd://HOST:PORT/CLUSTER (default: the client "
-                       "config's)")
-    route.add_argument("--timeout", type=_positive_seconds, default=3.0, metavar="SECONDS",
-                       help="how long to wait for the master (default: 3 s)")
+    route_parser.add_argument("--workers", metavar="ID[,ID...]",
+                              help="workers to score (default: every worker the master knows)")
+    route_parser.add_argument("--master", help="the master's host:port or etcd://HOST:PORT/CLUSTER (default: the "
+                              "client config's)")
+    route_parser.add_argument("--timeout", type=_positive_seconds, default=3.0, metavar="SECONDS",
+                              help="how long to wait for the master (default: 3 s)")
 
     from kvpool import demo
 
@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="measure the pool against this machine's limits", parents=[common])
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
-    from kvpool.bench import failover, fragmentation, index_scale, lru_sweep, replay, soak, tiers, tracegen, ttft
+    from kvpool.bench import failover, fragmentation, index_scale, lru_sweep, replay, route, soak, tiers, tracegen, ttft
     from kvpool.bench import vllm as vllm_bench
 
     for name, module, help_text in (
@@ -238,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("lru-sweep", lru_sweep, "HBM + DRAM hit rate beside an exact LRU, at several DRAM capacities"),
         ("tracegen", tracegen, "write a Mooncake-format trace of a named reuse pattern (seeded)"),
         ("index", index_scale, "master index: lookup cost and bytes per block, 1K to 10M blocks"),
+        ("route", route, "reference router on the Mooncake trace: round robin against kvpool's score, N engines"),
         ("failover", failover, "kill -9 of the leading master (etcd HA): seconds until lookups hit again"),
         ("soak", soak, "many clients for minutes: memory, fds and threads of every process must stay flat, no errors"),
         ("ttft", ttft, "transformers engine: time to first token, prefix from each tier"),
