@@ -341,7 +341,9 @@ class BlockIndex:
         before = self._tier_masks(rows) if self._on_change is not None else None
         refused = self._link_rows(q0, q1, size, checksum, loc, rows)
         if before is not None:
-            self._note_changes(q0, q1, before, self._tier_masks(t.find(q0, q1)))  # rows moved while linking
+            # Every key now has loc's tier, unless the table refused it: then look again (rows moved).
+            after = before | np.uint8(1 << (loc >> _NODE_BITS)) if not refused else self._tier_masks(t.find(q0, q1))
+            self._note_changes(q0, q1, before, after)
         return refused
 
     def _link_rows(self, q0: U64, q1: U64, size: U64, checksum: U64, loc: int, rows: Rows) -> int:

@@ -177,7 +177,7 @@ def ops(tmp_path_factory):
     prometheus = None
     client = None
     try:
-        procs.serve()
+        procs.serve(**{"master-kv-events-endpoint": f"tcp://127.0.0.1:{free_port()}"})  # the events panels' series
         client_metrics = free_port()
         client = KVCacheClient(ClientConfig(master=procs.master, layout=LAYOUT, hbm_blocks=4, lookup_timeout_s=2.0,
                                             io_timeout_s=5.0, metrics_port=client_metrics))
