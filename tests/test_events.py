@@ -199,6 +199,51 @@ def test_a_second_publisher_on_the_same_port_is_refused_clearly(publisher):
         EventPublisher(publisher.endpoint, registry=CollectorRegistry())
 
 
+def test_junk_half_sent_frames_and_idle_connections_on_both_ports_change_nothing(publisher, ctx):
+    """Raw TCP peers that send garbage, stop mid-handshake, or never speak: the stream and replay go on for a
+    real subscriber, in order, and the publisher's thread survives."""
+    import socket
+
+    peers = []
+    for endpoint in (publisher.endpoint, publisher.replay_endpoint):
+        host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+        for junk in (b"", b"\xff" + b"\x00" * 8 + b"\x7f", b"GET / HTTP/1.1\r\n\r\n" * 50, b"\xff\x00\x00"):
+            peer = socket.create_connection((host, int(port)), timeout=5)
+            if junk:
+                peer.sendall(junk)
+            peers.append(peer)
+    try:
+        sub = subscribe(ctx, publisher)
+        seqs = [publisher.publish([stored([bytes([i]) * 32], MEDIUM_CPU)]) for i in range(50)]
+        assert [receive(sub)[0] for _ in range(50)] == seqs
+        assert [s for s, _ in replay(ctx, publisher.replay_endpoint, seqs[0])] == seqs
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def test_a_master_whose_events_port_is_taken_refuses_to_start_and_says_which(tmp_path):
+    import grpc
+    from support import free_port
+
+    from kvpool.config import MasterConfig
+    from kvpool.master.server import MasterServer
+    from kvpool.v1 import master_pb2, master_pb2_grpc
+
+    holder = EventPublisher(f"tcp://127.0.0.1:{free_port()}", registry=CollectorRegistry())
+    try:
+        server = MasterServer(MasterConfig(host="127.0.0.1", port=0, metrics_port=0,
+                                           kv_events_endpoint=holder.endpoint))
+        with pytest.raises(ValueError, match=f"KV events: cannot bind {holder.endpoint}"):
+            server.start()
+        assert server.events is None and server.port != 0
+        with pytest.raises(grpc.RpcError):  # the gRPC port it had bound was released: nothing answers there
+            with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                master_pb2_grpc.MasterStub(channel).Info(master_pb2.MasterInfoRequest(), timeout=1)
+    finally:
+        holder.close()
+
+
 def test_vllms_own_decoder_reads_kvpools_batches(publisher):
     """The format check that matters: vllm.distributed.kv_events.KVEventBatch decodes what kvpool sends."""
     from kvpool.bench.vllm_runtime import vllm_python

@@ -130,6 +130,70 @@ def test_a_stopped_leader_resigns_and_the_standby_takes_over(etcd):
             m.stop()
 
 
+def test_a_newly_elected_masters_event_stream_clears_then_carries_its_own_index(etcd):
+    """Issue 16 with HA: each master publishes its own stream; the one elected tells its subscribers to start
+    from empty (AllBlocksCleared) and then publishes what its nodes report to it."""
+    import msgspec
+
+    from kvpool.core import NodeRef, Tier
+    from kvpool.events import AllBlocksCleared, BlockStored, KVEventBatch, key_hash
+
+    cluster = new_cluster()
+    masters = [MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0, etcd=etcd.endpoint, cluster=cluster,
+                                         leader_ttl_s=TTL_S, kv_events_endpoint="tcp://127.0.0.1:0",
+                                         kv_events_replay_endpoint="tcp://127.0.0.1:0")).start() for _ in range(2)]
+    decode = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+    def stream(master: MasterServer) -> list[list]:
+        """Every batch the master has published, by replay from 0 (events of each batch, in order)."""
+        import zmq
+
+        assert master.events is not None
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(master.events.publisher.replay_endpoint)
+        try:
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            out = []
+            while True:
+                assert dealer.poll(5000), "replay: no answer"
+                _, _, seq, payload = dealer.recv_multipart()
+                if seq == (-1).to_bytes(8, "big", signed=True):
+                    return out
+                out.append(decode.decode(payload).events)
+        finally:
+            ctx.destroy(linger=0)
+
+    def report(master: MasterServer, tag: str) -> list:
+        key = opaque_key(tag)
+        number = master.membership.register(NodeRef(f"n-{tag}", "n.invalid:1"), [], 4096).number
+        master.index.add(number, Tier.DRAM, [key], [4096], [0])
+        return key
+
+    try:
+        leader = wait_until(lambda: the_leader(masters), timeout=15)
+        standby = next(m for m in masters if m is not leader)
+        old = report(leader, "before")
+        assert wait_until(lambda: any(isinstance(e, BlockStored) and e.block_hashes == [key_hash(old)]
+                                      for batch in stream(leader) for e in batch), timeout=10)
+        assert all(isinstance(e, AllBlocksCleared) for batch in stream(standby) for e in batch)  # it held nothing
+        leader.stop()
+        assert wait_until(lambda: the_leader([standby]), timeout=15) is standby
+        new = report(standby, "after")
+
+        def cleared_then_stored() -> bool:
+            events = [e for batch in stream(standby) for e in batch]
+            clears = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]
+            stores = [i for i, e in enumerate(events)
+                      if isinstance(e, BlockStored) and e.block_hashes == [key_hash(new)]]
+            return len(clears) == 2 and len(stores) == 1 and clears[1] < stores[0]
+
+        assert wait_until(cleared_then_stored, timeout=10)  # one clear at start, one at the election, then its own
+    finally:
+        for m in masters:
+            m.stop()
+
+
 def test_etcd_unreachable_the_leader_steps_down_within_its_lease_and_two_masters_never_lead_at_once(etcd):
     masters = start_masters(etcd, new_cluster(), 2)
     watch = OverlapWatch(masters).start()
