@@ -148,13 +148,13 @@ def test_a_newly_elected_masters_event_stream_clears_then_carries_its_own_index(
         """Every batch the master has published, by replay from 0 (events of each batch, in order)."""
         import zmq
 
-        assert master.events is not None
+        assert master.events is not None and master.events.publisher.replay_endpoint is not None
         ctx = zmq.Context()
         dealer = ctx.socket(zmq.DEALER)
         dealer.connect(master.events.publisher.replay_endpoint)
         try:
             dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-            out = []
+            out: list[list] = []
             while True:
                 assert dealer.poll(5000), "replay: no answer"
                 _, _, seq, payload = dealer.recv_multipart()
@@ -164,7 +164,7 @@ def test_a_newly_elected_masters_event_stream_clears_then_carries_its_own_index(
         finally:
             ctx.destroy(linger=0)
 
-    def report(master: MasterServer, tag: str) -> list:
+    def report(master: MasterServer, tag: str) -> bytes:
         key = opaque_key(tag)
         number = master.membership.register(NodeRef(f"n-{tag}", "n.invalid:1"), [], 4096).number
         master.index.add(number, Tier.DRAM, [key], [4096], [0])
