@@ -1,4 +1,4 @@
-"""Master call latency from a client: `Exists` and `Lookup` of 1 and 512 keys, p50 over 1,000 calls.
+"""Master call latency from a client: `Exists`, `Lookup` and `Score` of 1 and 512 keys, p50 over 1,000 calls.
 
     python benchmarks/lookup_latency.py [--blocks 100000] [--calls 1000]
 
@@ -6,6 +6,9 @@ A master in this process (its wire listener on 127.0.0.1) holds ``--blocks``
 blocks of one node; a `PoolClient` here asks for 256 held and 256 unknown
 keys, as `compare_mooncake.py`'s lookup does. `exists(1 key)` is the floor of
 one wire round trip on this machine; the rest is the index and the messages.
+`score` asks the same 512 keys for 4 and for 64 workers, each holding the
+first 128 of them in HBM (reported through `ReportHbm`), through
+:class:`kvpool.routing.ScoreClient` (a fast call, like `lookup`).
 Not a test: the numbers depend on the machine.
 """
 
@@ -21,6 +24,7 @@ from kvpool.config import ClientConfig, MasterConfig
 from kvpool.core import NodeRef, Tier
 from kvpool.keys import BlockKey
 from kvpool.master.server import MasterServer
+from kvpool.routing import ScoreClient
 
 
 def main() -> None:
@@ -38,11 +42,17 @@ def main() -> None:
             part = keys[i : i + 1000]
             server.index.add(number, Tier.DRAM, part, [4096] * len(part), [0] * len(part))
         asked = keys[:256] + [BlockKey(rng.bytes(32)) for _ in range(256)]
-        with PoolClient(ClientConfig(master=server.address)) as pool:
+        workers = [f"worker-{w}" for w in range(64)]
+        for worker in workers:
+            server.hbm.report(worker, asked[:128], [])
+        config = ClientConfig(master=server.address)
+        with PoolClient(config) as pool, ScoreClient(config) as scores:
             for name, call in (("exists, 1 key", lambda: pool.exists(asked[:1])),
                                ("exists, 512 keys", lambda: pool.exists(asked)),
                                ("lookup, 1 key", lambda: pool.lookup(asked[:1])),
-                               ("lookup, 512 keys (256 held)", lambda: pool.lookup(asked))):
+                               ("lookup, 512 keys (256 held)", lambda: pool.lookup(asked)),
+                               ("score, 512 keys, 4 workers", lambda: scores.score(asked, workers[:4])),
+                               ("score, 512 keys, 64 workers", lambda: scores.score(asked, workers))):
                 for _ in range(100):
                     call()
                 times = []

@@ -89,7 +89,8 @@ class LocalPool:
     """``kvpool serve`` in a child process on 127.0.0.1 with its own ports, arena and SSD directory."""
 
     def __init__(self, *, dram_bytes: int, max_block_bytes: int, ssd_bytes: int, write_through: bool = False,
-                 ssd_parent: str | None = None, timeout_s: float = 60.0):
+                 ssd_parent: str | None = None, timeout_s: float = 60.0, flags: dict[str, object] | None = None):
+        """``flags``: more ``kvpool serve`` flags, e.g. ``{"master-kv-events-endpoint": "tcp://..."}``."""
         from kvpool.bench.replay import cluster_nodes
 
         self._tmp = tempfile.mkdtemp(prefix="kvpool-ttft-", dir=ssd_parent)
@@ -100,6 +101,7 @@ class LocalPool:
             "master-port": self.address.rsplit(":", 1)[1], "master-metrics-port": 0, "port": _free_port(),
             "metrics-port": self.metrics_port, "data-port": 0, "arena": self.arena, "dram-bytes": dram_bytes,
             "max-block-bytes": max_block_bytes, "ssd-dir": os.path.join(self._tmp, "ssd"), "ssd-bytes": ssd_bytes,
+            **(flags or {}),
         }
         argv = [sys.executable, "-m", "kvpool.cli", "--log-level", "WARNING", "serve"]
         argv += [x for k, v in flags.items() for x in (f"--{k}", str(v))]
