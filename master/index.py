@@ -254,9 +254,7 @@ class BlockIndex:
 
     def leading_run_arrays(self, packed: bytes) -> RunArrays:
         """:meth:`leading_run` of packed keys, as numpy columns (no Python object per block)."""
-        if len(packed) % KEY_BYTES:
-            raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
-        words = np.frombuffer(packed, np.uint64).reshape(-1, KEY_BYTES // 8)
+        words = _words(packed)
         with self._lock:
             t = self._table
             rows = t.find(words[:, 0], words[:, 1])
@@ -270,9 +268,7 @@ class BlockIndex:
 
     def best_tiers(self, packed: bytes) -> npt.NDArray[np.uint8]:
         """Per packed key, the tier a lookup would serve it from (its best location's), or :data:`ABSENT`."""
-        if len(packed) % KEY_BYTES:
-            raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
-        words = np.frombuffer(packed, np.uint64).reshape(-1, KEY_BYTES // 8)
+        words = _words(packed)
         with self._lock:
             t = self._table
             rows = t.find(words[:, 0], words[:, 1])
@@ -285,9 +281,7 @@ class BlockIndex:
 
     def exists_packed(self, packed: bytes) -> np.ndarray:
         """:meth:`exists` of packed keys, as a bool array (no Python object per key)."""
-        if len(packed) % KEY_BYTES:
-            raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
-        words = np.frombuffer(packed, np.uint64).reshape(-1, KEY_BYTES // 8)
+        words = _words(packed)
         with self._lock:
             rows = self._table.find(words[:, 0], words[:, 1])
         return rows >= 0
@@ -522,6 +516,13 @@ def _refused(count: int) -> None:
 def _exactly(loc: int) -> _Match:
     want = np.uint32(loc)
     return (lambda locs: locs == want, lambda other: other == loc)
+
+
+def _words(packed: bytes) -> npt.NDArray[np.uint64]:
+    """Packed 32-byte keys as rows of four uint64 words; ValueError if ``packed`` is ragged."""
+    if len(packed) % KEY_BYTES:
+        raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
+    return np.frombuffer(packed, np.uint64).reshape(-1, KEY_BYTES // 8)
 
 
 def _prefixes(keys: Iterable[BlockKey]) -> tuple[U64, U64]:
