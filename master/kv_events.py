@@ -2,8 +2,9 @@
 
 Invariants:
 
-- One batch per changing index call, published from under that index's lock (the publisher only queues), so
-  the stream's order is the order the changes were applied.
+- One batch per changing index call (several, of at most ``MAX_BATCH_BLOCKS`` hashes each, for a large one:
+  a dropped node's millions of blocks), published from under that index's lock (the publisher only
+  queues), so the stream's order is the order the changes were applied.
 - Pool batches (media ``CPU`` for DRAM, ``STORAGE`` for SSD) go out on ``TOPIC/pool``; a worker's HBM batches
   (``GPU``) on ``TOPIC/hbm/WORKER``. Both share the publisher's one sequence.
 - A stored event means the key's first copy in that tier appeared on some node, a removed event that its
@@ -32,6 +33,7 @@ from kvpool.keys import BlockKey
 from kvpool.master.index import TierChange
 
 MEDIUM = {Tier.DRAM: MEDIUM_CPU, Tier.SSD: MEDIUM_STORAGE, Tier.HBM: MEDIUM_GPU}
+MAX_BATCH_BLOCKS = 65_536  # hashes in one batch: about 600 KB of msgpack
 
 
 def change_hashes(change: TierChange) -> list[int]:
@@ -57,10 +59,18 @@ class MasterEventFeed:
 
     def pool_changed(self, changes: list[TierChange]) -> None:
         """:class:`~kvpool.master.index.BlockIndex`'s sink."""
-        events: list[KVEvent] = [
-            (stored if change.stored else removed)(change_hashes(change), MEDIUM[change.tier]) for change in changes
-        ]
-        self.publisher.publish(events, self.pool_topic)
+        batch: list[KVEvent] = []
+        room = MAX_BATCH_BLOCKS
+        for change in changes:
+            hashes, make = change_hashes(change), stored if change.stored else removed
+            while hashes:
+                if room == 0:
+                    self.publisher.publish(batch, self.pool_topic)
+                    batch, room = [], MAX_BATCH_BLOCKS
+                part, hashes = hashes[:room], hashes[room:]
+                batch.append(make(part, MEDIUM[change.tier]))
+                room -= len(part)
+        self.publisher.publish(batch, self.pool_topic)
 
     def hbm_changed(self, worker: str, held: list[BlockKey], gone: list[BlockKey]) -> None:
         """:class:`~kvpool.master.index.HbmIndex`'s sink."""

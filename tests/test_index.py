@@ -483,3 +483,36 @@ def test_a_second_copy_or_a_repeated_report_is_no_change():
     assert seen == []
     index.drop_node(0)
     assert [(c.tier, c.stored, sorted(c.prefixes())) for c in seen] == [(DRAM, False, sorted(k[:16] for k in keys))]
+
+
+def test_a_large_change_goes_out_in_bounded_batches_in_order(monkeypatch):
+    """A dropped node's blocks: consecutive batches of at most MAX_BATCH_BLOCKS hashes, naming each key once."""
+    from kvpool.events import BlockRemoved, BlockStored, EventPublisher, key_hash
+    from kvpool.master import kv_events
+
+    monkeypatch.setattr(kv_events, "MAX_BATCH_BLOCKS", 100)
+    published: list[tuple[list, str | None]] = []
+    publisher = EventPublisher("tcp://127.0.0.1:0")
+    monkeypatch.setattr(publisher, "publish", lambda events, topic=None: published.append((list(events), topic)))
+    try:
+        feed = kv_events.MasterEventFeed(publisher, "kvpool")
+        index = BlockIndex(min_capacity=64, on_change=feed.pool_changed)
+        index.open_node(0)
+        keys = make_keys(1050, "big")
+        sizes, sums = sizes_for(keys)
+        published.clear()
+        index.add(0, DRAM, keys, sizes, sums)
+        index.add(0, SSD, keys[:30], sizes[:30], sums[:30])
+        index.drop_node(0)
+        sizes_of = [sum(len(e.block_hashes) for e in events) for events, _ in published]
+        assert all(n <= 100 for n in sizes_of) and len(published) == 11 + 1 + 11
+        stored_hashes = [h for events, _ in published[:11] for e in events for h in e.block_hashes]
+        assert all(isinstance(e, BlockStored) for events, _ in published[:12] for e in events)
+        assert sorted(stored_hashes) == sorted(map(key_hash, keys))
+        gone = [(e.medium, h) for events, _ in published[12:] for e in events for h in e.block_hashes]
+        assert all(isinstance(e, BlockRemoved) for events, _ in published[12:] for e in events)
+        want = [("CPU", key_hash(k)) for k in keys] + [("STORAGE", key_hash(k)) for k in keys[:30]]
+        assert sorted(gone) == sorted(want)
+        assert {topic for _, topic in published} == {"kvpool/pool"}
+    finally:
+        publisher.close()
