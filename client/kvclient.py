@@ -145,8 +145,12 @@ class KVCacheClient:
             self.hbm.put(keys[loaded : loaded + run], [as_tensor(o) for o in outs[loaded : loaded + run]])
         return loaded + run
 
-    def put(self, keys: Sequence[BlockKey], values: Sequence[Any]) -> list[bool]:
-        """Keep blocks in HBM now and queue them for the pool; per block, whether the pool accepted it."""
+    def put(self, keys: Sequence[BlockKey], values: Sequence[Any],
+            engine_hashes: Sequence[int] | None = None) -> list[bool]:
+        """Keep blocks in HBM now and queue them for the pool; per block, whether the pool accepted it.
+
+        ``engine_hashes``: the engine's own 64-bit hash of each block (0: none), for the master's KV events.
+        """
         keys = check_keys(keys)
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
@@ -157,7 +161,7 @@ class KVCacheClient:
                     raise ValueError(f"block is {src.size} bytes; the layout's blocks are {self.layout.block_bytes}")
         if self.hbm is not None:
             self.hbm.put(keys, [as_tensor(v) for v in values])
-        return self.pool.put(keys, sources)
+        return self.pool.put(keys, sources, engine_hashes)
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key: in this worker's HBM or in the pool."""

@@ -56,13 +56,14 @@ from kvpool.placement import TOO_LARGE
 from kvpool.rpc import flags_from_bytes
 from kvpool.tls import client_context
 from kvpool.v1 import master_pb2, node_pb2
-from kvpool.wire import auth_hello
+from kvpool.wire import CallError, auth_hello
 
 __all__ = ["PoolClient", "PoolFault"]
 
 log = logging.getLogger(__name__)
 
 _TIER_BYTES = frozenset(int(t) for t in Tier)
+_MAX_PENDING_NAMES = 1 << 20  # engine names waiting for their puts; past this they are dropped (hints only)
 PRESENT = -2  # a placement's answer for a block the pool holds already (PlaceBlocks only)
 
 
@@ -100,6 +101,7 @@ class PoolClient:
             on_nodes=self.nodes.learn)
         self._written_lock = threading.Lock()
         self._written: set[str] = set()  # nodes written to since the last flush (their reports may be pending)
+        self._names: dict[BlockKey, int] = {}  # engine hashes of queued puts, sent before their blocks (writer)
         mask = TenantMask(master_stub, config.lookup_timeout_s) if config.token else None
         self.local = LocalIndex(self.cluster, self.nodes, mask, enabled=config.shared_memory)
         self._local_counts = LocalLookupCounts()
@@ -260,18 +262,36 @@ class PoolClient:
 
     # -- writes ------------------------------------------------------------------------
 
-    def put(self, keys: Sequence[BlockKey], values: Sequence[BufferLike]) -> list[bool]:
-        """Queue blocks for the pool (copied now, written in the background); per block, accepted."""
+    def put(self, keys: Sequence[BlockKey], values: Sequence[BufferLike],
+            engine_hashes: Sequence[int] | None = None) -> list[bool]:
+        """Queue blocks for the pool (copied now, written in the background); per block, accepted.
+
+        ``engine_hashes``: the engine's own 64-bit hash of each block (0: none), for the master's KV events;
+        the writer sends them to the master before it writes the blocks (``Master.NameBlocks``).
+        """
         keys = check_keys(keys)
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} buffers")
+        if engine_hashes is not None and (len(engine_hashes) != len(keys) or
+                                          not all(0 <= int(h) < 1 << 64 for h in engine_hashes)):
+            raise ValueError("engine_hashes: one integer in [0, 2**64) per key")
         for i, v in enumerate(values):
             if byte_view(v).nbytes == 0:
                 raise ValueError(f"block {i} is empty")
+        if engine_hashes is not None:
+            with self._written_lock:
+                if len(self._names) > _MAX_PENDING_NAMES:  # the writer has fallen far behind: names are hints
+                    self._names.clear()
+                self._names.update((k, int(h)) for k, h in zip(keys, engine_hashes) if h)
         accepted = self._writer.submit(keys, values)
         dropped = accepted.count(False)
         if dropped:
             self.faults.counted("queue_full", dropped)
+            if engine_hashes is not None:
+                with self._written_lock:
+                    for key, ok in zip(keys, accepted):
+                        if not ok:
+                            self._names.pop(key, None)
         return accepted
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -310,7 +330,18 @@ class PoolClient:
         return ok
 
     def _put_now(self, keys: list[BlockKey], arrays: list[np.ndarray]) -> None:
-        """The write-behind sink."""
+        """The write-behind sink: the blocks' engine names to the master first (so the master knows them
+        before any node reports the blocks), then the blocks."""
+        if self._names:
+            with self._written_lock:
+                named = [(k, h) for k in keys if (h := self._names.pop(k, 0))]
+            if named:
+                request = master_pb2.NameBlocksRequest(keys=pack_keys([k for k, _ in named]),
+                                                       engine_hashes=[h for _, h in named])
+                try:
+                    self._master.NameBlocks(request, timeout=self.config.lookup_timeout_s)
+                except (grpc.RpcError, CallError, OSError) as exc:  # a name is a hint for routers: never fatal
+                    self.faults.counted(_report_kind(exc))
         self.store(keys, arrays)
 
     def store(self, keys: Sequence[BlockKey], values: Sequence[BufferLike]) -> list[bool]:

@@ -129,12 +129,13 @@ class Method(enum.IntEnum):
     COMMIT = 10
     FLUSH_REPORTS = 11
     SCORE = 12
+    NAME_BLOCKS = 13
 
 
 # The gRPC methods that also travel as unary wire methods (fast calls), per service.
 MASTER_CALLS: Mapping[str, Method] = {"Lookup": Method.LOOKUP, "Exists": Method.EXISTS,
                                       "PlaceBlocks": Method.PLACE_BLOCKS, "ReportBlocks": Method.REPORT_BLOCKS,
-                                      "Score": Method.SCORE}
+                                      "Score": Method.SCORE, "NameBlocks": Method.NAME_BLOCKS}
 NODE_CALLS: Mapping[str, Method] = {"Locate": Method.LOCATE, "Reserve": Method.RESERVE, "Commit": Method.COMMIT,
                                     "FlushReports": Method.FLUSH_REPORTS}
 

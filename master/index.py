@@ -275,6 +275,11 @@ class BlockIndex:
             best = t.rec["loc1"][np.maximum(rows, 0)]
         return np.where(rows >= 0, best >> _NODE_BITS, ABSENT).astype(np.uint8)
 
+    def holds(self, k0: U64, k1: U64) -> npt.NDArray[np.bool_]:
+        """Per key (first 16 bytes as two words), whether any node holds it."""
+        with self._lock:
+            return self._table.find(k0, k1) >= 0
+
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key: whether any node holds it in any tier."""
         return self.exists_packed(b"".join(keys) if len(keys) else b"").tolist()

@@ -45,6 +45,7 @@ from kvpool.framing import TcpListener
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.lifecycle import wait_for_shutdown
 from kvpool.master.election import Election
+from kvpool.master.engine_names import EngineNames
 from kvpool.master.index import BlockIndex, HbmIndex, TierChange
 from kvpool.master.kv_events import MasterEventFeed
 from kvpool.master.membership import Membership
@@ -88,6 +89,7 @@ class MasterServer:
         self.errors = ErrorMetrics(self.registry)
         self.events: MasterEventFeed | None = None  # with kv_events_endpoint, once started
         on = bool(config.kv_events_endpoint)
+        self.names = EngineNames() if on else None  # engines' own block hashes, for events only
         self.index = BlockIndex(on_change=self._pool_changed if on else None)
         self.hbm = HbmIndex(on_change=self._hbm_changed if on else None)
         self.membership = Membership(
@@ -95,6 +97,7 @@ class MasterServer:
         )
         self.metrics = MasterMetrics(self.registry, self.index, self.hbm, self.membership, self.errors)
         self.servicer = MasterServicer(config, self.index, self.hbm, self.membership, self.metrics)
+        self.servicer.names = self.names
         self.port: int = 0  # the bound gRPC port, once started
         self.metrics_port: int = 0  # the bound metrics port, once started (0: no endpoint)
         self._server: grpc.Server | None = None
@@ -138,7 +141,7 @@ class MasterServer:
                     self.events = MasterEventFeed(EventPublisher(
                         self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint or None,
                         buffer_batches=self.config.kv_events_buffer, max_queue=self.config.kv_events_max_queue,
-                        registry=self.registry), self.config.kv_events_topic)
+                        registry=self.registry), self.config.kv_events_topic, self.names)
                 self._calls = self._call_listener()
                 servicer.call_port = self._calls.port
                 if self.config.metrics_port != 0:

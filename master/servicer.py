@@ -17,7 +17,7 @@ Invariants:
   with the setting to change; the rest of the batch is placed.
 - A NodeRef string longer than ``MAX_REF_CHARS`` is INVALID_ARGUMENT: refs
   are echoed in every Lookup / PlaceBlocks / ClusterStatus reply.
-- Keys a client names (Lookup, Exists, PlaceBlocks, ReportHbm) are mapped to
+- Keys a client names (Lookup, Exists, PlaceBlocks, ReportHbm, Score, NameBlocks) are mapped to
   its tenant's stored keys (:func:`kvpool.auth.caller_keys`) before the index
   sees them; nodes report stored keys as they are. With auth off both are
   the keys as sent.
@@ -42,6 +42,7 @@ from kvpool.auth import caller, caller_keys
 from kvpool.config import MasterConfig
 from kvpool.core import NodeRef, Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
+from kvpool.master.engine_names import EngineNames
 from kvpool.master.index import ABSENT, BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
 from kvpool.master.stats import MasterMetrics
@@ -73,6 +74,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.cluster = ""
         self._elected_at = 0.0  # monotonic time of this master's last election (0: never, or no etcd)
         self._resyncing: set[str] = set()  # nodes that registered soon after it, their inventories not yet whole
+        self.names: EngineNames | None = None  # engines' block hashes for KV events (None: events off)
 
     def elected(self) -> None:
         """This master was just elected: nodes registering within ``node_timeout_s`` count as following from the
@@ -349,6 +351,19 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                                            ssd_blocks=s))
         self._metrics.score_seconds.observe(time.perf_counter() - started)
         return response
+
+    def NameBlocks(self, request: master_pb2.NameBlocksRequest, context: Any) -> master_pb2.NameBlocksResponse:
+        """Keep the engine's hash of each key for KV events (nothing without events: the answer says 0)."""
+        self._lead(context)
+        n = self._count_keys(request.keys)
+        if len(request.engine_hashes) != n:
+            raise ValueError(f"engine_hashes: {len(request.engine_hashes)} values for {n} keys")
+        if self.names is None or n == 0:
+            return master_pb2.NameBlocksResponse(named=0)
+        words = np.frombuffer(caller_keys(request.keys), np.uint64).reshape(-1, KEY_BYTES // 8)
+        k0, k1 = np.ascontiguousarray(words[:, 0]), np.ascontiguousarray(words[:, 1])
+        named = self.names.learn(k0, k1, np.array(request.engine_hashes, np.uint64), self._index.holds)
+        return master_pb2.NameBlocksResponse(named=named)
 
     # -- status ---------------------------------------------------------------------------
 

@@ -263,3 +263,65 @@ def test_config_path_comes_from_the_environment_when_not_passed(config, monkeypa
         assert backend.lazy_init is True and backend.exists(pool_keys("env", 1)) == [0]
     finally:
         backend.close()
+
+
+def test_kv_events_name_vllm_ascends_blocks_by_vllms_own_block_hash(tmp_path):
+    """Issue 16: the master's events name each block by the int form of the vLLM block hash that ends its key
+    string (what vLLM's own events carry), in every tier it moves through, not by kvpool's key."""
+    import msgspec
+    import zmq
+    from support import free_port, wait_until
+
+    from kvpool.engines.vllm_ascend import block_hash
+    from kvpool.events import BlockRemoved, BlockStored, KVEventBatch, key_hash
+    from kvpool.keys import opaque_key
+
+    replay_at = f"tcp://127.0.0.1:{free_port()}"
+    procs = PoolProcesses(tmp_path, **{"dram-bytes": "64K", "max-block-bytes": "8K", "ssd-bytes": "16M"})
+    ctx = zmq.Context()
+    backend = None
+    try:
+        procs.serve(**{"master-kv-events-endpoint": f"tcp://127.0.0.1:{free_port()}",
+                       "master-kv-events-replay-endpoint": replay_at})
+        backend = KVPoolStoreBackend(None, config_path=write_config(tmp_path / "kvpool.json", procs.master))
+        backend.set_device()
+        caches = KVCaches(seed=3)
+        caches.register(backend)
+        keys = pool_keys("e", 41)[1:]  # 40 blocks of 4 KiB (hash 0 would mean none): DRAM (64 KiB) demotes some
+        for i in range(0, 40, 4):
+            assert backend.put(keys[i:i + 4], *caches.addrs([b % NUM_BLOCKS for b in range(i, i + 4)])) == [OK] * 4
+            assert backend.flush(timeout=10)
+        named = {block_hash(k) for k in keys}
+        assert len(named) == 40 and block_hash(keys[4]) == 5  # the last 16 hex digits of the hash field
+        decode = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+        def events() -> list:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect(replay_at)
+            try:
+                dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+                out: list = []
+                while True:
+                    assert dealer.poll(5000)
+                    _, _, seq, payload = dealer.recv_multipart()
+                    if seq == (-1).to_bytes(8, "big", signed=True):
+                        return out
+                    out += [e for e in decode.decode(payload).events if isinstance(e, (BlockStored, BlockRemoved))]
+            finally:
+                dealer.close(linger=0)
+
+        def demoted_and_named() -> bool:
+            seen = events()
+            hashes = {h for e in seen for h in e.block_hashes}
+            moved = {(type(e).__name__, e.medium) for e in seen}
+            return hashes == named and {("BlockRemoved", "CPU"), ("BlockStored", "STORAGE")} <= moved
+
+        wait_until(demoted_and_named, timeout=20)
+        kvpool_hashes = {key_hash(opaque_key(k)) for k in keys}
+        assert not kvpool_hashes & {h for e in events() for h in e.block_hashes}
+    finally:
+        if backend is not None:
+            backend.close()
+        ctx.destroy(linger=0)
+        procs.close()
+    procs.assert_stopped_cleanly()

@@ -86,6 +86,7 @@ MASTER_METHODS = {
     "PlaceBlocks": (master_pb2.PlaceBlocksRequest, master_pb2.PlaceBlocksResponse),
     "ReportHbm": (master_pb2.ReportHbmRequest, master_pb2.ReportHbmResponse),
     "Score": (master_pb2.ScoreRequest, master_pb2.ScoreResponse),
+    "NameBlocks": (master_pb2.NameBlocksRequest, master_pb2.NameBlocksResponse),
     "ClusterStatus": (master_pb2.ClusterStatusRequest, master_pb2.ClusterStatusResponse),
     "Info": (master_pb2.MasterInfoRequest, master_pb2.MasterInfoResponse),
 }
@@ -312,6 +313,19 @@ def test_score(pool, case, workers, extra):
         for w in reply.workers:  # no fuzzed worker holds HBM the known run would start with
             assert w.hbm_blocks + w.dram_blocks + w.ssd_blocks <= n
     pool.count("Master.Score")
+
+
+@FUZZ
+@given(data=st.data())
+def test_name_blocks(pool, data):
+    packed, n = data.draw(packed_keys(fuzz_key))
+    names = data.draw(parallel(n, u64))
+    valid = n is not None and len(names) == n
+    code, reply = checked(pool, "master", "NameBlocks", master_pb2.NameBlocksRequest(keys=packed,
+                          engine_hashes=names), data.draw(unknown_fields()), valid_if(valid))
+    if code == OK:
+        assert reply.named <= n  # the fuzz pool publishes no events: it keeps no names, and says so
+    pool.count("Master.NameBlocks")
 
 
 @FUZZ

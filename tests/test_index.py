@@ -516,3 +516,60 @@ def test_a_large_change_goes_out_in_bounded_batches_in_order(monkeypatch):
         assert {topic for _, topic in published} == {"kvpool/pool"}
     finally:
         publisher.close()
+
+
+# -- engine names (KV events name blocks by the engine's hash) ------------------------------------
+
+
+def words_of(keys: list[BlockKey]) -> tuple[np.ndarray, np.ndarray]:
+    w = np.frombuffer(b"".join(keys), np.uint64).reshape(-1, 4)
+    return np.ascontiguousarray(w[:, 0]), np.ascontiguousarray(w[:, 1])
+
+
+def test_engine_names_keep_indexed_keys_names_and_trim_the_rest_when_full():
+    from kvpool.master.engine_names import EngineNames
+
+    index = opened(0)
+    names = EngineNames(max_names=100)
+    keys = make_keys(150, "named")
+    k0, k1 = words_of(keys)
+    values = np.arange(1, 151, dtype=np.uint64)
+    held = keys[:60]
+    index.add(0, DRAM, held, *sizes_for(held))
+    assert names.learn(k0[:100], k1[:100], values[:100], index.holds) == 100
+    assert names.names_of(k0[:3], k1[:3]).tolist() == [1, 2, 3]
+    assert names.learn(k0[:1], k1[:1], np.array([77], np.uint64), index.holds) == 1  # a new name replaces
+    assert names.names_of(k0[:1], k1[:1]).tolist() == [77]
+    # Full: the 40 names of keys never indexed (60..99) go first, to make room for 40 of the next 50.
+    assert names.learn(k0[100:], k1[100:], values[100:], index.holds) == 40 and names.refused == 10
+    assert (names.names_of(k0[:60], k1[:60]) != 0).all()  # an indexed key's name is never dropped
+    assert (names.names_of(k0[60:100], k1[60:100]) == 0).all() and len(names) == 100
+    assert names.learn(k0[:5], k1[:5], np.zeros(5, np.uint64), index.holds) == 0  # 0 is no name: nothing changes
+    assert names.names_of(k0[1:2], k1[1:2]).tolist() == [2]
+
+
+def test_the_feed_names_named_blocks_by_their_engine_hash_in_every_tier():
+    from kvpool.events import EventPublisher, key_hash
+    from kvpool.master import kv_events
+    from kvpool.master.engine_names import EngineNames
+
+    published: list = []
+    publisher = EventPublisher("tcp://127.0.0.1:0")
+    publisher.publish = lambda events, topic=None: published.append(list(events))
+    try:
+        names = EngineNames()
+        feed = kv_events.MasterEventFeed(publisher, "kvpool", names)
+        index = BlockIndex(min_capacity=64, on_change=feed.pool_changed)
+        index.open_node(0)
+        keys = make_keys(4, "feed")
+        k0, k1 = words_of(keys)
+        names.learn(k0[:2], k1[:2], np.array([11, 12], np.uint64), index.holds)
+        index.add(0, DRAM, keys, *sizes_for(keys))
+        index.remove(0, DRAM, keys[:1])  # gone from the pool a moment (a demotion reported in two steps)
+        index.add(0, SSD, keys[:1], *sizes_for(keys[:1]))
+        index.drop_node(0)
+        hashes = [sorted(h for e in events for h in e.block_hashes) for events in published[1:]]
+        plain = sorted([key_hash(keys[2]), key_hash(keys[3])])
+        assert hashes == [sorted([11, 12, *plain]), [11], [11], sorted([11, 12, *plain])]
+    finally:
+        publisher.close()

@@ -123,3 +123,16 @@ def test_pack_and_unpack_round_trip_and_refuse_ragged_input():
         check_key(b"short")
     with pytest.raises(ValueError):
         check_key("a" * 32)
+
+
+def test_engine_hashes_are_read_from_engine_key_strings_as_64_bit_ints():
+    from kvpool.engines.keymap import engine_hash
+    from kvpool.engines.vllm_ascend import block_hash
+
+    vllm_hash = bytes(range(32))
+    key = "m@pcp0@dcp0@head_or_tp_rank:0@pp_rank:0@group:0@cache_role:kv@cache_family:default@" + vllm_hash.hex()
+    assert block_hash(key) == int.from_bytes(vllm_hash, "big") & ((1 << 64) - 1)  # vLLM's int form
+    assert block_hash("m@pcp0@not-hex") == 0 and block_hash("") == 0
+    assert engine_hash(str(2**70 + 5), 10) == (2**70 + 5) & ((1 << 64) - 1)  # MindIE's decimal prefix hash
+    assert engine_hash("12ab", 10) == 0 and engine_hash("", 16) == 0 and engine_hash("-5", 10) == 0
+    assert engine_hash("00ff", 16) == 255

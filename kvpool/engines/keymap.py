@@ -15,14 +15,27 @@ Invariants:
   key (a scheduler and its workers agree); different tenants or layouts never do.
 - A client without a layout (raw blocks) uses the fixed layout name
   :data:`RAW_LAYOUT`, so raw and laid-out keys never collide.
+- :func:`engine_hash` reads the engine's own block hash out of its string (for KV events): the number's
+  last 64 bits, as vLLM's int block hashes are; 0 (no name) when the field is not such a number.
 """
 
 from __future__ import annotations
+
+import re
 
 from kvpool.client.kvclient import KVCacheClient
 from kvpool.keys import MAX_OPAQUE_KEY_BYTES, BlockKey, KeyNamespace, opaque_key
 
 RAW_LAYOUT = "raw-bytes"
+_MASK64 = (1 << 64) - 1
+_DIGITS = {10: re.compile(r"[0-9]+"), 16: re.compile(r"[0-9a-fA-F]+")}
+
+
+def engine_hash(field: str, base: int) -> int:
+    """The last 64 bits of the number ``field`` spells in ``base`` (10 or 16), whole; 0 if it is not one."""
+    if not _DIGITS[base].fullmatch(field):
+        return 0
+    return int(field[-16:] if base == 16 else field, base) & _MASK64
 
 
 def engine_namespace(client: KVCacheClient) -> KeyNamespace:

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from kvpool.config import ClientConfig, load_config, read_json_object
+from kvpool.engines.keymap import engine_hash
 from kvpool.engines.session import EngineSession
 from kvpool.engines.staging import DEFAULT_STAGING_BYTES, PieceCopier
 from kvpool.keys import BlockKey, KeyNamespace
@@ -260,7 +261,8 @@ class KVPoolMempool:
         block_keys, blocks = checked
         if not self.session.moves_data:
             return self.session.refuse("put", "the scheduler role moves no data", [False] * len(block_keys))
-        return self.session.put(block_keys, blocks, [self._block_bytes] * len(blocks), self._gather)
+        names = [engine_hash(k.split("_", 1)[0], 10) for k in keys]  # "{prefix_hash}_{tp_rank}_{tp_size}_{model}"
+        return self.session.put(block_keys, blocks, [self._block_bytes] * len(blocks), self._gather, names)
 
     def get(self, keys: str | list[str], tensors: Any, **kwargs: Any) -> list[bool]:
         """Fill each hit's tensors in place; per key, whether its block was loaded (misses stay untouched)."""

@@ -76,11 +76,13 @@ class EngineSession:
         return found if len(found) == len(keys) else self.fault("exists", "answer of the wrong length",
                                                                 [False] * len(keys))
 
-    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Any], sizes: Sequence[int], gather: Gather) -> list[bool]:
-        """Gather and queue each block for the pool; per block, accepted. Only for a session that moves data."""
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Any], sizes: Sequence[int], gather: Gather,
+            engine_hashes: Sequence[int] | None = None) -> list[bool]:
+        """Gather and queue each block for the pool (``engine_hashes``: the engine's own hash of each, for KV
+        events); per block, accepted. Only for a session that moves data."""
         client, stager = self.client, self.put_stager
         assert client is not None and stager is not None, f"{self.name}: put on a session that moves no data"
-        ok = stager.put(client, keys, blocks, sizes, gather)
+        ok = stager.put(client, keys, blocks, sizes, gather, engine_hashes)
         self.stats["put_blocks"] += len(ok)
         self.stats["put_accepted"] += sum(ok)
         return ok

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -58,12 +59,14 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvpool.config import ClientConfig, load_config
 from kvpool.engines.device_copy import HostCopier, Piece
+from kvpool.engines.keymap import engine_hash
 from kvpool.engines.regions import RegisteredMemory
 from kvpool.engines.session import EngineSession
 from kvpool.engines.staging import DEFAULT_STAGING_BYTES
 from kvpool.keys import BlockKey, leading_hits
 
 log = logging.getLogger(__name__)
+_LEADING_HEX = re.compile(r"[0-9a-fA-F]+")  # an SGLang page key starts with its page hash in hex
 
 CONFIG_ENV = "KVPOOL_CONFIG_PATH"  # read when the extra config names no path
 EXTRA_CONFIG_KEY = "kvpool_config_path"  # the path inside --hicache-storage-backend-extra-config
@@ -174,7 +177,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if checked is None:
             return [False] * _count(keys)
         block_keys, pages = checked
-        return self._store(block_keys, pages, self.page_bytes["zc"])
+        return self._store(block_keys, pages, self.page_bytes["zc"], keys)
 
     # -- generic calls (flat page tensors) -----------------------------------------------------------
 
@@ -210,7 +213,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if checked is None:
             return False
         block_keys, pages = checked
-        return all(self._store(block_keys, pages, self.page_bytes["flat"]))
+        return all(self._store(block_keys, pages, self.page_bytes["flat"], keys))
 
     # -- the rest of HiCacheStorage ----------------------------------------------------------------------
 
@@ -304,8 +307,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
 
     # -- data movement ------------------------------------------------------------------------------------
 
-    def _store(self, block_keys: list[BlockKey], pages: list[Pieces], nbytes: int) -> list[bool]:
-        """Per page, True if the pool holds it or accepted it; pages it holds are not moved again."""
+    def _store(self, block_keys: list[BlockKey], pages: list[Pieces], nbytes: int, names: list[str]) -> list[bool]:
+        """Per page, True if the pool holds it or accepted it; pages it holds are not moved again. ``names``:
+        the engine's key strings (their leading hex, SGLang's page hash, names the page in KV events)."""
         if not self.is_writer:
             self.stats["writer_skips"] += len(block_keys)
             return [True] * len(block_keys)
@@ -314,8 +318,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         ok = list(held)
         if todo:
             start = time.perf_counter()
+            hashes = [engine_hash(m.group(0), 16) if (m := _LEADING_HEX.match(names[i])) else 0 for i in todo]
             accepted = self.session.put([block_keys[i] for i in todo], [pages[i] for i in todo], [nbytes] * len(todo),
-                                        _gather)
+                                        _gather, hashes)
             self._record("backup", sum(accepted), nbytes, start)
             for i, a in zip(todo, accepted):
                 ok[i] = a

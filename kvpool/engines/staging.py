@@ -98,8 +98,9 @@ class BlockStager:
     # -- the two flows -----------------------------------------------------------------
 
     def put(self, client: KVCacheClient, keys: Sequence[BlockKey], blocks: Sequence[Any],
-            sizes: Sequence[int], gather: Gather) -> list[bool]:
-        """Gather and hand each block to ``client.put``; per block, whether the client accepted it."""
+            sizes: Sequence[int], gather: Gather, engine_hashes: Sequence[int] | None = None) -> list[bool]:
+        """Gather and hand each block to ``client.put`` (with the engine's hash of each, if given); per block,
+        whether the client accepted it."""
         ok = [False] * len(keys)
         with self._lock:
             pos = 0
@@ -108,7 +109,8 @@ class BlockStager:
                 try:
                     region, views = self._stage(sizes[pos:end])
                     gather(blocks[pos:end], region)
-                    accepted = [bool(a) for a in client.put(keys[pos:end], views)]
+                    names = engine_hashes[pos:end] if engine_hashes is not None else None
+                    accepted = [bool(a) for a in client.put(keys[pos:end], views, names)]
                     if len(accepted) != end - pos:
                         raise RuntimeError(f"client answered {len(accepted)} of {end - pos} puts")
                     ok[pos:end] = accepted

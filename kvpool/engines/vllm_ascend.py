@@ -38,6 +38,9 @@ Invariants:
   client's namespace (:mod:`.keymap`). Without a ``layout`` in the config a
   key is a raw block of any size (layer-wise keys, MLA's unequal K/V pieces).
 - The scheduler-side instance holds no data memory and answers only ``exists``.
+- A key string's last ``@`` field is vLLM's block hash in hex (``PoolKey.to_string()``); its 64-bit int form
+  (:func:`block_hash`, vLLM's ``maybe_convert_block_hash``: the hash's last 8 bytes) goes with each put, so
+  the master's KV events name the block as vLLM's own events would.
 """
 
 from __future__ import annotations
@@ -51,12 +54,18 @@ import torch
 
 from kvpool.config import load_config
 from kvpool.engines.device_copy import Copier, DeviceCopyError, Piece, copier_for
+from kvpool.engines.keymap import engine_hash
 from kvpool.engines.regions import RegisteredMemory
 from kvpool.engines.session import EngineSession
 from kvpool.engines.staging import DEFAULT_STAGING_BYTES, BlockStager
 from kvpool.keys import BlockKey
 
 log = logging.getLogger(__name__)
+
+
+def block_hash(key: str) -> int:
+    """vLLM's int form of the block hash (hex) that ends a vllm-ascend key string; 0 if it is not hex."""
+    return engine_hash(key.rsplit("@", 1)[-1], 16)
 
 CONFIG_ENV = "KVPOOL_CONFIG_PATH"  # read when no config path is passed (vllm-ascend passes only parallel_config)
 EXTRA_CONFIG_KEY = "kvpool_config_path"  # the same path inside kv_connector_extra_config
@@ -168,7 +177,7 @@ class KVPoolStoreBackend:
         if not isinstance(checked, tuple):
             return checked
         block_keys, pieces, totals = checked
-        ok = self.session.put(block_keys, pieces, totals, self._gather)
+        ok = self.session.put(block_keys, pieces, totals, self._gather, [block_hash(k) for k in keys])
         results = [OK if accepted else ERR_FAILED for accepted in ok]
         if ERR_FAILED in results:
             log.warning("kvpool put: %d of %d keys not stored", results.count(ERR_FAILED), len(results))

@@ -145,6 +145,20 @@ class ScoreResponse(_message.Message):
     pool_ssd_blocks: int
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerScore, _Mapping]]] = ..., pool_dram_blocks: _Optional[int] = ..., pool_ssd_blocks: _Optional[int] = ...) -> None: ...
 
+class NameBlocksRequest(_message.Message):
+    __slots__ = ("keys", "engine_hashes")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    engine_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[bytes] = ..., engine_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class NameBlocksResponse(_message.Message):
+    __slots__ = ("named",)
+    NAMED_FIELD_NUMBER: _ClassVar[int]
+    named: int
+    def __init__(self, named: _Optional[int] = ...) -> None: ...
+
 class ExistsRequest(_message.Message):
     __slots__ = ("keys",)
     KEYS_FIELD_NUMBER: _ClassVar[int]

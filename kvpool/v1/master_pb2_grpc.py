@@ -79,6 +79,11 @@ class MasterStub:
                 request_serializer=kvpool_dot_v1_dot_master__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_master__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.NameBlocks = channel.unary_unary(
+                '/kvpool.v1.Master/NameBlocks',
+                request_serializer=kvpool_dot_v1_dot_master__pb2.NameBlocksRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_master__pb2.NameBlocksResponse.FromString,
+                _registered_method=True)
         self.ClusterStatus = channel.unary_unary(
                 '/kvpool.v1.Master/ClusterStatus',
                 request_serializer=kvpool_dot_v1_dot_master__pb2.ClusterStatusRequest.SerializeToString,
@@ -162,6 +167,14 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NameBlocks(self, request, context):
+        """The engine's own hash of blocks a client is about to put (engines that
+        name blocks themselves): KV events name those blocks by it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ClusterStatus(self, request, context):
         """Nodes, tier usage and hit counts, for `kvpool status`.
         """
@@ -224,6 +237,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=kvpool_dot_v1_dot_master__pb2.ScoreRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_master__pb2.ScoreResponse.SerializeToString,
+            ),
+            'NameBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.NameBlocks,
+                    request_deserializer=kvpool_dot_v1_dot_master__pb2.NameBlocksRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_master__pb2.NameBlocksResponse.SerializeToString,
             ),
             'ClusterStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.ClusterStatus,
@@ -479,6 +497,33 @@ class Master:
             '/kvpool.v1.Master/Score',
             kvpool_dot_v1_dot_master__pb2.ScoreRequest.SerializeToString,
             kvpool_dot_v1_dot_master__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NameBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/NameBlocks',
+            kvpool_dot_v1_dot_master__pb2.NameBlocksRequest.SerializeToString,
+            kvpool_dot_v1_dot_master__pb2.NameBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,
