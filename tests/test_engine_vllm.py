@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import PoolProcesses, free_port, metric, scrape
+from support import PoolProcesses, free_port, metric, scrape, wait_until
 
 from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python
 
@@ -120,14 +120,54 @@ def req(rid: str, tokens: list[int], max_tokens: int = 8, salt: str | None = Non
     return {"id": rid, "prompt": tokens, "max_tokens": max_tokens, "cache_salt": salt}
 
 
+def replayed_hashes(endpoint: str) -> set[int]:
+    """Every block hash in the BlockStored events a KV event stream (vLLM's or kvpool's) still buffers."""
+    import msgspec
+    import zmq
+
+    from kvpool.events import BlockStored, KVEventBatch
+
+    decode = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        hashes: set[int] = set()
+        while True:
+            assert dealer.poll(10_000), f"no replay from {endpoint}"
+            _, _, seq, payload = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return hashes
+            for event in decode.decode(payload).events:
+                if isinstance(event, BlockStored):
+                    hashes.update(h for h in event.block_hashes if isinstance(h, int))
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_a_fresh_vllm_process_loads_what_another_stored_generated_blocks_included(python, model, procs, tmp_path):
-    procs.serve()
+    pool_replay, vllm_replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    procs.serve(**{"master-kv-events-endpoint": f"tcp://127.0.0.1:{free_port()}",
+                   "master-kv-events-replay-endpoint": pool_replay})
     kv = connector(procs.master, tmp_path)
     p, q1, q2, shared, short = prompt(1, 300), prompt(2, 200), prompt(3, 50), prompt(4, 128), prompt(6, 20)
+    streams: dict[str, set[int]] = {}
+
+    def read_streams(_: str) -> None:  # while vLLM (and its own event publisher) is still up
+        wait_until(lambda: len(replayed_hashes(pool_replay)) >= 9, timeout=20)  # P's 9 blocks at least
+        streams["pool"], streams["vllm"] = replayed_hashes(pool_replay), replayed_hashes(vllm_replay)
+
     a = drive(python, model, tmp_path, [
-        {"name": "A", "kvpool": kv, "requests": [req("p", p), req("q1", q1, max_tokens=60),
-                                                  req("alice", shared, salt="alice"), req("short", short, 60)]},
-    ])
+        {"name": "A", "kvpool": kv, "vllm_kv_events": {"endpoint": f"tcp://127.0.0.1:{free_port()}",
+                                                       "replay_endpoint": vllm_replay},
+         "requests": [req("p", p), req("q1", q1, max_tokens=60), req("alice", shared, salt="alice"),
+                      req("short", short, 60), {"pause": "events"}]},
+    ], on_pause=read_streams)
+    # Issue 16: the pool's events name the blocks the connector stored by vLLM's own block hashes, the ones
+    # vLLM's own KV events carry (a router matching vLLM's hashes matches the pool's).
+    assert len(streams["pool"]) >= 9 and streams["pool"] <= streams["vllm"], (len(streams["pool"]),
+                                                                              len(streams["pool"] - streams["vllm"]))
     o1, o_short = a.tokens("A", "q1"), a.tokens("A", "short")
     assert len(o1) == len(o_short) == 60
     round2 = q1 + o1 + q2

@@ -1,6 +1,7 @@
 """Runs the real vLLM for tests/test_engine_vllm.py: ``<vllm python> tests/vllm_driver.py SPEC.json``.
 
 SPEC: ``{"model": dir, "block_size": 32, "engines": [{"name": ..., "kvpool": extra-config or null,
+"vllm_kv_events": {"endpoint": ..., "replay_endpoint": ...} (optional: vLLM's own KV event publisher),
 "requests": [{"id": ..., "prompt": [token ids], "max_tokens": n, "cache_salt": s or null} | {"pause": name}]}]}``.
 Engines run one after another in this process, each a new ``vllm.LLM`` (its own prefix cache), with the
 KVPoolConnector when ``kvpool`` is set and without a connector otherwise. Greedy sampling.
@@ -26,16 +27,17 @@ def say(**fields: Any) -> None:
     print(PREFIX + json.dumps(fields), flush=True)
 
 
-def engine(model: str, block_size: int, extra: dict[str, Any] | None) -> Any:
+def engine(model: str, block_size: int, extra: dict[str, Any] | None, events: dict[str, str] | None = None) -> Any:
     from vllm import LLM
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     kv = None
     if extra is not None:
         kv = KVTransferConfig(kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.engines.vllm",
                               kv_role="kv_both", kv_connector_extra_config=extra)
+    kv_events = None if events is None else KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", **events)
     return LLM(model=model, skip_tokenizer_init=True, block_size=block_size, dtype="float32", max_model_len=4096,
-               enforce_eager=True, disable_log_stats=False, kv_transfer_config=kv, seed=0)
+               enforce_eager=True, disable_log_stats=False, kv_transfer_config=kv, seed=0, kv_events_config=kv_events)
 
 
 def metrics(llm: Any) -> dict[str, float]:
@@ -57,7 +59,7 @@ def main() -> int:
     for eng in spec["engines"]:
         name = eng["name"]
         try:
-            llm = engine(spec["model"], spec.get("block_size", 32), eng.get("kvpool"))
+            llm = engine(spec["model"], spec.get("block_size", 32), eng.get("kvpool"), eng.get("vllm_kv_events"))
         except Exception as exc:  # noqa: BLE001 - a refusal to start is what the test looks at
             say(engine=name, refused=f"{type(exc).__name__}: {exc}")
             continue

@@ -65,6 +65,19 @@ class SaveJob:
     req_id: str
     keys: list[BlockKey]
     block_ids: list[int]
+    # vLLM's own hash of each block (its int form, 0 where vLLM has none): KV events name the blocks by it
+    engine_hashes: list[int] = field(default_factory=list)
+
+
+def vllm_block_hashes(request: Any, start: int, end: int) -> list[int]:
+    """The int form vLLM's KV events give blocks ``[start, end)`` of ``request`` (``maybe_convert_block_hash``:
+    the hash's last 8 bytes); 0 for blocks vLLM has not hashed (prefix caching off)."""
+    hashes = list(getattr(request, "block_hashes", None) or ())
+    out = []
+    for i in range(start, end):
+        h = hashes[i] if i < len(hashes) else None
+        out.append(int.from_bytes(bytes(h)[-8:], "big") if isinstance(h, (bytes, bytearray)) else 0)
+    return out
 
 
 @dataclass(slots=True)
@@ -215,7 +228,8 @@ class PoolScheduler:
         if full > state.done_blocks:
             keys = state.keys.upto(state.request.all_token_ids, full)
             plan.saves.append(SaveJob(state.request.request_id, keys[state.done_blocks:full],
-                                      state.block_ids[state.done_blocks:full]))
+                                      state.block_ids[state.done_blocks:full],
+                                      vllm_block_hashes(state.request, state.done_blocks, full)))
             state.done_blocks = full
 
     def finished(self, request: Any) -> None:

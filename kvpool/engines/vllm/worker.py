@@ -169,7 +169,9 @@ class PoolWorker:
             for i, layer in enumerate(self.layers):
                 _gather(layer, ids, staging[:, i])
             keys = [shard_key(k, self.shard) for k in job.keys]
-            accepted = self.pool.put(keys, [staging[j].view(-1).numpy() for j in range(n)])  # copied now
+            # vLLM's hash names the block in KV events; one shard carries it (each shard is its own pool key)
+            names = job.engine_hashes if self.shard == 0 and len(job.engine_hashes) == n else None
+            accepted = self.pool.put(keys, [staging[j].view(-1).numpy() for j in range(n)], names)  # copied now
             kept = sum(accepted)
             self.stats.saves += 1
             self.stats.saved_blocks += kept
