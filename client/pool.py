@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 
 _TIER_BYTES = frozenset(int(t) for t in Tier)
 _MAX_PENDING_NAMES = 1 << 20  # engine names waiting for their puts; past this they are dropped (hints only)
+_NAMES_RETRY_S = 60.0  # after a master kept no names (no KV events there), how long before sending them again
 PRESENT = -2  # a placement's answer for a block the pool holds already (PlaceBlocks only)
 
 
@@ -102,6 +103,7 @@ class PoolClient:
         self._written_lock = threading.Lock()
         self._written: set[str] = set()  # nodes written to since the last flush (their reports may be pending)
         self._names: dict[BlockKey, int] = {}  # engine hashes of queued puts, sent before their blocks (writer)
+        self._names_unwanted_until = 0.0  # the master kept none (it publishes no events): ask again after this
         mask = TenantMask(master_stub, config.lookup_timeout_s) if config.token else None
         self.local = LocalIndex(self.cluster, self.nodes, mask, enabled=config.shared_memory)
         self._local_counts = LocalLookupCounts()
@@ -278,6 +280,8 @@ class PoolClient:
         for i, v in enumerate(values):
             if byte_view(v).nbytes == 0:
                 raise ValueError(f"block {i} is empty")
+        if engine_hashes is not None and time.monotonic() < self._names_unwanted_until:
+            engine_hashes = None
         if engine_hashes is not None:
             with self._written_lock:
                 if len(self._names) > _MAX_PENDING_NAMES:  # the writer has fallen far behind: names are hints
@@ -339,9 +343,12 @@ class PoolClient:
                 request = master_pb2.NameBlocksRequest(keys=pack_keys([k for k, _ in named]),
                                                        engine_hashes=[h for _, h in named])
                 try:
-                    self._master.NameBlocks(request, timeout=self.config.lookup_timeout_s)
+                    reply = self._master.NameBlocks(request, timeout=self.config.lookup_timeout_s)
                 except (grpc.RpcError, CallError, OSError) as exc:  # a name is a hint for routers: never fatal
                     self.faults.counted(_report_kind(exc))
+                else:
+                    if reply.named == 0:  # a master without KV events: stop sending names for a while
+                        self._names_unwanted_until = time.monotonic() + _NAMES_RETRY_S
         self.store(keys, arrays)
 
     def store(self, keys: Sequence[BlockKey], values: Sequence[BufferLike]) -> list[bool]:

@@ -47,3 +47,27 @@ def test_an_inference_worker_imports_no_part_of_the_node():
             "'kvpool.tiers.ssd', 'kvpool.tiers.dram', 'lmdb'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_engine_names_stop_going_to_a_master_that_publishes_no_events(tmp_path):
+    """A master without KV events keeps no names (NameBlocks answers 0): the client stops sending them for a
+    while instead of paying a master call per put batch for nothing; the blocks are stored as ever."""
+    import time
+
+    import numpy as np
+    from support import PoolProcesses
+
+    procs = PoolProcesses(tmp_path)
+    try:
+        procs.serve()
+        with PoolClient(ClientConfig(master=procs.master, lookup_timeout_s=2.0, io_timeout_s=5.0)) as client:
+            keys = [opaque_key(f"unnamed-{i}") for i in range(4)]
+            block = np.ones(4096, np.uint8)
+            assert client.put(keys[:2], [block] * 2, [11, 12]) == [True, True] and client.flush(timeout=10)
+            assert client._names_unwanted_until > time.monotonic()  # the master said it kept none
+            assert client.put(keys[2:], [block] * 2, [13, 14]) == [True, True]
+            assert client._names == {}  # not even queued now
+            assert client.flush(timeout=10) and len(client.lookup(keys)) == 4
+    finally:
+        procs.close()
+    procs.assert_stopped_cleanly()
