@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from kvpool.master.keytable import KeyTable
+from kvpool.master.keytable import KeyTable, last_wins
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class EngineNames:
         """Keep ``names`` (0: none) for the keys; returns how many were kept. ``indexed`` says which keys the
         index holds (for trimming a full table)."""
         keep = names != 0
-        k0, k1, names = k0[keep], k1[keep], names[keep]
+        k0, k1, names = last_wins(k0[keep], k1[keep], names[keep])
         if not len(k0):
             return 0
         with self._lock:
@@ -80,10 +80,7 @@ class EngineNames:
                             len(new) - room, t.live, self.max_names)
                 new = new[:room]
             if len(new):
-                new0, new1 = _distinct(k0[new], k1[new])
-                last = {(a, b): n for a, b, n in zip(k0[new].tolist(), k1[new].tolist(), names[new].tolist())}
-                values = np.array([last[(a, b)] for a, b in zip(new0.tolist(), new1.tolist())], np.uint64)
-                kept += t.insert(new0, new1, {"name": values})
+                kept += t.insert(k0[new], k1[new], {"name": names[new]})
             return kept
 
     def names_of(self, k0: U64, k1: U64) -> U64:
@@ -98,7 +95,3 @@ class EngineNames:
         live = t.live_rows()
         return t.k0[live].copy(), t.k1[live].copy()
 
-
-def _distinct(k0: U64, k1: U64) -> tuple[U64, U64]:
-    pairs = np.unique(np.stack([k0, k1], axis=1), axis=0)
-    return np.ascontiguousarray(pairs[:, 0]), np.ascontiguousarray(pairs[:, 1])

@@ -83,7 +83,7 @@ import numpy.typing as npt
 
 from kvpool.core import Tier
 from kvpool.keys import KEY_BYTES, BlockKey
-from kvpool.master.keytable import KeyTable, Rows
+from kvpool.master.keytable import KeyTable, Rows, last_wins
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +143,6 @@ class TierChange(NamedTuple):
     stored: bool
     k0: U64
     k1: U64
-
-    def prefixes(self) -> list[bytes]:
-        """Each key's first 16 bytes."""
-        words = np.empty((len(self.k0), 2), np.uint64)
-        words[:, 0], words[:, 1] = self.k0, self.k1
-        raw = words.tobytes()
-        return [raw[i:i + 16] for i in range(0, len(raw), 16)]
 
 
 ChangeSink = Callable[[list[TierChange]], None]
@@ -334,7 +327,7 @@ class BlockIndex:
     def _link(self, q0: U64, q1: U64, size: U64, checksum: U64, loc: int) -> int:
         """Add ``loc`` to each key's locations and set its size and checksum; returns how many keys the
         table refused (see :func:`_refused`)."""
-        q0, q1, size, checksum = _last_wins(q0, q1, size, checksum)
+        q0, q1, size, checksum = last_wins(q0, q1, size, checksum)
         t = self._table
         rows = t.find(q0, q1)
         before = self._tier_masks(rows) if self._on_change is not None else None
@@ -392,12 +385,12 @@ class BlockIndex:
             if keep is not None:
                 candidate &= ~keep[rows]
             gone, promoted, second_gone, count = _losses(first, second, match_array, candidate)
-            touched = np.flatnonzero(gone | promoted | second_gone) + rows.start if self._on_change else None
-            before = self._tier_masks(touched) if touched is not None else None
+            touched = np.flatnonzero(gone | promoted | second_gone) + rows.start
+            before = self._tier_masks(touched) if self._on_change is not None else None
             t.rec["loc1"][rows][promoted] = second[promoted]
             t.rec["loc2"][rows][promoted | second_gone] = _NONE
             t.delete(np.flatnonzero(gone) + rows.start)
-            if touched is not None and before is not None:
+            if before is not None:
                 self._note_changes(t.k0[touched], t.k1[touched], before, self._tier_masks(touched))
             removed += count
         listed = self._rows_of(key for key, locs in self._more.items() if any(match_one(loc) for loc in locs))
@@ -556,21 +549,6 @@ def _report(
     return q0, q1, size, checksum
 
 
-def _last_wins(q0: U64, q1: U64, size: U64, checksum: U64) -> tuple[U64, U64, U64, U64]:
-    """Drop all but the last occurrence of each key of a batch (the one whose size and checksum count)."""
-    if len(q0) < 2:
-        return q0, q1, size, checksum
-    ordered = np.sort(q0)
-    if not (ordered[1:] == ordered[:-1]).any():
-        return q0, q1, size, checksum
-    order = np.lexsort((q1, q0))  # stable: equal keys stay in report order
-    a, b = q0[order], q1[order]
-    last = np.ones(len(order), np.bool_)
-    last[:-1] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
-    keep = order[last]
-    return q0[keep], q1[keep], size[keep], checksum[keep]
-
-
 HbmSink = Callable[[str, list[BlockKey], list[BlockKey]], None]  # (worker, keys it now holds, keys it lost)
 
 
@@ -593,17 +571,21 @@ class HbmIndex:
         self, worker: str, added: Iterable[BlockKey], removed: Iterable[BlockKey], full_sync: bool = False
     ) -> None:
         """Apply a worker's HBM changes; ``full_sync`` replaces its set with ``added`` (then ``removed`` goes)."""
+        added, removed = list(added), list(removed)
         with self._lock:
             held = self._workers.setdefault(worker, set())
             before = len(held)
-            old = set(held) if self._on_change is not None else None
+            # Only reported keys can change, but for a full sync's (every key held before).
+            watch = None if self._on_change is None else set(added) | set(removed) | (held if full_sync else set())
+            had = {k for k in watch if k in held} if watch is not None else set()
             if full_sync:
                 held.clear()
             held.update(added)
             held.difference_update(removed)
             self._total += len(held) - before
-            if old is not None:
-                self._report_changes(worker, [k for k in held if k not in old], [k for k in old if k not in held])
+            if watch is not None:
+                self._report_changes(worker, [k for k in watch if k in held and k not in had],
+                                     [k for k in had if k not in held])
 
     def drop_worker(self, worker: str) -> int:
         """Forget a worker's HBM contents; returns how many keys went."""

@@ -237,3 +237,19 @@ class KeyTable:
         assert ((home <= live) & (live < home + H)).all(), "KeyTable: a key outside its neighbourhood"
         # Each key found at its own row: no key twice.
         assert np.array_equal(self.find(k0, k1), live), "KeyTable: a key is not found at its row"
+
+
+def last_wins(k0: U64, k1: U64, *columns: U64) -> tuple[U64, ...]:
+    """``(k0, k1, *columns)`` with all but the last occurrence of each key dropped (a batch may name a key
+    twice; its last values count). Unchanged, without a copy, when the keys are distinct."""
+    if len(k0) < 2:
+        return (k0, k1, *columns)
+    ordered = np.sort(k0)
+    if not (ordered[1:] == ordered[:-1]).any():
+        return (k0, k1, *columns)
+    order = np.lexsort((k1, k0))  # stable: equal keys stay in batch order
+    a, b = k0[order], k1[order]
+    last = np.ones(len(order), np.bool_)
+    last[:-1] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
+    keep = order[last]
+    return tuple(c[keep] for c in (k0, k1, *columns))

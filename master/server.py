@@ -96,8 +96,7 @@ class MasterServer:
             self.index, self.hbm, node_timeout_s=config.node_timeout_s, worker_timeout_s=config.worker_timeout_s
         )
         self.metrics = MasterMetrics(self.registry, self.index, self.hbm, self.membership, self.errors)
-        self.servicer = MasterServicer(config, self.index, self.hbm, self.membership, self.metrics)
-        self.servicer.names = self.names
+        self.servicer = MasterServicer(config, self.index, self.hbm, self.membership, self.metrics, self.names)
         self.port: int = 0  # the bound gRPC port, once started
         self.metrics_port: int = 0  # the bound metrics port, once started (0: no endpoint)
         self._server: grpc.Server | None = None

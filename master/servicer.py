@@ -60,7 +60,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     """The ``kvpool.v1.Master`` service over an index, a membership table and metrics."""
 
     def __init__(
-        self, config: MasterConfig, index: BlockIndex, hbm: HbmIndex, membership: Membership, metrics: MasterMetrics
+        self, config: MasterConfig, index: BlockIndex, hbm: HbmIndex, membership: Membership, metrics: MasterMetrics,
+        names: EngineNames | None = None,
     ):
         self._config = config
         self._index = index
@@ -74,7 +75,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.cluster = ""
         self._elected_at = 0.0  # monotonic time of this master's last election (0: never, or no etcd)
         self._resyncing: set[str] = set()  # nodes that registered soon after it, their inventories not yet whole
-        self.names: EngineNames | None = None  # engines' block hashes for KV events (None: events off)
+        self.names = names  # engines' block hashes for KV events (None: events off)
 
     def elected(self) -> None:
         """This master was just elected: nodes registering within ``node_timeout_s`` count as following from the

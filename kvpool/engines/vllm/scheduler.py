@@ -72,12 +72,9 @@ class SaveJob:
 def vllm_block_hashes(request: Any, start: int, end: int) -> list[int]:
     """The int form vLLM's KV events give blocks ``[start, end)`` of ``request`` (``maybe_convert_block_hash``:
     the hash's last 8 bytes); 0 for blocks vLLM has not hashed (prefix caching off)."""
-    hashes = list(getattr(request, "block_hashes", None) or ())
-    out = []
-    for i in range(start, end):
-        h = hashes[i] if i < len(hashes) else None
-        out.append(int.from_bytes(bytes(h)[-8:], "big") if isinstance(h, (bytes, bytearray)) else 0)
-    return out
+    hashes = getattr(request, "block_hashes", None) or ()
+    return [int.from_bytes(hashes[i][-8:], "big") if i < len(hashes) and isinstance(hashes[i], bytes) else 0
+            for i in range(start, end)]
 
 
 @dataclass(slots=True)
