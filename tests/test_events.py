@@ -153,21 +153,24 @@ def test_the_replay_buffer_keeps_the_newest_batches(ctx):
 def test_a_stuck_publisher_thread_drops_new_batches_without_blocking_and_the_gap_shows(ctx):
     registry = CollectorRegistry()
     pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kvpool", max_queue=5, registry=registry)
-    release = threading.Event()
+    release, entered = threading.Event(), threading.Event()
     encode = pub._encoder.encode
 
     def slow_encode(batch):  # stands for a publisher thread that cannot keep up
+        entered.set()
         release.wait(30)
         return encode(batch)
 
     try:
         sub = subscribe(ctx, pub)
         pub._encoder = type("Slow", (), {"encode": staticmethod(slow_encode)})()
-        results = [pub.publish([stored([bytes([i]) * 32], MEDIUM_CPU)]) for i in range(40)]
+        results = [pub.publish([stored([bytes([0]) * 32], MEDIUM_CPU)])]
+        assert entered.wait(10)  # the thread holds that batch, stuck: from here on only the queue takes more
+        results += [pub.publish([stored([bytes([i]) * 32], MEDIUM_CPU)]) for i in range(1, 40)]
         accepted = [r for r in results if r is not None]
         dropped = results.count(None)
-        # The thread holds at most one batch, the queue five: everything past those is dropped, at once.
-        assert 5 <= len(accepted) <= 6 and dropped == 40 - len(accepted)
+        # The thread holds one batch, the queue five: everything past those is dropped, at once.
+        assert len(accepted) == 6 and dropped == 34
         assert registry.get_sample_value("kvpool_events_dropped_total") == dropped
         after = pub.publish([removed([b"z" * 32], MEDIUM_CPU)])
         assert after is None  # still stuck: still dropped, still numbered
