@@ -124,11 +124,12 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
+    from kvpool.etcd import EtcdAccess
     from kvpool.status import run_status
 
     client = _config(args).client
     return run_status(args.master or client.master, timeout=args.timeout, prometheus=args.prometheus,
-                      token=client.token, tls_ca=client.tls_ca)
+                      token=client.token, tls_ca=client.tls_ca, etcd_access=EtcdAccess.from_config(client, "client"))
 
 
 def _run_route(args: argparse.Namespace) -> int:
