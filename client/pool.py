@@ -48,6 +48,7 @@ from kvpool.client.shared_path import SharedMemoryPath, TenantMask
 from kvpool.client.writer import WriteBehindQueue
 from kvpool.config import ClientConfig
 from kvpool.core import NodeRef, Tier
+from kvpool.etcd import EtcdAccess
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey, check_keys, pack_keys
 from kvpool.master_client import MasterConnection
@@ -93,7 +94,7 @@ class PoolClient:
         # The master, or the leader etcd names (followed when a call finds it gone: kvpool.master_client).
         self.masters = MasterConnection(config.master, pool=self._calls, timeout_s=config.lookup_timeout_s,
                                         max_message_bytes=MAX_MESSAGE_BYTES, token=config.token,
-                                        tls_ca=config.tls_ca)
+                                        tls_ca=config.tls_ca, etcd_access=EtcdAccess.from_config(config, "client"))
         master_stub = self.masters.grpc_stub
         self._master = self.masters.stub
         self.nodes = NodeDirectory(config, self._calls)

@@ -25,6 +25,7 @@ from kvpool.config import SIZE_SYNTAX, ClientConfig, MasterConfig, NodeConfig, P
 
 _SECTIONS = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_ETCD_FILES = ("etcd_ca", "etcd_cert", "etcd_key")  # PEM file settings (etcd_password_file ends in _file)
 
 
 def _metavar(f: dataclasses.Field) -> str:
@@ -38,7 +39,7 @@ def _metavar(f: dataclasses.Field) -> str:
         return "FRACTION"
     if f.name in ("master", "advertise"):
         return "HOST:PORT"
-    if f.name.endswith(("_file", "_dir")) or f.name.startswith("tls_"):
+    if f.name.endswith(("_file", "_dir")) or f.name.startswith("tls_") or f.name in _ETCD_FILES:
         return "PATH"
     if f.type in ("int", int):
         return "N"
@@ -124,11 +125,12 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
+    from kvpool.etcd import EtcdAccess
     from kvpool.status import run_status
 
     client = _config(args).client
     return run_status(args.master or client.master, timeout=args.timeout, prometheus=args.prometheus,
-                      token=client.token, tls_ca=client.tls_ca)
+                      token=client.token, tls_ca=client.tls_ca, etcd_access=EtcdAccess.from_config(client, "client"))
 
 
 def _run_route(args: argparse.Namespace) -> int:

@@ -184,10 +184,48 @@ def master_target_check(v: str) -> str | None:
 
 
 def etcd_check(v: str) -> str | None:
-    """Empty, or etcd endpoints ``[http://]host:port[,...]``."""
+    """Empty, or etcd endpoints ``[http[s]://]host:port[,...]``."""
     from kvpool.etcd import parse_endpoints
 
     return None if v == "" else _refusal(parse_endpoints, v)
+
+
+_ETCD_HELP = {  # the settings master, node and client share to talk to etcd (kvpool.etcd.EtcdAccess)
+    "etcd_ca": "PEM CA certificate to verify etcd with: talk to etcd over TLS (https://); empty: plain HTTP/2",
+    "etcd_cert": "PEM client certificate to present to etcd (its --client-cert-auth), with etcd_key; needs etcd_ca",
+    "etcd_key": "PEM private key of etcd_cert",
+    "etcd_user": "etcd user, when etcd has authentication on (with etcd_password_file); docs/operations.md says "
+                 "which role it needs",
+    "etcd_password_file": "file holding etcd_user's password on one line (closed to other users); read at start. "
+                          "Never the password itself",
+}
+
+
+def etcd_opt(name: str) -> Any:
+    """One of the ``etcd_*`` settings (the same in every section that talks to etcd)."""
+    return opt("", _ETCD_HELP[name])
+
+
+def _check_etcd_access(config: Any, section: str, endpoints: str = "") -> None:
+    """The ``etcd_*`` settings agree with each other and with the scheme of ``endpoints`` (the master's ``etcd``:
+    https:// needs etcd_ca, http:// refuses it). The files are read at start (:class:`kvpool.etcd.EtcdAccess`)."""
+    from kvpool.etcd import endpoints_tls
+
+    scheme_tls = endpoints_tls(endpoints) if endpoints else None
+    if bool(config.etcd_cert) != bool(config.etcd_key):
+        raise ValueError(f"config {section}.etcd_cert and etcd_key: set both or neither "
+                         f"(got etcd_cert={config.etcd_cert!r}, etcd_key={config.etcd_key!r})")
+    if config.etcd_cert and not config.etcd_ca:
+        raise ValueError(f"config {section}.etcd_cert: a client certificate needs TLS: set etcd_ca too")
+    if bool(config.etcd_user) != bool(config.etcd_password_file):
+        raise ValueError(f"config {section}.etcd_user and etcd_password_file: set both or neither "
+                         f"(got etcd_user={config.etcd_user!r}, etcd_password_file={config.etcd_password_file!r})")
+    if scheme_tls is True and not config.etcd_ca:
+        raise ValueError(f"config {section}.etcd: https:// endpoints need etcd_ca (the CA that signed etcd's "
+                         "certificate)")
+    if scheme_tls is False and config.etcd_ca:
+        raise ValueError(f"config {section}.etcd: http:// endpoints, but etcd_ca is set (TLS): use https:// or "
+                         "no scheme")
 
 
 def zmq_endpoint_check(v: str) -> str | None:
@@ -356,13 +394,18 @@ class MasterConfig:
                              "(docs/security.md); empty: no authentication")
     tls_cert: str = opt("", "PEM certificate chain: serve gRPC and fast calls over TLS only (with tls_key)")
     tls_key: str = opt("", "PEM private key of tls_cert")
-    etcd: str = opt("", "etcd endpoints [http://]host:port[,...]: stand by, and lead while this master holds the "
+    etcd: str = opt("", "etcd endpoints [http[s]://]host:port[,...]: stand by, and lead while this master holds the "
                         "cluster's leader key (docs/operations.md); empty: a single master, always leading",
                     check=etcd_check)
     cluster: str = opt("kvpool", "cluster name: masters of one cluster elect one leader; nodes and clients follow "
                                  "it as etcd://ETCD/CLUSTER", check=cluster_check)
     leader_ttl_s: int = opt(5, "etcd lease of the leader key, whole seconds (>= 2): a killed leader is replaced "
                                "about this long after its last renewal", check=at_least(2))
+    etcd_ca: str = etcd_opt("etcd_ca")
+    etcd_cert: str = etcd_opt("etcd_cert")
+    etcd_key: str = etcd_opt("etcd_key")
+    etcd_user: str = etcd_opt("etcd_user")
+    etcd_password_file: str = etcd_opt("etcd_password_file")
     advertise_host: str = opt("", "host nodes and clients dial this master at, as put in etcd; empty: host (the "
                                   "machine's name if host is 0.0.0.0)", check=host_check)
     kv_events_endpoint: str = opt("", "ZMQ PUB endpoint of the KV event stream, vLLM's format (docs/routing.md), "
@@ -381,6 +424,7 @@ class MasterConfig:
         _check_values(self, "master")
         _check_distinct_ports(self, "master", ("metrics_port", "call_port"))
         _check_tls_pair(self, "master")
+        _check_etcd_access(self, "master", self.etcd)
 
 
 @dataclass(frozen=True)
@@ -445,6 +489,11 @@ class NodeConfig:
     tls_cert: str = opt("", "PEM certificate chain: serve gRPC and bulk TCP over TLS only (with tls_key)")
     tls_key: str = opt("", "PEM private key of tls_cert")
     tls_ca: str = opt("", "PEM CA certificate to verify the master with: dial it over TLS")
+    etcd_ca: str = etcd_opt("etcd_ca")
+    etcd_cert: str = etcd_opt("etcd_cert")
+    etcd_key: str = etcd_opt("etcd_key")
+    etcd_user: str = etcd_opt("etcd_user")
+    etcd_password_file: str = etcd_opt("etcd_password_file")
     arena_mode: str = opt("0600", "permissions (octal) of the DRAM arena in /dev/shm: 0600 this user only, "
                                   "0660 also its group; whoever can map it reads every block (docs/security.md)",
                           check=arena_mode_check)
@@ -457,6 +506,7 @@ class NodeConfig:
         _check_values(self, "node")
         _check_distinct_ports(self, "node", ("metrics_port", "data_port"))
         _check_tls_pair(self, "node")
+        _check_etcd_access(self, "node")
         if self.low_watermark > self.high_watermark:
             raise ValueError(f"config node.low_watermark: must be <= high_watermark {self.high_watermark} "
                              f"(got {self.low_watermark})")
@@ -532,6 +582,11 @@ class ClientConfig:
     shared_memory: bool = opt(True, "read same-host nodes' DRAM arena directly (needs permission to map it)")
     token: str = opt("", "this client's token (one of the auth file's clients); empty: none")
     tls_ca: str = opt("", "PEM CA certificate to verify the master and nodes with: dial them over TLS")
+    etcd_ca: str = etcd_opt("etcd_ca")
+    etcd_cert: str = etcd_opt("etcd_cert")
+    etcd_key: str = etcd_opt("etcd_key")
+    etcd_user: str = etcd_opt("etcd_user")
+    etcd_password_file: str = etcd_opt("etcd_password_file")
     strict: bool = opt(False, "tests: raise pool faults instead of counting them as misses")
     metrics_port: int = opt(0, "HTTP /metrics port; 0: no endpoint (the registry is still available)",
                             check=port_check("0: none"))
@@ -539,6 +594,7 @@ class ClientConfig:
     def __post_init__(self) -> None:
         _check_types(self, "client")
         _check_values(self, "client")
+        _check_etcd_access(self, "client")
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{os.getpid()}"

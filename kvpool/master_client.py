@@ -14,6 +14,10 @@ Invariants:
   a change closes the old channel after building the new one.
 - With no leader known (etcd unreachable, or no key), every call raises
   UNAVAILABLE at once: a pool lookup is then a miss, never a hang.
+- etcd is read as ``etcd_access`` says (TLS, user and password:
+  :class:`kvpool.etcd.EtcdAccess`). etcd refusing those credentials is,
+  with ``refuse_start``, a ValueError from the constructor (a node does not
+  start); otherwise it is like no leader known, logged once per reason.
 - A fixed ``host:port`` never changes and never touches etcd.
 """
 
@@ -28,7 +32,7 @@ from typing import Any
 import grpc
 
 from kvpool.calls import FastStub, MasterCallAddress
-from kvpool.etcd import EtcdClient, EtcdTarget, LeaderInfo, leader_key
+from kvpool.etcd import EtcdAccess, EtcdClient, EtcdRefused, EtcdTarget, LeaderInfo, leader_key
 from kvpool.framing import ConnectionPool
 from kvpool.rpc import make_channel
 from kvpool.v1 import master_pb2, master_pb2_grpc
@@ -75,7 +79,8 @@ class MasterConnection:
     """The current master's stubs (see the module docstring). Thread-safe."""
 
     def __init__(self, master: str, *, pool: ConnectionPool, timeout_s: float, max_message_bytes: int,
-                 token: str = "", tls_ca: str = "", options: Sequence[tuple[str, Any]] = ()):
+                 token: str = "", tls_ca: str = "", options: Sequence[tuple[str, Any]] = (),
+                 etcd_access: EtcdAccess | None = None, refuse_start: bool = False):
         self.target = master
         self._pool = pool
         self._timeout = timeout_s
@@ -85,8 +90,9 @@ class MasterConnection:
         self._options = list(options)
         self._lock = threading.Lock()
         self._etcd_target = EtcdTarget.parse(master)
-        self._etcd = EtcdClient(self._etcd_target.endpoints, timeout_s=min(timeout_s, 2.0)) \
+        self._etcd = EtcdClient(self._etcd_target.endpoints, timeout_s=min(timeout_s, 2.0), access=etcd_access) \
             if self._etcd_target is not None else None
+        self._refusal: str | None = None  # why etcd refused our credentials when last asked (None: it did not)
         self._channel: grpc.Channel | None = None
         self._address: str | None = None
         self._grpc: Any = _NoMaster(f"no leading master known for {master}")
@@ -96,8 +102,16 @@ class MasterConnection:
         self.changes = 0  # times the master dialed changed after the first (for tests and logs)
         if self._etcd is None:
             self._dial(master)
-        else:
-            self.follow(force=True)
+            return
+        self._follow(force=True, log_refusal=not refuse_start)
+        if refuse_start and self._refusal is not None:
+            self._etcd.close()
+            raise ValueError(f"etcd refused to name the master of {master}: {self._refusal}")
+
+    @property
+    def etcd(self) -> EtcdClient | None:
+        """The etcd client that reads the leader (None for a fixed ``host:port``)."""
+        return self._etcd
 
     @property
     def address(self) -> str | None:
@@ -121,6 +135,9 @@ class MasterConnection:
 
     def follow(self, force: bool = False) -> bool:
         """Re-read the leader (at most every ``FOLLOW_S`` unless ``force``); True if the master dialed changed."""
+        return self._follow(force, log_refusal=True)
+
+    def _follow(self, force: bool, log_refusal: bool) -> bool:
         if self._etcd is None or self._etcd_target is None:
             return False
         now = time.monotonic()
@@ -130,10 +147,17 @@ class MasterConnection:
             self._next_follow = now + FOLLOW_S
         try:
             address = leader_address(self._etcd, self._etcd_target.cluster)
+        except EtcdRefused as exc:  # keeps the master it has, if any; logged once a reason
+            if log_refusal and exc.details() != self._refusal:
+                log.warning("kvpool: cannot follow the master of %s: %s; pool calls that need a master miss "
+                            "until etcd accepts kvpool's etcd settings", self.target, exc.details())
+            self._refusal = exc.details()
+            return False
         except grpc.RpcError as exc:
             log.debug("cannot read the leader of %s from etcd (%s); keeping %s", self.target, exc.code().name,
                       self.address)
             return False
+        self._refusal = None
         if address == self.address:
             return False
         if address is None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvpool.config import ClientConfig
+from kvpool.etcd import EtcdAccess
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.master_client import MasterConnection
@@ -75,7 +76,7 @@ class ScoreClient:
                                      hello=auth_hello(config.token) if config.token else None)
         self._masters = MasterConnection(config.master, pool=self._calls, timeout_s=config.lookup_timeout_s,
                                          max_message_bytes=MAX_MESSAGE_BYTES, token=config.token,
-                                         tls_ca=config.tls_ca)
+                                         tls_ca=config.tls_ca, etcd_access=EtcdAccess.from_config(config, "client"))
         self._timeout = config.lookup_timeout_s
 
     def score(self, keys: Sequence[BlockKey], workers: Sequence[str] = ()) -> Score | None:

@@ -22,11 +22,15 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
 from kvpool.metrics import TIER_LABELS
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvpool.etcd import EtcdAccess
 
 LATE_HEARTBEAT_S = 2.0  # two default heartbeat intervals: still listed, but worth a look
 
@@ -249,15 +253,16 @@ class Masters:
     etcd: list[tuple[str, str]]  # (endpoint, "etcd 3.4.23, raft term 2" or what went wrong)
 
 
-def ask_etcd(target: str, timeout: float = 3.0) -> Masters | None:
-    """The masters of an ``etcd://`` target, as etcd names them; None for a plain ``host:port``."""
-    from kvpool.etcd import EtcdClient, EtcdTarget, LeaderInfo, members_prefix
+def ask_etcd(target: str, timeout: float = 3.0, etcd_access: EtcdAccess | None = None) -> Masters | None:
+    """The masters of an ``etcd://`` target, as etcd names them (asked as ``etcd_access``: TLS, user); None for a
+    plain ``host:port``. ValueError if etcd refuses ``etcd_access``."""
+    from kvpool.etcd import EtcdClient, EtcdRefused, EtcdTarget, LeaderInfo, members_prefix
     from kvpool.master_client import leader_address
 
     parsed = EtcdTarget.parse(target)
     if parsed is None:
         return None
-    etcd = EtcdClient(parsed.endpoints, timeout_s=timeout)
+    etcd = EtcdClient(parsed.endpoints, timeout_s=timeout, access=etcd_access)
     try:
         health = []
         for i, endpoint in enumerate(parsed.endpoints):
@@ -271,6 +276,8 @@ def ask_etcd(target: str, timeout: float = 3.0) -> Masters | None:
             leader = leader_address(etcd, parsed.cluster)
             members = [info.address for _, kv in etcd.get_prefix(members_prefix(parsed.cluster))
                        if (info := LeaderInfo.decode(kv.value)) is not None]
+        except EtcdRefused as exc:
+            raise ValueError(f"etcd refused to name the masters of {target}: {exc.details()}") from None
         except grpc.RpcError:
             leader, members = None, []
         return Masters(parsed.cluster, leader, sorted(m for m in members if m != leader), health)
@@ -285,11 +292,11 @@ def render_masters(masters: Masters) -> str:
     return "\n".join(lines)
 
 
-def cluster_status(master: str, *, token: str = "", tls_ca: str = "",
-                   timeout: float = 5.0) -> master_pb2.ClusterStatusResponse:
+def cluster_status(master: str, *, token: str = "", tls_ca: str = "", timeout: float = 5.0,
+                   etcd_access: EtcdAccess | None = None) -> master_pb2.ClusterStatusResponse:
     """The master's ``ClusterStatus``, asked over a channel with the caller's credentials (``token`` and
     ``tls_ca`` as in a client config, so a master with an auth file or TLS answers too). ``master`` may be
-    ``etcd://HOST:PORT/CLUSTER``: the leader etcd names is asked.
+    ``etcd://HOST:PORT/CLUSTER``: the leader etcd names (asked as ``etcd_access``) is asked.
 
     The one way every command and benchmark asks it. :class:`MasterUnreachable` (a ValueError) when the
     master cannot be asked.
@@ -297,7 +304,7 @@ def cluster_status(master: str, *, token: str = "", tls_ca: str = "",
     from kvpool.rpc import make_channel
 
     if master.startswith("etcd://"):
-        masters = ask_etcd(master, timeout)
+        masters = ask_etcd(master, timeout, etcd_access)
         if masters is None or masters.leader is None:
             raise MasterUnreachable(master, "UNAVAILABLE", "etcd names no leading master")
         master = masters.leader
@@ -310,15 +317,16 @@ def cluster_status(master: str, *, token: str = "", tls_ca: str = "",
 
 
 def run_status(master: str, timeout: float = 3.0, prometheus: str | None = None, *, token: str = "",
-               tls_ca: str = "") -> int:
+               tls_ca: str = "", etcd_access: EtcdAccess | None = None) -> int:
     """Print the status; 1 with a message on stderr for each source that cannot be reached.
 
-    ``token`` / ``tls_ca``: the client config's, for a master with an auth file or TLS.
+    ``token`` / ``tls_ca``: the client config's, for a master with an auth file or TLS; ``etcd_access``: its
+    ``etcd_*`` settings, for an etcd with TLS or authentication.
     """
     code = 0
     try:
-        masters = ask_etcd(master, timeout)
-    except ValueError as exc:  # a malformed etcd:// target
+        masters = ask_etcd(master, timeout, etcd_access)
+    except ValueError as exc:  # a malformed etcd:// target, or etcd refused the client's etcd settings
         print(f"kvpool status: {exc}", file=sys.stderr)
         return 1
     if masters is not None:
@@ -327,7 +335,8 @@ def run_status(master: str, timeout: float = 3.0, prometheus: str | None = None,
         if any(h.startswith("UNREACHABLE") for _, h in masters.etcd) or masters.leader is None:
             code = 1
     try:
-        print(render_status(master, cluster_status(master, token=token, tls_ca=tls_ca, timeout=timeout)))
+        print(render_status(master, cluster_status(master, token=token, tls_ca=tls_ca, timeout=timeout,
+                                                   etcd_access=etcd_access)))
     except MasterUnreachable as exc:
         print(f"kvpool status: cannot reach the master at {master}: {exc.code}", file=sys.stderr)
         code = 1

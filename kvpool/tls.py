@@ -3,6 +3,8 @@
 - Servers (master, node) present ``tls_cert`` (PEM chain) with ``tls_key``;
   clients (and nodes dialing the master) verify it against ``tls_ca`` and
   check that it names the host they dialed (an IP address needs an IP SAN).
+- kvpool's etcd client (:mod:`kvpool.etcd`) may also present a client
+  certificate (mutual TLS, etcd's ``--client-cert-auth``).
 - Plain TCP sockets are wrapped with Python's :mod:`ssl` (TLS 1.2 or newer);
   gRPC gets the same files as channel / server credentials.
 - A file that cannot be read or parsed is a ValueError naming it, at start.
@@ -30,16 +32,20 @@ def check_pair(cert: str, key: str, where: str) -> bool:
     return bool(cert)
 
 
-def server_context(cert: str, key: str) -> ssl.SSLContext:
-    """A server-side context presenting ``cert`` (PEM, leaf first) with ``key``."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
+def _load_pair(context: ssl.SSLContext, cert: str, key: str) -> None:
     _read(cert, "certificate")
     _read(key, "key")
     try:
         context.load_cert_chain(cert, key)
     except ssl.SSLError as exc:
         raise ValueError(f"TLS certificate {cert} / key {key} cannot be used: {exc}") from None
+
+
+def server_context(cert: str, key: str) -> ssl.SSLContext:
+    """A server-side context presenting ``cert`` (PEM, leaf first) with ``key``."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    _load_pair(context, cert, key)
     return context
 
 
@@ -60,7 +66,12 @@ def server_credentials(cert: str, key: str) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(_read(key, "key"), _read(cert, "certificate"))])
 
 
-def channel_credentials(ca: str) -> grpc.ChannelCredentials:
-    """gRPC channel credentials trusting only ``ca``."""
-    client_context(ca)
-    return grpc.ssl_channel_credentials(root_certificates=_read(ca, "CA certificate"))
+def channel_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelCredentials:
+    """gRPC channel credentials trusting only ``ca``; with ``cert`` and ``key`` (PEM), presenting that client
+    certificate too (mutual TLS). Every file is checked as :func:`client_context` and :func:`server_context` do."""
+    context = client_context(ca)
+    if not cert:
+        return grpc.ssl_channel_credentials(root_certificates=_read(ca, "CA certificate"))
+    _load_pair(context, cert, key)
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca, "CA certificate"),
+                                        private_key=_read(key, "key"), certificate_chain=_read(cert, "certificate"))

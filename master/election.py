@@ -30,6 +30,9 @@ Invariants:
   (:func:`kvpool.etcd.members_prefix` + its id) under a lease of its own, so
   ``kvpool status`` can list the standbys; a killed master's key goes with
   that lease.
+- :func:`check_access` is what a master asks etcd before it starts: a
+  master etcd refuses (TLS, user and password, or a role that may not write
+  the leader and member keys) never starts to stand by for ever.
 """
 
 from __future__ import annotations
@@ -41,11 +44,26 @@ from collections.abc import Callable
 
 import grpc
 
-from kvpool.etcd import EtcdClient, LeaderInfo, leader_key, members_prefix
+from kvpool.etcd import EtcdClient, EtcdRefused, EtcdUnavailable, LeaderInfo, cluster_prefix, leader_key, members_prefix
 
 log = logging.getLogger(__name__)
 
 MIN_TTL_S = 2  # etcd grants no shorter lease with its default timings
+
+
+def check_access(etcd: EtcdClient, cluster: str, timeout: float | None = None) -> None:
+    """Whether etcd lets this master campaign in ``cluster``: read and write its leader key and a member key,
+    checked without writing either. ValueError (one line, what to fix) if etcd refuses; if etcd cannot be
+    reached now, a warning: the master stands by until it can."""
+    try:
+        for key in (leader_key(cluster), members_prefix(cluster) + b"check"):
+            etcd.check(key, write=True, timeout=timeout)
+    except EtcdRefused as exc:
+        hint = f"; its role needs readwrite on the prefix {cluster_prefix(cluster).decode()}" \
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED else ""
+        raise ValueError(f"etcd refused this master: {exc.details()}{hint} (docs/operations.md)") from None
+    except EtcdUnavailable as exc:
+        log.warning("master: %s; standing by until etcd answers", exc.details())
 
 
 class Election:
@@ -77,6 +95,7 @@ class Election:
         self.elected_at = 0.0  # monotonic time of the last election (0: never)
         self.failover_s: float | None = None  # at the last election: since the old leader's key last moved
         self._moved: tuple[int, float] | None = None  # another leader's key: (mod revision, when first seen)
+        self._refusal: str | None = None  # why etcd last refused a campaign (logged once a reason)
 
     # -- what the master asks -------------------------------------------------------------
 
@@ -173,6 +192,11 @@ class Election:
                 self.etcd.delete_if(self.key, current.value)
             lease, ttl = self.etcd.grant(self.ttl_s)
             held = self.etcd.create(self.key, self.me.encode(), lease)
+        except EtcdRefused as exc:  # its credentials or role changed since the start: say so (once a reason)
+            if exc.details() != self._refusal:
+                self._refusal = exc.details()
+                log.warning("master: cannot campaign: %s", exc.details())
+            return False
         except grpc.RpcError as exc:
             log.debug("master: campaign failed (%s)", exc.code().name)
             return False

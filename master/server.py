@@ -18,7 +18,10 @@ Invariants:
 - With ``kv_events_endpoint`` the index's tier transitions go out as KV events
   (:mod:`~kvpool.master.kv_events`) from ``start`` until ``stop``; a port it
   cannot bind is the same one-line ValueError.
-- With ``etcd`` the master starts as a standby and leads only while its
+- With ``etcd`` the master first asks etcd whether it may campaign (TLS,
+  user and password, its role: :func:`~kvpool.master.election.check_access`),
+  before anything is bound: a refusal is the one-line ValueError. Then it
+  starts as a standby and leads only while its
   :class:`~kvpool.master.election.Election` says so: a standby answers
   node and client calls UNAVAILABLE (``Info`` says it stands by and where
   the leader is) and its health service says NOT_SERVING; a master that stops
@@ -39,12 +42,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvpool.auth import load_authority
 from kvpool.config import MasterConfig
-from kvpool.etcd import EtcdClient, LeaderInfo, parse_endpoints
+from kvpool.etcd import EtcdAccess, EtcdClient, LeaderInfo, parse_endpoints
 from kvpool.events import EventPublisher
 from kvpool.framing import TcpListener
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.lifecycle import wait_for_shutdown
-from kvpool.master.election import Election
+from kvpool.master.election import Election, check_access
 from kvpool.master.engine_names import EngineNames
 from kvpool.master.index import BlockIndex, HbmIndex, TierChange
 from kvpool.master.kv_events import MasterEventFeed
@@ -84,6 +87,15 @@ class MasterServer:
         self.authority = load_authority(config.auth_file)
         self._tls = server_context(config.tls_cert, config.tls_key) \
             if check_pair(config.tls_cert, config.tls_key, "master") else None
+        self._etcd: EtcdClient | None = None
+        if config.etcd:  # etcd must let this master campaign, or it does not start (nothing is bound yet)
+            self._etcd = EtcdClient(parse_endpoints(config.etcd), timeout_s=min(2.0, config.leader_ttl_s / 3),
+                                    access=EtcdAccess.from_config(config, "master"))
+            try:
+                check_access(self._etcd, config.cluster)
+            except BaseException:
+                self._etcd.close()
+                raise
         self.config = config
         self.registry = CollectorRegistry()
         self.errors = ErrorMetrics(self.registry)
@@ -161,6 +173,8 @@ class MasterServer:
                 if self.events is not None:
                     self.events.close()
                     self.events = None
+                if self._etcd is not None:
+                    self._etcd.close()
                 self.metrics_port = 0
                 raise
             self._sweeper = threading.Thread(target=self._sweep, name="kvpool-master-sweeper", daemon=True)
@@ -180,8 +194,8 @@ class MasterServer:
         """Start as a standby and campaign (see the module docstring)."""
         assert self._health is not None, "MasterServer: standing by before the gRPC server exists"
         self._serving(False)
-        etcd = EtcdClient(parse_endpoints(self.config.etcd), timeout_s=min(2.0, self.config.leader_ttl_s / 3))
-        election = Election(etcd, self.config.cluster, LeaderInfo.new(self.advertised_address()),
+        assert self._etcd is not None, "MasterServer: standing by without an etcd client"
+        election = Election(self._etcd, self.config.cluster, LeaderInfo.new(self.advertised_address()),
                             self.config.leader_ttl_s, on_elected=lambda: self._elected(election),
                             on_deposed=self._deposed)
         servicer = self.servicer
@@ -250,7 +264,8 @@ class MasterServer:
             self._stopping.set()
             if self.election is not None:  # resign first: a standby takes over while this one winds down
                 self.election.stop()
-                self.election.etcd.close()
+            if self._etcd is not None:
+                self._etcd.close()
             if self._server is not None:
                 assert self._health is not None, "MasterServer: a server without its health service"
                 self._health.enter_graceful_shutdown()

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -201,46 +202,118 @@ class PoolProcesses:
         assert all(code in (0, -signal.SIGKILL) for code in self.exit_codes), self.exit_codes
 
 
+@dataclass(frozen=True)
+class EtcdTls:
+    """TLS for a test etcd: its certificate and key, and the CA it trusts for client certificates (with
+    ``client_cert_auth``, etcd's ``--client-cert-auth``: a client must present one)."""
+
+    ca: str
+    cert: str
+    key: str
+    client_cert_auth: bool = True
+
+
 class EtcdServer:
     """A real single-member etcd (Debian's etcd-server; tests/run.sh installs it) on free loopback ports.
 
+    With ``tls`` it serves https only; ``credentials`` (gRPC channel credentials: the CA, and a client
+    certificate) are how this fixture itself reaches it. :meth:`enable_auth` turns etcd's authentication on
+    through its own Auth API (users, roles, permissions, as ``etcdctl user/role/auth`` would);
+    ``auth_token_ttl_s`` is etcd's ``--auth-token-ttl`` (an unused simple token expires after it), ``auth_token``
+    its ``--auth-token`` (e.g. ``jwt,pub-key=...``; default: simple tokens).
     ``pause``/``resume`` (SIGSTOP/SIGCONT) make it unresponsive without losing its state; ``stop`` ends it.
     Fails loudly when no ``etcd`` binary is installed: never a silent skip.
     """
 
-    def __init__(self, data_dir, host: str = "127.0.0.1"):
+    def __init__(self, data_dir, host: str = "127.0.0.1", *, tls: EtcdTls | None = None,
+                 credentials: grpc.ChannelCredentials | None = None, auth_token_ttl_s: int = 0,
+                 auth_token: str = ""):
         import shutil
 
         binary = shutil.which("etcd")
         assert binary is not None, "etcd not found: apt-get install etcd-server (tests/run.sh does)"
         self.client_port, self.peer_port = free_port(), free_port()
         self.endpoint = f"{host}:{self.client_port}"
+        self.url = f"{'https' if tls else 'http'}://{self.endpoint}"
+        self.credentials = credentials
+        self.root_password = ""  # set by enable_auth
         peer = f"http://127.0.0.1:{self.peer_port}"
+        flags = []
+        if tls is not None:
+            flags += ["--cert-file", tls.cert, "--key-file", tls.key, "--trusted-ca-file", tls.ca]
+            flags += ["--client-cert-auth"] if tls.client_cert_auth else []
+        if auth_token_ttl_s:
+            flags += ["--auth-token-ttl", str(auth_token_ttl_s)]
+        if auth_token:
+            flags += ["--auth-token", auth_token]
         self.log = open(data_dir / "etcd.log", "wb")
         self.proc = subprocess.Popen(
             [binary, "--name", "kvpool-test", "--data-dir", str(data_dir / "etcd"),
-             "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
+             "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"kvpool-test={peer}"],
+             "--initial-cluster", f"kvpool-test={peer}", *flags],
             stdout=self.log, stderr=subprocess.STDOUT)
         self.wait_ready()
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        from kvpool.etcd import EtcdClient
+    def channel(self) -> grpc.Channel:
+        """A channel to this etcd with the fixture's own credentials."""
+        if self.credentials is None:
+            return grpc.insecure_channel(self.endpoint)
+        return grpc.secure_channel(self.endpoint, self.credentials)
 
-        client = EtcdClient([self.endpoint], timeout_s=1.0)
-        try:
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        from kvpool.v1 import etcd_pb2, etcd_pb2_grpc
+
+        with self.channel() as channel:
+            stub = etcd_pb2_grpc.MaintenanceStub(channel)
+
             def answers() -> bool:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"etcd exited with {self.proc.returncode}")
                 try:
-                    return bool(client.status().version)
+                    return bool(stub.Status(etcd_pb2.StatusRequest(), timeout=1.0).version)
                 except grpc.RpcError:
                     return False
 
             wait_until(answers, timeout, interval=0.1)
+
+    def admin(self, method: str, request):
+        """One call of etcd's Auth service (``"UserAdd"``, ...): as root once :meth:`enable_auth` ran."""
+        from kvpool.v1 import etcd_pb2, etcd_pb2_grpc
+
+        channel = self.channel()
+        try:
+            stub = etcd_pb2_grpc.AuthStub(channel)
+            metadata = None
+            if self.root_password:
+                reply = stub.Authenticate(etcd_pb2.AuthenticateRequest(name="root", password=self.root_password),
+                                          timeout=10)
+                metadata = (("token", reply.token),)
+            return getattr(stub, method)(request, timeout=10, metadata=metadata)
         finally:
-            client.close()
+            channel.close()
+
+    def enable_auth(self, root_password: str, roles: dict[str, list[tuple[str, bytes]]],
+                    users: dict[str, tuple[str, list[str]]]) -> None:
+        """Users (name: (password, roles)) and roles (name: [(READ, WRITE or READWRITE, key prefix)]), then
+        authentication on: from then on only users (and certificates whose CN names one) get in."""
+        from kvpool.etcd import prefix_end
+        from kvpool.v1 import etcd_pb2 as pb  # the Auth messages are new with issue 26
+
+        self.admin("UserAdd", pb.AuthUserAddRequest(name="root", password=root_password))
+        self.admin("RoleAdd", pb.AuthRoleAddRequest(name="root"))
+        self.admin("UserGrantRole", pb.AuthUserGrantRoleRequest(user="root", role="root"))
+        for role, perms in roles.items():
+            self.admin("RoleAdd", pb.AuthRoleAddRequest(name=role))
+            for kind, prefix in perms:
+                perm = pb.Permission(permType=kind, key=prefix, range_end=prefix_end(prefix))
+                self.admin("RoleGrantPermission", pb.AuthRoleGrantPermissionRequest(name=role, perm=perm))
+        for user, (password, granted) in users.items():
+            self.admin("UserAdd", pb.AuthUserAddRequest(name=user, password=password))
+            for role in granted:
+                self.admin("UserGrantRole", pb.AuthUserGrantRoleRequest(user=user, role=role))
+        self.admin("AuthEnable", pb.AuthEnableRequest())
+        self.root_password = root_password
 
     def pause(self) -> None:
         self.proc.send_signal(signal.SIGSTOP)

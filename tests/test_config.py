@@ -96,14 +96,15 @@ def test_format_size(n, text):
 # One value of each field that must be refused; a field added without an entry here fails the test below.
 # Strings any text may fill ("free-form") are refused only for the wrong type.
 NAN, INF = math.nan, math.inf
+_ETCD_SETTINGS = ("ca", "cert", "key", "user", "password_file")  # free-form file names and a user name
 BAD_VALUES = {
     MasterConfig: {
         "host": "two words", "port": 65536, "metrics_port": -2, "call_port": -3, "node_timeout_s": NAN,
         "heartbeat_interval_s": 0.0, "worker_timeout_s": INF, "max_keys_per_call": 0, "max_connections": 0,
         "max_concurrent_rpcs": -1, "auth_file": None, "tls_cert": 1, "tls_key": b"key",
-        "etcd": "https://etcd:2379", "cluster": "a/b", "leader_ttl_s": 1, "advertise_host": "two words",
+        "etcd": "ftp://etcd:2379", "cluster": "a/b", "leader_ttl_s": 1, "advertise_host": "two words",
         "kv_events_endpoint": "tcp://*", "kv_events_replay_endpoint": "udp://h:1", "kv_events_topic": "a b",
-        "kv_events_buffer": 0, "kv_events_max_queue": 0,
+        "kv_events_buffer": 0, "kv_events_max_queue": 0, **{f"etcd_{s}": 1 for s in _ETCD_SETTINGS},
     },
     NodeConfig: {
         "master": "no-port", "host": "two words", "port": -1, "metrics_port": 70000, "data_port": -5,
@@ -113,11 +114,13 @@ BAD_VALUES = {
         "low_watermark": 0.0, "write_through": None, "demote_queue_bytes": -1, "max_message_bytes": 0,
         "max_keys_per_call": 0, "max_connections": -1, "max_concurrent_rpcs": -1, "auth_file": None, "token": 5,
         "tls_cert": 1, "tls_key": 1, "tls_ca": 1, "arena_mode": "0777", "lease_timeout_s": INF,
+        **{f"etcd_{s}": 1 for s in _ETCD_SETTINGS},
     },
     ClientConfig: {
         "master": "host:0", "worker_id": 1, "model": "", "tenant": None, "layout": {"dtype": "bf16"},
         "hbm_blocks": -1, "device": "gpu", "lookup_timeout_s": 0.0, "io_timeout_s": NAN, "spin_wait_us": -1,
         "put_queue_bytes": 0, "shared_memory": "yes", "token": 1, "tls_ca": 1, "strict": 1, "metrics_port": 65536,
+        **{f"etcd_{s}": 1 for s in _ETCD_SETTINGS},
     },
 }
 

@@ -87,7 +87,8 @@ def test_one_master_leads_and_the_standby_refuses_node_and_client_calls_saying_w
         leader = wait_until(lambda: the_leader(masters), timeout=15)
         standby = next(m for m in masters if m is not leader)
         assert info(leader.address).standby is False and info(standby.address).standby is True
-        assert info(standby.address).leader_address == leader.advertised_address()
+        # the standby names the leader once its first poll read the key (it may start after the leader won)
+        wait_until(lambda: info(standby.address).leader_address == leader.advertised_address(), timeout=10)
         assert health(leader.address) == health_pb2.HealthCheckResponse.SERVING
         assert health(standby.address) == health_pb2.HealthCheckResponse.NOT_SERVING
         assert leader.registry.get_sample_value("kvpool_master_leader") == 1

@@ -58,6 +58,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kvpool.auth import load_authority
 from kvpool.config import NodeConfig
 from kvpool.core import Tier, TierStats
+from kvpool.etcd import EtcdAccess
 from kvpool.lifecycle import wait_for_shutdown
 from kvpool.malloc import limit_arenas
 from kvpool.metrics import ErrorMetrics, MetricsServer, TierCollector, latency_histogram
@@ -166,6 +167,7 @@ class PoolNode:
             raise ValueError("node.max_keys_per_call and node.max_connections must be positive")
         # Checked before anything is created: a bad file or mode changes nothing.
         self.authority = load_authority(config.auth_file)
+        etcd_access = EtcdAccess.from_config(config, "node")
         arena_mode = config.resolved_arena_mode()
         tls = server_context(config.tls_cert, config.tls_key) if check_pair(config.tls_cert, config.tls_key,
                                                                             "node") else None
@@ -191,7 +193,7 @@ class PoolNode:
                                           dram_max_block_bytes=self.store.dram.max_block_bytes,
                                           max_block_bytes=self.store.max_block_bytes(),
                                           max_message_bytes=config.max_message_bytes, token=config.token,
-                                          tls_ca=config.tls_ca)
+                                          tls_ca=config.tls_ca, etcd_access=etcd_access)
             self.store.dram_listener = link.listener(Tier.DRAM)  # after the store's own: the arena's inventory
             if ssd is not None:
                 self.store.ssd_listener = link.listener(Tier.SSD)  # after the store's own: the arena's inventory

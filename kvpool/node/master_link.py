@@ -43,6 +43,7 @@ from typing import Protocol
 import grpc
 
 from kvpool.core import BlockMeta, Tier, TierStats
+from kvpool.etcd import EtcdAccess
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
 from kvpool.master_client import MasterConnection
@@ -95,6 +96,7 @@ class MasterLink:
         chunk_keys: int = CHUNK_KEYS,
         token: str = "",
         tls_ca: str = "",
+        etcd_access: EtcdAccess | None = None,
     ):
         self.master = master
         self.node_ref = node_ref  # may be completed (bound address) until start()
@@ -108,10 +110,10 @@ class MasterLink:
         self._calls = ConnectionPool(rpc_timeout_s, tls=client_context(tls_ca) if tls_ca else None,
                                      hello=auth_hello(token) if token else None)
         # The master, or the leader etcd names (followed when it moves: the link then registers with it). Reports
-        # go over fast calls; the rest over gRPC.
+        # go over fast calls; the rest over gRPC. etcd refusing etcd_access is a ValueError: the node does not start.
         self._master = MasterConnection(master, pool=self._calls, timeout_s=rpc_timeout_s,
                                         max_message_bytes=max_message_bytes, token=token, tls_ca=tls_ca,
-                                        options=_RECONNECT_OPTIONS)
+                                        options=_RECONNECT_OPTIONS, etcd_access=etcd_access, refuse_start=True)
         self._stub = self._master.stub
         self._pending_lock = threading.Lock()
         self._pending: dict[Tier, dict[BlockKey, BlockMeta | None]] = {t: {} for t in self._stores}
