@@ -344,7 +344,9 @@ class MasterConfig:
                                        "0: any free port; -1: {port} + 2, or any free port if that is taken or "
                                        "{port} is 0",
                          check=port_check("0: any free port", "-1: port + 2"), default_text="{port} + 2")
-    node_timeout_s: float = opt(3.0, "a node silent this long is dropped with all its entries", check=seconds_check)
+    node_timeout_s: float = opt(10.0, "a node silent this long is dropped with all its entries (time the master "
+                                      "itself did not run is not counted); 10 heartbeats, so a busy host keeps its "
+                                      "node", check=seconds_check)
     heartbeat_interval_s: float = opt(1.0, "how often nodes heartbeat (told to them when they register)",
                                       check=seconds_check)
     worker_timeout_s: float = opt(60.0, "a worker silent this long loses its HBM entries", check=seconds_check)

@@ -100,7 +100,7 @@ def test_help_shows_sizes_with_units_one_default_and_the_env_variable(capsys, mo
     serve = _help(capsys, monkeypatch, "serve")
     assert "env KVPOOL_MASTER_PORT" in serve["--master-port"] and "env KVPOOL_NODE_PORT" in serve["--port"]
     assert "(default: --master-port + 1;" in serve["--master-metrics-port"]
-    assert "(default: 3 s;" in serve["--master-node-timeout-s"]
+    assert "(default: 10 s;" in serve["--master-node-timeout-s"]
 
 
 def test_on_off_settings_are_flag_pairs():
