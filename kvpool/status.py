@@ -28,6 +28,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,7 +95,7 @@ def _percent(part: int, whole: int) -> str:
     return ratio_percent(part / whole if whole else None)
 
 
-def _tier_line(by_tier: dict[str, float | None], overall: float | None) -> str:
+def _tier_line(by_tier: Mapping[str, float | None], overall: float | None) -> str:
     cells = [f"{tier.upper()} {ratio_percent(by_tier.get(tier))}" for tier in TIER_LABELS]
     return "   ".join(cells) + f"   overall {ratio_percent(overall)}"
 
