@@ -130,7 +130,8 @@ def _run_status(args: argparse.Namespace) -> int:
 
     client = _config(args).client
     return run_status(args.master or client.master, timeout=args.timeout, prometheus=args.prometheus,
-                      token=client.token, tls_ca=client.tls_ca, etcd_access=EtcdAccess.from_config(client, "client"))
+                      token=client.token, tls_ca=client.tls_ca, etcd_access=EtcdAccess.from_config(client, "client"),
+                      as_json=args.json)
 
 
 def _run_route(args: argparse.Namespace) -> int:
@@ -209,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long to wait for the master (default: 3 s)")
     status.add_argument("--prometheus", metavar="URL",
                         help="also show the dashboard's 5-minute hit rates and target health from this Prometheus")
+    status.add_argument("--json", action="store_true",
+                        help="print the same as one JSON object, for scripts (field names: docs/operations.md)")
 
     route_parser = command("route", "per worker, how much of a prompt's prefix it would reuse (HBM, then the pool)",
                            _run_route)

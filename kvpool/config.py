@@ -382,7 +382,9 @@ class MasterConfig:
                                        "0: any free port; -1: {port} + 2, or any free port if that is taken or "
                                        "{port} is 0",
                          check=port_check("0: any free port", "-1: port + 2"), default_text="{port} + 2")
-    node_timeout_s: float = opt(3.0, "a node silent this long is dropped with all its entries", check=seconds_check)
+    node_timeout_s: float = opt(10.0, "a node silent this long is dropped with all its entries (time the master "
+                                      "itself did not run is not counted); 10 heartbeats, so a busy host keeps its "
+                                      "node", check=seconds_check)
     heartbeat_interval_s: float = opt(1.0, "how often nodes heartbeat (told to them when they register)",
                                       check=seconds_check)
     worker_timeout_s: float = opt(60.0, "a worker silent this long loses its HBM entries", check=seconds_check)
@@ -614,12 +616,23 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+def _number(kind: type[int] | type[float], value: int | float | str, problem: str) -> Any:
+    """``kind(value)``, or ValueError(``problem``): Python's own message repeats the value, which the caller adds."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(problem) from None
+
+
 def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
     where = f"{section}.{f.name}"
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    try:
-        if f.metadata.get("size"):
+    if f.metadata.get("size"):
+        try:
             return parse_size(value)
+        except ValueError as exc:  # parse_size names the value itself: once is enough
+            raise ValueError(f"config {where}: {exc}") from None
+    try:
         if kind == "KVLayout | None":
             if value is None or isinstance(value, KVLayout):
                 return value
@@ -638,11 +651,11 @@ def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
         if kind == "int":
             if isinstance(value, bool) or not isinstance(value, (int, str)):
                 raise ValueError("expected an integer")
-            return int(value)
+            return _number(int, value, "expected an integer")
         if kind == "float":
             if isinstance(value, bool) or not isinstance(value, (int, float, str)):
                 raise ValueError("expected a number")
-            return float(value)
+            return _number(float, value, "expected a number")
         if kind == "str":
             if not isinstance(value, str):
                 raise ValueError("expected a string")

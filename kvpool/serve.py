@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 from kvpool.auth import load_authority
 from kvpool.config import MasterConfig, NodeConfig, PoolConfig
 from kvpool.lifecycle import wait_for_shutdown
+from kvpool.status import human_bytes
+from kvpool.tiers.arena import SLOT_DTYPE, SharedArena, shm_path
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,16 @@ def master_config_for(config: PoolConfig) -> MasterConfig:
                                call_port=call_port)
 
 
+def dram_summary(arena: SharedArena) -> str:
+    """The DRAM the blocks get, and what else the arena's file in /dev/shm holds (it is larger by that much)."""
+    total = os.path.getsize(shm_path(arena.name))
+    rows = arena.num_slots * (SLOT_DTYPE.itemsize + 8)  # a slot table row and an LRU stamp per slot
+    tables = total - arena.data_bytes - rows  # the header, the key index and the inventory (and page padding)
+    return (f"DRAM {human_bytes(arena.data_bytes)} for blocks in /dev/shm/{arena.name}, a file of "
+            f"{human_bytes(total)} with its slot table and LRU stamps ({human_bytes(rows)}, {arena.num_slots} slots) "
+            f"and its key index and inventory ({human_bytes(tables)})")
+
+
 def run_serve(config: PoolConfig) -> None:
     """Start the master, then a node registered with it; run until SIGINT/SIGTERM; stop both."""
     from kvpool.malloc import limit_arenas
@@ -102,11 +115,10 @@ def run_serve(config: PoolConfig) -> None:
         node = PoolNode(node_config)
         try:
             node.start()
-            dram = node.store.dram.stats().capacity_bytes
             ssd = node.store.ssd
             log.info(
-                "kvpool serve: master %s, node %s; DRAM %d MiB (/dev/shm/%s), SSD %s; metrics master %s node %s",
-                master.address, node.address, dram >> 20, node.node_ref.arena,
+                "kvpool serve: master %s, node %s; %s; SSD %s; metrics master %s node %s",
+                master.address, node.address, dram_summary(node.store.dram.arena),
                 f"{ssd.capacity_bytes >> 20} MiB at {ssd.path}" if ssd is not None else "off",
                 f":{master.metrics_port}" if master.metrics_port else "off",
                 f":{node.metrics_port}" if node.metrics_port else "off",

@@ -11,6 +11,13 @@ Two sources, each shown for what it is:
 
 Invariant: every Prometheus number printed is one recorded series read as it
 is (:data:`RECORDED`), never recomputed here, so it equals the dashboard's.
+
+``--json`` prints the same numbers as one JSON object instead of the tables
+(:func:`status_fields`, :func:`masters_fields`, :func:`rates_fields`; the
+tables are rendered from those same fields). Its names are stable and
+documented in docs/operations.md: sizes in bytes (``*_bytes``), times in
+seconds (``*_s``), ratios 0..1, and ``null`` for what there is none of (no
+traffic, no SSD tier, a source not asked or not reachable).
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -90,7 +98,7 @@ def _percent(part: int, whole: int) -> str:
     return ratio_percent(part / whole if whole else None)
 
 
-def _tier_line(by_tier: dict[str, float], overall: float | None) -> str:
+def _tier_line(by_tier: Mapping[str, float | None], overall: float | None) -> str:
     cells = [f"{tier.upper()} {ratio_percent(by_tier.get(tier))}" for tier in TIER_LABELS]
     return "   ".join(cells) + f"   overall {ratio_percent(overall)}"
 
@@ -103,43 +111,73 @@ def node_health(seconds_since_heartbeat: float, late_after_s: float = LATE_HEART
     return "ok" if seconds_since_heartbeat < late_after_s else "late"
 
 
+def _tier_fields(usage: common_pb2.TierUsage | None) -> dict[str, int] | None:
+    if usage is None or not usage.capacity_bytes:
+        return None
+    return {"used_bytes": usage.used_bytes, "capacity_bytes": usage.capacity_bytes, "blocks": usage.blocks}
+
+
+def status_fields(master: str, status: master_pb2.ClusterStatusResponse) -> dict[str, Any]:
+    """What ``kvpool status`` shows of one ClusterStatus reply, by the names ``--json`` prints."""
+    nodes = []
+    for node in status.nodes:
+        tiers = {t.tier: t for t in node.tiers}
+        age = node.seconds_since_heartbeat
+        nodes.append({"node_id": node.node.node_id, "address": node.node.address, "health": node_health(age),
+                      "seconds_since_heartbeat": age, "incarnation": node.incarnation,
+                      "dram": _tier_fields(tiers.get(common_pb2.TIER_DRAM)),
+                      "ssd": _tier_fields(tiers.get(common_pb2.TIER_SSD))})
+    asked = status.requested_blocks
+    hits = {"hbm": status.hit_blocks_hbm, "dram": status.hit_blocks_dram, "ssd": status.hit_blocks_ssd}
+    ratios: dict[str, float | None] = {tier: n / asked if asked else None for tier, n in hits.items()}
+    ratios["overall"] = sum(hits.values()) / asked if asked else None
+    return {
+        "master": master,
+        "nodes": nodes,
+        "indexed_blocks": status.indexed_blocks,
+        "workers": status.workers,
+        "hbm_blocks": status.hbm_blocks,
+        "lookups": status.lookups,
+        "requested_blocks": asked,
+        "hit_blocks": hits,
+        "hit_ratio": ratios,
+        "refused_blocks": status.blocks_too_large,
+        "largest_refused_bytes": status.largest_refused_bytes,
+        "largest_block_bytes": status.largest_block_bytes,
+    }
+
+
 def render_status(master: str, status: master_pb2.ClusterStatusResponse) -> str:
     """The table ``kvpool status`` prints for one ClusterStatus reply."""
+    f = status_fields(master, status)
     lines = [
-        (f"kvpool master {master}: {len(status.nodes)} node(s), {status.indexed_blocks} blocks indexed, "
-         f"{status.workers} worker(s) holding {status.hbm_blocks} blocks in HBM"),
+        (f"kvpool master {master}: {len(f['nodes'])} node(s), {f['indexed_blocks']} blocks indexed, "
+         f"{f['workers']} worker(s) holding {f['hbm_blocks']} blocks in HBM"),
         "",
         f"{'NODE':<24} {'ADDRESS':<22} {'HEALTH':<6} {'HEARTBEAT':>11}  "
         f"{'DRAM used / capacity':<40} SSD used / capacity",
     ]
-    for node in status.nodes:
-        tiers = {t.tier: t for t in node.tiers}
+    for node in f["nodes"]:
         cells = []
-        for tier in (common_pb2.TIER_DRAM, common_pb2.TIER_SSD):
-            t = tiers.get(tier)
-            if t is None or not t.capacity_bytes:
-                cells.append("-")
-            else:
-                cells.append(f"{human_bytes(t.used_bytes)} / {human_bytes(t.capacity_bytes)} "
-                             f"({_percent(t.used_bytes, t.capacity_bytes).strip()}, {t.blocks} blk)")
-        age = node.seconds_since_heartbeat
-        lines.append(f"{node.node.node_id:<24} {node.node.address:<22} {node_health(age):<6} "
-                     f"{human_seconds(age) + ' ago':>11}  {cells[0]:<40} {cells[1]}")
-    if not status.nodes:
+        for t in (node["dram"], node["ssd"]):
+            cells.append("-" if t is None else
+                         f"{human_bytes(t['used_bytes'])} / {human_bytes(t['capacity_bytes'])} "
+                         f"({_percent(t['used_bytes'], t['capacity_bytes']).strip()}, {t['blocks']} blk)")
+        lines.append(f"{node['node_id']:<24} {node['address']:<22} {node['health']:<6} "
+                     f"{human_seconds(node['seconds_since_heartbeat']) + ' ago':>11}  {cells[0]:<40} {cells[1]}")
+    if not f["nodes"]:
         lines.append("(no nodes registered)")
-    asked = status.requested_blocks
-    hits = status.hit_blocks_hbm + status.hit_blocks_dram + status.hit_blocks_ssd
-    by_tier = {"hbm": status.hit_blocks_hbm, "dram": status.hit_blocks_dram, "ssd": status.hit_blocks_ssd}
+    ratios = f["hit_ratio"]
     lines += [
         "",
-        f"hit rate since the master started ({status.lookups} lookups, {asked} blocks asked for):",
-        "  " + _tier_line({t: n / asked for t, n in by_tier.items()} if asked else {}, hits / asked if asked else None),
+        f"hit rate since the master started ({f['lookups']} lookups, {f['requested_blocks']} blocks asked for):",
+        "  " + _tier_line({t: r for t, r in ratios.items() if t != "overall"}, ratios["overall"]),
     ]
-    if status.blocks_too_large:
+    if f["refused_blocks"]:
         lines += [
             "",
-            (f"REFUSED {status.blocks_too_large} blocks of up to {human_bytes(status.largest_refused_bytes)}: no node "
-             f"takes blocks larger than {human_bytes(status.largest_block_bytes)}; set the nodes' --max-block-bytes to "
+            (f"REFUSED {f['refused_blocks']} blocks of up to {human_bytes(f['largest_refused_bytes'])}: no node "
+             f"takes blocks larger than {human_bytes(f['largest_block_bytes'])}; set the nodes' --max-block-bytes to "
              "at least your block size (or give them an SSD tier)"),
         ]
     return "\n".join(lines)
@@ -208,6 +246,28 @@ def fetch_dashboard_rates(url: str, timeout: float = 3.0) -> DashboardRates:
         lookup_p99_s=by_label("lookup_p99", "job"),
         targets=targets,
     )
+
+
+def _number(value: float | None) -> float | None:
+    """JSON has no NaN: a rate Prometheus could not compute (no traffic) is null."""
+    return None if value is None or math.isnan(value) else value
+
+
+def rates_fields(url: str, rates: DashboardRates) -> dict[str, Any]:
+    """The Prometheus part of ``kvpool status``, by the names ``--json`` prints."""
+    def by_tier(ratios: dict[str, float], overall: float | None) -> dict[str, float | None]:
+        return {**{tier: _number(ratios.get(tier)) for tier in TIER_LABELS}, "overall": _number(overall)}
+
+    return {
+        "url": url,
+        "hit_ratio_by_blocks": by_tier(rates.blocks_by_tier, rates.blocks),
+        "hit_ratio_by_tokens": by_tier(rates.tokens_by_tier, rates.tokens),
+        "tokens_saved_per_s": _number(rates.tokens_saved_per_s),
+        "lookups_per_s": _number(rates.lookups_per_s),
+        "lookup_p50_s": {job: _number(v) for job, v in sorted(rates.lookup_p50_s.items())},
+        "lookup_p99_s": {job: _number(v) for job, v in sorted(rates.lookup_p99_s.items())},
+        "targets": [{"job": job, "instance": instance, "up": up} for job, instance, up in rates.targets],
+    }
 
 
 def render_dashboard_rates(url: str, rates: DashboardRates) -> str:
@@ -285,6 +345,13 @@ def ask_etcd(target: str, timeout: float = 3.0, etcd_access: EtcdAccess | None =
         etcd.close()
 
 
+def masters_fields(masters: Masters) -> dict[str, Any]:
+    """What etcd says of an HA cluster's masters, by the names ``--json`` prints."""
+    return {"cluster": masters.cluster, "leader": masters.leader, "standbys": masters.standbys,
+            "etcd": [{"endpoint": endpoint, "reachable": not health.startswith("UNREACHABLE"), "detail": health}
+                     for endpoint, health in masters.etcd]}
+
+
 def render_masters(masters: Masters) -> str:
     lines = [f"masters of cluster {masters.cluster}: leader {masters.leader or 'NONE (no leader elected now)'}; "
              f"standbys: {', '.join(masters.standbys) or 'none'}"]
@@ -317,35 +384,52 @@ def cluster_status(master: str, *, token: str = "", tls_ca: str = "", timeout: f
 
 
 def run_status(master: str, timeout: float = 3.0, prometheus: str | None = None, *, token: str = "",
-               tls_ca: str = "", etcd_access: EtcdAccess | None = None) -> int:
-    """Print the status; 1 with a message on stderr for each source that cannot be reached.
+               tls_ca: str = "", etcd_access: EtcdAccess | None = None, as_json: bool = False) -> int:
+    """Print the status: the tables, or (``as_json``) one JSON object, ``null`` for each part that could not be
+    read and ``errors`` saying why. 1 if a source could not be read (a message on stderr for each) or etcd is not
+    whole.
 
     ``token`` / ``tls_ca``: the client config's, for a master with an auth file or TLS; ``etcd_access``: its
     ``etcd_*`` settings, for an etcd with TLS or authentication.
     """
-    code = 0
+    report: dict[str, Any] = {"master": master, "masters": None, "cluster": None, "prometheus": None, "errors": []}
+    tables: list[str] = []
+
+    def failed(message: str) -> None:
+        print(f"kvpool status: {message}", file=sys.stderr)
+        report["errors"].append(message)
+
+    def done() -> int:
+        if as_json:
+            print(json.dumps(report, indent=2, allow_nan=False))
+        elif tables:
+            print("\n\n".join(tables))
+        return 1 if report["errors"] else 0
+
     try:
         masters = ask_etcd(master, timeout, etcd_access)
     except ValueError as exc:  # a malformed etcd:// target, or etcd refused the client's etcd settings
-        print(f"kvpool status: {exc}", file=sys.stderr)
-        return 1
+        failed(str(exc))
+        return done()
     if masters is not None:
-        print(render_masters(masters))
-        print()
-        if any(h.startswith("UNREACHABLE") for _, h in masters.etcd) or masters.leader is None:
-            code = 1
+        report["masters"] = masters_fields(masters)
+        tables.append(render_masters(masters))
+        unreachable = [endpoint for endpoint, health in masters.etcd if health.startswith("UNREACHABLE")]
+        if unreachable or masters.leader is None:  # shown in the table; said in errors for --json
+            report["errors"].append(f"etcd: {'unreachable ' + ', '.join(unreachable) if unreachable else 'no leader'}")
     try:
-        print(render_status(master, cluster_status(master, token=token, tls_ca=tls_ca, timeout=timeout,
-                                                   etcd_access=etcd_access)))
+        status = cluster_status(master, token=token, tls_ca=tls_ca, timeout=timeout, etcd_access=etcd_access)
     except MasterUnreachable as exc:
-        print(f"kvpool status: cannot reach the master at {master}: {exc.code}", file=sys.stderr)
-        code = 1
+        failed(f"cannot reach the master at {master}: {exc.code}")
+    else:
+        report["cluster"] = status_fields(master, status)
+        tables.append(render_status(master, status))
     if prometheus:
         try:
             rates = fetch_dashboard_rates(prometheus, timeout)
         except (OSError, ValueError) as exc:
-            print(f"kvpool status: cannot read Prometheus at {prometheus}: {exc}", file=sys.stderr)
-            return 1
-        print()
-        print(render_dashboard_rates(prometheus, rates))
-    return code
+            failed(f"cannot read Prometheus at {prometheus}: {exc}")
+        else:
+            report["prometheus"] = rates_fields(prometheus, rates)
+            tables.append(render_dashboard_rates(prometheus, rates))
+    return done()

@@ -19,6 +19,12 @@ Invariants:
 - A node silent (no heartbeat or report) for longer than ``node_timeout_s``
   is dropped by :meth:`Membership.expire`; a worker silent for longer than
   ``worker_timeout_s`` loses its HBM entries.
+- Silence is counted only while the master itself ran: time it could not
+  run (its sweeper woke that late: a stopped process, a starved or swapping
+  host) is told to :meth:`Membership.stalled` and is not held against any
+  node, whose heartbeats wait in its sockets meanwhile. A node's silence still
+  grows by the sweeper's interval at every sweep, so a dead node is dropped
+  however often the master stalls.
 
 The lock is taken only with ``with``; the only calls made under it are the
 constant-time :meth:`BlockIndex.open_node` and :meth:`HbmIndex.drop_worker`
@@ -51,6 +57,7 @@ class NodeInfo:
     dram_max_block_bytes: int  # largest block its DRAM tier takes
     last_heartbeat: float  # time.monotonic()
     max_block_bytes: int = 0  # largest block it stores at all (on SSD if larger); 0: dram_max_block_bytes
+    stalled_at_heartbeat: float = 0.0  # the master's stalled time (Membership.stalled) at its last heartbeat
 
     def snapshot(self) -> NodeInfo:
         return dataclasses.replace(self, tiers={t: dataclasses.replace(s) for t, s in self.tiers.items()})
@@ -81,6 +88,7 @@ class Membership:
         self._workers: dict[str, float] = {}  # worker id -> last seen (monotonic)
         self._next_number = 0
         self._last_incarnation = 0
+        self._stalled_s = 0.0  # seconds the master did not run, in all (see stalled())
 
     def now(self) -> float:
         """The clock that heartbeat times are measured on."""
@@ -107,6 +115,7 @@ class Membership:
                 dram_max_block_bytes=dram_max_block_bytes,
                 last_heartbeat=self._clock(),
                 max_block_bytes=max_block_bytes,
+                stalled_at_heartbeat=self._stalled_s,
             )
             self._next_number += 1
             self._index.open_node(info.number)
@@ -133,6 +142,7 @@ class Membership:
             if info is None or info.incarnation != incarnation:
                 return None
             info.last_heartbeat = self._clock()
+            info.stalled_at_heartbeat = self._stalled_s
             if usage:
                 info.tiers = usage
             return info.number
@@ -148,26 +158,40 @@ class Membership:
         self._index.drop_node(info.number)
         return True
 
+    def stalled(self, seconds: float) -> None:
+        """The master did not run for ``seconds`` (its sweeper woke that late): no node's silence counts them."""
+        if not seconds >= 0:
+            raise ValueError(f"stalled: {seconds} is no number of seconds")
+        with self._lock:
+            self._stalled_s += seconds
+
+    def _silent_for(self, info: NodeInfo, now: float) -> float:
+        """How long ``info`` has been silent while the master ran (caller holds the lock)."""
+        return now - info.last_heartbeat - (self._stalled_s - info.stalled_at_heartbeat)
+
     def expire(self, now: float | None = None) -> list[str]:
-        """Drop nodes silent longer than ``node_timeout_s`` and forget workers silent longer than
-        ``worker_timeout_s``; returns the dropped node ids."""
+        """Drop nodes silent longer than ``node_timeout_s`` (not counting the master's own stalls) and forget
+        workers silent longer than ``worker_timeout_s``; returns the dropped node ids."""
         now = self._clock() if now is None else now
         with self._lock:
-            dead = [info for info in self._nodes.values() if now - info.last_heartbeat > self.node_timeout_s]
-            for info in dead:
+            dead = [(info, self._silent_for(info, now)) for info in self._nodes.values()
+                    if self._silent_for(info, now) > self.node_timeout_s]
+            for info, _ in dead:
                 del self._nodes[info.ref.node_id]
                 del self._by_number[info.number]
             gone_workers = [w for w, seen in self._workers.items() if now - seen > self.worker_timeout_s]
             for worker in gone_workers:
                 del self._workers[worker]
                 self._hbm.drop_worker(worker)  # under the lock: a worker seen again cannot lose a fresh report
-        for info in dead:
+        for info, silent in dead:
             dropped = self._index.drop_node(info.number)
+            stalls = now - info.last_heartbeat - silent
             log.warning(
-                "node %s (%s) silent for %.1fs: dropped with %d index entries",
-                info.ref.node_id, info.ref.address, now - info.last_heartbeat, dropped,
+                "node %s (%s) silent for %.1fs%s: dropped with %d index entries",
+                info.ref.node_id, info.ref.address, silent,
+                f" (and {stalls:.1f}s while the master itself stalled)" if stalls >= 0.05 else "", dropped,
             )
-        return [info.ref.node_id for info in dead]
+        return [info.ref.node_id for info, _ in dead]
 
     def drop_all(self) -> int:
         """Forget every node (with its index entries) and worker: a master that stops leading keeps no state, so

@@ -11,7 +11,10 @@ Invariants:
   (never the global one), so a fresh instance is a restarted master: it knows
   no node and answers their heartbeats with ``known = false``.
 - The sweeper drops silent nodes every ``node_timeout_s / 4``, so a node is
-  gone at most ``1.25 * node_timeout_s`` after its last heartbeat.
+  gone at most ``1.25 * node_timeout_s`` after its last heartbeat, plus the
+  time the master itself did not run: the sweeper measures how late it woke
+  and tells :meth:`~kvpool.master.membership.Membership.stalled`, so a
+  stopped, starved or swapping master never drops a node for its own silence.
 - With ``auth_file`` both listeners (gRPC and fast calls) check tokens and
   roles (:mod:`kvpool.auth`; refusals counted in
   ``kvpool_errors_total{kind}``); with ``tls_cert``/``tls_key`` both speak TLS only.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from types import TracebackType
 
 import grpc
@@ -63,6 +67,7 @@ from kvpool.wire import MASTER_CALLS, WireHandler, refusal_frame, unary_routes
 log = logging.getLogger(__name__)
 
 EPHEMERAL_METRICS_PORT = -1  # MasterConfig.metrics_port: pick any free port (tests)
+STALL_LOG_S = 1.0  # a sweeper this late says so in the log
 
 
 def max_message_bytes(config: MasterConfig) -> int:
@@ -250,11 +255,20 @@ class MasterServer:
 
     def _sweep(self) -> None:
         interval = min(self.config.node_timeout_s, self.config.worker_timeout_s) / 4
+        asleep = time.monotonic()
         while not self._stopping.wait(interval):
+            now = time.monotonic()
+            late = now - asleep - interval  # time this process did not run: no node's silence counts it
             try:
-                self.membership.expire()
+                if late > 0:
+                    self.membership.stalled(late)
+                if late >= STALL_LOG_S:
+                    log.warning("master: sweeper woke %.1fs late (this process or its host stalled); that time is "
+                                "not counted as its nodes' silence", late)
+                self.membership.expire(now)
             except Exception:  # a sweeper bug must be loud but not kill liveness checks
                 log.exception("master sweeper failed")
+            asleep = time.monotonic()
 
     def stop(self, grace: float | None = 1.0) -> None:
         """Stop serving (in-flight calls get ``grace`` seconds), the metrics endpoint and the sweeper."""

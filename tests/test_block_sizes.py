@@ -48,6 +48,13 @@ def test_readme_example_runs_on_a_default_kvpool_serve(procs, tmp_path):
     assert "loaded 7 of 7 blocks from the pool" in out.stdout, out.stdout + out.stderr[-3000:]
 
 
+def test_readme_says_what_its_python_example_needs_before_it():
+    """Regression: the example imports torch, and README said so only under the tests (the client extra)."""
+    before = README.read_text().split("```python\n", 1)[0]
+    said = before.rsplit("\n\n## ", 1)[-1]  # the section the example is in, up to the example
+    assert 'pip install torch==2.13.0 -e ".[client]"' in said, said
+
+
 def test_a_block_no_node_takes_is_refused_counted_and_shown_by_status(procs, tmp_path):
     config = tmp_path / "dram-only.json"
     config.write_text(json.dumps({"node": {"ssd_enabled": False}}))

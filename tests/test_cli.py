@@ -12,10 +12,20 @@ import sys
 import uuid
 
 import pytest
-from support import free_port, kvpool_process, metric, scrape, stop_process, wait_serving, wait_until
+from support import (
+    PoolProcesses,
+    free_port,
+    kvpool_process,
+    metric,
+    scrape,
+    stop_process,
+    wait_serving,
+    wait_until,
+)
 
 from kvpool.cli import _overrides, build_parser, main
 from kvpool.config import NodeConfig, load_config
+from kvpool.status import human_bytes
 from kvpool.tiers.arena import shm_path
 
 REFUSAL_TIMEOUT_S = 60  # a refused start exits at once; this only bounds a start that is not refused
@@ -100,7 +110,7 @@ def test_help_shows_sizes_with_units_one_default_and_the_env_variable(capsys, mo
     serve = _help(capsys, monkeypatch, "serve")
     assert "env KVPOOL_MASTER_PORT" in serve["--master-port"] and "env KVPOOL_NODE_PORT" in serve["--port"]
     assert "(default: --master-port + 1;" in serve["--master-metrics-port"]
-    assert "(default: 3 s;" in serve["--master-node-timeout-s"]
+    assert "(default: 10 s;" in serve["--master-node-timeout-s"]
 
 
 def test_on_off_settings_are_flag_pairs():
@@ -205,3 +215,50 @@ def test_serve_refuses_a_port_its_master_and_node_would_share(tmp_path):
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(shm_path(arena))
+
+
+def test_an_unusable_ssd_dir_names_the_flags_a_cli_user_types(tmp_path):
+    """Regression: the refusal named the config fields (ssd_enabled, ssd_optional), not the flags."""
+    arena = f"kvpool-test-{uuid.uuid4().hex[:8]}"
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    flags = _node_flags(tmp_path, arena)
+    flags[flags.index("--ssd-dir") + 1] = str(not_a_dir)
+    try:
+        done = _cli("node", *flags, cwd=tmp_path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(shm_path(arena))
+    assert done.returncode == 2, done.stderr[-2000:]
+    [line] = done.stderr.strip().splitlines()
+    assert "--no-ssd" in line and "--ssd-optional" in line, line
+    assert "ssd_enabled false" in line and "ssd_optional true" in line, line  # and the fields, for config files
+    for suggested in (["--no-ssd"], ["--ssd-optional"]):  # the flags named are flags
+        build_parser().parse_args(["node", *suggested])
+
+
+@pytest.mark.parametrize("args,value", [(["serve", "--dram-bytes", "12X"], "'12X'"),
+                                        (["node", "--ssd-bytes", "-5"], "'-5'"),
+                                        (["node", "--port", "x"], "'x'"),
+                                        (["master", "--node-timeout-s", "soon"], "'soon'")])
+def test_a_bad_value_is_named_once(args, value):
+    """Regression: ``--dram-bytes 12X`` said "not a size: '12X' (use e.g. ...) (got '12X')"."""
+    done = _cli(*args)
+    assert done.returncode == 2, done.stderr[-2000:]
+    [line] = done.stderr.strip().splitlines()
+    assert line.count(value) == 1, line
+
+
+def test_serve_says_what_its_dram_arena_file_holds_beside_the_blocks(tmp_path):
+    """Regression: the log said ``DRAM 5701 MiB`` of a 6,034 MiB file in /dev/shm without saying what the rest is."""
+    procs = PoolProcesses(tmp_path)
+    try:
+        procs.serve()
+        arena = f"kvpool-test-{procs.tag}-n0"
+        size = os.path.getsize(shm_path(arena))
+        log = (tmp_path / "serve-0.log").read_text()
+    finally:
+        procs.close()
+    line = next(line for line in log.splitlines() if "kvpool serve: master" in line)
+    assert f"DRAM 8.0 MiB for blocks in /dev/shm/{arena}, a file of {human_bytes(size)}" in line, line
+    assert "slot table and LRU stamps" in line and "key index and inventory" in line, line

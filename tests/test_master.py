@@ -392,6 +392,28 @@ def test_silent_node_is_dropped_with_its_keys(start_master, connect):
     assert exists(stub, ka) == [False] * 3
 
 
+def test_a_masters_own_stall_is_not_its_nodes_silence():
+    """Time the master did not run (Membership.stalled, told by its sweeper) is not counted against a node; a dead
+    node is still dropped once it has been silent node_timeout_s of the master's own running time."""
+    from kvpool.core import NodeRef
+    from kvpool.master.index import HbmIndex
+    from kvpool.master.membership import Membership
+
+    clock = [1000.0]
+    index = BlockIndex()
+    members = Membership(index, HbmIndex(), node_timeout_s=3.0, worker_timeout_s=60.0, clock=lambda: clock[0])
+    members.register(NodeRef("a", "127.0.0.1:1"), [], 1 << 20)
+    clock[0] += 5.0  # the master stopped for 4.5 s of these 5: the node was silent 0.5 s while it ran
+    members.stalled(4.5)
+    assert members.expire() == []
+    clock[0] += 2.4
+    assert members.expire() == []  # 2.9 s
+    clock[0] += 0.2
+    assert members.expire() == ["a"]  # 3.1 s
+    with pytest.raises(ValueError):
+        members.stalled(float("nan"))
+
+
 def test_heartbeats_keep_a_node_alive(start_master, connect):
     server = start_master(node_timeout_s=0.3)
     stub = connect(server)

@@ -6,6 +6,8 @@ import importlib.util
 import logging
 import os
 import re
+import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -429,6 +431,58 @@ def test_master_link_chunks_its_full_sync_and_trusts_contains_over_event_order(a
         master.stop()
         dram.close()
     assert not link.registered and not link.flush()
+
+
+@needs_master
+def test_a_report_stuck_in_a_slow_store_call_does_not_delay_heartbeats(arena_name):
+    """Regression: the thread that sent reports also sent the heartbeats, so a report stuck past node_timeout_s (here
+    the store's ``contains``, as under a lock held by a slow write on a busy host) silenced the node: the master
+    dropped it with its blocks, and the node registered again and re-sent everything."""
+    from kvpool.config import MasterConfig
+    from kvpool.master.server import MasterServer
+    from kvpool.tiers.dram import DramStore
+
+    stuck_s = 2.5  # more than twice node_timeout_s
+    master = MasterServer(MasterConfig(port=0, metrics_port=0, node_timeout_s=1.0, heartbeat_interval_s=0.2)).start()
+    dram = DramStore.create(arena_name, 32 * 1024, 1024)
+    slow, returned = threading.Event(), threading.Event()
+
+    class SlowStore:  # the DRAM store, with one slow contains() once ``slow`` is set
+        def contains(self, keys):
+            if slow.is_set():
+                slow.clear()
+                time.sleep(stuck_s)
+                returned.set()
+            return dram.contains(keys)
+
+        def inventory(self):
+            return dram.inventory()
+
+        def stats(self):
+            return dram.stats()
+
+    dram.put([key(0)], [b"a" * 100])
+    ref = common_pb2.NodeRef(node_id="busy-node", address="127.0.0.1:1", host_id="busy-host", arena=arena_name)
+    link = MasterLink(master.address, ref, {Tier.DRAM: SlowStore()}, dram_max_block_bytes=1024)
+    on_change = link.listener(Tier.DRAM)
+    link.start()
+    try:
+        wait_until(lambda: link.registered)
+        incarnation = link.incarnation
+        slow.set()
+        dram.put([key(1)], [b"b" * 100])
+        on_change([BlockMeta(key(1), 100, block_checksum(b"b" * 100))], [])  # the link's thread reports it: stuck
+        assert returned.wait(stuck_s + 10)
+        assert link.flush()
+        assert list(lookup(master.address, [0, 1]).tiers) == [Tier.DRAM, Tier.DRAM]
+        assert link.registrations == 1 and link.incarnation == incarnation
+        with grpc.insecure_channel(master.address) as channel:
+            status = master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=10)
+        assert [n.incarnation for n in status.nodes] == [incarnation]
+    finally:
+        link.stop()
+        master.stop()
+        dram.close()
 
 
 def test_get_closes_the_gap_of_a_block_evicted_between_size_lookup_and_copy(arena_name):

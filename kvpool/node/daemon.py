@@ -130,7 +130,8 @@ def open_ssd(config: NodeConfig, errors: ErrorMetrics) -> SsdStore | None:
     except (OSError, lmdb.Error) as exc:
         if not config.ssd_optional:
             raise ValueError(f"the SSD directory {config.ssd_dir} cannot be used ({_why(exc)}); fix it, turn the "
-                             "SSD tier off (ssd_enabled) or let the node start without it (ssd_optional)") from exc
+                             "SSD tier off (--no-ssd; ssd_enabled false in a config file) or let the node start "
+                             "without it (--ssd-optional; ssd_optional true)") from exc
         log.error("node: the SSD tier at %s cannot be used (%s); serving DRAM only", config.ssd_dir, _why(exc))
         errors.count("ssd_unavailable")
         return None

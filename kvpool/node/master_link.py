@@ -7,12 +7,16 @@ link's job is to keep the master's picture of this node whole:
   ``ReportBlocks(full_sync=True)`` per tier (chunks of at most ``chunk_keys``
   keys: the first chunk replaces, later ones add). Only then is the link
   ``registered``.
-- A background thread heartbeats at the interval the master returned and
-  sends queued inventory changes promptly (``COALESCE_S`` after the first
-  change, so a burst of puts is one report: puts do not wait for it, and on a
-  small machine each report costs the puts CPU). :meth:`MasterLink.flush`
-  sends them synchronously (``FlushReports``, a writer's barrier, and
-  ``Remove``).
+- A background thread sends queued inventory changes promptly
+  (``COALESCE_S`` after the first change, so a burst of puts is one report:
+  puts do not wait for it, and on a small machine each report costs the puts
+  CPU). :meth:`MasterLink.flush` sends them synchronously (``FlushReports``,
+  a writer's barrier, and ``Remove``).
+- Heartbeats have a thread of their own, at the interval the master returned,
+  from the moment ``RegisterNode`` answers: no report, full sync, lock or
+  slow call of the other thread can delay them (a node the master dropped
+  while its full sync ran, or while a report waited on a stalled master, lost
+  every block it had reported).
 - Stores report changes through ``on_change`` after commit, outside their
   locks, so two batches may arrive out of order. The link therefore queues
   only *which* keys changed (with the size and checksum of the latest add
@@ -22,14 +26,19 @@ link's job is to keep the master's picture of this node whole:
   follows the change that made it present, so an earlier send saw it held).
   Whatever order events arrive in, the last send after the last change tells
   the truth.
-- Any failed call, or ``known = false`` from the master (it restarted, or
-  timed us out), drops the registration (with an ``etcd://`` master, a failed
-  call also makes the link read the leader again: :mod:`kvpool.master_client`);
-  the thread registers again with backoff (capped at ``retry_cap_s``) and
-  re-syncs everything. While
+- ``known = false`` from the master (it restarted, or timed us out), or calls
+  failing for longer than the master's ``node_timeout_s`` (it has dropped us
+  by then), drops the registration; the thread registers again with backoff
+  (capped at ``retry_cap_s``) and re-syncs everything. A call that fails
+  sooner (a slow or briefly unreachable master; with an ``etcd://`` master it
+  also makes the link read the leader again: :mod:`kvpool.master_client`)
+  keeps the registration, and a report that failed goes back into the queue
+  for the next send: a busy host costs a retry, not a re-registration that
+  makes the master forget the node's blocks until the re-sync. While
   unregistered, changes are not queued (the re-sync's snapshot, taken after
-  queueing resumes, covers them), so an outage costs no memory. The master
-  being down never raises into the node: flush just returns False.
+  queueing resumes, covers them), so an outage costs no memory beyond the
+  changes of ``node_timeout_s``. The master being down never raises into the
+  node: flush just returns False.
 """
 
 from __future__ import annotations
@@ -57,6 +66,7 @@ log = logging.getLogger(__name__)
 
 CHUNK_KEYS = 50_000
 COALESCE_S = 0.002  # after a change wakes the thread, it waits this long for more before reporting
+RETRY_S = 0.25  # a failed heartbeat is tried again this soon (not a whole interval later)
 # Reconnect quickly after a master restart (gRPC's default backoff grows to minutes).
 _RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -77,6 +87,9 @@ class InventoryStore(Protocol):
 
 class _NotKnown(Exception):
     """The master answered known = false: register again."""
+
+
+_UNKNOWN = "unknown node"  # what _heartbeat says when the master answered known = false
 
 
 class MasterLink:
@@ -121,10 +134,16 @@ class MasterLink:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._beats: threading.Thread | None = None
+        # Registration state, changed under _pending_lock: _collect and _beating from RegisterNode's answer until
+        # the link is lost, _registered once the full sync is sent too.
         self._registered = False
-        self._collect = False  # queue changes? From the start of a registration until the link is lost
+        self._collect = False  # queue changes?
+        self._beating = False  # heartbeat the incarnation?
         self._incarnation = 0
         self._interval = 1.0
+        self._node_timeout = 3.0  # the master's, from RegisterNode: calls failing this long lose the registration
+        self._failing_since: float | None = None  # reports have failed since then (monotonic)
         self._warned = False
         self.registrations = 0  # successful (re-)registrations, for tests and logs
 
@@ -163,14 +182,17 @@ class MasterLink:
         if self._thread is not None:
             raise RuntimeError("master link already started")
         self._thread = threading.Thread(target=self._run, name="kvpool-master-link", daemon=True)
+        self._beats = threading.Thread(target=self._heartbeats, name="kvpool-heartbeat", daemon=True)
         self._thread.start()
+        self._beats.start()
 
     def stop(self, unregister: bool = True) -> None:
         """Stop the thread, then tell the master we are leaving (best effort); idempotent."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for thread in (self._thread, self._beats):
+            if thread is not None:
+                thread.join(timeout=10)
         with self._send_lock:  # after this, flush() returns False without touching the channel
             if unregister and self._registered:
                 try:
@@ -200,8 +222,8 @@ class MasterLink:
     # -- the thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        """Registration and reports (heartbeats are :meth:`_heartbeats`')."""
         backoff = 0.05
-        next_beat = 0.0
         while not self._stop.is_set():
             if not self._registered:
                 if not self._register():
@@ -209,14 +231,36 @@ class MasterLink:
                     backoff = min(backoff * 2, self._retry_cap)
                     continue
                 backoff = 0.05
-                next_beat = time.monotonic() + self._interval
             self._wake.clear()
             self.flush()
-            if self._registered and time.monotonic() >= next_beat:
-                self._heartbeat()
-                next_beat = time.monotonic() + self._interval
-            if self._registered and self._wake.wait(max(0.0, next_beat - time.monotonic())):
+            # a change wakes us; a report that failed is tried again an interval later
+            if self._registered and self._wake.wait(self._interval):
                 self._stop.wait(COALESCE_S)  # let a burst of puts gather: one report for all of them
+
+    def _heartbeats(self) -> None:
+        """The heartbeat thread: every interval while an incarnation is to be kept alive, and nothing else."""
+        beating, last_ok = 0, time.monotonic()  # the incarnation beaten for, and its last answered heartbeat
+        while True:
+            with self._pending_lock:
+                incarnation = self._incarnation if self._beating else 0
+            started = time.monotonic()
+            if incarnation != beating:
+                beating, last_ok = incarnation, started
+            wait = self._interval
+            if incarnation:
+                failed = self._heartbeat(incarnation)
+                now = time.monotonic()
+                if failed is None:
+                    last_ok = now
+                elif failed == _UNKNOWN:
+                    self._lost("master does not know us (restarted, or timed us out)", incarnation)
+                elif now - last_ok > self._node_timeout:
+                    self._lost(f"no heartbeat answered for {now - last_ok:.1f}s ({failed})", incarnation)
+                else:  # a slow or briefly unreachable master: keep the registration, try again soon
+                    log.debug("node %s: heartbeat failed (%s); trying again", self.node_ref.node_id, failed)
+                    wait = RETRY_S
+            if self._stop.wait(max(0.0, started + wait - time.monotonic())):
+                return
 
     def _usage(self) -> list[common_pb2.TierUsage]:
         return [tier_usage(store.stats()) for store in self._stores.values()]
@@ -230,11 +274,14 @@ class MasterLink:
                                                    max_block_bytes=self._max_block_bytes),
                     timeout=self._timeout,
                 )
-                self._incarnation = reply.incarnation
                 if reply.heartbeat_interval_s > 0:
                     self._interval = reply.heartbeat_interval_s
+                if reply.node_timeout_s > 0:
+                    self._node_timeout = reply.node_timeout_s
+                self._failing_since = None
                 with self._pending_lock:  # the snapshots below cover everything changed so far
-                    self._collect = True
+                    self._incarnation = reply.incarnation
+                    self._collect = self._beating = True  # heartbeats from now on, through the full sync
                     for pending in self._pending.values():
                         pending.clear()
                 blocks = 0
@@ -243,6 +290,10 @@ class MasterLink:
                     held = store.inventory()
                     self._report(tier, held, (), full_sync=True, sync_complete=n == len(tiers) - 1)
                     blocks += len(held)
+                with self._pending_lock:  # unless the heartbeat thread lost this incarnation meanwhile
+                    self._registered = self._beating and self._incarnation == reply.incarnation
+                if not self._registered:
+                    raise _NotKnown()
             except (grpc.RpcError, _NotKnown) as exc:
                 self._drop_registration()
                 level = logging.DEBUG if self._warned else logging.WARNING  # once per outage
@@ -250,39 +301,42 @@ class MasterLink:
                 log.log(level, "node %s: cannot register with master %s (%s); retrying",
                         self.node_ref.node_id, self.master, _status(exc))
                 return False
-            self._registered = True
             self._warned = False
             self.registrations += 1
         log.info("node %s: registered with master %s (incarnation %d, %d blocks reported)",
                  self.node_ref.node_id, self.master, self._incarnation, blocks)
         return True
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, incarnation: int) -> str | None:
+        """One heartbeat; None if the master answered that it knows us, else what went wrong."""
         try:
             reply = self._stub.Heartbeat(
-                master_pb2.HeartbeatRequest(node_id=self.node_ref.node_id, incarnation=self._incarnation,
+                master_pb2.HeartbeatRequest(node_id=self.node_ref.node_id, incarnation=incarnation,
                                             tiers=self._usage()),
                 timeout=self._timeout,
             )
         except grpc.RpcError as exc:
-            self._lost(f"heartbeat failed ({_status(exc)})")
-            return
-        if not reply.known:
-            self._lost("master does not know us (restarted?)")
+            return _status(exc)
+        return None if reply.known else _UNKNOWN
 
-    def _lost(self, why: str) -> None:
-        if self._registered:
-            log.warning("node %s: lost master %s: %s; registering again", self.node_ref.node_id, self.master, why)
-        self._drop_registration()
-        self._wake.set()
+    def _lost(self, why: str, incarnation: int) -> None:
+        """Drop registration ``incarnation`` (never a newer one: the heartbeat thread may be late); wake the thread."""
+        registered = self._registered
+        if self._drop_registration(incarnation):
+            if registered:
+                log.warning("node %s: lost master %s: %s; registering again", self.node_ref.node_id, self.master, why)
+            self._wake.set()
 
-    def _drop_registration(self) -> None:
-        """Not registered any more: queued changes are moot (registration re-syncs everything)."""
-        self._registered = False
+    def _drop_registration(self, incarnation: int = 0) -> bool:
+        """Not registered any more: queued changes are moot (registration re-syncs everything). With
+        ``incarnation``, only if that is the current one and still beating; True if dropped."""
         with self._pending_lock:
-            self._collect = False
+            if incarnation and (incarnation != self._incarnation or not self._beating):
+                return False
+            self._registered = self._collect = self._beating = False
             for pending in self._pending.values():
                 pending.clear()
+        return True
 
     # -- reports (caller holds _send_lock) -----------------------------------------------
 
@@ -291,6 +345,7 @@ class MasterLink:
             batch = {t: p for t, p in self._pending.items() if p}
             for tier in batch:
                 self._pending[tier] = {}
+            incarnation = self._incarnation
         try:
             for tier, changes in batch.items():
                 keys = list(changes)
@@ -299,10 +354,33 @@ class MasterLink:
                 removed = [k for k, held in zip(keys, now) if not held]
                 # held but with no add event queued: an earlier send reported it (see the module docstring)
                 self._report(tier, added, removed, full_sync=False)
-        except (grpc.RpcError, _NotKnown) as exc:
-            self._lost(f"report failed ({_status(exc)})")  # the re-sync at registration covers this batch
+        except _NotKnown:
+            self._lost("master does not know us (restarted, or timed us out)", incarnation)  # the re-sync covers it
             return False
+        except grpc.RpcError as exc:
+            self._report_failed(batch, _status(exc), incarnation)
+            return False
+        self._failing_since = None
         return True
+
+    def _report_failed(self, batch: dict[Tier, dict[BlockKey, BlockMeta | None]], why: str, incarnation: int) -> None:
+        """A report the master did not answer: back into the queue (a newer change of a key wins), unless reports
+        have failed for longer than ``node_timeout_s``: then the registration is lost (the re-sync covers it)."""
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        if now - self._failing_since > self._node_timeout:
+            self._lost(f"reports failing for {now - self._failing_since:.1f}s ({why})", incarnation)
+            return
+        log.debug("node %s: report failed (%s); sending it again", self.node_ref.node_id, why)
+        with self._pending_lock:
+            if not self._collect or incarnation != self._incarnation:
+                return  # lost meanwhile: the next registration's snapshot covers the batch
+            for tier, changes in batch.items():
+                pending = self._pending[tier]
+                for key, meta in changes.items():
+                    if pending.get(key) is None:  # absent, or only removed since: the batch's add event stays
+                        pending[key] = meta
 
     def _report(self, tier: Tier, added: Sequence[BlockMeta], removed: Sequence[BlockKey], *, full_sync: bool,
                 sync_complete: bool = False) -> None:
