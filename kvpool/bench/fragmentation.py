@@ -142,9 +142,10 @@ def run_hot_spread(capacity_bytes: int, hot: int = 4000, puts: int = 16, seed: i
         kept = [k for i, k in enumerate(keys) if i % HOLE_EVERY]
         for i in rng.permutation(len(kept)).tolist():  # one read each, in a random order: LRU spread everywhere
             store.locate([kept[i]], touch=True)
-        hot_keys = {kept[i] for i in rng.choice(len(kept), size=min(hot, len(kept)), replace=False).tolist()}
-        for k in hot_keys:
+        hot_list = [kept[i] for i in rng.choice(len(kept), size=min(hot, len(kept)), replace=False).tolist()]
+        for k in hot_list:  # in the seeded order (a set's order changes with each process's hash seed)
             store.locate([k], touch=True)
+        hot_keys = set(hot_list)
         free_bytes = store.usage()[1]
         sizes = dict.fromkeys(kept, small)
         ratios: list[float] = []
