@@ -162,3 +162,17 @@ def test_alloc_from_merged_run_and_spans_follow_the_free_list():
     assert not alloc.spans(25, 40, [(20, 10)])  # [30, 40) was just taken
     alloc.check()
     assert alloc.free_units == 10
+
+
+def test_would_hold_counts_freed_extents_merged_with_their_free_neighbours():
+    alloc = ExtentAllocator(100)
+    for _ in range(10):
+        alloc.alloc(10)  # ten 10-unit extents, nothing free
+    alloc.free(20, 10)  # free: [20, 30)
+    assert alloc.would_hold([10, 10], [(30, 10)])  # the freed extent holds one, the free one the other
+    assert not alloc.would_hold([10, 10, 10], [(30, 10)])
+    assert alloc.would_hold([20], [(10, 10)]) and not alloc.would_hold([21], [(10, 10)])  # [10, 30), freed
+    assert alloc.would_hold([30], [(10, 10), (30, 10)])  # [10, 40): both freed, the free one between
+    assert not alloc.would_hold([30], [(10, 10), (50, 10)])
+    assert alloc.would_hold([], []) and alloc.would_hold([10], []) and not alloc.would_hold([11], [])
+    alloc.check()

@@ -29,7 +29,7 @@ Invariants:
      for the new blocks.
   2. Blocks that need more than the free units evict the LRU blocks worth
      the difference, if the runs freeing them makes (and the free extents)
-     hold the blocks (:func:`~kvpool.tiers.extents.fits`).
+     hold the blocks (:meth:`~kvpool.tiers.extents.ExtentAllocator.would_hold`).
   3. A block that then finds no free slot evicts the LRU block; one that
      finds no free extent long enough evicts the LRU block if freeing it
      (with its free neighbours) makes one, and otherwise the blocks of the
@@ -98,7 +98,7 @@ from kvpool.core import BlockMeta, Tier, TierStats
 from kvpool.keys import BlockKey, check_keys
 from kvpool.tiers.arena import SharedArena, SlotRef
 from kvpool.tiers.base import ChangeListener, EvictionSink, check_batch, notify
-from kvpool.tiers.extents import GRANULE, PINNED, ExtentAllocator, cheapest_windows, fits, units_for
+from kvpool.tiers.extents import GRANULE, PINNED, ExtentAllocator, cheapest_windows, units_for
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
@@ -390,9 +390,8 @@ class DramStore:
                 break
             popped.append(heapq.heappop(self._heap))
             freed += int(self._extent[slot, 1])
-        taken = [(int(self._extent[slot, 0]), int(self._extent[slot, 1])) for _, slot, _ in popped]
-        runs, absorbed = self._alloc.runs_if_freed(taken)
-        if freed >= room and fits(wants, runs + self._alloc.longest(len(wants), absorbed)):
+        taken = [(s, n) for s, n in self._extent[[slot for _, slot, _ in popped]].tolist()]
+        if freed >= room and self._alloc.would_hold(wants, taken):
             return [self._evict(slot) for _, slot, _ in popped]
         for entry in popped:
             heapq.heappush(self._heap, entry)
@@ -481,7 +480,8 @@ class DramStore:
                 else:  # the room the blocks need, in LRU order if what that frees holds them
                     victims = self._room_in_lru_order([want[i] for i in pending], room) if room > 0 else []
                 if not victims:
-                    for i in sorted(pending, key=lambda i: i not in planned):  # blocks with a run freed for them first
+                    first = sorted(pending, key=lambda i: i not in planned) if planned else pending
+                    for i in first:  # blocks with a run freed for them first
                         got[i] = self._take(want[i], planned.pop(i, None))
                     pending = [i for i in pending if got[i] is None]
                     if not pending:

@@ -156,9 +156,18 @@ class ExtentAllocator:
             pos = s + n
         return pos >= end or self._by_start.get(pos, 0) >= end - pos
 
-    def runs_if_freed(self, taken: Sequence[tuple[int, int]]) -> tuple[list[int], set[int]]:
-        """(lengths of the free extents there would be where the extents ``taken`` (start, units) are, once freed and
-        merged with each other and their free neighbours; the starts of the free extents they would absorb)."""
+    def would_hold(self, units: Sequence[int], taken: Sequence[tuple[int, int]]) -> bool:
+        """Whether blocks of ``units`` would fit in the free extents once the taken extents ``taken`` (start, units)
+        are freed, each merged with its free neighbours (a sufficient test: largest block first into the longest
+        run; O(len(taken) + len(units)), and O(1) a block when each freed extent holds the largest block alone, as
+        with one block size)."""
+        if not units:
+            return True
+        top = max(units)
+        if all(n >= top for _, n in taken):
+            spare = len(units) - len(taken)  # blocks beyond one per freed extent: into free extents that hold one
+            if spare <= 0 or sum(n >= top for n in self._longest(spare, frozenset())) >= spare:
+                return True
         absorbed: set[int] = set()
         runs: list[list[int]] = []
         for s, n in sorted(taken):
@@ -170,9 +179,9 @@ class ExtentAllocator:
                 runs[-1][1] = max(runs[-1][1], last)
             else:
                 runs.append([first, last])
-        return [last - first for first, last in runs], absorbed
+        return fits(units, [last - first for first, last in runs] + self._longest(len(units), absorbed))
 
-    def longest(self, count: int, skip: AbstractSet[int] = frozenset()) -> list[int]:
+    def _longest(self, count: int, skip: AbstractSet[int]) -> list[int]:
         """The lengths of ``count`` (or all, if fewer) free extents from the top size bins down, leaving out those
         starting in ``skip``: the longest, up to the order inside one bin (O(count + len(skip)))."""
         out: list[int] = []
@@ -205,8 +214,8 @@ class ExtentAllocator:
 
 
 def fits(units: Sequence[int], runs: Sequence[int]) -> bool:
-    """Whether blocks of ``units`` fit in free extents of lengths ``runs``, largest block first into the longest run
-    (a sufficient test, not an exact one)."""
+    """Whether blocks of ``units`` fit in runs of lengths ``runs``, largest block first into the longest run (a
+    sufficient test, not an exact one)."""
     heap = [-n for n in runs]
     heapq.heapify(heap)
     for n in sorted(units, reverse=True):
