@@ -246,15 +246,16 @@ def cheapest_windows(
     are free). ``costs`` (int64): what evicting each costs (its last read's
     time), ``PINNED`` where it may not be evicted. A run costs the largest
     cost among the extents it overlaps (all of them must go to free it),
-    ties going to the run whose extents hold fewest units: so no run
-    returned needs an extent newer than the cheapest run does. A run starts
-    where a taken extent ends (or at 0): every cheaper choice of extents is
-    such a run. Runs returned share no extent and are parted by an extent
-    kept, so each is still a free extent of its own once its victims are
-    freed. At most ``WINDOW_EXTENTS`` extents are looked at: with more, the
+    ties going to the run whose extents hold fewest units: the first run
+    returned is one no other beats. Only runs that start where a taken
+    extent ends (or at 0) are tried: any run slid left to the nearest such
+    start overlaps no extent it did not. Runs returned share no extent and
+    are parted by an extent kept, so each is still a free extent of its own
+    once its victims are freed. At most ``WINDOW_EXTENTS`` extents are looked at: with more, the
     stretch of that many around unit ``near`` (the caller's oldest block).
     CPU: a sort and O(n log w) numpy steps for n extents, w of them in a
-    run; memory ~70 bytes an extent while it runs.
+    run (~0.2 s and ~53 MiB for a stretch of 2^19 out of 1.5M, measured on a
+    busy 2-core machine).
     """
     n = int(starts.size)
     lo_unit, hi_unit = 0, total
