@@ -112,26 +112,41 @@ def test_the_cheapest_window_is_the_one_a_search_of_every_position_finds():
         assert _brute(starts, lengths, costs, total, units, w.start)[::2] == (w.cost, list(w.victims))
 
 
-def test_several_windows_are_disjoint_parted_by_a_kept_extent_and_cheapest_first():
+def test_runs_for_several_blocks_are_exact_disjoint_and_parted_by_a_kept_extent():
     rng = random.Random(9)
     for _ in range(200):
         total = rng.randrange(40, 300)
         starts, lengths, costs = _layout(rng, total)
         units = rng.randrange(1, 40)
         windows = cheapest_windows(starts, lengths, costs, total, units, count=6)
-        assert [w.cost for w in windows] == sorted(w.cost for w in windows)
+        assert sum(w.blocks for w in windows) <= 6
+        if windows:  # the first run is where one block alone would go
+            assert windows[0].start == cheapest_windows(starts, lengths, costs, total, units)[0].start
         order = np.argsort(starts)
         rank = {int(i): r for r, i in enumerate(order)}
         spans = []
         for w in windows:
-            cost, evicted, victims = _brute(starts, lengths, costs, total, units, w.start)
+            cost, evicted, victims = _brute(starts, lengths, costs, total, units * w.blocks, w.start)
             assert (cost, evicted, victims) == (w.cost, w.evicted, list(w.victims)) and cost != PINNED
+            assert w.start + units * w.blocks <= total
             # what it frees runs from the end of the kept extent before it to the start of the kept one after it
             first = rank[victims[0]] if victims else int(np.searchsorted(starts[order], w.start))
             last = rank[victims[-1]] if victims else first - 1
             spans.append((first - 1, last + 1))  # ranks of the kept extents around it
         for (_, b1), (a2, _) in zip(sorted(spans), sorted(spans)[1:]):
-            assert b1 <= a2, "two windows share an extent or touch"
+            assert b1 <= a2, "two runs share an extent or touch"
+
+
+def test_blocks_cheapest_side_by_side_get_one_run():
+    """Between two pinned extents, 2 x 8 units of old extents; elsewhere only newer ones. Two blocks of 8: one run
+    holding both (separate runs would have to be parted by a kept extent, which leaves room for only one)."""
+    starts = np.array([0, 1, 5, 9, 13, 17, 18, 22, 26, 30], np.uint32)
+    lengths = np.array([1, 4, 4, 4, 4, 1, 4, 4, 4, 4], np.uint32)
+    costs = np.array([PINNED, 1, 2, 3, 4, PINNED, 50, 60, 70, 80], np.int64)
+    (w,) = cheapest_windows(starts, lengths, costs, 34, 8, count=2)
+    assert (w.start, w.blocks, w.cost, list(w.victims)) == (1, 2, 4, [1, 2, 3, 4])
+    one, two = cheapest_windows(starts, lengths, costs, 34, 8, count=3)  # a third block: the newer stretch
+    assert (one.blocks, two.start, two.blocks, two.cost) == (2, 18, 1, 60)
 
 
 def test_a_window_search_past_its_extent_limit_looks_at_the_stretch_around_near(monkeypatch):

@@ -442,15 +442,17 @@ class DramStore:
                                    min(len(blocks), MAX_WINDOWS), near=near)
         victims: list[tuple[BlockKey, int]] = []
         changed = False
+        todo = iter(blocks)
         with self._lock:
-            for i, w in zip(blocks, windows):
+            for w in windows:
+                mine = [next(todo) for _ in range(w.blocks)]  # its blocks, one after another from its start
                 taken = [(int(s), int(n)) for s, n in extents[w.victims]]
                 if not (self._lru_gen[slots[w.victims]] == lru[w.victims]).all() or \
-                        not self._alloc.spans(w.start, w.start + units, taken):
+                        not self._alloc.spans(w.start, w.start + w.blocks * units, taken):
                     changed = True
                     continue
                 victims += [self._evict(int(slot)) for slot in slots[w.victims]]
-                planned[i] = w.start
+                planned.update((i, w.start + b * units) for b, i in enumerate(mine))
         return victims, changed
 
     def _allocate(self, sizes: Sequence[int]) -> tuple[list[int | None], list[BlockKey]]:
@@ -498,8 +500,9 @@ class DramStore:
                 more, changed = self._room_by_window(table, left, units, planned)
                 del table
                 victims += more
-                hopeless = [] if changed else [i for i in left[:MAX_WINDOWS] if i not in planned]
-                pending = [i for i in pending if i not in hopeless]  # no window for them: they find no room
+                found = any(i in planned for i in left)  # those without one try again, after these are freed
+                hopeless = [] if changed or found else left[:MAX_WINDOWS]
+                pending = [i for i in pending if i not in hopeless]  # no window at all: they find no room
                 progress = bool(victims or planned or changed or hopeless)
             if victims:
                 released += self._demote(victims)

@@ -233,14 +233,15 @@ class Window:
     victims: np.ndarray  # the extents it overlaps: indices into the arrays given to cheapest_windows, address order
     cost: int  # the largest cost among them; -1: none, the run is free already
     evicted: int  # the units they hold
+    blocks: int = 1  # blocks of the size searched for it holds, one after another from start
 
 
 def cheapest_windows(
     starts: np.ndarray, lengths: np.ndarray, costs: np.ndarray, total: int, units: int, count: int = 1,
     near: int = 0,
 ) -> list[Window]:
-    """Up to ``count`` runs of ``units`` units of ``[0, total)`` made only of free units and evictable extents,
-    cheapest first.
+    """Runs for up to ``count`` blocks of ``units`` units in ``[0, total)``, made only of free units and evictable
+    extents, cheapest first.
 
     ``starts``, ``lengths``: every taken extent (disjoint; all other units
     are free). ``costs`` (int64): what evicting each costs (its last read's
@@ -249,9 +250,12 @@ def cheapest_windows(
     ties going to the run whose extents hold fewest units: the first run
     returned is one no other beats. Only runs that start where a taken
     extent ends (or at 0) are tried: any run slid left to the nearest such
-    start overlaps no extent it did not. Runs returned share no extent and
-    are parted by an extent kept, so each is still a free extent of its own
-    once its victims are freed. At most ``WINDOW_EXTENTS`` extents are looked at: with more, the
+    start overlaps no extent it did not. For more blocks, each next one
+    goes where it costs least: a new run, or a run already chosen made one
+    block longer (priced by the extents that adds), so blocks that are
+    cheapest side by side get runs side by side. Runs returned share no
+    extent and are parted by an extent kept, so each is still a free extent
+    of its own once its victims are freed. At most ``WINDOW_EXTENTS`` extents are looked at: with more, the
     stretch of that many around unit ``near`` (the caller's oldest block).
     CPU: a sort and O(n log w) numpy steps for n extents, w of them in a
     run (~0.2 s and ~53 MiB for a stretch of 2^19 out of 1.5M, measured on a
@@ -259,7 +263,7 @@ def cheapest_windows(
     """
     n = int(starts.size)
     lo_unit, hi_unit = 0, total
-    pick = None
+    pick_all = None
     if n > WINDOW_EXTENTS:  # a stretch of WINDOW_EXTENTS extents around `near`, in address order
         rank = int(np.count_nonzero(starts < near))
         first = max(0, min(rank - WINDOW_EXTENTS // 2, n - WINDOW_EXTENTS))
@@ -267,11 +271,11 @@ def cheapest_windows(
         bounds = np.partition(starts, [first, last])
         lo_unit, top = int(bounds[first]), int(bounds[last])
         del bounds
-        pick = np.flatnonzero((starts >= lo_unit) & (starts <= top))
+        pick_all = np.flatnonzero((starts >= lo_unit) & (starts <= top))
         beyond = starts[starts > top]
         hi_unit = int(beyond.min()) if beyond.size else total  # runs end before the next extent left out
         del beyond
-        starts, lengths, costs = starts[pick], lengths[pick], costs[pick]
+        starts, lengths, costs = starts[pick_all], lengths[pick_all], costs[pick_all]
         n = int(starts.size)
     order = np.argsort(starts)
     s = starts[order].astype(np.int64)
@@ -284,15 +288,15 @@ def cheapest_windows(
     hi = np.searchsorted(s, begin + units, side="left")
     cum = np.zeros(n + 1, np.int64)
     np.cumsum(length, out=cum[1:])
-    del s, length
+    del length
     evicted = cum[hi] - cum[: n + 1]
-    del cum
     # The largest cost over [k, hi[k]): a sparse table of maxima over 2^level extents, one level at a time.
     width = hi - np.arange(n + 1)
     level = np.frexp(width)[1] - 1  # floor(log2(width)); -1 where width is 0 (a run that is free already)
     del width
     cost = np.full(n + 1, -1, np.int64)
-    table = costs[order].astype(np.int64)
+    c = costs[order].astype(np.int64)
+    table = c
     for lv in range(int(level.max(initial=-1)) + 1):
         if lv:
             half = 1 << (lv - 1)
@@ -302,15 +306,40 @@ def cheapest_windows(
             cost[q] = np.maximum(table[q], table[hi[q] - (1 << lv)])
     del table, level
     cost[begin + units > hi_unit] = PINNED  # runs past the end
-    windows: list[Window] = []
-    while len(windows) < count:
+
+    def most(lo: int, up: int) -> int:
+        return int(c[lo:up].max()) if up > lo else -1
+
+    chosen: list[list[int]] = []  # per run: [its first candidate k, one past its last victim, blocks it holds]
+    for _ in range(count):
         best = int(cost.min())
-        if best == PINNED:
+        pick: tuple[int, int, int, int] | None = None  # (cost, units evicted, run to extend or -1, candidate or hi)
+        if best != PINNED:
+            ties = np.flatnonzero(cost == best)
+            j = int(ties[np.argmin(evicted[ties])])
+            pick = (best, int(evicted[j]), -1, j)
+        for r, (k, up, m) in enumerate(chosen):  # one block more at the end of a chosen run: what it adds
+            end = int(begin[k]) + (m + 1) * units
+            new_up = int(np.searchsorted(s, end, side="left"))
+            if end > hi_unit or any(k < k2 <= new_up for k2, _, _ in chosen):  # the next run must stay parted
+                continue
+            add = (most(up, new_up), int(cum[new_up] - cum[up]), r, new_up)
+            if add[0] != PINNED and (pick is None or add[:2] < pick[:2]):
+                pick = add
+        if pick is None:
             break
-        ties = np.flatnonzero(cost == best)
-        j = int(ties[np.argmin(evicted[ties])])
-        victims = order[j : hi[j]]
-        windows.append(Window(int(begin[j]), victims if pick is None else pick[victims], best, int(evicted[j])))
-        # No later run may share its extents or touch its run: candidates i with i <= hi[j] and hi[i] >= j.
-        cost[int(np.searchsorted(hi, j, side="left")) : int(hi[j]) + 1] = PINNED
+        _, _, r, x = pick
+        if r < 0:
+            chosen.append([x, int(hi[x]), 1])
+            k, up = x, int(hi[x])
+        else:
+            chosen[r][1:] = [x, chosen[r][2] + 1]
+            k, up = chosen[r][0], x
+        # No later run may share its extents or touch its run: candidates i with i <= up and hi[i] >= k.
+        cost[int(np.searchsorted(hi, k, side="left")) : up + 1] = PINNED
+    windows: list[Window] = []
+    for k, up, m in chosen:
+        victims = order[k:up]
+        windows.append(Window(int(begin[k]), victims if pick_all is None else pick_all[victims], most(k, up),
+                              int(cum[up] - cum[k]), m))
     return windows
