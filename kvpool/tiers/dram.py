@@ -35,9 +35,10 @@ Invariants:
      (with its free neighbours) makes one, and otherwise the blocks of the
      cheapest *window* (:func:`~kvpool.tiers.extents.cheapest_windows`): a
      run as long as the block, of free units and evictable blocks, whose
-     most recently read block was read longest ago (ties: fewest bytes).
-     So a put of S bytes evicts at most S plus the block across the
-     window's end, and no block read after the cheapest window's newest.
+     most recently read block was read longest ago (ties: fewest bytes; a
+     batch's blocks of one size get runs side by side where that costs
+     least). So a window for S bytes evicts at most S plus the block across
+     its end, and no block read after the cheapest window's newest.
      The search runs outside the lock on copies of the slot table; its
      choice is checked again under the lock (a block read meanwhile is
      still evicted: a stamp is a hint; one freed, reused or written into
@@ -426,7 +427,7 @@ class DramStore:
 
     def _snapshot(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
         """Under the lock: copies of the slots' extents, ``_lru_gen`` and stamps, and the LRU block's first unit, for a
-        window search outside the lock (plain copies: ~20 ms for 1.5M slots, where gathering them takes ~80)."""
+        window search outside the lock (plain copies: 5-20 ms for 1.5M slots, a quarter of gathering them)."""
         head = self._lru_head()
         near = 0 if head is None else int(self._extent[head, 0])
         return self._extent.copy(), self._lru_gen.copy(), self.arena.stamps.copy(), near

@@ -258,8 +258,8 @@ def cheapest_windows(
     of its own once its victims are freed. At most ``WINDOW_EXTENTS`` extents are looked at: with more, the
     stretch of that many around unit ``near`` (the caller's oldest block).
     CPU: a sort and O(n log w) numpy steps for n extents, w of them in a
-    run (~0.2 s and ~53 MiB for a stretch of 2^19 out of 1.5M, measured on a
-    busy 2-core machine).
+    run (0.1-0.2 s and ~65 MiB for a stretch of 2^19 out of 1.5M, measured on
+    a busy 2-core machine).
     """
     n = int(starts.size)
     lo_unit, hi_unit = 0, total
