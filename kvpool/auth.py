@@ -216,6 +216,10 @@ class Authority:
                 return known.decode()
         return None
 
+    def tenants(self) -> list[str]:
+        """Every tenant the file names, sorted."""
+        return sorted(self._masks)
+
     def mask(self, tenant: str) -> bytes:
         """The mask of a tenant named in the file; KeyError otherwise."""
         return self._masks[tenant]

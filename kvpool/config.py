@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.layout import KVLayout
+from kvpool.worker_ids import MAX_WORKER_ID_CHARS, worker_id_problem
 
 DEFAULT_MASTER_PORT = 7600
 DEFAULT_NODE_PORT = 7610
@@ -254,6 +255,11 @@ def host_check(v: str) -> str | None:
     return "must be a host name or IP address without spaces" if any(c.isspace() for c in v) else None
 
 
+def worker_id_check(v: str) -> str | None:
+    """Empty (derived) or a worker id :mod:`kvpool.worker_ids` allows."""
+    return None if v == "" else worker_id_problem(v)
+
+
 def nonempty_check(v: str) -> str | None:
     return None if v.strip() else "must not be empty"
 
@@ -388,6 +394,15 @@ class MasterConfig:
     heartbeat_interval_s: float = opt(1.0, "how often nodes heartbeat (told to them when they register)",
                                       check=seconds_check)
     worker_timeout_s: float = opt(60.0, "a worker silent this long loses its HBM entries", check=seconds_check)
+    max_workers_per_tenant: int = opt(1024, "most workers (clients reporting HBM or looking up, by worker id) the "
+                                            "master tracks per tenant (auth off: in all); a new one past it is "
+                                            "refused until one times out (worker_timeout_s)", check=at_least(1))
+    max_hbm_keys_per_worker: int = opt(1 << 18, "most HBM block keys the master keeps for one worker (routing "
+                                                "scores, GPU events; ~120 bytes each); keys reported past it are "
+                                                "not kept (counted: a Score then under-counts)", check=at_least(1))
+    max_hbm_keys_per_tenant: int = opt(1 << 24, "most HBM block keys the master keeps for all of one tenant's "
+                                                "workers together (auth off: in all); past it as above",
+                                       check=at_least(1))
     max_keys_per_call: int = opt(65536, "largest key batch one call may carry", check=at_least(1))
     max_connections: int = opt(64, "most fast-call TCP connections at once; more are refused", check=at_least(1))
     max_concurrent_rpcs: int = opt(0, "most gRPC calls in flight at once; more get RESOURCE_EXHAUSTED; 0: no limit",
@@ -568,7 +583,8 @@ class ClientConfig:
 
     master: str = opt(f"127.0.0.1:{DEFAULT_MASTER_PORT}", "the master's host:port, or etcd://HOST:PORT/CLUSTER to "
                       "follow the leader etcd names", check=master_target_check)
-    worker_id: str = opt("", "this worker's name; empty: <hostname>-<pid>")
+    worker_id: str = opt("", f"this worker's name (1-{MAX_WORKER_ID_CHARS} characters, no control characters); "
+                             "empty: <hostname>-<pid>", check=worker_id_check)
     model: str = opt("default", "model id: part of every block key's namespace", check=nonempty_check)
     tenant: str = opt("", "salt: tenants never share keys")
     layout: KVLayout | None = opt(None, "the engine's KV layout (needed for the HBM tier and adapters)")

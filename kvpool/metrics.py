@@ -12,14 +12,16 @@ Gauges of tier usage are read from the stores at scrape time
 Sources: a node exports its own tiers as ``kvpool_tier_*``; the master its
 view of every node's tiers (from heartbeats) as ``kvpool_cluster_tier_*``, so
 a tier query never mixes the two. Lookup/hit counters and latency histograms
-are exported by each side for its own view (master: cluster-wide lookups; a
-client: its own; node and client: get and put) and told apart by ``job``
-(``deploy/prometheus``: ``kvpool-master``, ``kvpool-node``, ``kvpool-client``).
+are exported by each side for its own view (master: cluster-wide lookups, per
+``tenant``; a client: its own; node and client: get and put) and told apart by
+``job`` (``deploy/prometheus``: ``kvpool-master``, ``kvpool-node``,
+``kvpool-client``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -47,38 +49,77 @@ CLUSTER_TIER_PREFIX = "kvpool_cluster_tier"  # the master's view of each node's 
 
 
 class LookupMetrics:
-    """Lookup and hit accounting, shared by the master (cluster-wide) and the client (its own traffic)."""
+    """Lookup and hit accounting, shared by the master (cluster-wide) and the client (its own traffic).
 
-    def __init__(self, registry: CollectorRegistry):
-        self.lookups = Counter("kvpool_lookups_total", "Prefix lookups (one per request)", registry=registry)
+    ``by_tenant`` (the master): every counter has a ``tenant`` label, the caller's tenant ("" with auth off),
+    so one tenant's numbers are visible as its own; its values come from the auth file only (bounded).
+    ``tenants``: the label values exported (as zeros) from the start.
+    """
+
+    def __init__(self, registry: CollectorRegistry, *, by_tenant: bool = False, tenants: Iterable[str] = ("",)):
+        tenant = ["tenant"] if by_tenant else []
+        self._by_tenant = by_tenant
+        self.lookups = Counter("kvpool_lookups_total", "Prefix lookups (one per request)", tenant, registry=registry)
         self.lookup_blocks = Counter(
-            "kvpool_lookup_blocks", "Full blocks asked for in lookups (HBM part included)", registry=registry
+            "kvpool_lookup_blocks", "Full blocks asked for in lookups (HBM part included)", tenant, registry=registry
         )
-        self.lookup_tokens = Counter("kvpool_lookup_tokens", "Tokens in the full blocks asked for", registry=registry)
+        self.lookup_tokens = Counter("kvpool_lookup_tokens", "Tokens in the full blocks asked for", tenant,
+                                     registry=registry)
         self.hit_blocks = Counter(
-            "kvpool_hit_blocks", "Blocks of the leading hit run, by serving tier", ["tier"], registry=registry
+            "kvpool_hit_blocks", "Blocks of the leading hit run, by serving tier", [*tenant, "tier"], registry=registry
         )
         self.hit_tokens = Counter(
-            "kvpool_hit_tokens", "Tokens of the leading hit run, by tier", ["tier"], registry=registry
+            "kvpool_hit_tokens", "Tokens of the leading hit run, by tier", [*tenant, "tier"], registry=registry
         )
-        self.miss_blocks = Counter("kvpool_miss_blocks", "Blocks after the leading hit run", registry=registry)
-        # the children per tier, made once (export zeros from the start: rates need both ends)
-        self._hit_blocks = {tier: self.hit_blocks.labels(tier) for tier in TIER_LABELS}
-        self._hit_tokens = {tier: self.hit_tokens.labels(tier) for tier in TIER_LABELS}
+        self.miss_blocks = Counter("kvpool_miss_blocks", "Blocks after the leading hit run", tenant, registry=registry)
+        self._children: dict[str, _LookupChildren] = {}
+        for name in tenants if by_tenant else ("",):  # export zeros from the start: rates need both ends
+            self._of(name)
 
-    def record(self, hits_by_tier: dict[str, int], requested: int, block_tokens: int, lookups: int = 1) -> None:
+    def _of(self, tenant: str) -> _LookupChildren:
+        """The counters of one tenant ("" and unlabelled without ``by_tenant``), made once."""
+        children = self._children.get(tenant)
+        if children is None:
+            label: tuple[str, ...] = (tenant,) if self._by_tenant else ()
+
+            def child(counter: Counter) -> Counter:
+                return counter.labels(*label) if label else counter
+
+            children = _LookupChildren(
+                child(self.lookups), child(self.lookup_blocks), child(self.lookup_tokens),
+                {tier: self.hit_blocks.labels(*label, tier) for tier in TIER_LABELS},
+                {tier: self.hit_tokens.labels(*label, tier) for tier in TIER_LABELS},
+                child(self.miss_blocks),
+            )
+            self._children[tenant] = children
+        return children
+
+    def record(self, hits_by_tier: dict[str, int], requested: int, block_tokens: int, lookups: int = 1,
+               tenant: str = "") -> None:
         """Count ``lookups`` lookups of ``requested`` blocks in all, whose leading runs were served as
-        ``hits_by_tier``."""
-        self.lookups.inc(lookups)
-        self.lookup_blocks.inc(requested)
-        self.lookup_tokens.inc(requested * block_tokens)
+        ``hits_by_tier`` (``tenant``: whose, with ``by_tenant``)."""
+        c = self._of(tenant if self._by_tenant else "")
+        c.lookups.inc(lookups)
+        c.lookup_blocks.inc(requested)
+        c.lookup_tokens.inc(requested * block_tokens)
         hit = 0
         for tier, n in hits_by_tier.items():
             if n:
-                self._hit_blocks[tier].inc(n)
-                self._hit_tokens[tier].inc(n * block_tokens)
+                c.hit_blocks[tier].inc(n)
+                c.hit_tokens[tier].inc(n * block_tokens)
                 hit += n
-        self.miss_blocks.inc(requested - hit)
+        c.miss_blocks.inc(requested - hit)
+
+
+class _LookupChildren(NamedTuple):
+    """One label set's lookup counters."""
+
+    lookups: Counter
+    lookup_blocks: Counter
+    lookup_tokens: Counter
+    hit_blocks: dict[str, Counter]
+    hit_tokens: dict[str, Counter]
+    miss_blocks: Counter
 
 
 class ErrorMetrics:

@@ -50,9 +50,10 @@ verifies on every read (a mismatch is a miss too).
   scans the location fields instead (vectorised: ~0.2 s for 10 million blocks
   on a 2-core VM), because such sets would cost more memory than the table.
 
-:class:`HbmIndex` holds, per worker, the keys in its own HBM tier. It only
-feeds stats (HBM block counts); lookups never consult it (workers check their
-own HBM first).
+:class:`HbmIndex` holds, per worker (by its tenant-scoped id), the keys in its
+own HBM tier, up to per-worker and per-tenant caps. It feeds stats (HBM block
+counts), routing scores and GPU events; lookups never consult it (workers
+check their own HBM first).
 
 Changes as events. Given an ``on_change`` sink, :class:`BlockIndex` reports
 each key's *tier transitions*: stored when a key's first copy in a tier appears
@@ -72,6 +73,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -84,6 +86,7 @@ import numpy.typing as npt
 from kvpool.core import Tier
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master.keytable import KeyTable, Rows, last_wins
+from kvpool.worker_ids import scoped_id, split_scoped_id
 
 log = logging.getLogger(__name__)
 
@@ -549,77 +552,129 @@ def _report(
     return q0, q1, size, checksum
 
 
-HbmSink = Callable[[str, list[BlockKey], list[BlockKey]], None]  # (worker, keys it now holds, keys it lost)
+HbmSink = Callable[[str, list[BlockKey], list[BlockKey]], None]  # (scoped worker id, keys it now holds, keys it lost)
+DEFAULT_MAX_HBM_KEYS_PER_WORKER = 1 << 18  # MasterConfig's defaults
+DEFAULT_MAX_HBM_KEYS_PER_TENANT = 1 << 24
+
+
+@dataclass(slots=True)
+class _TenantHbm:
+    """One tenant's workers (by their plain worker ids) and how many keys they hold together."""
+
+    workers: dict[str, set[BlockKey]]
+    keys: int = 0
 
 
 class HbmIndex:
-    """Worker id -> the keys in that worker's HBM tier (stats, routing scores, events). Thread-safe.
+    """Scoped worker id -> the keys in that worker's HBM tier (stats, routing scores, events). Thread-safe.
 
-    Invariant: ``_total`` equals the sum of the workers' set sizes (a block in
-    two workers' HBM counts twice: it is two copies). ``on_change`` hears each
-    worker's exact transitions: keys it did not hold and now does, keys it held
-    and no longer does (a re-report of a held key is no change).
+    Workers are named by their scoped ids (:func:`kvpool.worker_ids.scoped_id`): each tenant's workers are its
+    own, and :meth:`worker_ids` lists one tenant's only.
+
+    Invariants:
+
+    - ``_total`` equals the sum of the workers' set sizes (a block in two workers' HBM counts twice: it is two
+      copies), and each tenant's ``keys`` the sum over its workers.
+    - A worker holds at most ``max_keys_per_worker`` keys, and one tenant's workers together at most
+      ``max_keys_per_tenant``: a report's new keys past either are not kept (the first ones in the report's order
+      are), and :meth:`report` says how many. A Score then under-counts that worker: a miss, never an error.
+    - ``on_change`` hears each worker's exact transitions, by its scoped id: keys it did not hold and now does,
+      keys it held and no longer does (a re-report of a held key is no change).
+    - The lock is held for one worker at a time: one report, or one worker's run in :meth:`held_runs` (a C loop
+      over at most one call's keys), never across the workers of one Score.
     """
 
-    def __init__(self, on_change: HbmSink | None = None) -> None:
+    def __init__(self, on_change: HbmSink | None = None, *,
+                 max_keys_per_worker: int = DEFAULT_MAX_HBM_KEYS_PER_WORKER,
+                 max_keys_per_tenant: int = DEFAULT_MAX_HBM_KEYS_PER_TENANT) -> None:
+        if max_keys_per_worker < 1 or max_keys_per_tenant < 1:
+            raise ValueError("HbmIndex: max_keys_per_worker and max_keys_per_tenant must be positive")
         self._lock = threading.Lock()
-        self._workers: dict[str, set[BlockKey]] = {}
+        self._tenants: dict[str, _TenantHbm] = {}
         self._total = 0
         self._on_change = on_change
+        self.max_keys_per_worker = max_keys_per_worker
+        self.max_keys_per_tenant = max_keys_per_tenant
 
     def report(
         self, worker: str, added: Iterable[BlockKey], removed: Iterable[BlockKey], full_sync: bool = False
-    ) -> None:
-        """Apply a worker's HBM changes; ``full_sync`` replaces its set with ``added`` (then ``removed`` goes)."""
-        added, removed = list(added), list(removed)
+    ) -> int:
+        """Apply a worker's HBM changes; ``full_sync`` replaces its set with ``added`` (then ``removed`` goes).
+
+        Returns how many new keys were not kept (over ``max_keys_per_worker`` or ``max_keys_per_tenant``).
+        """
+        tenant_name, worker_id = split_scoped_id(worker)
+        added = list(dict.fromkeys(added))  # distinct, in the report's order
+        removed = set(removed)
         with self._lock:
-            held = self._workers.setdefault(worker, set())
-            before = len(held)
-            # Only reported keys can change, but for a full sync's (every key held before).
-            watch = None if self._on_change is None else set(added) | set(removed) | (held if full_sync else set())
-            had = {k for k in watch if k in held} if watch is not None else set()
+            tenant = self._tenants.get(tenant_name)
+            if tenant is None:
+                tenant = self._tenants[tenant_name] = _TenantHbm({})
+            held = tenant.workers.get(worker_id)
+            if held is None:
+                held = tenant.workers[worker_id] = set()
+            before, size = held, len(held)
             if full_sync:
-                held.clear()
-            held.update(added)
-            held.difference_update(removed)
-            self._total += len(held) - before
-            if watch is not None:
-                self._report_changes(worker, [k for k in watch if k in held and k not in had],
-                                     [k for k in had if k not in held])
+                held = tenant.workers[worker_id] = set()
+                gone: list[BlockKey] = []  # found below, once the kept keys are known
+            else:
+                gone = [k for k in removed if k in held]
+                held.difference_update(gone)
+            self._count(tenant, len(held) - size)
+            new = [k for k in added if k not in held and k not in removed]
+            room = max(0, min(self.max_keys_per_worker - len(held), self.max_keys_per_tenant - tenant.keys))
+            kept = new[:room]
+            held.update(kept)
+            self._count(tenant, len(kept))
+            if self._on_change is not None:
+                if full_sync:
+                    stored = [k for k in kept if k not in before]
+                    gone = [k for k in before if k not in held]
+                else:
+                    stored = kept
+                self._report_changes(worker, stored, gone)
+            return len(new) - len(kept)
 
     def drop_worker(self, worker: str) -> int:
         """Forget a worker's HBM contents; returns how many keys went."""
+        tenant_name, worker_id = split_scoped_id(worker)
         with self._lock:
-            held = self._workers.pop(worker, set())
-            self._total -= len(held)
+            tenant = self._tenants.get(tenant_name)
+            held = tenant.workers.pop(worker_id, set()) if tenant is not None else set()
+            if tenant is not None:
+                self._count(tenant, -len(held))
+                if not tenant.workers:
+                    del self._tenants[tenant_name]
             self._report_changes(worker, [], list(held))
             return len(held)
 
     def clear(self) -> None:
         """Forget every worker (a master that stops leading keeps no state)."""
         with self._lock:
-            for worker, held in self._workers.items():
-                self._report_changes(worker, [], list(held))
-            self._workers.clear()
+            for tenant_name, tenant in self._tenants.items():
+                for worker_id, held in tenant.workers.items():
+                    self._report_changes(scoped_id(tenant_name, worker_id), [], list(held))
+            self._tenants.clear()
             self._total = 0
 
     def held_runs(self, workers: Sequence[str], keys: Sequence[BlockKey]) -> list[int]:
-        """Per worker, how many of ``keys``, from the first, it holds in HBM (its leading run; unknown: 0)."""
+        """Per scoped worker id, how many of ``keys``, from the first, it holds in HBM (its leading run; unknown:
+        0). The lock is taken per worker, for one C loop over ``keys``."""
         runs = []
-        with self._lock:
-            for worker in workers:
-                held = self._workers.get(worker, ())
-                run = 0
-                for key in keys:
-                    if key not in held:
-                        break
-                    run += 1
-                runs.append(run)
+        for worker in workers:
+            tenant_name, worker_id = split_scoped_id(worker)
+            with self._lock:
+                tenant = self._tenants.get(tenant_name)
+                held = tenant.workers.get(worker_id) if tenant is not None else None
+                run = len(list(itertools.takewhile(held.__contains__, keys))) if held else 0
+            runs.append(run)
         return runs
 
-    def worker_ids(self) -> list[str]:
+    def worker_ids(self, tenant: str) -> list[str]:
+        """The (plain) ids of ``tenant``'s workers, sorted ("": auth off)."""
         with self._lock:
-            return sorted(self._workers)
+            found = self._tenants.get(tenant)
+            return sorted(found.workers) if found is not None else []
 
     def blocks(self) -> int:
         """HBM block copies over all workers."""
@@ -628,7 +683,12 @@ class HbmIndex:
 
     def workers(self) -> int:
         with self._lock:
-            return len(self._workers)
+            return sum(len(t.workers) for t in self._tenants.values())
+
+    def _count(self, tenant: _TenantHbm, change: int) -> None:
+        """Keys a tenant's workers gained (or lost, negative); lock held."""
+        tenant.keys += change
+        self._total += change
 
     def _report_changes(self, worker: str, stored: list[BlockKey], gone: list[BlockKey]) -> None:
         """Hand one worker's transitions to the sink (lock held, see the module docstring)."""

@@ -25,6 +25,10 @@ Invariants:
   node, whose heartbeats wait in its sockets meanwhile. A node's silence still
   grows by the sweeper's interval at every sweep, so a dead node is dropped
   however often the master stalls.
+- Workers are known by their scoped ids (:mod:`kvpool.worker_ids`): one
+  tenant's calls never refresh or count as another tenant's worker. A tenant
+  has at most ``max_workers_per_tenant`` workers: a new one past it is a
+  ValueError (INVALID_ARGUMENT) naming the setting, until one times out.
 
 The lock is taken only with ``with``; the only calls made under it are the
 constant-time :meth:`BlockIndex.open_node` and :meth:`HbmIndex.drop_worker`
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 
 from kvpool.core import NodeRef, Tier, TierStats
 from kvpool.master.index import BlockIndex, HbmIndex
+from kvpool.worker_ids import split_scoped_id
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +78,24 @@ class Membership:
         *,
         node_timeout_s: float,
         worker_timeout_s: float,
+        max_workers_per_tenant: int = 1024,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if node_timeout_s <= 0 or worker_timeout_s <= 0:
             raise ValueError("node_timeout_s and worker_timeout_s must be positive")
+        if max_workers_per_tenant < 1:
+            raise ValueError("max_workers_per_tenant must be positive")
         self._index = index
         self._hbm = hbm
         self.node_timeout_s = node_timeout_s
         self.worker_timeout_s = worker_timeout_s
+        self.max_workers_per_tenant = max_workers_per_tenant
         self._clock = clock
         self._lock = threading.Lock()
         self._nodes: dict[str, NodeInfo] = {}
         self._by_number: dict[int, NodeInfo] = {}
-        self._workers: dict[str, float] = {}  # worker id -> last seen (monotonic)
+        self._workers: dict[str, float] = {}  # scoped worker id -> last seen (monotonic)
+        self._tenant_workers: dict[str, int] = {}  # tenant -> how many of _workers are its
         self._next_number = 0
         self._last_incarnation = 0
         self._stalled_s = 0.0  # seconds the master did not run, in all (see stalled())
@@ -182,6 +192,7 @@ class Membership:
             gone_workers = [w for w, seen in self._workers.items() if now - seen > self.worker_timeout_s]
             for worker in gone_workers:
                 del self._workers[worker]
+                self._forget_one(split_scoped_id(worker)[0])
                 self._hbm.drop_worker(worker)  # under the lock: a worker seen again cannot lose a fresh report
         for info, silent in dead:
             dropped = self._index.drop_node(info.number)
@@ -201,6 +212,7 @@ class Membership:
             self._nodes.clear()
             self._by_number.clear()
             self._workers.clear()
+            self._tenant_workers.clear()
             self._hbm.clear()
         for info in gone:
             self._index.drop_node(info.number)
@@ -222,11 +234,30 @@ class Membership:
 
     # -- workers ------------------------------------------------------------------------
 
-    def worker_seen(self, worker_id: str) -> None:
-        """Note that a worker is alive (it reported its HBM or looked something up)."""
+    def worker_seen(self, worker: str) -> None:
+        """Note that a worker (its scoped id) is alive: it reported its HBM or looked something up.
+
+        ValueError for a new worker of a tenant that has ``max_workers_per_tenant`` already.
+        """
         now = self._clock()
+        tenant = split_scoped_id(worker)[0]
         with self._lock:
-            self._workers[worker_id] = now
+            if worker not in self._workers:
+                count = self._tenant_workers.get(tenant, 0)
+                if count >= self.max_workers_per_tenant:
+                    whose = f"tenant {tenant!r} has" if tenant else "the master has"
+                    raise ValueError(f"{whose} {count} workers, max_workers_per_tenant: a new worker is refused "
+                                     f"until one is silent for worker_timeout_s ({self.worker_timeout_s:g} s)")
+                self._tenant_workers[tenant] = count + 1
+            self._workers[worker] = now
+
+    def _forget_one(self, tenant: str) -> None:
+        """One worker of ``tenant`` went (lock held)."""
+        left = self._tenant_workers[tenant] - 1
+        if left:
+            self._tenant_workers[tenant] = left
+        else:
+            del self._tenant_workers[tenant]
 
     def worker_count(self) -> int:
         with self._lock:

@@ -51,6 +51,7 @@ from kvpool.events import EventPublisher
 from kvpool.framing import TcpListener
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.lifecycle import wait_for_shutdown
+from kvpool.malloc import limit_arenas
 from kvpool.master.election import Election, check_access
 from kvpool.master.engine_names import EngineNames
 from kvpool.master.index import BlockIndex, HbmIndex, TierChange
@@ -108,11 +109,15 @@ class MasterServer:
         on = bool(config.kv_events_endpoint)
         self.names = EngineNames() if on else None  # engines' own block hashes, for events only
         self.index = BlockIndex(on_change=self._pool_changed if on else None)
-        self.hbm = HbmIndex(on_change=self._hbm_changed if on else None)
+        self.hbm = HbmIndex(on_change=self._hbm_changed if on else None,
+                            max_keys_per_worker=config.max_hbm_keys_per_worker,
+                            max_keys_per_tenant=config.max_hbm_keys_per_tenant)
         self.membership = Membership(
-            self.index, self.hbm, node_timeout_s=config.node_timeout_s, worker_timeout_s=config.worker_timeout_s
+            self.index, self.hbm, node_timeout_s=config.node_timeout_s, worker_timeout_s=config.worker_timeout_s,
+            max_workers_per_tenant=config.max_workers_per_tenant,
         )
-        self.metrics = MasterMetrics(self.registry, self.index, self.hbm, self.membership, self.errors)
+        tenants = self.authority.tenants() if self.authority is not None else [""]
+        self.metrics = MasterMetrics(self.registry, self.index, self.hbm, self.membership, self.errors, tenants)
         self.servicer = MasterServicer(config, self.index, self.hbm, self.membership, self.metrics, self.names)
         self.port: int = 0  # the bound gRPC port, once started
         self.metrics_port: int = 0  # the bound metrics port, once started (0: no endpoint)
@@ -309,6 +314,7 @@ class MasterServer:
 
 def run_master(config: MasterConfig) -> None:
     """Run a master until SIGINT or SIGTERM, then stop it cleanly. Call from the main thread."""
+    limit_arenas()  # before any thread: a large message's buffers are reused, not kept per thread (kvpool/malloc.py)
     with MasterServer(config) as server:
         metrics = f":{server.metrics_port}" if server.metrics_port else "off"
         log.info("kvpool master listening on %s (fast calls :%d, metrics %s)", server.address,

@@ -4,9 +4,25 @@ Invariants:
 
 - Every request is validated in full before anything changes: malformed
   packed keys, parallel fields whose lengths differ from the key count, more
-  than ``max_keys_per_call`` keys, unknown tiers, an empty node or worker id
-  are a ValueError, which :class:`kvpool.rpc.ErrorInterceptor` answers with
-  INVALID_ARGUMENT and the message.
+  than ``max_keys_per_call`` keys, unknown tiers, an empty node id, a worker
+  id that :mod:`kvpool.worker_ids` refuses (any call: 1 to 256 characters, no
+  control characters) are a ValueError, which
+  :class:`kvpool.rpc.ErrorInterceptor` answers with INVALID_ARGUMENT and the
+  message.
+- Workers are their tenant's: Lookup, ReportHbm and Score key a worker by its
+  scoped id (:func:`kvpool.worker_ids.scoped_id` of the caller's tenant), so
+  no call of one tenant reads, changes, refreshes or lists another tenant's
+  workers; a Score naming another tenant's worker id scores the caller's own
+  worker of that name (unknown: empty HBM). A tenant's new worker past
+  ``max_workers_per_tenant`` is INVALID_ARGUMENT naming the setting.
+- Lookup counts a client reports (ReportHbm's ``hbm_only_*`` and ``local_*``,
+  Lookup's ``hbm_prefix_blocks`` and ``block_tokens``) are checked against
+  what that many lookups can hold (:meth:`MasterServicer._check_reported`);
+  a report out of bounds is INVALID_ARGUMENT and counts nothing. Counts are
+  recorded under the caller's tenant (the ``tenant`` label).
+- Score's work is bounded: duplicate worker ids are answered once (first
+  seen order), and keys x distinct workers is at most
+  :data:`MAX_SCORE_CELLS`; the HBM index's lock is taken per worker.
 - An unknown node id or stale incarnation in Heartbeat / ReportBlocks is not
   an error: the answer is ``known = false`` and the node registers again.
   UnregisterNode of an unknown node is a no-op.
@@ -38,7 +54,7 @@ import grpc
 import numpy as np
 
 from kvpool import __version__
-from kvpool.auth import caller, caller_keys
+from kvpool.auth import caller, caller_keys, caller_tenant
 from kvpool.config import MasterConfig
 from kvpool.core import NodeRef, Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
@@ -49,10 +65,16 @@ from kvpool.master.stats import MasterMetrics
 from kvpool.placement import TOO_LARGE, Candidate, NoPoolNodes, place
 from kvpool.rpc import flag_bytes, tier_usage
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
+from kvpool.worker_ids import check_worker_id, scoped_id
 
 _NODE_TIERS = (Tier.DRAM, Tier.SSD)
-MAX_REF_CHARS = 1024  # longest NodeRef string field RegisterNode accepts (and worker id Score accepts)
-MAX_SCORE_WORKERS = 4096  # most workers one Score call answers for
+MAX_REF_CHARS = 1024  # longest NodeRef string field RegisterNode accepts
+MAX_SCORE_WORKERS = 4096  # most worker ids one Score call may name (duplicates included)
+# Most keys x distinct workers one Score may ask for: its work (one HBM set lookup per cell, at worst) is about
+# 0.1 s of master CPU. A router's real calls (e.g. 512 keys x 64 workers, 32,768) are far below it.
+MAX_SCORE_CELLS = 1 << 21
+MAX_REPORTED_LOOKUPS = 1 << 22  # most lookups one ReportHbm may report in each of its two kinds (clients: ~1 s worth)
+MAX_BLOCK_TOKENS = 1 << 20  # most tokens per block a Lookup or ReportHbm may say
 _U64_MAX = (1 << 64) - 1
 
 
@@ -111,6 +133,35 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         """Like :meth:`_keys`, as the calling client's tenant's stored keys."""
         self._count_keys(packed, what)
         return unpack_keys(caller_keys(packed))
+
+    def _worker(self, worker_id: str, where: str) -> str:
+        """The scoped id of a worker the caller named; ValueError if it is no valid worker id."""
+        return scoped_id(caller_tenant(), check_worker_id(worker_id, where))
+
+    def _check_reported(self, request: master_pb2.ReportHbmRequest) -> None:
+        """ValueError unless the lookup counts of a ReportHbm are what that many lookups can hold.
+
+        Per lookup at most ``max_hbm_keys_per_worker`` HBM hits (a longer HBM prefix is more than the master
+        keeps of any worker), ``max_keys_per_call`` pool hits, and the two together asked for; hits at most
+        the blocks asked for; at most :data:`MAX_REPORTED_LOOKUPS` lookups of each kind and
+        :data:`MAX_BLOCK_TOKENS` tokens a block. Clients report about a second's lookups at a time.
+        """
+        r = request
+        hbm_most, pool_most = self._config.max_hbm_keys_per_worker, self._config.max_keys_per_call
+        self._check_block_tokens("ReportHbm", r.block_tokens)
+        _per_lookup("hbm_only_lookups", r.hbm_only_lookups, ("hbm_only_blocks", r.hbm_only_blocks, hbm_most))
+        _per_lookup("local_lookups", r.local_lookups, ("local_hbm_blocks", r.local_hbm_blocks, hbm_most),
+                    ("local_dram_blocks + local_ssd_blocks", r.local_dram_blocks + r.local_ssd_blocks, pool_most),
+                    ("local_requested_blocks", r.local_requested_blocks, hbm_most + pool_most))
+        hits = r.local_hbm_blocks + r.local_dram_blocks + r.local_ssd_blocks
+        if hits > r.local_requested_blocks:
+            raise ValueError(f"ReportHbm: {hits} local hits (hbm + dram + ssd) but local_requested_blocks "
+                             f"{r.local_requested_blocks}")
+
+    @staticmethod
+    def _check_block_tokens(where: str, block_tokens: int) -> None:
+        if block_tokens > MAX_BLOCK_TOKENS:
+            raise ValueError(f"{where}: block_tokens {block_tokens} > {MAX_BLOCK_TOKENS}")
 
     @staticmethod
     def _same_length(keys: Sequence[BlockKey], field: str, values: Sequence[int]) -> None:
@@ -213,8 +264,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self._lead(context)
         started = time.perf_counter()
         n_keys = self._count_keys(request.keys)
+        if request.hbm_prefix_blocks > self._config.max_hbm_keys_per_worker:
+            raise ValueError(f"Lookup: hbm_prefix_blocks {request.hbm_prefix_blocks} > max_hbm_keys_per_worker "
+                             f"{self._config.max_hbm_keys_per_worker}")
+        self._check_block_tokens("Lookup", request.block_tokens)
+        tenant = caller_tenant()
         if request.worker_id:
-            self._membership.worker_seen(request.worker_id)
+            self._membership.worker_seen(self._worker(request.worker_id, "Lookup"))
         run = self._index.leading_run_arrays(caller_keys(request.keys))  # columns: no Python object per block
         end = len(run.nodes)
         if end and (run.nodes == run.nodes[0]).all():  # the usual case: one node holds the whole run
@@ -251,6 +307,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             ssd=response.ssd_blocks,
             requested=request.hbm_prefix_blocks + n_keys,
             block_tokens=request.block_tokens,
+            tenant=tenant,
         )
         self._metrics.lookup_seconds.observe(time.perf_counter() - started)
         return response
@@ -301,19 +358,22 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     def ReportHbm(self, request: master_pb2.ReportHbmRequest, context: Any) -> master_pb2.ReportHbmResponse:
         self._lead(context)
-        if not request.worker_id:
-            raise ValueError("ReportHbm: worker_id must not be empty")
+        worker = self._worker(request.worker_id, "ReportHbm")
         added = self._client_keys(request.added_keys, "added_keys")
         removed = self._client_keys(request.removed_keys, "removed_keys")
-        self._membership.worker_seen(request.worker_id)
-        self._hbm.report(request.worker_id, added, removed, full_sync=request.full_sync)
-        if request.hbm_only_lookups:
-            blocks = request.hbm_only_blocks
-            self._metrics.record_lookup(blocks, 0, 0, blocks, request.block_tokens, lookups=request.hbm_only_lookups)
-        if request.local_lookups:
-            self._metrics.record_lookup(request.local_hbm_blocks, request.local_dram_blocks, request.local_ssd_blocks,
-                                        request.local_requested_blocks, request.block_tokens,
-                                        lookups=request.local_lookups)
+        self._check_reported(request)
+        self._membership.worker_seen(worker)  # refuses a tenant's worker past max_workers_per_tenant
+        not_kept = self._hbm.report(worker, added, removed, full_sync=request.full_sync)
+        if not_kept:
+            self._metrics.record_hbm_not_kept(not_kept, worker, self._hbm.max_keys_per_worker,
+                                              self._hbm.max_keys_per_tenant)
+        r, tenant = request, caller_tenant()
+        if r.hbm_only_lookups:
+            blocks = r.hbm_only_blocks
+            self._metrics.record_lookup(blocks, 0, 0, blocks, r.block_tokens, r.hbm_only_lookups, tenant)
+        if r.local_lookups:
+            self._metrics.record_lookup(r.local_hbm_blocks, r.local_dram_blocks, r.local_ssd_blocks,
+                                        r.local_requested_blocks, r.block_tokens, r.local_lookups, tenant)
         return master_pb2.ReportHbmResponse()
 
     def Score(self, request: master_pb2.ScoreRequest, context: Any) -> master_pb2.ScoreResponse:
@@ -321,19 +381,23 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
         It answers what that worker's Lookup would hit: the client checks its own HBM first and asks the pool
         for the keys after its HBM run (the index holds only open nodes' entries, so every run block resolves).
+        Workers are the caller's tenant's: the ids it names, each once in first-seen order, or all of its
+        workers that reported HBM.
         """
         self._lead(context)
         started = time.perf_counter()
-        self._count_keys(request.keys)
+        n_keys = self._count_keys(request.keys)
         if len(request.worker_ids) > MAX_SCORE_WORKERS:
             raise ValueError(f"Score: {len(request.worker_ids)} worker ids; at most {MAX_SCORE_WORKERS} per call")
-        for worker in request.worker_ids:
-            if not worker or len(worker) > MAX_REF_CHARS:
-                raise ValueError(f"Score: a worker id must have 1 to {MAX_REF_CHARS} characters")
+        tenant = caller_tenant()
+        named = dict.fromkeys(check_worker_id(w, "Score") for w in request.worker_ids)  # distinct, in order
+        workers = list(named) or self._hbm.worker_ids(tenant)[:MAX_SCORE_WORKERS]
+        if n_keys * len(workers) > MAX_SCORE_CELLS:
+            raise ValueError(f"Score: {n_keys} keys x {len(workers)} distinct workers is more than MAX_SCORE_CELLS "
+                             f"({MAX_SCORE_CELLS}) per call; ask for fewer keys or name fewer workers")
         packed = caller_keys(request.keys)
         tiers = self._index.best_tiers(packed)
-        workers = list(request.worker_ids) or self._hbm.worker_ids()[:MAX_SCORE_WORKERS]
-        runs = self._hbm.held_runs(workers, unpack_keys(packed)) if workers else []
+        runs = self._hbm.held_runs([scoped_id(tenant, w) for w in workers], unpack_keys(packed)) if workers else []
         # One pass for every worker: where the pool's run from position h ends, and its DRAM/SSD blocks so far.
         absent = np.flatnonzero(tiers == ABSENT)
         dram = np.concatenate(([0], np.cumsum(tiers == Tier.DRAM)))
@@ -406,3 +470,13 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         response.largest_block_bytes = max((max(i.dram_max_block_bytes, i.max_block_bytes) for i in
                                             self._membership.live_nodes()), default=0)
         return response
+
+
+def _per_lookup(lookups_field: str, lookups: int, *counts: tuple[str, int, int]) -> None:
+    """ValueError (for ReportHbm) if ``lookups`` is over :data:`MAX_REPORTED_LOOKUPS` or one of ``counts``, as
+    (field, value, most per lookup), is more than ``lookups`` lookups can hold."""
+    if lookups > MAX_REPORTED_LOOKUPS:
+        raise ValueError(f"ReportHbm: {lookups_field} {lookups} > {MAX_REPORTED_LOOKUPS} in one report")
+    for field, count, most in counts:
+        if count > lookups * most:
+            raise ValueError(f"ReportHbm: {field} {count} > {most} a lookup x {lookups_field} {lookups}")

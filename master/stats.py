@@ -1,9 +1,10 @@
 """The master's metrics, all on one registry the server owns (never the global one).
 
-- Lookup accounting through :class:`kvpool.metrics.LookupMetrics`, plus plain
-  running totals for ``ClusterStatus``. Invariant: both are updated together
-  under one lock, so ClusterStatus's counters always equal what Prometheus
-  counted.
+- Lookup accounting through :class:`kvpool.metrics.LookupMetrics`, each
+  counter labelled with the tenant whose lookups it counts (``tenant=""`` with
+  auth off), plus plain running totals over all tenants for ``ClusterStatus``.
+  Invariant: both are updated together under one lock, so ClusterStatus's
+  counters always equal what Prometheus counted, summed over tenants.
 - ``kvpool_lookup_seconds``: master-side latency of a Lookup call;
   ``kvpool_score_seconds`` of a Score call (all its workers).
 - Gauges read at scrape time, so they never drift from the state they
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
@@ -37,6 +38,7 @@ from kvpool.core import TierStats
 from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
 from kvpool.metrics import CLUSTER_TIER_PREFIX, ErrorMetrics, LookupMetrics, TierCollector, latency_histogram
+from kvpool.worker_ids import split_scoped_id
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +85,16 @@ class MasterMetrics:
     """Everything the master exports, registered on ``registry``."""
 
     def __init__(self, registry: CollectorRegistry, index: BlockIndex, hbm: HbmIndex, membership: Membership,
-                 errors: ErrorMetrics | None = None):
+                 errors: ErrorMetrics | None = None, tenants: Iterable[str] = ("",)):
         self.registry = registry
         self.errors = errors
-        self._lookup = LookupMetrics(registry)
+        self._lookup = LookupMetrics(registry, by_tenant=True, tenants=tenants)
         self.lookup_seconds = latency_histogram(registry, "lookup", "Master-side latency of a Lookup call")
         self.score_seconds = latency_histogram(registry, "score", "Master-side latency of a Score call (routing)")
         self._lock = threading.Lock()
         self._totals = LookupTotals()
         self._too_large = TooLargeTotals()
+        self._hbm_warned = False  # HBM keys not kept were logged
         Gauge("kvpool_nodes", "Live pool nodes", registry=registry).set_function(membership.node_count)
         Gauge("kvpool_index_blocks", "Distinct blocks in the master's index", registry=registry).set_function(
             lambda: len(index)
@@ -106,10 +109,12 @@ class MasterMetrics:
             "kvpool_master_failover_resync_seconds", "Seconds from this master's election to each re-registering "
             "node's whole inventory being in its index", buckets=_FAILOVER_BUCKETS, registry=registry)
 
-    def record_lookup(self, hbm: int, dram: int, ssd: int, requested: int, block_tokens: int, lookups: int = 1) -> None:
-        """Count ``lookups`` lookups: ``requested`` blocks (HBM prefix included), the runs served as given."""
+    def record_lookup(self, hbm: int, dram: int, ssd: int, requested: int, block_tokens: int, lookups: int = 1,
+                      tenant: str = "") -> None:
+        """Count ``lookups`` lookups of ``tenant``: ``requested`` blocks (HBM prefix included), the runs served as
+        given."""
         with self._lock:
-            self._lookup.record({"hbm": hbm, "dram": dram, "ssd": ssd}, requested, block_tokens, lookups)
+            self._lookup.record({"hbm": hbm, "dram": dram, "ssd": ssd}, requested, block_tokens, lookups, tenant)
             t = self._totals
             self._totals = LookupTotals(
                 t.lookups + lookups,
@@ -135,6 +140,20 @@ class MasterMetrics:
             log.warning("refused blocks of up to %d bytes: no live node takes blocks larger than %d bytes; set the "
                         "nodes' max_block_bytes (kvpool node --max-block-bytes) to at least your block size, or give "
                         "them an SSD tier", largest_refused, largest_taken)
+
+    def record_hbm_not_kept(self, keys: int, worker: str, per_worker: int, per_tenant: int) -> None:
+        """Count HBM keys a report could not keep (``kvpool_errors_total{kind="hbm_keys_not_kept"}``); the first
+        time, say which limits and worker (a scoped id) it was."""
+        with self._lock:
+            first, self._hbm_warned = not self._hbm_warned, True
+        if self.errors is not None:
+            self.errors.count("hbm_keys_not_kept", keys)
+        if first:
+            tenant, worker_id = split_scoped_id(worker)
+            log.warning("HBM keys not kept: %d of worker %r%s are past max_hbm_keys_per_worker (%d) or, for its "
+                        "tenant's workers together, max_hbm_keys_per_tenant (%d); routing scores under-count such "
+                        "workers (a miss; counted in kvpool_errors_total{kind=\"hbm_keys_not_kept\"}, logged once)",
+                        keys, worker_id, f" of tenant {tenant!r}" if tenant else "", per_worker, per_tenant)
 
     def too_large_totals(self) -> TooLargeTotals:
         with self._lock:

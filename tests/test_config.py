@@ -105,6 +105,7 @@ BAD_VALUES = {
         "etcd": "ftp://etcd:2379", "cluster": "a/b", "leader_ttl_s": 1, "advertise_host": "two words",
         "kv_events_endpoint": "tcp://*", "kv_events_replay_endpoint": "udp://h:1", "kv_events_topic": "a b",
         "kv_events_buffer": 0, "kv_events_max_queue": 0, **{f"etcd_{s}": 1 for s in _ETCD_SETTINGS},
+        "max_workers_per_tenant": 0, "max_hbm_keys_per_worker": 0, "max_hbm_keys_per_tenant": -1,
     },
     NodeConfig: {
         "master": "no-port", "host": "two words", "port": -1, "metrics_port": 70000, "data_port": -5,
@@ -178,3 +179,13 @@ def test_metrics_ports_follow_their_port():
     assert explicit.node.metrics_port == 9000
     assert NodeConfig(port=0).metrics_port == -1 and MasterConfig(port=0).metrics_port == -1  # any free port
     assert NodeConfig(port=7710, metrics_port=0).metrics_port == 0  # none
+
+
+def test_a_clients_worker_id_is_one_the_master_takes():
+    """The master refuses worker ids over 256 characters or with control characters (issue 26): a client
+    configured with one is refused at once, not with every lookup."""
+    for bad in ("w" * 257, "gpu\x000", "gpu\n0", "gpu\x85"):
+        with pytest.raises(ValueError, match=r"client\.worker_id: a worker id"):
+            ClientConfig(worker_id=bad)
+    assert ClientConfig(worker_id="w" * 256).resolved_worker_id() == "w" * 256
+    assert ClientConfig().resolved_worker_id()  # empty: <hostname>-<pid>

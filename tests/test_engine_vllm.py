@@ -210,7 +210,7 @@ def test_a_fresh_vllm_process_loads_what_another_stored_generated_blocks_include
     round2 = q1 + o1 + q2
     b_requests = [req("p+", p + prompt(5, 100)), req("round2", round2), req("bob", shared, salt="bob"),
                   req("alice", shared, salt="alice"), req("short2", short + o_short + q2)]
-    hits_before = metric(scrape(procs.master_metrics_port), "kvpool_hit_blocks_total", tier="dram")
+    hits_before = metric(scrape(procs.master_metrics_port), "kvpool_hit_blocks_total", tenant="", tier="dram")
     b = drive(python, model, tmp_path, [
         {"name": "B", "kvpool": kv, "requests": b_requests},  # a fresh process: vLLM's own cache is empty
         {"name": "ref", "kvpool": None,
@@ -235,7 +235,7 @@ def test_a_fresh_vllm_process_loads_what_another_stored_generated_blocks_include
     assert b.metrics["B"]["vllm:kvpool_load_errors"] == 0
     assert b.metrics["B"]["vllm:kvpool_hit_blocks_dram"] == loaded
     assert b.metrics["B"]["vllm:kvpool_saved_blocks"] > 0  # B's own new blocks went to the pool too
-    hits = metric(scrape(procs.master_metrics_port), "kvpool_hit_blocks_total", tier="dram") - hits_before
+    hits = metric(scrape(procs.master_metrics_port), "kvpool_hit_blocks_total", tenant="", tier="dram") - hits_before
     assert hits == loaded  # the master counted the same hits
 
 

@@ -34,6 +34,7 @@ from fuzz_support import (
     KNOWN_SIZES,
     KNOWN_TAG,
     LEASE_TIMEOUT_S,
+    MASTER_CONFIG,
     MASTER_MAX_MESSAGE,
     MISS,
     NODE_MAX_MESSAGE,
@@ -67,8 +68,9 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvpool.checksum import block_checksum
-from kvpool.master.servicer import MAX_REF_CHARS
+from kvpool.master.servicer import MAX_BLOCK_TOKENS, MAX_REF_CHARS, MAX_REPORTED_LOOKUPS
 from kvpool.v1 import common_pb2, master_pb2, node_pb2
+from kvpool.worker_ids import worker_id_problem
 
 SCALE = float(os.environ.get("KVPOOL_FUZZ_SCALE", "1"))
 N = max(1, int(200 * SCALE))  # cases per RPC
@@ -271,13 +273,23 @@ def read_keys() -> st.SearchStrategy:
     return weighted((3, packed_keys(any_key)), (1, known_run))
 
 
+HBM_MOST = MASTER_CONFIG.max_hbm_keys_per_worker
+small_u32 = weighted((2, st.integers(0, 1000)), (1, u32))  # counts clients send, and any others
+small_u64 = weighted((2, st.integers(0, 1000)), (1, u64))
+
+
+def worker_ok(worker: str) -> bool:
+    return worker_id_problem(worker) is None
+
+
 @FUZZ
-@given(case=read_keys(), worker=id_text, hbm=u32, tokens=u32, extra=unknown_fields())
+@given(case=read_keys(), worker=id_text, hbm=small_u32, tokens=small_u32, extra=unknown_fields())
 def test_lookup(pool, case, worker, hbm, tokens, extra):
     packed, n = case
     pool.node.link.flush()
     request = master_pb2.LookupRequest(keys=packed, worker_id=worker, hbm_prefix_blocks=hbm, block_tokens=tokens)
-    code, run = checked(pool, "master", "Lookup", request, extra, valid_if(n is not None))
+    valid = n is not None and (not worker or worker_ok(worker)) and hbm <= HBM_MOST and tokens <= MAX_BLOCK_TOKENS
+    code, run = checked(pool, "master", "Lookup", request, extra, valid_if(valid))
     if code == OK:
         keys = keys_of(packed)
         end = len(run.tiers)
@@ -300,7 +312,7 @@ def test_lookup(pool, case, worker, hbm, tokens, extra):
 def test_score(pool, case, workers, extra):
     packed, n = case
     pool.node.link.flush()
-    valid = n is not None and all(0 < len(w) <= MAX_REF_CHARS for w in workers)
+    valid = n is not None and all(worker_ok(w) for w in workers)
     code, reply = checked(pool, "master", "Score", master_pb2.ScoreRequest(keys=packed, worker_ids=workers), extra,
                           valid_if(valid))
     if code == OK:
@@ -309,7 +321,7 @@ def test_score(pool, case, workers, extra):
         while lead < len(keys) and keys[lead] in KNOWN:
             lead += 1
         assert lead <= reply.pool_dram_blocks + reply.pool_ssd_blocks <= n, "the pool's run misses a known block"
-        assert [w.worker_id for w in reply.workers] == workers
+        assert [w.worker_id for w in reply.workers] == list(dict.fromkeys(workers))  # each once, first seen order
         for w in reply.workers:  # no fuzzed worker holds HBM the known run would start with
             assert w.hbm_blocks + w.dram_blocks + w.ssd_blocks <= n
     pool.count("Master.Score")
@@ -362,12 +374,13 @@ def test_place_blocks(pool, data):
 
 @FUZZ
 @given(worker=id_text, added=packed_keys(fuzz_key), removed=packed_keys(fuzz_key), full=st.booleans(),
-       capacity=u64, used=u64, lookups=u64, blocks=u64, tokens=u32, extra=unknown_fields())
+       capacity=u64, used=u64, lookups=small_u64, blocks=small_u64, tokens=small_u32, extra=unknown_fields())
 def test_report_hbm(pool, worker, added, removed, full, capacity, used, lookups, blocks, tokens, extra):
     request = master_pb2.ReportHbmRequest(
         worker_id=worker, added_keys=added[0], removed_keys=removed[0], full_sync=full, capacity_bytes=capacity,
         used_bytes=used, hbm_only_lookups=lookups, hbm_only_blocks=blocks, block_tokens=tokens)
-    ok = worker and None not in (added[1], removed[1])
+    counts_ok = lookups <= MAX_REPORTED_LOOKUPS and blocks <= lookups * HBM_MOST and tokens <= MAX_BLOCK_TOKENS
+    ok = worker_ok(worker) and None not in (added[1], removed[1]) and counts_ok
     checked(pool, "master", "ReportHbm", request, extra, valid_if(ok))
     pool.count("Master.ReportHbm")
 
@@ -673,15 +686,18 @@ def test_undecodable_requests_are_invalid_argument_not_internal(pool):
     pool.count("regression")
 
 
-def test_huge_hbm_counters_do_not_break_cluster_status(pool):
-    """ReportHbm may add up to 2**64-1 lookups a call; ClusterStatus's uint64 totals used to overflow (ValueError)."""
+def test_huge_hbm_counters_are_refused_and_count_nothing(pool):
+    """ReportHbm used to add up to 2**64-1 lookups a call: ClusterStatus's uint64 totals overflowed (ValueError),
+    then saturated at 2**64-1 after one report. Counts past what the reported lookups can hold are refused."""
+    code, before = master_call(pool, "ClusterStatus", master_pb2.ClusterStatusRequest())
+    assert code == OK, before
     for _ in range(3):
         code, reply = master_call(pool, "ReportHbm", master_pb2.ReportHbmRequest(
             worker_id="fuzz-counter", hbm_only_lookups=2**64 - 1, hbm_only_blocks=2**64 - 1, block_tokens=2**32 - 1))
-        assert code == OK, reply
+        assert code == INVALID, reply
     code, status = master_call(pool, "ClusterStatus", master_pb2.ClusterStatusRequest())
     assert code == OK, status
-    assert status.lookups == 2**64 - 1 and status.hit_blocks_hbm == 2**64 - 1  # saturated
+    assert (status.lookups, status.hit_blocks_hbm) == (before.lookups, before.hit_blocks_hbm) < (2**64 - 1, 2**64 - 1)
     pool.count("regression")
 
 

@@ -549,7 +549,7 @@ def _bad_requests(stub, incarnation):
         ),
         (
             lambda: stub.ReportHbm(master_pb2.ReportHbmRequest(worker_id="", added_keys=pack_keys(k))),
-            "worker_id must not be empty",
+            "a worker id must have 1 to 256 characters",
         ),
     ]
 
@@ -600,8 +600,9 @@ def test_metrics_endpoint_counts_lookups_and_agrees_with_cluster_status(master, 
     assert stub.Heartbeat(
         master_pb2.HeartbeatRequest(node_id="a", incarnation=a, tiers=[dram_usage(capacity=1000, used=250, blocks=2)])
     ).known
-    lookups_total = ("kvpool_lookups_total", ())
-    dram_hits = ("kvpool_hit_blocks_total", (("tier", "dram"),))
+    no_tenant = ("tenant", "")  # auth off: the lookup counters' tenant label is empty
+    lookups_total = ("kvpool_lookups_total", (no_tenant,))
+    dram_hits = ("kvpool_hit_blocks_total", (no_tenant, ("tier", "dram")))
     before = scrape(master.metrics_port)
 
     lookup(stub, k, hbm_prefix_blocks=3, block_tokens=16)  # run: dram, dram, ssd
@@ -611,10 +612,10 @@ def test_metrics_endpoint_counts_lookups_and_agrees_with_cluster_status(master, 
 
     assert after[lookups_total] - before[lookups_total] == 3
     assert after[dram_hits] - before[dram_hits] == 3
-    ssd_hits = ("kvpool_hit_blocks_total", (("tier", "ssd"),))
+    ssd_hits = ("kvpool_hit_blocks_total", (no_tenant, ("tier", "ssd")))
     assert after[ssd_hits] - before[ssd_hits] == 2
-    assert after[("kvpool_hit_blocks_total", (("tier", "hbm"),))] == 3
-    assert after[("kvpool_lookup_blocks_total", ())] == (3 + 4) + 3 + 1
+    assert after[("kvpool_hit_blocks_total", (no_tenant, ("tier", "hbm")))] == 3
+    assert after[("kvpool_lookup_blocks_total", (no_tenant,))] == (3 + 4) + 3 + 1
     assert after[("kvpool_lookup_seconds_count", ())] == 3
     assert after[("kvpool_nodes", ())] == 1
     assert after[("kvpool_index_blocks", ())] == 3
@@ -626,7 +627,7 @@ def test_metrics_endpoint_counts_lookups_and_agrees_with_cluster_status(master, 
 
     s = status(stub)
     assert s.lookups == after[lookups_total] == 3
-    assert s.requested_blocks == after[("kvpool_lookup_blocks_total", ())]
+    assert s.requested_blocks == after[("kvpool_lookup_blocks_total", (no_tenant,))]
     assert (s.hit_blocks_hbm, s.hit_blocks_dram, s.hit_blocks_ssd) == (3, 3, 2)
 
 

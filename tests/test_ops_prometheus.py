@@ -245,8 +245,8 @@ def test_the_traffic_mixes_hbm_dram_and_ssd_hits_and_misses(ops):
     assert traffic.hit_blocks == {t: float(n) for t, n in traffic.results_blocks.items()}  # registry == LookupResults
     assert sum(traffic.hit_blocks.values()) < traffic.lookup_blocks  # and misses
     master = scrape(procs.master_metrics_port)  # the master counted exactly what the client did
-    assert metric(master, "kvpool_lookup_blocks_total") == traffic.lookup_blocks
-    assert {t: metric(master, "kvpool_hit_blocks_total", tier=t) for t in TIER_LABELS} == traffic.hit_blocks
+    assert metric(master, "kvpool_lookup_blocks_total", tenant="") == traffic.lookup_blocks  # auth off: tenant ""
+    assert {t: metric(master, "kvpool_hit_blocks_total", tenant="", tier=t) for t in TIER_LABELS} == traffic.hit_blocks
     assert metric(scrape(procs.node_metrics_port("n0")), "kvpool_demotions_total") > 0
 
 
