@@ -138,10 +138,10 @@ class CallLog:
                 self.names.append(name)
             return call(stub, name, request, timeout)
 
-        def piped(pipe, request, done):
+        def piped(pipe, request, done, deadline=None):
             self.names.append("Commit")
             self.stocks_asked += bool(request.next_sizes)
-            return send(pipe, request, done)
+            return send(pipe, request, done, deadline)
 
         monkeypatch.setattr(FastStub, "call", logged)
         monkeypatch.setattr(CommitPipe, "send", piped)
