@@ -565,8 +565,16 @@ class PoolConfig:
 
 
 _SECTIONS: dict[str, type] = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def parse_flag(word: str) -> bool:
+    """An on/off setting written as text (``KVPOOL_*`` variables, config files): 1/true/yes/on or 0/false/no/off,
+    any case; ValueError otherwise."""
+    flag = FLAG_WORDS.get(word.strip().lower())
+    if flag is None:
+        raise ValueError("expected true or false")
+    return flag
 
 
 def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
@@ -586,10 +594,9 @@ def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
         if kind == "bool":
             if isinstance(value, bool):
                 return value
-            word = value.strip().lower() if isinstance(value, str) else None
-            if word in _TRUE or word in _FALSE:
-                return word in _TRUE
-            raise ValueError("expected true or false")
+            if not isinstance(value, str):
+                raise ValueError("expected true or false")
+            return parse_flag(value)
         if kind == "int":
             if isinstance(value, bool) or not isinstance(value, (int, str)):
                 raise ValueError("expected an integer")
