@@ -252,7 +252,7 @@ class PoolClient:
             i = int(wrong[0])
             raise ValueError(f"output is {dsts[i].size} bytes, block {run.keys[i].hex()[:16]} is {int(run.sizes[i])}")
         start = time.perf_counter()
-        self.shared_path.settle(self.config.io_timeout_s)
+        self.faults.raise_later()  # strict: a piped Commit refused since the last call
         ok = [False] * len(run)
         if len(run.nodes) == 1:  # one node: one group, in order (no sorting)
             groups = [list(range(len(run)))] if len(run) else []
@@ -263,6 +263,7 @@ class PoolClient:
         for idxs in groups:
             node = run.nodes[int(run.node_indexes[idxs[0]])]
             deadline = time.monotonic() + self.config.io_timeout_s  # one deadline per node, not one per path
+            self.shared_path.settle(self.config.io_timeout_s, {node.address})  # read-your-writes, on its deadline
             for path, moved in zip(self.paths, self._moved["get"]):
                 offered, idxs = idxs, path.get(node, idxs, run, dsts, ok, deadline)
                 moved.inc(sum(ok[i] for i in offered))

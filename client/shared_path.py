@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import cycle, islice
@@ -338,11 +338,12 @@ class SharedMemoryPath:
                 self._no_ahead.add(address)  # e.g. a tenant under a quota: no stock comes, so none is asked for
         self._stock.keep(address, arena, reply.next, asked)
 
-    def settle(self, timeout: float) -> bool:
-        """Wait until every Commit sent without waiting is answered (what this client stored is published), then
-        raise the first fault they left in strict mode; False on timeout (one ``timeout`` for all the nodes)."""
+    def settle(self, timeout: float, addresses: Collection[str] | None = None) -> bool:
+        """Wait until every Commit sent without waiting (to the nodes at ``addresses``, None: all) is answered
+        (what this client stored there is published), then raise the first fault they left in strict mode;
+        False on timeout (one ``timeout`` for all the nodes)."""
         with self._lock:
-            pipes = list(self._pipes.values())
+            pipes = [pipe for address, pipe in self._pipes.items() if addresses is None or address in addresses]
         deadline = time.monotonic() + timeout
         ok = all([pipe.wait(0, call_timeout(deadline)) for pipe in pipes])
         self.faults.raise_later()

@@ -252,3 +252,23 @@ def test_a_stopped_node_costs_a_read_in_several_calls_one_io_timeout(procs, monk
         assert ok == [False] * 4 and timeouts(pool) == before + 4
         assert pool.get_into(run, outs) == [True] * 4  # continued: read in full
     assert wall <= io_s + SLACK_S, wall
+
+
+def test_a_read_waits_for_its_nodes_piped_commits_within_that_nodes_io_timeout(procs):
+    """A read's wait for this client's piped commits (read-your-writes) counts against the node's one
+    io_timeout_s: it came first, with an io_timeout_s of its own, and then the read's Locate waited another."""
+    serve = procs.serve()
+    io_s = 1.0
+    with PoolClient(config(procs, shared_memory=True, io_timeout_s=io_s)) as pool:
+        first, second = keys("rw-1", 1), keys("rw-2", 1)
+        assert pool.store(first, values(1)) == [True]  # leases a slot ahead for the next put
+        assert pool.flush(10) and pool.shared_path.stocked_slots() >= 1
+        run = pool.lookup(first)
+        assert len(run) == 1
+        pool.shared_path.use_index = False  # every same-host read asks the node's Locate (as an SSD block does)
+        out = np.zeros(BLOCK, np.uint8)
+        with stopped(serve):
+            assert pool.store(second, values(1)) == [True]  # piped, never answered
+            ok, wall, _ = timed(pool.get_into, run, [out])
+        assert ok == [False]  # the node must answer the Locate: a miss
+        assert wall <= io_s + SLACK_S, wall
