@@ -37,14 +37,33 @@ BLOCK = 64 << 10
 
 @contextlib.contextmanager
 def stopped(*procs: subprocess.Popen) -> Iterator[None]:
-    """SIGSTOP every process for the block; SIGCONT always follows."""
-    for p in procs:
-        os.kill(p.pid, signal.SIGSTOP)
+    """SIGSTOP every process for the block, entered once every thread of each is stopped; SIGCONT always follows.
+
+    A SIGSTOP takes effect when one of the process's threads next runs: on a busy machine another thread,
+    woken by a request, can still answer it first. So the block starts only once /proc shows them stopped.
+    """
     try:
+        for p in procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        for p in procs:
+            wait_until(lambda pid=p.pid: all_threads_stopped(pid), timeout=10, interval=0.005)
         yield
     finally:
         for p in procs:
             os.kill(p.pid, signal.SIGCONT)
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T``) now."""
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+        if state not in ("T", "t"):
+            return False
+    return True
 
 
 def keys(tag: str, n: int) -> list[BlockKey]:
@@ -129,6 +148,7 @@ def test_a_new_client_meeting_a_stopped_master_misses_by_its_deadline(procs):
         run, wall, _ = timed(pool.lookup, keys("new", 2))
         assert len(run) == 0 and timeouts(pool) == 2
     assert wall <= LOOKUP_S + SLACK_S, wall
+    print(f"\nFIGURES new client, stopped master: first lookup {wall:.2f}s (timeout {LOOKUP_S}s)")
 
 
 def test_a_new_authenticated_connection_to_a_stopped_master_waits_for_the_lookup_deadline_not_io_timeout(
@@ -157,6 +177,8 @@ def test_a_new_authenticated_connection_to_a_stopped_master_waits_for_the_lookup
                 t.join(IO_S + 5)
         assert len(walls) == 2 and timeouts(pool) == 2
     assert max(walls) <= LOOKUP_S + SLACK_S, walls
+    print(f"\nFIGURES stopped master, a new authenticated connection: lookups {walls[0]:.2f}s, {walls[1]:.2f}s "
+          f"(timeout {LOOKUP_S}s, io_timeout_s {IO_S}s)")
 
 
 def test_following_the_leader_after_a_failed_call_does_not_stretch_it(tmp_path):
@@ -185,6 +207,7 @@ def test_following_the_leader_after_a_failed_call_does_not_stretch_it(tmp_path):
         stop_process(master)
         etcd.stop()
     assert wall <= LOOKUP_S + SLACK_S, wall
+    print(f"\nFIGURES stopped leader and etcd: lookup {wall:.2f}s (timeout {LOOKUP_S}s)")
 
 
 def test_a_flush_over_stopped_nodes_returns_false_by_its_timeout(procs):
@@ -212,6 +235,7 @@ def test_a_flush_over_stopped_nodes_returns_false_by_its_timeout(procs):
     assert returned, "flush did not return while both nodes were stopped"
     ok, wall = done[0]
     assert ok is False and wall <= LOOKUP_S + SLACK_S, done
+    print(f"\nFIGURES two stopped nodes: flush({LOOKUP_S}) returned False after {wall:.2f}s")
 
 
 def test_a_lookup_after_a_put_the_stopped_node_never_answered_misses_by_the_lookup_deadline(procs):
@@ -230,6 +254,8 @@ def test_a_lookup_after_a_put_the_stopped_node_never_answered_misses_by_the_look
         assert put_wall <= SLACK_S, put_wall
         assert lookup_wall <= LOOKUP_S + SLACK_S and exists_wall <= LOOKUP_S + SLACK_S, (lookup_wall, exists_wall)
         assert pool.flush(10)  # continued: the piped Commit is answered
+    print(f"\nFIGURES piped Commit unanswered: lookup {lookup_wall:.2f}s, exists {exists_wall:.2f}s "
+          f"(lookup_timeout_s {LOOKUP_S}s, io_timeout_s {IO_S}s)")
 
 
 def test_a_stopped_node_costs_a_read_in_several_calls_one_io_timeout(procs, monkeypatch):
@@ -252,6 +278,7 @@ def test_a_stopped_node_costs_a_read_in_several_calls_one_io_timeout(procs, monk
         assert ok == [False] * 4 and timeouts(pool) == before + 4
         assert pool.get_into(run, outs) == [True] * 4  # continued: read in full
     assert wall <= io_s + SLACK_S, wall
+    print(f"\nFIGURES stopped node, a read in 4 gRPC calls: {wall:.2f}s (io_timeout_s {io_s}s)")
 
 
 def test_a_read_waits_for_its_nodes_piped_commits_within_that_nodes_io_timeout(procs):
@@ -272,3 +299,4 @@ def test_a_read_waits_for_its_nodes_piped_commits_within_that_nodes_io_timeout(p
             ok, wall, _ = timed(pool.get_into, run, [out])
         assert ok == [False]  # the node must answer the Locate: a miss
         assert wall <= io_s + SLACK_S, wall
+    print(f"\nFIGURES stopped node, piped Commit unanswered, read by Locate: {wall:.2f}s (io_timeout_s {io_s}s)")
