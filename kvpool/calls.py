@@ -109,7 +109,6 @@ class FastStub:
         except DecodeError as exc:
             raise CallError(grpc.StatusCode.INTERNAL, f"{name}: undecodable reply: {exc}") from exc
 
-
     def _grpc_call(self, name: str, request: Message, deadline: float | None) -> Any:
         return getattr(self._grpc, name)(request, timeout=_left(deadline))
 

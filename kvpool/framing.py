@@ -139,13 +139,12 @@ def set_io_timeout(sock: socket.socket, seconds: float) -> None:
     A TLS socket gets a plain ``settimeout`` (its reads are Python's anyway).
     ``seconds`` below a microsecond count as one: for the kernel a zero timeout means none at all.
     """
+    usec = max(1, int(seconds * 1e6))
     if isinstance(sock, ssl.SSLSocket):
-        sock.settimeout(max(seconds, 1e-6))
+        sock.settimeout(usec / 1e6)
         return
     sock.settimeout(None)
-    sec = int(seconds)
-    usec = int((seconds - sec) * 1e6) if seconds > 0 else 0
-    timeval = struct.pack("ll", max(sec, 0), usec if sec > 0 or usec > 0 else 1)
+    timeval = struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
