@@ -263,7 +263,7 @@ class PoolClient:
         for idxs in groups:
             node = run.nodes[int(run.node_indexes[idxs[0]])]
             deadline = time.monotonic() + self.config.io_timeout_s  # one deadline per node, not one per path
-            self.shared_path.settle(self.config.io_timeout_s, {node.address})  # read-your-writes, on its deadline
+            self.shared_path.settle(call_timeout(deadline), {node.address})  # read-your-writes, on its deadline
             for path, moved in zip(self.paths, self._moved["get"]):
                 offered, idxs = idxs, path.get(node, idxs, run, dsts, ok, deadline)
                 moved.inc(sum(ok[i] for i in offered))
