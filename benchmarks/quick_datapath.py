@@ -137,7 +137,7 @@ def main() -> int:
                     wait_ready(pool, proc)
                     if grpc_only:
                         # this client only: no node has a bulk address, so remote gets take gRPC
-                        pool.nodes.data_address = lambda address: None  # type: ignore[method-assign]
+                        pool.nodes.data_address = lambda address, timeout=None: None  # type: ignore[method-assign]
                     if shm:  # map the arena into this process before measuring (a one-off cost per process)
                         pool.store([opaque_key("warm-up")], [values[0]])
                     put, get = run(pool, name, values, args.batch, args.rounds, forget)

@@ -87,9 +87,10 @@ class BulkClient:
             timeout_s, connect_timeout_s=connect_timeout_s, max_idle_per_address=max_idle_per_node, tls=tls,
             hello=auth_hello(token) if token else None)
 
-    def _exchange(self, address: str, fn: Callable[..., tuple[Head, bytes, T]], *args: Any) -> T:
+    def _exchange(self, address: str, fn: Callable[..., tuple[Head, bytes, T]], *args: Any,
+                  timeout: float | None = None) -> T:
         try:
-            head, message, result = self._pool.exchange(address, fn, *args)
+            head, message, result = self._pool.exchange(address, fn, *args, timeout=timeout)
         except Refused as exc:  # a full listener: nothing of the request was read
             raise BulkFailed("bulk_refused", str(exc)) from exc
         except ConnectFailed as exc:
@@ -112,9 +113,12 @@ class BulkClient:
     # -- GET ------------------------------------------------------------------------------------------
 
     def get_into(self, address: str, keys: Sequence[BlockKey], outs: Sequence[np.ndarray],
-                 checksums: Sequence[int]) -> list[int]:
-        """Fill ``outs`` (flat uint8 arrays of the expected sizes); per key OK, GONE, CHANGED or CORRUPT."""
-        return self._exchange(address, self._get, keys, outs, checksums)
+                 checksums: Sequence[int], timeout: float | None = None) -> list[int]:
+        """Fill ``outs`` (flat uint8 arrays of the expected sizes); per key OK, GONE, CHANGED or CORRUPT.
+
+        ``timeout``: connecting and every receive or send of it stall at most this long (and the pool's
+        timeout); bytes that keep coming are not cut."""
+        return self._exchange(address, self._get, keys, outs, checksums, timeout=timeout)
 
     @staticmethod
     def _get(sock: socket.socket, state: Exchange, keys: Sequence[BlockKey], outs: Sequence[np.ndarray],
@@ -175,9 +179,10 @@ class BulkClient:
     # -- PUT ------------------------------------------------------------------------------------------
 
     def put(self, address: str, keys: Sequence[BlockKey], values: Sequence[np.ndarray],
-            checksums: Sequence[int]) -> list[bool]:
-        """Store blocks (flat uint8 arrays) with their checksums; per key, stored or already held."""
-        return self._exchange(address, self._put, keys, values, checksums)
+            checksums: Sequence[int], timeout: float | None = None) -> list[bool]:
+        """Store blocks (flat uint8 arrays) with their checksums; per key, stored or already held (``timeout``:
+        as :meth:`get_into`)."""
+        return self._exchange(address, self._put, keys, values, checksums, timeout=timeout)
 
     @staticmethod
     def _put(sock: socket.socket, state: Exchange, keys: Sequence[BlockKey], values: Sequence[np.ndarray],

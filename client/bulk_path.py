@@ -6,6 +6,10 @@ path (gRPC) and the listener is skipped for a while; an exchange that broke,
 or that a full listener refused, hands its blocks on too, counted as
 ``bulk_fallback``.
 
+Every request is due by the node's deadline (:mod:`.datapath`): each
+connect, receive or send stalls at most what is left of it, and no request
+starts after it.
+
 A GET asks for at most ``GET_CHUNK_BYTES`` of blocks (and ``MAX_KEYS`` keys)
 at a time, well under what a node serves in one GET
 (:data:`kvpool.wire.MAX_GET_BYTES`, more if its ``max_request_bytes``
@@ -16,6 +20,7 @@ is larger; a larger block goes alone). A PUT sends at most
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,7 +28,7 @@ import numpy as np
 
 from kvpool.checksum import block_checksum
 from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
-from kvpool.client.datapath import LEASE_CHUNK_BYTES, MAX_KEYS, chunks
+from kvpool.client.datapath import LEASE_CHUNK_BYTES, MAX_KEYS, call_timeout, chunks
 from kvpool.client.faults import Faults
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
@@ -64,16 +69,21 @@ class BulkPath:
         return None
 
     def get(self, node: NodeRef, idxs: list[int], run: PoolRun, dsts: list[np.ndarray],
-            ok: list[bool]) -> list[int]:
-        data_address = self.nodes.data_address(node.address)
+            ok: list[bool], deadline: float) -> list[int]:
+        if time.monotonic() >= deadline:
+            return idxs
+        data_address = self.nodes.data_address(node.address, call_timeout(deadline))
         if data_address is None:
             return idxs
         done = 0
         sizes = run.sizes[idxs].tolist()
         for positions in chunks(range(len(idxs)), sizes, GET_CHUNK_BYTES, MAX_KEYS):
+            if time.monotonic() >= deadline:
+                return idxs[done:]
             part = [idxs[p] for p in positions]
             status = self._call(node, len(part), self.bulk.get_into, data_address,
-                                [run.keys[i] for i in part], [dsts[i] for i in part], run.checksums[part].tolist())
+                                [run.keys[i] for i in part], [dsts[i] for i in part], run.checksums[part].tolist(),
+                                call_timeout(deadline))
             if status is None:
                 return idxs[done:]
             done += len(part)
@@ -89,15 +99,19 @@ class BulkPath:
         return []
 
     def put(self, node: NodeRef, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
-            sizes: list[int], result: list[bool]) -> list[int]:
-        data_address = self.nodes.data_address(node.address)
+            sizes: list[int], result: list[bool], deadline: float) -> list[int]:
+        if time.monotonic() >= deadline:
+            return idxs
+        data_address = self.nodes.data_address(node.address, call_timeout(deadline))
         if data_address is None:
             return idxs
         done = 0
         for run in chunks(idxs, sizes, LEASE_CHUNK_BYTES):
+            if time.monotonic() >= deadline:
+                return idxs[done:]
             sums = [block_checksum(arrays[i]) for i in run]
             stored = self._call(node, len(run), self.bulk.put, data_address,
-                                [keys[i] for i in run], [arrays[i] for i in run], sums)
+                                [keys[i] for i in run], [arrays[i] for i in run], sums, call_timeout(deadline))
             if stored is None:
                 return idxs[done:]
             for i, flag in zip(run, stored):

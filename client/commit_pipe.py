@@ -100,15 +100,16 @@ class CommitPipe:
         with self._cond:
             return self._unanswered()
 
-    def send(self, request: node_pb2.CommitRequest, done: Done) -> bool:
+    def send(self, request: node_pb2.CommitRequest, done: Done, deadline: float | None = None) -> bool:
         """Send ``request``; ``done(reply, error)`` runs once its reply (or the connection's failure) arrives.
 
         False: nothing was sent (no wire address, no connection, the pipe is
-        closed, or no room within the io timeout).
+        closed, or no room within the io timeout and by ``deadline``, a
+        ``time.monotonic()``, if given).
         """
         frame = request_frame(Method.COMMIT, request)
         with self._send_lock:
-            link = self._room()
+            link = self._room(deadline)
             if link is None:
                 return False
             with self._cond:
@@ -123,9 +124,11 @@ class CommitPipe:
                 return False
             return True
 
-    def _room(self) -> _Link | None:
-        """The live link once it has room for one more request (connecting if needed); None: cannot send."""
-        deadline = time.monotonic() + self._timeout
+    def _room(self, deadline: float | None) -> _Link | None:
+        """The live link once it has room for one more request (connecting if needed, by ``deadline`` and
+        within the io timeout); None: cannot send."""
+        own = time.monotonic() + self._timeout
+        deadline = own if deadline is None else min(own, deadline)
         with self._cond:
             while True:
                 if self._closed:
@@ -144,11 +147,12 @@ class CommitPipe:
                 if left <= 0 or not self._cond.wait(left):
                     return None
         address = self._address()
-        if address is None or time.monotonic() < self._down_until:
+        left = deadline - time.monotonic()
+        if address is None or time.monotonic() < self._down_until or left <= 0:
             return None
         try:
-            sock = self._pool.connect(address)
-        except ConnectFailed as exc:
+            sock = self._pool.connect(address, left)
+        except (ConnectFailed, TimeoutError) as exc:
             log.debug("commit pipe to %s: %s", address, exc)
             return None
         link = _Link(sock)

@@ -13,10 +13,16 @@ gRPC); a path moves what it can and hands back the rest for the next one:
 - ``put(node, idxs, keys, arrays, sizes, result)``: store ``arrays[i]``
   under ``keys[i]``, set ``result[i]`` for each block the node now holds, and
   return the indexes another path should try.
+
+Both take the node's ``deadline`` (``time.monotonic()``): one ``io_timeout_s``
+for all of a node's blocks, across its paths and every call a path makes
+(each call gets what is left of it, :func:`call_timeout`); a path whose
+deadline passed starts no new call and hands the rest back.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -35,10 +41,16 @@ class DataPath(Protocol):
     """A way to move blocks to and from one node (see the module docstring)."""
 
     def get(self, node: NodeRef, idxs: list[int], run: PoolRun, dsts: list[np.ndarray],
-            ok: list[bool]) -> list[int]: ...
+            ok: list[bool], deadline: float) -> list[int]: ...
 
     def put(self, node: NodeRef, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
-            sizes: list[int], result: list[bool]) -> list[int]: ...
+            sizes: list[int], result: list[bool], deadline: float) -> list[int]: ...
+
+
+def call_timeout(deadline: float) -> float:
+    """The timeout of a call made now for a node whose blocks are due by ``deadline``: what is left (0 once it
+    passed: the call fails at once, DEADLINE_EXCEEDED)."""
+    return max(0.0, deadline - time.monotonic())
 
 
 def chunks(indexes: Sequence[int], sizes: Sequence[int], limit: int, max_keys: int = MAX_KEYS) -> Iterator[list[int]]:

@@ -2,7 +2,9 @@
 
 Used only for blocks no faster path could move (no shared memory, bulk
 listener unreachable). It takes every block it is given: failures are
-counted misses (reads) or unstored blocks (writes), never handed on.
+counted misses (reads) or unstored blocks (writes), never handed on. Its
+calls share the node's deadline: once it passed, the chunks left fail at
+once (DEADLINE_EXCEEDED) instead of waiting a timeout each.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import grpc
 import numpy as np
 
 from kvpool.checksum import block_checksum, copy_with_checksum
-from kvpool.client.datapath import GRPC_CHUNK_BYTES, chunks
+from kvpool.client.datapath import GRPC_CHUNK_BYTES, call_timeout, chunks
 from kvpool.client.faults import Faults, error_kind
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
@@ -31,12 +33,12 @@ class GrpcPath:
         self.faults = faults
 
     def get(self, node: NodeRef, idxs: list[int], blocks: PoolRun, dsts: list[np.ndarray],
-            ok: list[bool]) -> list[int]:
+            ok: list[bool], deadline: float) -> list[int]:
         sizes = blocks.sizes.tolist()
         for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES):
             request = node_pb2.GetRequest(keys=pack_keys([blocks.keys[i] for i in run]))
             try:
-                reply = self.nodes.stub(node.address).Get(request, timeout=self.config.io_timeout_s)
+                reply = self.nodes.stub(node.address).Get(request, timeout=call_timeout(deadline))
             except grpc.RpcError as exc:
                 self.faults.lost(error_kind(exc), exc, len(run))
                 continue
@@ -60,7 +62,7 @@ class GrpcPath:
         return []
 
     def put(self, node: NodeRef, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
-            sizes: list[int], result: list[bool]) -> list[int]:
+            sizes: list[int], result: list[bool], deadline: float) -> list[int]:
         for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES):
             request = node_pb2.PutRequest(
                 keys=pack_keys([keys[i] for i in run]),
@@ -69,7 +71,7 @@ class GrpcPath:
                 checksums=[block_checksum(arrays[i]) for i in run],
             )
             try:
-                reply = self.nodes.stub(node.address).Put(request, timeout=self.config.io_timeout_s)
+                reply = self.nodes.stub(node.address).Put(request, timeout=call_timeout(deadline))
             except grpc.RpcError as exc:
                 self.faults.counted(error_kind(exc), len(run))
                 continue

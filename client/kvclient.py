@@ -83,8 +83,9 @@ class KVCacheClient:
         if due:
             self._report_hbm(wait=False)
 
-    def _report_hbm(self, *, wait: bool) -> None:
-        """Send HBM changes and HBM-only lookup counts the master has not seen (stats only)."""
+    def _report_hbm(self, *, wait: bool, timeout: float | None = None) -> None:
+        """Send HBM changes and HBM-only lookup counts the master has not seen (stats only; within
+        ``lookup_timeout_s`` and ``timeout``)."""
         with self._hbm_lock:
             changed = list(self._hbm_changed_keys)
             lookups, blocks = self._hbm_only_lookups, self._hbm_only_blocks
@@ -97,7 +98,7 @@ class KVCacheClient:
         removed = [k for k, h in zip(changed, held) if not h]
         if added or removed or lookups:
             self.pool.report_hbm(added, removed, hbm_only_lookups=lookups, hbm_only_blocks=blocks,
-                                 block_tokens=self.block_tokens, wait=wait)
+                                 block_tokens=self.block_tokens, wait=wait, timeout=timeout)
 
     # -- the engine's calls --------------------------------------------------------------
 
@@ -172,9 +173,10 @@ class KVCacheClient:
         return [h or next(in_pool) for h in in_hbm]
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for queued pool writes; also sends pending HBM reports."""
-        self._report_hbm(wait=True)
-        return self.pool.flush(timeout)
+        """Wait for queued pool writes; also sends pending HBM reports (one ``timeout`` for both)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._report_hbm(wait=True, timeout=timeout)
+        return self.pool.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         """Tell the master this worker's HBM is gone, drain queued writes, release everything."""

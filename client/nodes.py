@@ -94,15 +94,18 @@ class NodeDirectory:
                 if n.data_address:
                     self._data_addresses[n.address] = n.data_address
 
-    def data_address(self, address: str) -> str | None:
-        """Where the node at gRPC ``address`` takes bulk requests; None: use gRPC (none, or down lately)."""
+    def data_address(self, address: str, timeout: float | None = None) -> str | None:
+        """Where the node at gRPC ``address`` takes bulk requests; None: use gRPC (none, or down lately).
+
+        Not known yet: asked of the node's ``Info`` within ``lookup_timeout_s`` (and ``timeout``)."""
         with self._lock:
             if self._bulk_down.get(address, 0.0) > time.monotonic():
                 return None
             known = self._data_addresses.get(address)
         if known is None:
+            wait = self.config.lookup_timeout_s if timeout is None else min(timeout, self.config.lookup_timeout_s)
             try:
-                info = self.stub(address).Info(node_pb2.InfoRequest(), timeout=self.config.lookup_timeout_s)
+                info = self.stub(address).Info(node_pb2.InfoRequest(), timeout=wait)
             except grpc.RpcError as exc:
                 log.debug("no Info from node %s (%s); using gRPC", address, error_kind(exc))
                 self.bulk_unreachable(address)

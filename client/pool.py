@@ -7,8 +7,12 @@
   what it could not move to the next: shared memory when the node is on
   this host (:mod:`kvpool.client.shared_path`), its bulk TCP listener
   (:mod:`kvpool.client.bulk_path`), gRPC (:mod:`kvpool.client.grpc_path`).
-  A node's blocks get one ``io_timeout_s`` across its paths: once a path
-  spent it (a stalled node), the rest are misses, not handed to a slower path.
+  A node's blocks get one ``io_timeout_s`` across its paths and every call
+  they make (each call gets what is left): once it is spent (a stalled
+  node), the rest are misses, not handed to a slower path or call.
+- One deadline per call: a ``lookup`` or ``exists`` ends within
+  ``lookup_timeout_s`` (its wait for this client's piped commits included),
+  a ``flush(timeout)`` within ``timeout``; no other setting stretches them.
 - Bytes are accepted only if their checksum equals the one the master
   published for the block.
 - Pool failures are counted misses, never exceptions on the engine's path
@@ -38,7 +42,7 @@ from prometheus_client import CollectorRegistry, Counter
 from kvpool.buffers import BufferLike, as_array, byte_view
 from kvpool.client.bulk_path import BulkPath
 from kvpool.client.cluster import ClusterView, Placement
-from kvpool.client.datapath import DataPath
+from kvpool.client.datapath import DataPath, call_timeout
 from kvpool.client.faults import Faults, PoolFault, error_kind
 from kvpool.client.grpc_path import GrpcPath
 from kvpool.client.local_index import REPORT_S, LocalIndex, LocalLookupCounts
@@ -131,7 +135,8 @@ class PoolClient:
         """
         keys = check_keys(keys)
         start = time.perf_counter()
-        self.shared_path.settle(self.config.io_timeout_s)  # read-your-writes: this client's commits published
+        deadline = time.monotonic() + self.config.lookup_timeout_s  # every wait of the lookup ends by then
+        self.shared_path.settle(self.config.lookup_timeout_s)  # read-your-writes: this client's commits published
         local = self.local.lookup(keys)
         if local is not None:
             if self._local_counts.add(hbm_prefix_blocks, local.tiers, len(keys), block_tokens):
@@ -143,7 +148,7 @@ class PoolClient:
             block_tokens=block_tokens,
         )
         try:
-            reply = self._master.Lookup(request, timeout=self.config.lookup_timeout_s)
+            reply = self._master.Lookup(request, timeout=call_timeout(deadline))
         except grpc.RpcError as exc:
             self.faults.lost(error_kind(exc), exc, len(keys))
             return EMPTY_RUN
@@ -166,12 +171,13 @@ class PoolClient:
         """Whether the pool holds each key; all False if the master cannot be asked (this host's arenas answer
         when every live node is here, as for :meth:`lookup`)."""
         packed = pack_keys(keys)
-        self.shared_path.settle(self.config.io_timeout_s)
+        deadline = time.monotonic() + self.config.lookup_timeout_s  # as in lookup
+        self.shared_path.settle(self.config.lookup_timeout_s)
         local = self.local.exists(keys)
         if local is not None:
             return local
         try:
-            reply = self._master.Exists(master_pb2.ExistsRequest(keys=packed), timeout=self.config.lookup_timeout_s)
+            reply = self._master.Exists(master_pb2.ExistsRequest(keys=packed), timeout=call_timeout(deadline))
         except grpc.RpcError as exc:
             self.faults.lost(error_kind(exc), exc, len(keys))
             return [False] * len(keys)
@@ -180,21 +186,24 @@ class PoolClient:
     def report_hbm(
         self, added: Sequence[BlockKey], removed: Sequence[BlockKey], *,
         hbm_only_lookups: int = 0, hbm_only_blocks: int = 0, block_tokens: int = 0, wait: bool = True,
+        timeout: float | None = None,
     ) -> None:
         """Tell the master what this worker's HBM tier gained and lost, and the lookups HBM answered alone.
 
-        Stats only, best effort; with ``wait=False`` the call does not block.
+        Stats only, best effort; with ``wait=False`` the call does not block. Within ``lookup_timeout_s``
+        (and ``timeout``, if less).
         """
+        timeout = self.config.lookup_timeout_s if timeout is None else min(timeout, self.config.lookup_timeout_s)
         request = master_pb2.ReportHbmRequest(
             worker_id=self.worker_id, added_keys=pack_keys(added), removed_keys=pack_keys(removed),
             hbm_only_lookups=hbm_only_lookups, hbm_only_blocks=hbm_only_blocks, block_tokens=block_tokens,
         )
         if not wait:
-            future = self._master.ReportHbm.future(request, timeout=self.config.lookup_timeout_s)
+            future = self._master.ReportHbm.future(request, timeout=timeout)
             future.add_done_callback(self._count_report_failure)
             return
         try:
-            self._master.ReportHbm(request, timeout=self.config.lookup_timeout_s)
+            self._master.ReportHbm(request, timeout=timeout)
         except grpc.RpcError as exc:
             self.faults.counted(_report_kind(exc))
 
@@ -203,17 +212,20 @@ class PoolClient:
         timer.daemon = True
         timer.start()
 
-    def _send_local_counts(self) -> bool:
+    def _send_local_counts(self, deadline: float | None = None) -> bool:
         """Report the lookups answered locally since the last report to the master (stats only; a failure is
-        counted and those counts are lost). True if there was nothing to send or the master took it."""
+        counted and those counts are lost), each call within ``lookup_timeout_s`` and all by ``deadline``
+        (``time.monotonic()``). True if there was nothing to send or the master took it."""
         ok = True
         for block_tokens, c in self._local_counts.take().items():
+            timeout = self.config.lookup_timeout_s if deadline is None else \
+                min(self.config.lookup_timeout_s, call_timeout(deadline))
             request = master_pb2.ReportHbmRequest(
                 worker_id=self.worker_id, block_tokens=block_tokens, local_lookups=c.lookups,
                 local_requested_blocks=c.requested, local_hbm_blocks=c.hbm, local_dram_blocks=c.dram,
                 local_ssd_blocks=c.ssd)
             try:
-                self._master.ReportHbm(request, timeout=self.config.lookup_timeout_s)
+                self._master.ReportHbm(request, timeout=timeout)
             except grpc.RpcError as exc:
                 self.faults.counted(_report_kind(exc))
                 ok = False
@@ -241,7 +253,7 @@ class PoolClient:
             i = int(wrong[0])
             raise ValueError(f"output is {dsts[i].size} bytes, block {run.keys[i].hex()[:16]} is {int(run.sizes[i])}")
         start = time.perf_counter()
-        self.shared_path.settle(self.config.io_timeout_s)
+        self.faults.raise_later()  # strict: a piped Commit refused since the last call
         ok = [False] * len(run)
         if len(run.nodes) == 1:  # one node: one group, in order (no sorting)
             groups = [list(range(len(run)))] if len(run) else []
@@ -252,8 +264,9 @@ class PoolClient:
         for idxs in groups:
             node = run.nodes[int(run.node_indexes[idxs[0]])]
             deadline = time.monotonic() + self.config.io_timeout_s  # one deadline per node, not one per path
+            self.shared_path.settle(call_timeout(deadline), {node.address})  # read-your-writes, on its deadline
             for path, moved in zip(self.paths, self._moved["get"]):
-                offered, idxs = idxs, path.get(node, idxs, run, dsts, ok)
+                offered, idxs = idxs, path.get(node, idxs, run, dsts, ok, deadline)
                 moved.inc(sum(ok[i] for i in offered))
                 if not idxs:
                     break
@@ -305,29 +318,32 @@ class PoolClient:
         Nodes report what they store in the background (a put's reply does not
         wait for the master); this is the barrier: it asks each node written to
         since the last flush to send its reports now, and sends the hit counts
-        of the lookups answered from this host's arenas. False on timeout, or if a
-        node could not confirm (its blocks are stored; the master learns of
-        them when the node's link is back).
+        of the lookups answered from this host's arenas. False on timeout (one
+        ``timeout`` for all of it), or if a node could not confirm (its blocks
+        are stored; the master learns of them when the node's link is back).
         """
-        start = time.monotonic()
+        deadline = None if timeout is None else time.monotonic() + timeout  # every step of the flush ends by it
         if not self._writer.flush(timeout):
             return False
-        if not self.shared_path.settle(self.config.io_timeout_s if timeout is None else timeout):
+        if not self.shared_path.settle(self.config.io_timeout_s if deadline is None else call_timeout(deadline)):
             return False
         with self._written_lock:
             written, self._written = self._written, set()
-        ok = self._send_local_counts()
-        left = self.config.io_timeout_s if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        ok = self._send_local_counts(deadline)
+        left = self.config.io_timeout_s if deadline is None else call_timeout(deadline)
         return self._flush_reports(written, left) and ok
 
     def _flush_reports(self, addresses: set[str], timeout: float) -> bool:
-        """Ask each node to send its reports to the master now; True once every one says the master has them."""
+        """Ask each node to send its reports to the master now, all within ``timeout``; True once every one says
+        the master has them (a node not asked in time is not confirmed)."""
         ok = True
         deadline = time.monotonic() + timeout
         for address in sorted(addresses):
+            if time.monotonic() >= deadline:
+                return False
             try:
                 reply = self.nodes.stub(address).FlushReports(node_pb2.FlushReportsRequest(),
-                                                              timeout=max(0.0, deadline - time.monotonic()))
+                                                              timeout=call_timeout(deadline))
                 ok &= reply.indexed
             except grpc.RpcError as exc:
                 self.faults.counted(_report_kind(exc))
@@ -415,7 +431,7 @@ class PoolClient:
             deadline = time.monotonic() + self.config.io_timeout_s  # as in get_into
             try:
                 for path, moved in zip(self.paths, self._moved["put"]):
-                    offered, idxs = idxs, path.put(nodes[node_index], idxs, keys, arrays, sizes, result)
+                    offered, idxs = idxs, path.put(nodes[node_index], idxs, keys, arrays, sizes, result, deadline)
                     moved.inc(sum(result[i] for i in offered))
                     if not idxs:
                         break
@@ -428,8 +444,9 @@ class PoolClient:
                 if idxs:  # no path took them: the node may be gone, so may the view that chose it
                     self.cluster.invalidate()
         if by_node and not self.local.answers():  # read-your-writes: this client's lookups ask the master
+            deadline = time.monotonic() + self.config.io_timeout_s  # one wait for both
             self.shared_path.settle(self.config.io_timeout_s)
-            self._flush_reports({nodes[n].address for n in by_node}, self.config.io_timeout_s)
+            self._flush_reports({nodes[n].address for n in by_node}, call_timeout(deadline))
         return [result[first[k]] for k in keys]
 
     def _place(self, keys: list[BlockKey], sizes: list[int]) -> Placement | None:

@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import cycle, islice
@@ -43,7 +43,7 @@ import numpy as np
 from kvpool.auth import MASK_BYTES, mask_keys
 from kvpool.checksum import copy_with_checksum
 from kvpool.client.commit_pipe import CommitPipe
-from kvpool.client.datapath import LEASE_CHUNK_BYTES, chunks
+from kvpool.client.datapath import LEASE_CHUNK_BYTES, call_timeout, chunks
 from kvpool.client.faults import Faults, error_kind
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
@@ -115,7 +115,7 @@ class SharedMemoryPath:
     # -- reads ----------------------------------------------------------------------------
 
     def get(self, node: NodeRef, idxs: list[int], run: PoolRun, dsts: list[np.ndarray],
-            ok: list[bool]) -> list[int]:
+            ok: list[bool], deadline: float) -> list[int]:
         arena = self.nodes.arena(node)
         if arena is None:
             return idxs
@@ -133,7 +133,8 @@ class SharedMemoryPath:
         arena.touch(slots[cand])  # read now: the promotions a Locate below causes evict other blocks first
         missing = np.flatnonzero(~cand)
         if missing.size:
-            found = self.locate(node, arena, packed if missing.size == n else sent[missing].tobytes(), missing.size)
+            found = self.locate(node, arena, packed if missing.size == n else sent[missing].tobytes(), missing.size,
+                                deadline)
             if found is not None:
                 slots[missing] = found
                 gens[missing], offsets[missing], cand[missing] = arena.check_slots(
@@ -151,11 +152,11 @@ class SharedMemoryPath:
             ok[idxs[j]] = True
         return [i for i in idxs if not ok[i]]
 
-    def locate(self, node: NodeRef, arena: SharedArena, packed: bytes, n: int) -> np.ndarray | None:
+    def locate(self, node: NodeRef, arena: SharedArena, packed: bytes, n: int, deadline: float) -> np.ndarray | None:
         """Per key the node's slot for it (-1: not in DRAM), promoting SSD blocks; None if the call failed."""
         request = node_pb2.LocateRequest(keys=packed, promote=True)
         try:
-            reply = self.nodes.stub(node.address).Locate(request, timeout=self.config.io_timeout_s)
+            reply = self.nodes.stub(node.address).Locate(request, timeout=call_timeout(deadline))
         except grpc.RpcError as exc:
             self.faults.counted(error_kind(exc), n)
             return None
@@ -167,18 +168,21 @@ class SharedMemoryPath:
     # -- writes ---------------------------------------------------------------------------
 
     def put(self, node: NodeRef, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
-            sizes: list[int], result: list[bool]) -> list[int]:
+            sizes: list[int], result: list[bool], deadline: float) -> list[int]:
         arena = self.nodes.arena(node, recheck=True)
         if arena is None:
             return idxs
         stub = self.nodes.stub(node.address)
         left: list[int] = []
         for run in chunks(idxs, sizes, LEASE_CHUNK_BYTES):
-            left += self._put_run(node, arena, stub, run, keys, arrays, sizes, result)
+            if time.monotonic() >= deadline:
+                left += run
+                continue
+            left += self._put_run(node, arena, stub, run, keys, arrays, sizes, result, deadline)
         return left
 
     def _put_run(self, node: NodeRef, arena: SharedArena, stub: Any, run: list[int], keys: list[BlockKey],
-                 arrays: list[np.ndarray], sizes: list[int], result: list[bool]) -> list[int]:
+                 arrays: list[np.ndarray], sizes: list[int], result: list[bool], deadline: float) -> list[int]:
         """One lease's worth: slots from the stock (leased ahead), Reserve for the rest, copy, one Commit (sent
         without waiting where the node's :class:`CommitPipe` takes it)."""
         run_sizes = np.array([sizes[i] for i in run], dtype=np.int64)
@@ -186,19 +190,19 @@ class SharedMemoryPath:
         slots, gens = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint64)
         held = np.zeros(n, dtype=bool)
         pipe = self._pipe(node.address)
-        stock = self._take_stock(node.address, arena, pipe)
+        stock = self._take_stock(node.address, arena, pipe, deadline)
         lease = 0
         if stock is not None:
             lease = stock.lease
             stock.assign(run_sizes.tolist(), slots, gens)
         short = np.flatnonzero(gens == 0)
         if short.size:
-            reply = self._reserve(node, stub, arena, [run[j] for j in short.tolist()], keys, sizes, lease)
+            reply = self._reserve(node, stub, arena, [run[j] for j in short.tolist()], keys, sizes, lease, deadline)
             if reply is None and lease:  # the stock's lease lapsed or was refused: a fresh one for the whole run
                 stock = None
                 lease, slots[:], gens[:] = 0, 0, 0
                 short = np.arange(n)
-                reply = self._reserve(node, stub, arena, run, keys, sizes, 0)
+                reply = self._reserve(node, stub, arena, run, keys, sizes, 0, deadline)
             if reply is None:
                 if not lease:
                     return run
@@ -233,14 +237,14 @@ class SharedMemoryPath:
         if pipe is not None:
             if ahead:
                 self._asking_more(node.address, +1)
-            if pipe.send(commit, partial(self._committed, node.address, arena, commit)):
+            if pipe.send(commit, partial(self._committed, node.address, arena, commit), deadline):
                 for j in mine:  # in the node's slots, the Commit on its way: a refusal is a lost write, counted later
                     result[run[j]] = True
                 return left
             if ahead:
                 self._asking_more(node.address, -1)
         try:
-            reply = stub.Commit(commit, timeout=self.config.io_timeout_s)
+            reply = stub.Commit(commit, timeout=call_timeout(deadline))
         except grpc.RpcError as exc:
             # a lost write (the node reclaims the slots when the lease lapses)
             self.faults.lost(error_kind(exc), exc, len(mine))
@@ -270,13 +274,14 @@ class SharedMemoryPath:
                                                          timeout_s=self.config.io_timeout_s)
             return pipe
 
-    def _take_stock(self, address: str, arena: SharedArena, pipe: CommitPipe | None) -> Stock | None:
-        """A stock for the next put, waiting for the replies in flight if the shelf is empty and one brings a
-        stock."""
+    def _take_stock(self, address: str, arena: SharedArena, pipe: CommitPipe | None,
+                    deadline: float) -> Stock | None:
+        """A stock for the next put, waiting (until ``deadline``) for the replies in flight if the shelf is empty
+        and one brings a stock."""
         stock = self._stock.take(address, arena)
         while stock is None and pipe is not None and self._stock_coming(address):
             waiting = pipe.in_flight
-            if not waiting or not pipe.wait(waiting - 1, self.config.io_timeout_s):
+            if not waiting or not pipe.wait(waiting - 1, call_timeout(deadline)):
                 break
             stock = self._stock.take(address, arena)
         return stock
@@ -333,22 +338,24 @@ class SharedMemoryPath:
                 self._no_ahead.add(address)  # e.g. a tenant under a quota: no stock comes, so none is asked for
         self._stock.keep(address, arena, reply.next, asked)
 
-    def settle(self, timeout: float) -> bool:
-        """Wait until every Commit sent without waiting is answered (what this client stored is published), then
-        raise the first fault they left in strict mode; False on timeout."""
+    def settle(self, timeout: float, addresses: Collection[str] | None = None) -> bool:
+        """Wait until every Commit sent without waiting (to the nodes at ``addresses``, None: all) is answered
+        (what this client stored there is published), then raise the first fault they left in strict mode;
+        False on timeout (one ``timeout`` for all the nodes)."""
         with self._lock:
-            pipes = list(self._pipes.values())
-        ok = all([pipe.wait(0, timeout) for pipe in pipes])
+            pipes = [pipe for address, pipe in self._pipes.items() if addresses is None or address in addresses]
+        deadline = time.monotonic() + timeout
+        ok = all([pipe.wait(0, call_timeout(deadline)) for pipe in pipes])
         self.faults.raise_later()
         return ok
 
     def _reserve(self, node: NodeRef, stub: Any, arena: SharedArena, run: list[int], keys: list[BlockKey],
-                 sizes: list[int], lease: int) -> node_pb2.ReserveResponse | None:
+                 sizes: list[int], lease: int, deadline: float) -> node_pb2.ReserveResponse | None:
         """Slots for ``run`` (added to ``lease`` if non-zero); None if the call failed or that lease is gone."""
         request = node_pb2.ReserveRequest(keys=pack_keys([keys[i] for i in run]), sizes=[sizes[i] for i in run],
                                           lease=lease)
         try:
-            reply = stub.Reserve(request, timeout=self.config.io_timeout_s)
+            reply = stub.Reserve(request, timeout=call_timeout(deadline))
         except grpc.RpcError as exc:
             log.debug("Reserve on %s failed (%s); sending the blocks another way", node.address, error_kind(exc))
             return None

@@ -15,6 +15,8 @@ Invariants:
   transports alike. A call it cannot connect for, or that a full listener
   refused (nothing of it was read), goes over gRPC.
 - An error reply keeps the pooled connection usable (see :mod:`kvpool.wire`).
+- A call's ``timeout`` covers all of it: the peer's wire address, connecting,
+  AUTH, the reply (spin included) and a gRPC fallback end by one deadline.
 """
 
 from __future__ import annotations
@@ -72,24 +74,29 @@ class FastStub:
         return self._address() if time.monotonic() >= self._down_until else None
 
     def call(self, name: str, request: Message, timeout: float | None = None) -> Any:
-        """Call ``name`` over fast calls if the peer has them, else over gRPC; errors are ``grpc.RpcError``."""
+        """Call ``name`` over fast calls if the peer has them, else over gRPC; errors are ``grpc.RpcError``.
+
+        ``timeout`` is the whole call's: finding the peer's wire address, connecting, AUTH, the reply and a
+        gRPC fallback all end by the one deadline (DEADLINE_EXCEEDED past it).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
         address = self.wire_address()
         if address is None:
-            return getattr(self._grpc, name)(request, timeout=timeout)
+            return self._grpc_call(name, request, deadline)
         method, _ = self._methods[name]
         try:
             head, body = self._pool.exchange(address, unary_exchange, method, request.SerializeToString(),
-                                             self._max_reply, timeout)
+                                             self._max_reply, timeout=_left(deadline))
         except Refused as exc:
             log.debug("fast call %s refused by %s (%s); using gRPC", name, address, exc)
-            return getattr(self._grpc, name)(request, timeout=timeout)
+            return self._grpc_call(name, request, deadline)
         except ConnectFailed as exc:
             log.debug("fast calls to %s unavailable (%s); using gRPC", address, exc)
             with self._lock:
                 self._down_until = time.monotonic() + RETRY_S
             if self._on_unreachable is not None:
                 self._on_unreachable()
-            return getattr(self._grpc, name)(request, timeout=timeout)
+            return self._grpc_call(name, request, deadline)
         except CallError:
             raise
         except OSError as exc:
@@ -101,6 +108,14 @@ class FastStub:
             return self._reply_types[name].FromString(body)
         except DecodeError as exc:
             raise CallError(grpc.StatusCode.INTERNAL, f"{name}: undecodable reply: {exc}") from exc
+
+    def _grpc_call(self, name: str, request: Message, deadline: float | None) -> Any:
+        return getattr(self._grpc, name)(request, timeout=_left(deadline))
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (None: none), at least 0 (a call given 0 fails at once: DEADLINE_EXCEEDED)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 class MasterCallAddress:

@@ -20,7 +20,9 @@
   byte arrived (never after: the request may have been applied), and never
   after a timeout (a stalled peer must not cost the caller its deadline twice).
   A listener's refusal is :class:`Refused` (a :class:`ConnectFailed`): the
-  request was not read, and may go another way (gRPC).
+  request was not read, and may go another way (gRPC). An exchange given a
+  ``timeout`` has one deadline for all of it (connect, ``hello``, the reply
+  spin of :func:`await_bytes`, each read and write, the retry).
 - TLS (optional): a listener with a server :class:`ssl.SSLContext` wraps each
   connection in its own thread; a pool with a client context wraps each new
   connection, checking the certificate against the host it dialed. TLS
@@ -135,13 +137,14 @@ def set_io_timeout(sock: socket.socket, seconds: float) -> None:
     lets one ``MSG_WAITALL`` read fill many buffers in a single system call.
     A timeout then surfaces as ``BlockingIOError`` (see :func:`is_timeout`).
     A TLS socket gets a plain ``settimeout`` (its reads are Python's anyway).
+    ``seconds`` below a microsecond count as one: for the kernel a zero timeout means none at all.
     """
+    usec = max(1, int(seconds * 1e6))
     if isinstance(sock, ssl.SSLSocket):
-        sock.settimeout(seconds)
+        sock.settimeout(usec / 1e6)
         return
     sock.settimeout(None)
-    sec = int(seconds)
-    timeval = struct.pack("ll", sec, int((seconds - sec) * 1e6))
+    timeval = struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
@@ -585,17 +588,44 @@ class Exchange:
     """Per-attempt state an exchange function updates: set ``replied`` once any reply byte arrived.
 
     ``spin_s``: how long the exchange polls for its reply before it blocks (the pool's ``spin_wait_s``; see
-    :func:`await_bytes`).
+    :func:`await_bytes`). ``deadline``: the call's ``time.monotonic()`` deadline (None: none), shared by
+    every wait of the call (connecting, AUTH, the spin, the blocking read): no wait outlives it.
     """
 
-    def __init__(self, spin_s: float = 0.0):
+    def __init__(self, spin_s: float = 0.0, deadline: float | None = None):
         self.replied = False
         self.spin_s = spin_s
+        self.deadline = deadline
+
+    def left(self) -> float | None:
+        """Seconds to the deadline (None: no deadline); TimeoutError once it passed."""
+        return time_left(self.deadline)
 
 
-def await_bytes(sock: socket.socket, spin_s: float) -> None:
-    """Poll ``sock`` for up to ``spin_s`` until a byte is readable, yielding the CPU between polls; then return
-    (the caller's blocking read follows, and reports a closed peer or an error).
+def time_left(deadline: float | None) -> float | None:
+    """Seconds until ``deadline`` (``time.monotonic()``; None: no deadline); TimeoutError once it passed."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the call's deadline passed")
+    return left
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def capped(limit: float, deadline: float | None) -> float:
+    """``limit`` seconds, or what is left until ``deadline`` if that is less (never quite 0: a socket's 0
+    means no timeout)."""
+    return limit if deadline is None else max(1e-6, min(limit, deadline - time.monotonic()))
+
+
+def await_bytes(sock: socket.socket, spin_s: float, deadline: float | None = None) -> bool:
+    """Poll ``sock`` until a byte is readable, for up to ``spin_s`` and never past ``deadline``
+    (``time.monotonic()``), yielding the CPU between polls. True: a byte is there (or the peer closed, or
+    the socket failed: the caller's read reports it); False: the spin ended first, nothing read.
 
     A reply that comes within a few hundred microseconds then costs no wake-up: on a VM a thread blocked that
     long has its virtual CPU halted, and waking it costs ~100-300 us here, more than a small call's work
@@ -603,18 +633,20 @@ def await_bytes(sock: socket.socket, spin_s: float) -> None:
     gives the core to anything runnable. TLS sockets are not polled (their reads are Python's).
     """
     if spin_s <= 0 or isinstance(sock, ssl.SSLSocket):
-        return
-    deadline = time.perf_counter() + spin_s
+        return False
+    end = time.monotonic() + spin_s
+    if deadline is not None:
+        end = min(end, deadline)
     while True:
         try:
             sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            return  # a byte, or b"" for a closed peer
+            return True  # a byte, or b"" for a closed peer
         except BlockingIOError:
             pass
         except OSError:
-            return
-        if time.perf_counter() >= deadline:
-            return
+            return True
+        if time.monotonic() >= end:
+            return False
         os.sched_yield()
 
 
@@ -634,27 +666,35 @@ class ConnectionPool:
         self._idle: dict[str, list[socket.socket]] = {}
         self._closed = False
 
-    def _acquire(self, address: str, fresh: bool = False) -> tuple[socket.socket, bool]:
-        """A connection to ``address`` and whether it was pooled (``fresh``: a new one, whatever is pooled)."""
+    def _acquire(self, address: str, fresh: bool = False,
+                 deadline: float | None = None) -> tuple[socket.socket, bool]:
+        """A connection to ``address`` and whether it was pooled (``fresh``: a new one, whatever is pooled).
+
+        A new connection's connect, TLS handshake and ``hello`` end by ``deadline`` (TimeoutError if it
+        passed before they began; a ConnectFailed if it passes during them).
+        """
         with self._lock:
             if self._closed:
                 raise ConnectFailed("connection pool is closed")
             idle = self._idle.get(address)
             if idle and not fresh:
                 return idle.pop(), True
+        time_left(deadline)
         host, _, port = address.rpartition(":")
         try:
-            sock = socket.create_connection((host.strip("[]"), int(port)), timeout=self.connect_timeout_s)
+            sock = socket.create_connection((host.strip("[]"), int(port)),
+                                            timeout=capped(self.connect_timeout_s, deadline))
         except (OSError, ValueError) as exc:
             raise ConnectFailed(f"cannot connect to {address}: {exc}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.tls is not None:
             try:
+                sock.settimeout(capped(self.connect_timeout_s, deadline))
                 sock = self.tls.wrap_socket(sock, server_hostname=host.strip("[]"))
             except (OSError, ValueError) as exc:  # ssl.SSLError (e.g. certificate not trusted) is an OSError
                 sock.close()
                 raise ConnectFailed(f"TLS with {address} failed: {exc}") from exc
-        set_io_timeout(sock, self.timeout_s)
+        set_io_timeout(sock, capped(self.timeout_s, deadline))
         if self.hello is not None:
             try:
                 self.hello(sock)
@@ -669,9 +709,13 @@ class ConnectionPool:
                 raise
         return sock, False
 
-    def connect(self, address: str) -> socket.socket:
-        """A new connection to ``address`` (TLS and ``hello`` done) that the caller owns and closes; not pooled."""
-        return self._acquire(address, fresh=True)[0]
+    def connect(self, address: str, timeout: float | None = None) -> socket.socket:
+        """A new connection to ``address`` (TLS and ``hello`` done, within ``timeout`` if given) that the caller
+        owns and closes; not pooled. Its reads and writes time out after the pool's ``timeout_s``."""
+        sock = self._acquire(address, fresh=True, deadline=_deadline(timeout))[0]
+        if timeout is not None:
+            set_io_timeout(sock, self.timeout_s)
+        return sock
 
     def _release(self, address: str, sock: socket.socket) -> None:
         with self._lock:
@@ -681,17 +725,22 @@ class ConnectionPool:
                 return
         sock.close()
 
-    def exchange(self, address: str, fn: Callable[..., T], *args: Any) -> T:
+    def exchange(self, address: str, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
         """Run ``fn(sock, state, *args)`` on a connection to ``address``; the connection is kept only if it returns.
 
-        Raises :class:`ConnectFailed` if no connection can be made, and
-        whatever ``fn`` raises otherwise (the connection is then dropped).
+        ``timeout``: the whole exchange's deadline, connecting, AUTH and a retry included (``state.deadline``;
+        each socket wait is armed with what is left of it); None: each socket wait gets the pool's
+        ``timeout_s``. Raises :class:`ConnectFailed` if no connection can be made, TimeoutError if the
+        deadline passed first, and whatever ``fn`` raises otherwise (the connection is then dropped).
         """
+        deadline = _deadline(timeout)
         for attempt in range(2):
-            sock, reused = self._acquire(address, fresh=attempt > 0)  # the retry: a new connection, not another
-            # pooled one (the listener may have closed several idle ones to make room)
-            state = Exchange(self.spin_wait_s)
+            time_left(deadline)  # TimeoutError: spent before a connection was touched
+            sock, reused = self._acquire(address, attempt > 0, deadline)  # the retry: a new connection, not
+            # another pooled one (the listener may have closed several idle ones to make room)
+            state = Exchange(self.spin_wait_s, deadline)
             try:
+                set_io_timeout(sock, capped(self.timeout_s, deadline))
                 result = fn(sock, state, *args)
             except OSError as exc:
                 sock.close()

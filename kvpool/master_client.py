@@ -18,6 +18,8 @@ Invariants:
   :class:`kvpool.etcd.EtcdAccess`). etcd refusing those credentials is,
   with ``refuse_start``, a ValueError from the constructor (a node does not
   start); otherwise it is like no leader known, logged once per reason.
+- A call ends by its own deadline: the re-read of the leader key a failure
+  asks for runs in the background (one at a time), never inside the call.
 - A fixed ``host:port`` never changes and never touches etcd.
 """
 
@@ -98,6 +100,8 @@ class MasterConnection:
         self._grpc: Any = _NoMaster(f"no leading master known for {master}")
         self._stub: Any = self._grpc
         self._next_follow = 0.0
+        self._following = False  # a background follow() is running (see failed)
+        self._closed = False
         self._dialed = False
         self.changes = 0  # times the master dialed changed after the first (for tests and logs)
         if self._etcd is None:
@@ -189,13 +193,31 @@ class MasterConnection:
             old.close()
 
     def failed(self, exc: grpc.RpcError) -> None:
-        """A call failed: if the master may have moved, look again (rate limited)."""
+        """A call failed: if the master may have moved, look again (rate limited), in the background: reading
+        etcd must not stretch the failed call past its deadline. The next call goes to the leader found."""
         code = exc.code() if hasattr(exc, "code") else None
-        if code in _FOLLOW_CODES:
-            self.follow()
+        if code not in _FOLLOW_CODES or self._etcd is None:
+            return
+        with self._lock:
+            if self._following or time.monotonic() < self._next_follow:
+                return
+            self._following = True
+        threading.Thread(target=self._follow_once, name="kvpool-follow-leader", daemon=True).start()
+
+    def _follow_once(self) -> None:
+        try:
+            if not self._closed:
+                self.follow()
+        except Exception as exc:  # noqa: BLE001 - a background thread: say it, keep the master dialed
+            if not self._closed:
+                log.warning("following the leader of %s failed: %r", self.target, exc)
+        finally:
+            with self._lock:
+                self._following = False
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             channel, self._channel = self._channel, None
         if channel is not None:
             channel.close()

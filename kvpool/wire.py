@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import socket
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -84,6 +85,7 @@ from kvpool.framing import (
     Exchange,
     Refused,
     await_bytes,
+    capped,
     recv_buffers,
     recv_discard,
     recv_exact,
@@ -224,8 +226,9 @@ def read_reply(sock: socket.socket, state: Exchange | None, max_header: int) -> 
     CallError for a reply this protocol does not allow (the connection is then
     out of step: drop it). An error reply leaves the connection usable.
     """
-    if state is not None:
-        await_bytes(sock, state.spin_s)
+    if state is not None and not await_bytes(sock, state.spin_s, state.deadline) and state.deadline is not None:
+        state.left()  # TimeoutError: the spin ran to the deadline
+        set_io_timeout(sock, capped(math.inf, state.deadline))  # the blocking read gets what the spin left
     head = parse(recv_exact(sock, FRAME.size))
     if state is not None:
         state.replied = True
@@ -249,11 +252,11 @@ def status_error(head: Head, body: bytes) -> CallError:
     return CallError(_CODES.get(head.code, grpc.StatusCode.UNKNOWN), body.decode("utf-8", "replace"))
 
 
-def unary_exchange(sock: socket.socket, state: Exchange, method: Method, body: bytes, max_reply: int,
-                   timeout: float | None) -> tuple[Head, bytes]:
-    """A :meth:`~kvpool.framing.ConnectionPool.exchange` function: one unary call, its reply (maybe an error)."""
-    if timeout is not None:
-        set_io_timeout(sock, timeout)
+def unary_exchange(sock: socket.socket, state: Exchange, method: Method, body: bytes,
+                   max_reply: int) -> tuple[Head, bytes]:
+    """A :meth:`~kvpool.framing.ConnectionPool.exchange` function: one unary call, its reply (maybe an error).
+
+    The socket comes armed with the call's timeout; the reply's wait ends at ``state.deadline``."""
     send_buffers(sock, request_frame(method, body))
     head, reply = read_reply(sock, state, max_reply)
     if head.payload or head.trailer:
@@ -270,7 +273,7 @@ def auth_hello(token: str) -> Callable[[socket.socket], None]:
     body = common_pb2.AuthRequest(token=token).SerializeToString()
 
     def hello(sock: socket.socket) -> None:
-        head, reply = unary_exchange(sock, Exchange(), Method.AUTH, body, CALL_SLACK_BYTES, None)
+        head, reply = unary_exchange(sock, Exchange(), Method.AUTH, body, CALL_SLACK_BYTES)
         if head.code != 0:
             raise status_error(head, reply)
 

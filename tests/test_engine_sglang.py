@@ -258,3 +258,41 @@ def test_with_the_pool_down_sglang_attaches_and_serves_and_every_lookup_is_a_mis
     # A set is accepted into kvpool's write-behind queue (SGLang's backup goes on); the queue drops it when no
     # pool answers, so the same pages are still misses afterwards.
     assert read["down_write"]["completed_tokens"] == 4 * PAGE and read["down_write"]["flushed"] is True
+
+
+PARSE_EXTRA = """
+import json, sys, types
+sys.path.insert(0, sys.argv[1])
+from sglang_driver import prepare
+prepare()
+from kvpool.engines.sglang import KVPoolHiCacheStorage
+out = []
+for value in json.loads(sys.argv[3]):
+    cfg = types.SimpleNamespace(extra_config={"kvpool_config_path": sys.argv[2], "interface_v1": value},
+                                tp_rank=0, tp_size=1, is_mla_model=False, model_name="m", should_split_heads=False)
+    try:
+        backend = KVPoolHiCacheStorage(cfg)
+    except ValueError as exc:
+        out.append(str(exc))
+        continue
+    out.append(backend.interface_v1)
+    backend.close()
+print(json.dumps(out))
+"""
+
+
+def test_interface_v1_is_read_as_sglangs_controller_reads_it_or_refused_naming_the_field(python, tmp_path):
+    """SGLang's controller picks the zero-copy calls with ``bool(extra_config.get("interface_v1", 0))``: the
+    backend must agree, so a string (``"false"`` is true there) is refused, never read the other way round."""
+    config = write_config(tmp_path / "kvpool.json", f"127.0.0.1:{free_port()}")  # the backend makes no call
+    values = [True, False, 1, 0, "false", "0", "true", 2, None]
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(ROOT / "build" / "sglang-venv" / "torch_extensions")}
+    proc = subprocess.run([python, "-c", PARSE_EXTRA, str(DRIVER.parent), config, json.dumps(values)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got[:4] == [True, False, True, False]
+    field = "hicache-storage-backend-extra-config.interface_v1 must be true or false (or 1/0)"
+    for value, answer in zip(values[4:], got[4:]):
+        assert isinstance(answer, str) and answer.startswith(field) and repr(value) in answer, (value, answer)
+    assert "truth value" in got[4]  # why a word is refused

@@ -295,9 +295,17 @@ def test_a_connector_config_that_cannot_be_used_is_one_error_line_and_vllm_serve
         {"name": "unreachable", "kvpool": unreachable, "requests": [req("p", p), req("p2", prompt(8, 100))]},
         {"name": "strict", "kvpool": {"kvpool_config_path": str(tmp_path / "nope.json"), "kvpool_strict": True},
          "requests": [req("p", p)]},
+        # kvpool_strict is parsed strictly: "false" is false (bool("false") once made it strict and stopped vLLM),
+        # and a value that is no on/off is itself an unusable config: one ERROR line naming it, no pool.
+        {"name": "strict_false", "kvpool": {"kvpool_config_path": str(tmp_path / "nope.json"),
+                                            "kvpool_strict": "false"}, "requests": [req("p", p)]},
+        {"name": "strict_bad", "kvpool": {**unreachable, "kvpool_strict": 2}, "requests": [req("p", p)]},
     ])
-    for engine in ("missing", "unknown", "unreachable"):
+    for engine in ("missing", "unknown", "unreachable", "strict_false", "strict_bad"):
+        assert engine not in run.refused, run.refused
         assert run.tokens(engine, "p") == run.tokens("ref", "p"), engine
+    assert re.search(r"ERROR .*kvpool connector: kv_connector_extra_config\.kvpool_strict must be true or false "
+                     r"\(or 1/0, yes/no, on/off\), got 2; vLLM runs without the pool", run.log)
     assert re.search(r"ERROR .*kvpool connector: cannot read config file .*nope\.json: No such file", run.log)
     assert re.search(r"ERROR .*kvpool connector: unknown kv_connector_extra_config field\(s\) kvpool_bogus", run.log)
     assert re.search(r"WARNING .*kvpool: lookup failed .* answering 0 tokens", run.log)

@@ -445,8 +445,8 @@ def test_the_arena_key_index_saves_every_reader_the_locate_call_and_follows_a_mo
             calls: list[int] = []
             for pool in (writer, reader):
                 real = pool.shared_path.locate
-                pool.shared_path.locate = lambda node, arena, packed, count, real=real: calls.append(count) or real(
-                    node, arena, packed, count)
+                pool.shared_path.locate = lambda node, arena, packed, count, deadline, real=real: \
+                    calls.append(count) or real(node, arena, packed, count, deadline)
             keys = [key(i) for i in range(3)]
             values = [block(i, 1 << 20) for i in range(3)]
             assert writer.store(keys, values) == [True] * 3

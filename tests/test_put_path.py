@@ -138,10 +138,10 @@ class CallLog:
                 self.names.append(name)
             return call(stub, name, request, timeout)
 
-        def piped(pipe, request, done):
+        def piped(pipe, request, done, deadline=None):
             self.names.append("Commit")
             self.stocks_asked += bool(request.next_sizes)
-            return send(pipe, request, done)
+            return send(pipe, request, done, deadline)
 
         monkeypatch.setattr(FastStub, "call", logged)
         monkeypatch.setattr(CommitPipe, "send", piped)
@@ -252,7 +252,9 @@ def hold_commits(node: PoolNode):
 
 def test_a_store_returns_before_the_node_answers_and_the_next_lookup_waits_for_it(pool_node):
     master, n = pool_node
-    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+    # The lookup waits for the Commit's answer within its own deadline (lookup_timeout_s, longer than the hold
+    # below; tests/test_client_deadlines.py shows it ends by that deadline when the answer never comes).
+    with PoolClient(ClientConfig(master=master.address, strict=True, lookup_timeout_s=10.0)) as pool:
         assert pool.store([key(0)], [block(0)]) == [True]
         assert pool.flush()
         entered, release, restore = hold_commits(n)

@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from kvpool.config import ClientConfig, load_config, read_json_object
+from kvpool.engines import options
 from kvpool.engines.keymap import engine_hash
 from kvpool.engines.session import EngineSession
 from kvpool.engines.staging import DEFAULT_STAGING_BYTES, PieceCopier
@@ -96,17 +97,16 @@ class MindIECache:
     quant_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        """Every field parsed strictly (:mod:`.options`): ValueError naming the field."""
         object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
         for name in ("num_layers", "block_size", "num_kv_heads", "k_head_size", "v_head_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{CACHE_SECTION}.{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.nz, bool):
-            raise ValueError(f"{CACHE_SECTION}.nz must be true or false, got {self.nz!r}")
+            options.integer(getattr(self, name), f"{CACHE_SECTION}.{name}", low=1)
+        object.__setattr__(self, "nz", options.flag(self.nz, f"{CACHE_SECTION}.nz"))
         quant = self.quant_layers
-        if not isinstance(quant, (list, tuple)) or any(
-                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers for i in quant):
+        if not isinstance(quant, (list, tuple)):
             raise ValueError(f"{CACHE_SECTION}.quant_layers must list layers in [0, {self.num_layers}), got {quant!r}")
+        for i in quant:
+            options.integer(i, f"{CACHE_SECTION}.quant_layers", low=0, high=self.num_layers - 1)
         object.__setattr__(self, "quant_layers", tuple(sorted(set(quant))))
         offset = 0
         for shape, dtype in self.pieces():
@@ -221,8 +221,7 @@ class KVPoolMempool:
 
         ``copier`` moves bytes between engine tensors and staging (tests without a device replace it).
         """
-        if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
-            raise ValueError(f"device_id must be a non-negative int, got {device_id!r}")
+        options.integer(device_id, "device_id", low=0)
         if kwargs:
             log.debug("kvpool MemPool ignores kwargs %s", sorted(kwargs))
         config, self.cache = load_mindie_config(config_path)

@@ -58,6 +58,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvpool.config import ClientConfig, load_config
+from kvpool.engines import options
 from kvpool.engines.device_copy import HostCopier, Piece
 from kvpool.engines.keymap import engine_hash
 from kvpool.engines.regions import RegisteredMemory
@@ -69,6 +70,7 @@ log = logging.getLogger(__name__)
 _LEADING_HEX = re.compile(r"[0-9a-fA-F]+")  # an SGLang page key starts with its page hash in hex
 
 CONFIG_ENV = "KVPOOL_CONFIG_PATH"  # read when the extra config names no path
+EXTRA_CONFIG = "hicache-storage-backend-extra-config"  # SGLang's flag for the extra config (errors name it)
 EXTRA_CONFIG_KEY = "kvpool_config_path"  # the path inside --hicache-storage-backend-extra-config
 
 # Host pool tensors that may hold page bytes (MHA/MLA kv_buffer, split-KV and indexer buffers).
@@ -87,7 +89,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         else ``$KVPOOL_CONFIG_PATH``. ValueError for a missing or bad config or an unsupported topology.
         """
         extra = dict(getattr(storage_config, "extra_config", None) or {})
-        path = config_path or str(extra.get(EXTRA_CONFIG_KEY, "") or "") or os.environ.get(CONFIG_ENV, "")
+        interface_v1 = options.flag(extra.get("interface_v1", False), f"{EXTRA_CONFIG}.interface_v1", words=False,
+                                    words_why=" (SGLang's cache controller reads it by truth value: there the "
+                                              "string 'false' turns it on)")
+        path = config_path or options.path(extra.get(EXTRA_CONFIG_KEY, ""), f"{EXTRA_CONFIG}.{EXTRA_CONFIG_KEY}") \
+            or os.environ.get(CONFIG_ENV, "")
         if not path:
             raise ValueError(f"no kvpool config: set {EXTRA_CONFIG_KEY!r} in --hicache-storage-backend-extra-config "
                              f"or ${CONFIG_ENV}")
@@ -98,7 +104,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             log.debug("kvpool HiCache storage ignores kwargs %s", sorted(kwargs))
         config: ClientConfig = load_config(path).client
         self.storage_config = storage_config
-        self.interface_v1 = bool(extra.get("interface_v1", 0))
+        self.interface_v1 = interface_v1
         self.is_writer = _is_writer(storage_config)
         self.rank_scope = _rank_scope(storage_config)
         self.page_bytes = {"zc": 0, "flat": 0}  # per byte order, known once the host pool is registered

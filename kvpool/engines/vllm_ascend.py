@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from kvpool.config import load_config
+from kvpool.engines import options
 from kvpool.engines.device_copy import Copier, DeviceCopyError, Piece, copier_for
 from kvpool.engines.keymap import engine_hash
 from kvpool.engines.regions import RegisteredMemory
@@ -76,15 +77,16 @@ ERR_INVALID = -2  # refused: bad arguments, unregistered memory, wrong size, sch
 
 
 def _extra_config_path() -> str:
-    """``kv_connector_extra_config["kvpool_config_path"]`` of the running vLLM, if vLLM is there and says so."""
+    """``kv_connector_extra_config["kvpool_config_path"]`` of the running vLLM, if vLLM is there and says so
+    (``""`` if not); ValueError if it is not a path."""
     try:
         from vllm.config import get_current_vllm_config
 
         transfer = get_current_vllm_config().kv_transfer_config
         extra = getattr(transfer, "kv_connector_extra_config", None) or {}
-        return str(extra.get(EXTRA_CONFIG_KEY, ""))
     except Exception:  # noqa: BLE001 - no vLLM, or no current config: fall back to the environment
         return ""
+    return options.path(extra.get(EXTRA_CONFIG_KEY, ""), f"kv_connector_extra_config.{EXTRA_CONFIG_KEY}")
 
 
 class KVPoolStoreBackend:

@@ -10,9 +10,12 @@ Load it with::
 - ``kvpool_config_path``: a kvpool JSON config; its ``client`` section says
   where the master is (``KVPOOL_CLIENT_*`` variables apply too). ``client.model``
   names the model in every key (default: vLLM's served model name).
-- ``kvpool_strict`` (default false): a config that cannot be used stops vLLM
-  from starting, with the reason. Otherwise it is one ERROR line and vLLM
-  serves without the pool (every block computed).
+- ``kvpool_strict`` (default false; true/false, 1/0, yes/no, on/off, any
+  other value is itself an unusable config): a config that cannot be used
+  stops vLLM from starting, with the reason. Otherwise it is one ERROR line
+  and vLLM serves without the pool (every block computed).
+
+Both are parsed strictly (:mod:`.settings`): ``"false"`` is false.
 
 vLLM's prefix cache is the HBM tier: the scheduler side
 (:mod:`kvpool.engines.vllm.scheduler`) asks the pool only for the blocks
@@ -44,9 +47,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.client.pool import PoolClient
-from kvpool.config import ClientConfig, load_config
+from kvpool.config import ClientConfig
 from kvpool.engines.vllm.keys import VllmKeySpace
 from kvpool.engines.vllm.scheduler import PoolScheduler, StepPlan
+from kvpool.engines.vllm.settings import client_config, strict_mode
 from kvpool.engines.vllm.stats import KVPoolConnectorStats, KVPoolPromMetrics
 from kvpool.engines.vllm.worker import PoolWorker, block_layers
 from kvpool.layout import KVLayout
@@ -78,26 +82,11 @@ def _log_through_vllm() -> None:
 
 _log_through_vllm()
 
-EXTRA_FIELDS = ("kvpool_config_path", "kvpool_strict")
-
-
 @dataclass
 class KVPoolMetadata(KVConnectorMetadata):
     """One step's plan, from the scheduler side to the workers."""
 
     plan: StepPlan = field(default_factory=StepPlan)
-
-
-def client_config(extra: dict[str, Any]) -> ClientConfig:
-    """The kvpool client config the extra config names; ValueError saying what is wrong with it."""
-    unknown = sorted(k for k in extra if k.startswith("kvpool_") and k not in EXTRA_FIELDS)
-    if unknown:
-        raise ValueError(f"unknown kv_connector_extra_config field(s) {', '.join(unknown)}; "
-                         f"known: {', '.join(EXTRA_FIELDS)}")
-    path = extra.get("kvpool_config_path")
-    if path is not None and not isinstance(path, str):
-        raise ValueError(f"kvpool_config_path must be a path, got {path!r}")
-    return load_config(path or None).client
 
 
 def key_space(vllm_config: VllmConfig, model: str) -> VllmKeySpace:
@@ -127,7 +116,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        strict = bool(extra.get("kvpool_strict", False))
+        strict = False  # a kvpool_strict that is not on/off is itself an unusable config, not a strict one
         self._block_size = vllm_config.cache_config.block_size
         self._pool: PoolClient | None = None
         self._scheduler: PoolScheduler | None = None
@@ -136,6 +125,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._num_blocks = kv_cache_config.num_blocks
         self._unloadable: set[int] = set()  # planned loads this worker could not attempt (it has no pool)
         try:
+            strict = strict_mode(extra)
             config = client_config(extra)
             groups = len(kv_cache_config.kv_cache_groups)
             if groups > 1:

@@ -1,0 +1,33 @@
+"""The connector's ``kv_connector_extra_config``, parsed strictly (no vllm import: tested without vLLM).
+
+- ``kvpool_config_path``: a kvpool JSON config (a string; absent: ``KVPOOL_CLIENT_*`` variables and defaults).
+- ``kvpool_strict``: on/off (:func:`kvpool.engines.options.flag`: true/false, 1/0, yes/no, on/off; default off).
+
+Other ``kvpool_*`` fields are refused by name (a typo must not pass silently); fields without the prefix belong
+to vLLM or other connectors and are left alone. Every problem is one ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvpool.config import ClientConfig, load_config
+from kvpool.engines import options
+
+EXTRA = "kv_connector_extra_config"
+EXTRA_FIELDS = ("kvpool_config_path", "kvpool_strict")
+
+
+def strict_mode(extra: Mapping[str, Any]) -> bool:
+    """``kvpool_strict``: whether a config that cannot be used stops vLLM (default False)."""
+    return options.flag(extra.get("kvpool_strict", False), f"{EXTRA}.kvpool_strict")
+
+
+def client_config(extra: Mapping[str, Any]) -> ClientConfig:
+    """The kvpool client config the extra config names; ValueError saying what is wrong with it."""
+    unknown = sorted(k for k in extra if k.startswith("kvpool_") and k not in EXTRA_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown {EXTRA} field(s) {', '.join(unknown)}; known: {', '.join(EXTRA_FIELDS)}")
+    path = options.path(extra.get("kvpool_config_path", ""), f"{EXTRA}.kvpool_config_path")
+    return load_config(path or None).client
