@@ -224,6 +224,33 @@ class Authority:
         """The tenant whose client stored this key (by its tag), or None (not a tenant's key)."""
         return self._by_tag.get(tag_of(stored_key))
 
+    @property
+    def tenants(self) -> list[str]:
+        """Every tenant some client token of the file belongs to, sorted."""
+        return sorted(self._masks)
+
+    def client_tokens(self) -> list[tuple[str, str]]:
+        """(token, tenant) of every client token (the KV event ports derive each one's CURVE key)."""
+        return sorted((known.decode(), identity.tenant) for known, identity in self._tokens.values()
+                      if identity.role == ROLE_CLIENT)
+
+    def derive(self, label: bytes) -> bytes:
+        """32 bytes derived from the secret for one purpose (``label``), e.g. the KV event ports' CURVE key;
+        the secret itself never leaves this object."""
+        return hashlib.sha256(label + b"\x00" + self._secret).digest()
+
+
+def scoped_worker(tenant: str, worker_id: str) -> str:
+    """The master's key for a worker: ``tenant + NUL + worker_id`` with auth on (a worker id is its tenant's),
+    the plain id with auth off (``tenant`` "")."""
+    return f"{tenant}\x00{worker_id}" if tenant else worker_id
+
+
+def split_worker(scoped: str) -> tuple[str | None, str]:
+    """(tenant, worker id) of a :func:`scoped_worker` key; tenant None for a plain id (auth off)."""
+    tenant, sep, worker_id = scoped.partition("\x00")
+    return (tenant, worker_id) if sep else (None, scoped)
+
 
 def load_authority(path: str) -> Authority | None:
     """The auth file at ``path``, or None for "" (auth off)."""
