@@ -89,7 +89,8 @@ class MasterServer:
         self.errors = ErrorMetrics(self.registry)
         self.events: MasterEventFeed | None = None  # with kv_events_endpoint, once started
         on = bool(config.kv_events_endpoint)
-        self.names = EngineNames() if on else None  # engines' own block hashes, for events only
+        tenants = self.authority.tenants if self.authority is not None else [""]
+        self.names = EngineNames(tenants=tenants or [""]) if on else None  # engines' block hashes, for events only
         self.index = BlockIndex(on_change=self._pool_changed if on else None)
         self.hbm = HbmIndex(on_change=self._hbm_changed if on else None)
         self.membership = Membership(

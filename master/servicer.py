@@ -38,7 +38,7 @@ import grpc
 import numpy as np
 
 from kvpool import __version__
-from kvpool.auth import caller, caller_keys
+from kvpool.auth import caller, caller_keys, caller_tenant
 from kvpool.config import MasterConfig
 from kvpool.core import NodeRef, Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
@@ -354,7 +354,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return response
 
     def NameBlocks(self, request: master_pb2.NameBlocksRequest, context: Any) -> master_pb2.NameBlocksResponse:
-        """Keep the engine's hash of each key for KV events (nothing without events: the answer says 0)."""
+        """Keep the engine's hash of each key for KV events (nothing without events: the answer says 0), in the
+        caller's tenant's share of the name table (:class:`~kvpool.master.engine_names.EngineNames`)."""
         self._lead(context)
         n = self._count_keys(request.keys)
         if len(request.engine_hashes) != n:
@@ -363,7 +364,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             return master_pb2.NameBlocksResponse(named=0)
         words = np.frombuffer(caller_keys(request.keys), np.uint64).reshape(-1, KEY_BYTES // 8)
         k0, k1 = np.ascontiguousarray(words[:, 0]), np.ascontiguousarray(words[:, 1])
-        named = self.names.learn(k0, k1, np.array(request.engine_hashes, np.uint64), self._index.holds)
+        named = self.names.learn(k0, k1, np.array(request.engine_hashes, np.uint64), self._index.holds,
+                                 caller_tenant())
         return master_pb2.NameBlocksResponse(named=named)
 
     # -- status ---------------------------------------------------------------------------

@@ -554,6 +554,32 @@ def test_engine_names_keep_indexed_keys_names_and_trim_the_rest_when_full():
     assert names.names_of(k0[1:2], k1[1:2]).tolist() == [2]
 
 
+def test_engine_names_keep_each_tenant_within_its_share_and_never_drop_anothers():
+    """Issue 26: a tenant at its share (max_names / tenants) drops its own names of unindexed keys, then is
+    refused; another tenant's names, indexed or not, stay."""
+    from kvpool.master.engine_names import EngineNames
+
+    index = opened(0)
+    names = EngineNames(max_names=100, tenants=["a", "b"])
+    assert names.share == 50
+    a0, a1 = words_of(make_keys(10, "tenant-a"))
+    assert names.learn(a0, a1, np.arange(1, 11, dtype=np.uint64), index.holds, "a") == 10  # in flight
+    b_keys = make_keys(150, "tenant-b")
+    b0, b1 = words_of(b_keys)
+    values = np.arange(100, 250, dtype=np.uint64)
+    assert names.learn(b0[:60], b1[:60], values[:60], index.holds, "b") == 50 and names.refused == 10
+    assert names.learn(b0[60:90], b1[60:90], values[60:90], index.holds, "b") == 30  # b's own stale names go
+    assert names.held("b") == 30 and names.held("a") == 10
+    assert names.names_of(a0, a1).tolist() == list(range(1, 11))  # a's names are all there
+    index.add(0, DRAM, b_keys[60:90], *sizes_for(b_keys[60:90]))  # b's 30 names are of indexed keys now
+    assert names.learn(b0[90:], b1[90:], values[90:], index.holds, "b") == 20  # room for 20 more, no more
+    assert names.held("b") == 50 and names.refused == 10 + 40
+    assert (names.names_of(b0[60:90], b1[60:90]) != 0).all()
+    assert names.names_of(a0, a1).tolist() == list(range(1, 11))
+    with pytest.raises(ValueError, match="unknown tenant"):
+        names.learn(a0, a1, np.arange(1, 11, dtype=np.uint64), index.holds, "c")
+
+
 def test_the_feed_names_named_blocks_by_their_engine_hash_in_every_tier():
     from kvpool.events import EventPublisher, key_hash
     from kvpool.master import kv_events
