@@ -38,7 +38,7 @@ import grpc
 import numpy as np
 
 from kvpool import __version__
-from kvpool.auth import caller, caller_keys, caller_tenant
+from kvpool.auth import ROLE_CLIENT, caller, caller_keys, caller_tenant
 from kvpool.config import MasterConfig
 from kvpool.core import NodeRef, Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
@@ -76,6 +76,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self._elected_at = 0.0  # monotonic time of this master's last election (0: never, or no etcd)
         self._resyncing: set[str] = set()  # nodes that registered soon after it, their inventories not yet whole
         self.names = names  # engines' block hashes for KV events (None: events off)
+        self.events_server_key = ""  # the KV event ports' CURVE public key, told to clients (auth and events on)
 
     def elected(self) -> None:
         """This master was just elected: nodes registering within ``node_timeout_s`` count as following from the
@@ -372,10 +373,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     def Info(self, request: master_pb2.MasterInfoRequest, context: Any) -> master_pb2.MasterInfoResponse:
         who = caller()
+        client = who is not None and who.role == ROLE_CLIENT
         return master_pb2.MasterInfoResponse(call_port=self.call_port, version=__version__,
                                              tenant_mask=who.mask if who is not None else b"",
                                              standby=not self.leading(), leader_address=self.leader_address(),
-                                             cluster=self.cluster)
+                                             cluster=self.cluster,
+                                             kv_events_server_key=self.events_server_key if client else "")
 
     def ClusterStatus(self, request: master_pb2.ClusterStatusRequest, context: Any) -> master_pb2.ClusterStatusResponse:
         self._lead(context)

@@ -103,7 +103,9 @@ BAD_VALUES = {
         "max_concurrent_rpcs": -1, "auth_file": None, "tls_cert": 1, "tls_key": b"key",
         "etcd": "https://etcd:2379", "cluster": "a/b", "leader_ttl_s": 1, "advertise_host": "two words",
         "kv_events_endpoint": "tcp://*", "kv_events_replay_endpoint": "udp://h:1", "kv_events_topic": "a b",
-        "kv_events_buffer": 0, "kv_events_max_queue": 0,
+        "kv_events_buffer": 0, "kv_events_max_queue": 0, "kv_events_buffer_bytes": "64K",
+        "kv_events_subscriber_bytes": 0, "kv_events_max_connections": 0, "kv_events_max_connections_per_peer": 0,
+        "kv_events_max_replays": 0, "kv_events_max_replays_per_peer": -1,
     },
     NodeConfig: {
         "master": "no-port", "host": "two words", "port": -1, "metrics_port": 70000, "data_port": -5,
