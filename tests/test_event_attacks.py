@@ -605,9 +605,11 @@ def test_with_auth_a_subscriber_sees_only_its_tenants_blocks_and_no_tenant_can_f
         assert key and key == pool.server_key(TOKEN_B)  # one server key; a client token learns it
         a_all = Collector(ctx, pool.pub, b"", with_curve(TOKEN_A, key))
         a_peek = Collector(ctx, pool.pub, b"kvpool/b/", with_curve(TOKEN_A, key))  # a looking at b's topics
+        a_hbm = Collector(ctx, pool.pub, b"kvpool/a/hbm/", with_curve(TOKEN_A, key))  # within a's: as it is
         b_all = Collector(ctx, pool.pub, b"kvpool", with_curve(TOKEN_B, key))
-        subs += [a_all, a_peek, b_all]
+        subs += [a_all, a_peek, a_hbm, b_all]
         joined(pool, TOKEN_A, a_all, "probe-a")
+        joined(pool, TOKEN_A, a_hbm, "probe-a")
         joined(pool, TOKEN_B, b_all, "probe-b")
         assert raw.got == [], f"an unauthenticated subscriber received {len(raw.got)} batches"
 
@@ -632,6 +634,7 @@ def test_with_auth_a_subscriber_sees_only_its_tenants_blocks_and_no_tenant_can_f
         assert raw.got == [] and a_peek.got == []
         assert {topic.split(b"/")[1] for topic, _, _ in a_all.got} == {b"a"}
         assert {topic.split(b"/")[1] for topic, _, _ in b_all.got} == {b"b"}
+        assert a_hbm.got and all(topic.startswith(b"kvpool/a/hbm/") for topic, _, _ in a_hbm.got)
         assert pool_view(a_all.got) == (want_a, set()), "a saw exactly its blocks stored, none removed"
         assert pool_view(b_all.got) == ({1001}, {1001}), "b's forgery is b's own business"
         assert pool.master_metrics_port and metric(scrape(pool.master_metrics_port), "kvpool_events_refused_total",

@@ -18,6 +18,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 from support import wait_until
 
+from kvpool.core import Tier
 from kvpool.event_publisher import EventLimits, EventPublisher
 from kvpool.events import (
     END_SEQ,
@@ -225,6 +226,72 @@ def test_junk_half_sent_frames_and_idle_connections_on_both_ports_change_nothing
     finally:
         for peer in peers:
             peer.close()
+
+
+def test_tenant_topics_never_prefix_one_another():
+    from kvpool.events import escape_tenant, tenant_prefix
+
+    assert tenant_prefix("kvpool", "") == "kvpool/"  # auth off: the topics as they always were
+    assert tenant_prefix("kvpool", "a") == "kvpool/a/"
+    assert escape_tenant("x/y%2Fz") == "x%2Fy%252Fz"
+    names = ["a", "a/b", "a%2Fb", "ab", "a%", "%", "/"]
+    prefixes = [tenant_prefix("kvpool", n) for n in names]
+    assert len(set(prefixes)) == len(names)
+    assert not any(p != q and q.startswith(p) for p in prefixes for q in prefixes)
+
+
+def test_the_feed_sends_each_tenants_blocks_to_that_tenant_only_named_as_it_names_them(tmp_path):
+    """Issue 26, the master's feed with an auth file: pool changes are split by their keys' tags, a worker's
+    HBM changes go to its scoped id's tenant (a key of another tenant under it is counted, never sent), and
+    every block is named by its engine name or the tenant's own key, in the tenant's own sequence."""
+    import secrets
+
+    from kvpool.auth import Authority, mask_keys, scoped_worker
+    from kvpool.event_guard import EventAccess
+    from kvpool.keys import opaque_key
+    from kvpool.master.engine_names import EngineNames
+    from kvpool.master.index import BlockIndex
+    from kvpool.master.kv_events import MasterEventFeed, Tenants
+
+    authority = Authority(secrets.token_bytes(32), [], {secrets.token_hex(16): ("a", 0),
+                                                         secrets.token_hex(16): ("b/2", 0)})
+    registry = CollectorRegistry()
+    publisher = EventPublisher("tcp://127.0.0.1:0", topic="kvpool", registry=registry,
+                               access=EventAccess.from_authority(authority))
+    published: list[tuple[str, str, list]] = []
+    real_publish = publisher.publish
+    publisher.publish = lambda events, topic=None, tenant="": published.append((tenant, topic, list(events)))
+    try:
+        names = EngineNames(tenants=authority.tenants)
+        feed = MasterEventFeed(publisher, "kvpool", names, Tenants.of(authority))
+        assert sorted(published) == [("a", "kvpool/a/pool", [AllBlocksCleared()]),
+                                     ("b/2", "kvpool/b%2F2/pool", [AllBlocksCleared()])]
+        published.clear()
+        index = BlockIndex(min_capacity=64, on_change=feed.pool_changed, tags=True)
+        index.open_node(0)
+        a_keys = [opaque_key(f"feed-a-{i}") for i in range(3)]
+        b_keys = [opaque_key(f"feed-b-{i}") for i in range(2)]
+        a_stored = [mask_keys(k, authority.mask("a")) for k in a_keys]
+        b_stored = [mask_keys(k, authority.mask("b/2")) for k in b_keys]
+        words = np.frombuffer(b"".join(a_stored[:1]), np.uint64).reshape(-1, 4)
+        names.learn(words[:, 0].copy(), words[:, 1].copy(), np.array([77], np.uint64), index.holds, "a")
+        stored_keys = a_stored + b_stored
+        index.add(0, Tier.DRAM, stored_keys, [1] * 5, [0] * 5)
+        by_tenant = {tenant: (topic, sorted(h for e in events for h in e.block_hashes))
+                     for tenant, topic, events in published}
+        assert by_tenant == {"a": ("kvpool/a/pool", sorted([77, key_hash(a_keys[1]), key_hash(a_keys[2])])),
+                             "b/2": ("kvpool/b%2F2/pool", sorted(map(key_hash, b_keys)))}
+        published.clear()
+        feed.hbm_changed(scoped_worker("a", "w1"), [a_stored[1], b_stored[0]], [])
+        assert [(t, topic, [h for e in events for h in e.block_hashes]) for t, topic, events in published] == [
+            ("a", "kvpool/a/hbm/w1", [key_hash(a_keys[1])])]
+        assert registry.get_sample_value("kvpool_events_refused_total", {"what": "tenant"}) == 1
+        published.clear()
+        publisher.publish = real_publish  # one sequence per tenant
+        assert [publisher.publish([AllBlocksCleared()], "kvpool/a/pool", "a") for _ in range(3)] == [0, 1, 2]
+        assert publisher.publish([AllBlocksCleared()], "kvpool/b%2F2/pool", "b/2") == 0
+    finally:
+        publisher.close()
 
 
 def test_a_master_whose_events_port_is_taken_refuses_to_start_and_says_which(tmp_path):
