@@ -9,8 +9,8 @@ Two guards, both run by the publisher's thread (:mod:`kvpool.event_publisher`), 
   attaches to everything it sends (subscriptions, replay requests).
 - :class:`PortGuard` keeps the set of one socket's live TCP connections from the socket's monitor
   (``ACCEPTED`` adds a descriptor, ``DISCONNECTED`` or ``CLOSED`` removes it) and closes a new connection
-  at once when its port holds ``max_total`` connections, or its peer address ``max_per_peer``, whether it
-  ever speaks or not: libzmq accepts whatever comes, and idle connections once took every descriptor of the
+  at once when its port holds ``max_total`` connections, or its peer address ``max_per_peer`` (TCP only),
+  whether it ever speaks or not: libzmq accepts whatever comes, and idle connections once took every descriptor of the
   master. It closes one with ``shutdown()`` on a duplicate of the descriptor, after checking through that
   duplicate that it is still the connection the event named (same local and peer address): the
   descriptor may have been closed and reused meanwhile, and ``shutdown`` never touches another socket.
@@ -27,7 +27,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import socket
@@ -67,7 +66,7 @@ class EventAccess:
     @classmethod
     def from_authority(cls, authority: Authority) -> EventAccess:
         """The server's keys from the auth file's secret, a client key per client token."""
-        secret = z85.encode(hashlib.sha256(authority.derive(_SERVER_KEY_LABEL)).digest()).decode()
+        secret = z85.encode(authority.derive(_SERVER_KEY_LABEL)).decode()
         public = zmq.curve_public(secret.encode()).decode()
         by_key = {z85.decode(subscriber_keys(token)[0]): tenant for token, tenant in authority.client_tokens()}
         return cls(public, secret, by_key)
@@ -167,7 +166,8 @@ class PortGuard:
             if peer is None:  # closed (or reused by another socket) already: its DISCONNECTED follows or came
                 continue
             self._forget(fd)
-            if len(self._live) >= self._max_total or self._per_peer[peer[0]] >= self._max_per_peer:
+            crowded = peer[0] != "" and self._per_peer[peer[0]] >= self._max_per_peer  # "": IPC, one host
+            if len(self._live) >= self._max_total or crowded:
                 self._refuse(fd, peer)
             else:
                 self._live[fd] = peer

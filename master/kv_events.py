@@ -76,7 +76,8 @@ class Tenants:
         masks = [authority.mask(t) for t in names]
         tags = np.array([np.frombuffer(tag_of(m), np.uint32)[0] for m in masks], np.uint32)
         order = np.argsort(tags)
-        return cls(names, tags[order], order, np.array([np.frombuffer(m[:8], np.uint64)[0] for m in masks]))
+        mask0 = np.array([np.frombuffer(m[:8], np.uint64)[0] for m in masks], np.uint64)
+        return cls(names, tags[order], order, mask0)
 
     def of_tags(self, tags: U32) -> npt.NDArray[np.intp]:
         """Per tag, the index of its tenant in ``names``; -1 for a tag of no tenant."""
@@ -122,10 +123,11 @@ class MasterEventFeed:
             self._publish(parts, self._prefixes[who] + "pool", who)
 
     def hbm_changed(self, worker: str, held: list[BlockKey], gone: list[BlockKey]) -> None:
-        """:class:`~kvpool.master.index.HbmIndex`'s sink; ``worker``: the master's scoped worker id
-        (:func:`kvpool.auth.scoped_worker`), whose tenant part, if any, is the only tenant it may publish for."""
-        tenant, worker_id = split_worker(worker)
-        only = None if tenant is None or self.tenants is None else self._index_of(tenant)
+        """:class:`~kvpool.master.index.HbmIndex`'s sink; ``worker``: the master's worker id, with an auth file
+        scoped (:func:`kvpool.auth.scoped_worker`): its tenant part is then the only tenant it publishes for
+        (a plain id: each key's tenant by its tag)."""
+        tenant, worker_id = split_worker(worker) if self.tenants is not None else (None, worker)
+        only = None if tenant is None else self._index_of(tenant)
         per_tenant: dict[int, list[Change]] = {}
         for keys, is_stored in ((held, True), (gone, False)):
             if not keys:
