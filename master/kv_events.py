@@ -190,13 +190,15 @@ def _batches(parts: list[Change]) -> Iterator[list[KVEvent]]:
     room = BATCH_ROOM
     for is_stored, medium, hashes in parts:
         make = stored if is_stored else removed
-        while hashes:
+        at = 0
+        while at < len(hashes):
             fits = (room - EVENT_BYTES) // HASH_BYTES
             if fits <= 0:
                 yield batch
                 batch, room = [], BATCH_ROOM
                 continue
-            part, hashes = hashes[:fits], hashes[fits:]
+            part = hashes[at:at + fits]
+            at += len(part)
             batch.append(make(part, medium))
             room -= EVENT_BYTES + HASH_BYTES * len(part)
     if batch:
