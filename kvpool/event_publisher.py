@@ -169,7 +169,6 @@ class EventPublisher:
             self._close_sockets()
             raise ValueError(f"KV events: cannot bind {endpoint} / {replay_endpoint}: {exc}") from exc
         self._running = True
-        self._closing = False
         self._abort = False
         self._thread = threading.Thread(target=self._run, name="kvpool-events", daemon=True)
         self._thread.start()
@@ -218,6 +217,8 @@ class EventPublisher:
             return None
         hashes = sum(len(getattr(event, "block_hashes", ())) for event in events)
         with self._lock:
+            if not self._running:  # closed meanwhile (the wake-up descriptor may be gone)
+                return None
             seq = self._seq[tenant]  # KeyError: a tenant the publisher was not made for (a bug)
             self._seq[tenant] = seq + 1
             if len(self._queue) >= self.limits.max_queue or self._queued_hashes + hashes > MAX_QUEUE_HASHES:
@@ -225,17 +226,17 @@ class EventPublisher:
                 return None
             self._queue.append((tenant, seq, wire_topic, KVEventBatch(ts=time.time(), events=list(events)), hashes))
             self._queued_hashes += hashes
-        os.eventfd_write(self._wake, 1)
+            os.eventfd_write(self._wake, 1)
         return seq
 
     def close(self) -> None:
         """Send what is queued (for up to 2 s), then close the sockets. Idempotent."""
-        if not self._running:
-            return
-        self._running = False
         with self._lock:
+            if not self._running:
+                return
+            self._running = False  # publish() takes no more (checked under this lock)
             self._queue.append(None)
-        os.eventfd_write(self._wake, 1)
+            os.eventfd_write(self._wake, 1)
         self._thread.join(timeout=2.0)
         self._abort = True  # whatever is still queued is dropped
         os.eventfd_write(self._wake, 1)
