@@ -32,7 +32,7 @@ from kvpool.bench.ttft import LocalPool
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig
 from kvpool.core import Tier
-from kvpool.events import EventPublisher
+from kvpool.event_publisher import EventPublisher
 from kvpool.keys import BlockKey, opaque_key
 from kvpool.master.index import BlockIndex
 from kvpool.master.kv_events import MasterEventFeed

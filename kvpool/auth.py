@@ -216,10 +216,6 @@ class Authority:
                 return known.decode()
         return None
 
-    def tenants(self) -> list[str]:
-        """Every tenant the file names, sorted."""
-        return sorted(self._masks)
-
     def mask(self, tenant: str) -> bytes:
         """The mask of a tenant named in the file; KeyError otherwise."""
         return self._masks[tenant]
@@ -227,6 +223,21 @@ class Authority:
     def tenant_of(self, stored_key: bytes) -> str | None:
         """The tenant whose client stored this key (by its tag), or None (not a tenant's key)."""
         return self._by_tag.get(tag_of(stored_key))
+
+    @property
+    def tenants(self) -> list[str]:
+        """Every tenant some client token of the file belongs to, sorted."""
+        return sorted(self._masks)
+
+    def client_tokens(self) -> list[tuple[str, str]]:
+        """(token, tenant) of every client token (the KV event ports derive each one's CURVE key)."""
+        return sorted((known.decode(), identity.tenant) for known, identity in self._tokens.values()
+                      if identity.role == ROLE_CLIENT)
+
+    def derive(self, label: bytes) -> bytes:
+        """32 bytes derived from the secret for one purpose (``label``), e.g. the KV event ports' CURVE key;
+        the secret itself never leaves this object."""
+        return hashlib.sha256(label + b"\x00" + self._secret).digest()
 
 
 def load_authority(path: str) -> Authority | None:

@@ -250,8 +250,10 @@ def zmq_endpoint_check(v: str) -> str | None:
 
 
 def topic_check(v: str) -> str | None:
-    """A ZMQ topic prefix: letters, digits, '.', '_', '-', '/'; not empty."""
-    return None if re.fullmatch(r"[A-Za-z0-9._/-]+", v) else "must be letters, digits, '.', '_', '-', '/', not empty"
+    """A ZMQ topic prefix: 1-128 letters, digits, '.', '_', '-', '/'."""
+    if re.fullmatch(r"[A-Za-z0-9._/-]{1,128}", v):
+        return None
+    return "must be 1-128 letters, digits, '.', '_', '-', '/'"
 
 
 def cluster_check(v: str) -> str | None:
@@ -440,10 +442,26 @@ class MasterConfig:
     kv_events_replay_endpoint: str = opt("", "ZMQ ROUTER endpoint that replays buffered event batches from a "
                                              "sequence number; empty: no replay", check=zmq_endpoint_check)
     kv_events_topic: str = opt("kvpool", "topic prefix: pool batches go out as TOPIC/pool, a worker's HBM batches "
-                                         "as TOPIC/hbm/WORKER", check=topic_check)
-    kv_events_buffer: int = opt(10_000, "event batches kept for replay", check=at_least(1))
+                                         "as TOPIC/hbm/WORKER (with auth_file: TOPIC/TENANT/pool, "
+                                         "TOPIC/TENANT/hbm/WORKER)", check=topic_check)
+    kv_events_buffer: int = opt(10_000, "event batches kept for replay (split evenly among tenants)",
+                                check=at_least(1))
+    kv_events_buffer_bytes: int = opt(64 << 20, "bytes of event batches kept for replay (split evenly among "
+                                                "tenants)", size=True, check=size_check(1 << 20))
     kv_events_max_queue: int = opt(10_000, "event batches waiting to be sent before new ones are dropped (and "
                                            "counted: a gap in the sequence)", check=at_least(1))
+    kv_events_subscriber_bytes: int = opt(32 << 20, "bytes of batches queued to a subscriber that does not keep up "
+                                                    "before it loses new ones (batches of at most 64 KiB; one copy "
+                                                    "shared by all subscribers)", size=True,
+                                          check=size_check(1 << 20))
+    kv_events_max_connections: int = opt(256, "most connections on each KV event port; more are closed at once",
+                                         check=at_least(1))
+    kv_events_max_connections_per_peer: int = opt(32, "most connections from one address on each KV event port",
+                                                  check=at_least(1))
+    kv_events_max_replays: int = opt(8, "replays served at once (4 times as many may wait); more requests are "
+                                        "refused", check=at_least(1))
+    kv_events_max_replays_per_peer: int = opt(2, "replays one address may have served or waiting",
+                                              check=at_least(1))
 
     def __post_init__(self) -> None:
         _check_types(self, "master")

@@ -1,4 +1,4 @@
-"""KV events in vLLM's format: batches of what the pool stored and dropped, published over ZMQ for routers.
+"""KV events in vLLM's format, as routers see them: the batches, their topics, and how a subscriber connects.
 
 The wire is vLLM's (``vllm.distributed.kv_events`` in vllm 0.32, ``ZmqEventPublisher``), so a router that
 subscribes to vLLM engines reads kvpool with the same code:
@@ -13,42 +13,39 @@ subscribes to vLLM engines reads kvpool with the same code:
   (vLLM's constants ``MEDIUM_GPU``, ``MEDIUM_CPU``, ``MEDIUM_STORAGE``);
 - a block's hash is :func:`key_hash` of its kvpool key: the 64-bit int form vLLM's events use by default.
 
-One publisher numbers all its batches in one sequence, whatever their topic (vLLM's publisher has one
-topic; kvpool's master sends pool and per-worker HBM batches on one stream): a subscriber of every topic
-(``""`` or the common prefix) sees no gap unless a batch was dropped.
+Topics. A tenant's batches go out under :func:`tenant_prefix`: ``TOPIC/`` with auth off (``TOPIC/pool``,
+``TOPIC/hbm/WORKER``, as always), ``TOPIC/<tenant>/`` with an auth file, the tenant's name escaped
+(:func:`escape_tenant`) so that it holds no ``/``: one tenant's prefix is never a prefix of another's.
+Each tenant's batches are numbered in a sequence of its own (:mod:`kvpool.event_publisher`).
 
-Invariants:
+Subscribing with an auth file: the ports speak ZeroMQ's CURVE, and a subscriber's key pair is derived
+from its client token (:func:`subscriber_keys`); :func:`curve_client` sets the three socket options, with
+the server's public key from ``Master.Info`` (``kv_events_server_key``). docs/security.md has the raw
+options for routers in other languages.
 
-- :meth:`EventPublisher.publish` never blocks and never raises for a full queue: it numbers the batch and
-  queues it, or counts it dropped when ``max_queue`` batches are waiting. Numbers are taken at publish, so
-  a dropped batch is a gap in the sequence every subscriber sees; replay cannot fill it (it never reached
-  the buffer), which tells the router its view is incomplete.
-- Batches are sent in sequence order, from one thread that owns both sockets (ZMQ sockets are not
-  thread-safe). A slow subscriber loses batches at the PUB socket's high-water mark, never slowing the
-  publisher; it sees the gap and replays.
-- The replay buffer holds the last ``buffer_batches`` batches sent, and the replay socket's send mark
-  holds one whole replay of it (a ROUTER drops past its mark silently).
+Invariants: an encoded batch is at most :data:`MAX_BATCH_BYTES` and a topic at most
+:data:`MAX_TOPIC_BYTES` (the publisher refuses longer ones); :func:`subscriber_keys` of a token is the same
+in every process (sha256, no randomness).
 """
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
-import time
-from collections import deque
+import hashlib
 from collections.abc import Sequence
 
 import msgspec
 import zmq
-from prometheus_client import CollectorRegistry, Counter, Gauge
-
-log = logging.getLogger(__name__)
+from zmq.utils import z85
 
 MEDIUM_GPU = "GPU"  # a worker's HBM, as the master sees it
 MEDIUM_CPU = "CPU"  # a pool node's DRAM
 MEDIUM_STORAGE = "STORAGE"  # a pool node's SSD
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+MAX_TOPIC_BYTES = 4096  # longest topic the publisher sends (TOPIC, an escaped tenant, hbm/ and a worker id)
+MAX_BATCH_BYTES = 64 << 10  # longest encoded batch: a subscriber's queue is bounded as batches x this
+HASH_BYTES = 9  # a 64-bit hash in msgpack, at most
+EVENT_BYTES = 192  # an event's own fields in msgpack, at most (its hashes aside)
+_CLIENT_KEY_LABEL = b"kvpool.v1/kv-events-client\x00"
 
 BlockHash = bytes | int
 
@@ -98,152 +95,34 @@ def removed(keys: Sequence[BlockHash], medium: str) -> BlockRemoved:
     return BlockRemoved(block_hashes=list(keys), medium=medium)
 
 
-class EventMetrics:
-    """The publisher's counters on ``registry``."""
-
-    def __init__(self, registry: CollectorRegistry | None):
-        self.published = Counter("kvpool_events_published", "KV event batches sent on the PUB socket",
-                                 registry=registry)
-        self.dropped = Counter("kvpool_events_dropped", "KV event batches dropped because the publisher's queue "
-                               "was full (a gap in the sequence)", registry=registry)
-        self.replayed = Counter("kvpool_events_replayed", "KV event batches sent again on replay requests",
-                                registry=registry)
-        self.subscribers = Gauge("kvpool_event_subscribers", "Connections open on the KV event PUB socket",
-                                 registry=registry)
+# -- topics ---------------------------------------------------------------------------------------------
 
 
-class EventPublisher:
-    """PUB + ROUTER (replay) on ``endpoint`` / ``replay_endpoint`` (``tcp://HOST:PORT``; port 0 picks one)."""
+def escape_tenant(tenant: str) -> str:
+    """A tenant's name as it appears in topics: ``%`` as ``%25``, ``/`` as ``%2F`` (no ``/`` left, and two
+    names never escape to one)."""
+    return tenant.replace("%", "%25").replace("/", "%2F")
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "",
-                 buffer_batches: int = 10_000, max_queue: int = 10_000, hwm: int = 100_000,
-                 registry: CollectorRegistry | None = None):
-        if buffer_batches < 1 or max_queue < 1:
-            raise ValueError("buffer_batches and max_queue must be at least 1")
-        self.metrics = EventMetrics(registry)
-        self._topic = topic.encode()
-        self._queue: queue.Queue[tuple[int, bytes, KVEventBatch] | None] = queue.Queue(maxsize=max_queue)
-        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer_batches)  # (seq, topic, payload)
-        self._seq = 0
-        self._seq_lock = threading.Lock()
-        self._encoder = msgspec.msgpack.Encoder()
-        self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.set_hwm(hwm)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._monitor = self._pub.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self._replay: zmq.Socket | None = None
-        try:
-            self.endpoint = self._bind(self._pub, endpoint)
-            self.replay_endpoint = None
-            if replay_endpoint:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                # A ROUTER drops what passes its send mark without a word: one whole replay (the buffer and
-                # the end marker) must fit, or a late subscriber gets a silently truncated range.
-                self._replay.setsockopt(zmq.SNDHWM, buffer_batches + 1)
-                self.replay_endpoint = self._bind(self._replay, replay_endpoint)
-        except zmq.ZMQError as exc:
-            self._close_sockets()
-            raise ValueError(f"KV events: cannot bind {endpoint} / {replay_endpoint}: {exc}") from exc
-        self._subscribers = 0
-        self._running = True
-        self._abort = False
-        self._thread = threading.Thread(target=self._run, name="kvpool-events", daemon=True)
-        self._thread.start()
 
-    @staticmethod
-    def _bind(sock: zmq.Socket, endpoint: str) -> str:
-        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
-            port = sock.bind_to_random_port(endpoint[:-2])
-            return f"{endpoint[:-2]}:{port}"
-        sock.bind(endpoint)
-        return endpoint
+def tenant_prefix(topic: str, tenant: str) -> str:
+    """Where a tenant's topics start: ``TOPIC/`` for "" (auth off), ``TOPIC/<escaped tenant>/`` otherwise."""
+    return f"{topic}/{escape_tenant(tenant)}/" if tenant else f"{topic}/"
 
-    def publish(self, events: Sequence[KVEvent], topic: str | None = None) -> int | None:
-        """Queue one batch (on ``topic``, else the publisher's); its sequence number, or None if it was dropped
-        (the queue is full). Never blocks."""
-        if not events or not self._running:
-            return None
-        wire_topic = self._topic if topic is None else topic.encode()
-        with self._seq_lock:
-            seq = self._seq
-            self._seq += 1
-            try:
-                self._queue.put_nowait((seq, wire_topic, KVEventBatch(ts=time.time(), events=list(events))))
-            except queue.Full:
-                self.metrics.dropped.inc()
-                return None
-        return seq
 
-    def close(self) -> None:
-        """Send what is queued (for up to 2 s), then close the sockets. Idempotent."""
-        if not self._running:
-            return
-        self._running = False
-        try:
-            self._queue.put(None, timeout=2.0)
-        except queue.Full:
-            pass
-        self._thread.join(timeout=2.0)
-        self._abort = True  # whatever is still queued is dropped
-        self._thread.join()
-        self._close_sockets()
+# -- subscribing with an auth file (CURVE) --------------------------------------------------------------
 
-    def _close_sockets(self) -> None:
-        for sock in (self._monitor, self._pub, self._replay):
-            if sock is not None:
-                sock.close(linger=0)
-        self._ctx.term()
 
-    # -- the publisher thread (owns the sockets) --------------------------------------------
+def subscriber_keys(token: str) -> tuple[str, str]:
+    """The CURVE key pair (public, secret; Z85 text) of the subscriber holding client ``token``: the secret
+    key is ``sha256("kvpool.v1/kv-events-client" NUL token)``, the public key its Curve25519 public key."""
+    secret = z85.encode(hashlib.sha256(_CLIENT_KEY_LABEL + token.encode()).digest()).decode()
+    return zmq.curve_public(secret.encode()).decode(), secret
 
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._monitor, zmq.POLLIN)
-        if self._replay is not None:
-            poller.register(self._replay, zmq.POLLIN)
-        while not self._abort:
-            for sock, _ in poller.poll(0):
-                try:
-                    if sock is self._monitor:
-                        self._count_subscribers()
-                    else:
-                        self._serve_replay()
-                except zmq.ZMQError as exc:
-                    log.warning("KV events: %s", exc)
-            try:
-                item = self._queue.get(timeout=0.02)
-            except queue.Empty:
-                continue
-            if item is None:
-                return
-            seq, topic, batch = item
-            payload = self._encoder.encode(batch)
-            try:
-                self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
-            except zmq.Again:  # PUB does not block; a full peer queue drops for that peer only
-                pass
-            self._buffer.append((seq, topic, payload))
-            self.metrics.published.inc()
 
-    def _count_subscribers(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        event = recv_monitor_message(self._monitor)["event"]
-        self._subscribers += 1 if event == zmq.EVENT_ACCEPTED else -1
-        self.metrics.subscribers.set(max(0, self._subscribers))
-
-    def _serve_replay(self) -> None:
-        assert self._replay is not None
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-            log.info("KV events: a replay request of %d frames that is not [b'', start_seq]; ignored", len(frames))
-            return
-        client, _, start = frames
-        start_seq = int.from_bytes(start, "big")
-        for seq, topic, payload in list(self._buffer):
-            if seq >= start_seq:
-                self._replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
-                self.metrics.replayed.inc()
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+def curve_client(sock: zmq.Socket, token: str, server_key: str) -> None:
+    """Make ``sock`` (a SUB or DEALER, before it connects) a CURVE client of the event ports as the tenant of
+    ``token``: ``server_key`` is ``Master.Info``'s ``kv_events_server_key``."""
+    public, secret = subscriber_keys(token)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server_key.encode())
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public.encode())
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret.encode())

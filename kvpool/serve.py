@@ -100,7 +100,7 @@ def dram_summary(arena: SharedArena) -> str:
 def run_serve(config: PoolConfig) -> None:
     """Start the master, then a node registered with it; run until SIGINT/SIGTERM; stop both."""
     from kvpool.malloc import limit_arenas
-    from kvpool.master.server import MasterServer
+    from kvpool.master.server import MasterServer, log_events
     from kvpool.node.daemon import PoolNode
 
     limit_arenas()  # before any thread: otherwise the node's RSS ratchets up per thread (kvpool/malloc.py)
@@ -109,8 +109,7 @@ def run_serve(config: PoolConfig) -> None:
     check_ports(config.master, config.node)
     with MasterServer(config.master) as master:
         if master.events is not None:
-            log.info("kvpool serve: KV events on %s (replay %s)", master.events.publisher.endpoint,
-                     master.events.publisher.replay_endpoint or "off")
+            log_events(master.events.publisher)
         node_config = node_config_for(config, master.port)
         node = PoolNode(node_config)
         try:

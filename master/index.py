@@ -2,10 +2,11 @@
 
 :class:`BlockIndex` maps a block key to its size, checksum and the (node number,
 tier) locations holding it. It keeps no Python object per block: its rows live
-in a :class:`~kvpool.master.keytable.KeyTable` (numpy arrays, 42 bytes a slot;
-at the table's load of 0.25-0.7 that is 60-170 bytes per indexed block, 60-120
-while it grows), and a batch of keys is looked up by a fixed number of numpy
-calls, no loop over keys or probe steps, at 10 million blocks as at a thousand.
+in a :class:`~kvpool.master.keytable.KeyTable` (numpy arrays, 42 bytes a slot,
+46 when it keeps tenant tags for the KV event feed; at the table's load of
+0.25-0.7 that is 60-180 bytes per indexed block, 60-130 while it grows), and
+a batch of keys is looked up by a fixed number of numpy calls, no loop over
+keys or probe steps, at 10 million blocks as at a thousand.
 
 Keys by their first 16 bytes. The table stores and compares only the first 128
 bits of each 32-byte key. Keys are sha256 outputs, so two distinct keys share
@@ -59,14 +60,15 @@ Changes as events. Given an ``on_change`` sink, :class:`BlockIndex` reports
 each key's *tier transitions*: stored when a key's first copy in a tier appears
 (on any node), removed when its last copy in that tier goes (a removal, a full
 sync's replacement, a dropped node). Copies on a second node or a second
-report of a held key change nothing and are not reported. :class:`HbmIndex`
-does the same per worker. A sink is called once per changing call, in the
-order the changes were applied.
+report of a held key change nothing and are not reported. With ``tags`` each
+transition also carries its keys' tenant tags (the feed sends a block's events
+to its tenant only). :class:`HbmIndex` does the same per worker. A sink is
+called once per changing call, in the order the changes were applied.
 
 Each class has one lock, taken only with ``with``, never held while calling
 out of the class, but for the change sink: it is called under the lock (that
 keeps its order the index's order), and must neither block nor call back
-(:meth:`kvpool.events.EventPublisher.publish` only queues).
+(:meth:`kvpool.event_publisher.EventPublisher.publish` only queues).
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ ABSENT = 255  # BlockIndex.best_tiers: no location holds the key
 assert [int(t) for t in _TIERS] == list(range(len(_TIERS))) and len(_TIERS) <= 3  # packed tiers stay below _MORE
 
 U64 = npt.NDArray[np.uint64]
+U32 = npt.NDArray[np.uint32]
 _Match = tuple[Callable[[npt.NDArray[np.uint32]], npt.NDArray[np.bool_]], Callable[[int], bool]]
 
 
@@ -140,12 +143,14 @@ class IndexCounts:
 
 class TierChange(NamedTuple):
     """Keys whose first copy in ``tier`` appeared (``stored``) or whose last copy there went, as the table
-    keys them: their first 16 bytes, two native-order uint64 words each."""
+    keys them: their first 16 bytes, two native-order uint64 words each; with ``tags``, each key's last 4
+    bytes too (its tenant's tag, :mod:`kvpool.auth`), as a native-order uint32."""
 
     tier: Tier
     stored: bool
     k0: U64
     k1: U64
+    tag: U32 | None = None
 
 
 ChangeSink = Callable[[list[TierChange]], None]
@@ -154,13 +159,15 @@ ChangeSink = Callable[[list[TierChange]], None]
 class BlockIndex:
     """Key -> size, checksum and the (node number, tier) locations holding it. Thread-safe."""
 
-    def __init__(self, min_capacity: int = 1024, on_change: ChangeSink | None = None) -> None:
+    def __init__(self, min_capacity: int = 1024, on_change: ChangeSink | None = None, tags: bool = False) -> None:
+        """``tags``: keep each key's tenant tag (4 bytes a slot more) and hand it to ``on_change`` (the KV event
+        feed with auth on: a block's events go to its tenant only)."""
         self._lock = threading.Lock()
         self._on_change = on_change
         self._changes: list[TierChange] = []  # gathered during one call (lock held), handed to on_change at its end
-        self._table = KeyTable(
-            {"loc1": np.uint32, "loc2": np.uint32, "size": np.uint64, "checksum": np.uint64}, min_capacity
-        )
+        self._tags = tags
+        payload: dict[str, type] = {"loc1": np.uint32, "loc2": np.uint32, "size": np.uint64, "checksum": np.uint64}
+        self._table = KeyTable({**payload, "tag": np.uint32} if tags else payload, min_capacity)
         self._more: dict[tuple[int, int], list[int]] = {}  # (k0, k1) -> 3+ sorted locations
         self._open: set[int] = set()
         self._copies = 0
@@ -192,18 +199,18 @@ class BlockIndex:
         self, node: int, tier: Tier, keys: Sequence[BlockKey], sizes: Sequence[int], checksums: Sequence[int]
     ) -> bool:
         """Record that ``node`` holds ``keys`` in ``tier``; False (nothing changed) if the number is not open."""
-        q0, q1, size, checksum = _report(keys, sizes, checksums)
+        q0, q1, size, checksum, tag = _report(keys, sizes, checksums)
         with self._lock:
             if node not in self._open:
                 return False
-            refused = self._link(q0, q1, size, checksum, _location(node, tier))
+            refused = self._link(q0, q1, size, checksum, tag, _location(node, tier))
             self._report_changes()
         _refused(refused)
         return True
 
     def remove(self, node: int, tier: Tier, keys: Iterable[BlockKey]) -> bool:
         """Record that ``node`` no longer holds ``keys`` in ``tier``; False if the number is not open."""
-        q0, q1 = _prefixes(keys)
+        q0, q1, _ = _prefixes(keys)
         loc = _location(node, tier)
         with self._lock:
             if node not in self._open:
@@ -220,12 +227,12 @@ class BlockIndex:
         self, node: int, tier: Tier, keys: Sequence[BlockKey], sizes: Sequence[int], checksums: Sequence[int]
     ) -> bool:
         """Full sync: afterwards ``node`` holds exactly ``keys`` in ``tier``; False if the number is not open."""
-        q0, q1, size, checksum = _report(keys, sizes, checksums)
+        q0, q1, size, checksum, tag = _report(keys, sizes, checksums)
         loc = _location(node, tier)
         with self._lock:
             if node not in self._open:
                 return False
-            refused = self._link(q0, q1, size, checksum, loc)
+            refused = self._link(q0, q1, size, checksum, tag, loc)
             t = self._table
             keep = np.zeros(len(t.k0), np.bool_)
             rows = t.find(q0, q1)  # rows may have moved while linking
@@ -327,21 +334,21 @@ class BlockIndex:
 
     # -- internals (caller holds the lock) --------------------------------------------
 
-    def _link(self, q0: U64, q1: U64, size: U64, checksum: U64, loc: int) -> int:
+    def _link(self, q0: U64, q1: U64, size: U64, checksum: U64, tag: U32, loc: int) -> int:
         """Add ``loc`` to each key's locations and set its size and checksum; returns how many keys the
         table refused (see :func:`_refused`)."""
-        q0, q1, size, checksum = last_wins(q0, q1, size, checksum)
+        q0, q1, size, checksum, tag = last_wins(q0, q1, size, checksum, tag)
         t = self._table
         rows = t.find(q0, q1)
         before = self._tier_masks(rows) if self._on_change is not None else None
-        refused = self._link_rows(q0, q1, size, checksum, loc, rows)
+        refused = self._link_rows(q0, q1, size, checksum, tag, loc, rows)
         if before is not None:
             # Every key now has loc's tier, unless the table refused it: then look again (rows moved).
             after = before | np.uint8(1 << (loc >> _NODE_BITS)) if not refused else self._tier_masks(t.find(q0, q1))
-            self._note_changes(q0, q1, before, after)
+            self._note_changes(q0, q1, tag if self._tags else None, before, after)
         return refused
 
-    def _link_rows(self, q0: U64, q1: U64, size: U64, checksum: U64, loc: int, rows: Rows) -> int:
+    def _link_rows(self, q0: U64, q1: U64, size: U64, checksum: U64, tag: U32, loc: int, rows: Rows) -> int:
         """:meth:`_link` of distinct keys whose current rows (-1: absent) are ``rows``."""
         t = self._table
         new = rows < 0
@@ -370,6 +377,8 @@ class BlockIndex:
                 "size": size[new],
                 "checksum": checksum[new],
             }
+            if self._tags:
+                columns["tag"] = tag[new]
             placed = t.insert(q0[new], q1[new], columns)
             self._copies += placed
             return fresh - placed
@@ -394,7 +403,8 @@ class BlockIndex:
             t.rec["loc2"][rows][promoted | second_gone] = _NONE
             t.delete(np.flatnonzero(gone) + rows.start)
             if before is not None:
-                self._note_changes(t.k0[touched], t.k1[touched], before, self._tier_masks(touched))
+                self._note_changes(t.k0[touched], t.k1[touched], self._row_tags(touched), before,
+                                   self._tier_masks(touched))
             removed += count
         listed = self._rows_of(key for key, locs in self._more.items() if any(match_one(loc) for loc in locs))
         if keep is not None:
@@ -432,7 +442,8 @@ class BlockIndex:
                 dead.append(np.array([row], np.intp))
         t.delete(np.concatenate(dead))
         if before is not None:  # deleted rows keep their keys until the next insert or compact
-            self._note_changes(t.k0[touched], t.k1[touched], before, self._tier_masks(touched))
+            self._note_changes(t.k0[touched], t.k1[touched], self._row_tags(touched), before,
+                               self._tier_masks(touched))
         self._copies -= removed
         return removed
 
@@ -462,14 +473,19 @@ class BlockIndex:
                 masks[i] |= 1 << (loc >> _NODE_BITS)
         return masks
 
-    def _note_changes(self, k0: U64, k1: U64, before: npt.NDArray[np.uint8], after: npt.NDArray[np.uint8]) -> None:
+    def _row_tags(self, rows: Rows) -> U32 | None:
+        return self._table.rec["tag"][rows] if self._tags else None
+
+    def _note_changes(self, k0: U64, k1: U64, tag: U32 | None, before: npt.NDArray[np.uint8],
+                      after: npt.NDArray[np.uint8]) -> None:
         """Gather the tier transitions of keys whose masks went from ``before`` to ``after``."""
         for tier in _TIERS:
             bit = np.uint8(1 << int(tier))
             had, has = (before & bit) != 0, (after & bit) != 0
             for stored, which in ((True, has & ~had), (False, had & ~has)):
                 if which.any():
-                    self._changes.append(TierChange(tier, stored, k0[which].copy(), k1[which].copy()))
+                    self._changes.append(TierChange(tier, stored, k0[which].copy(), k1[which].copy(),
+                                                    None if tag is None else tag[which].copy()))
 
     def _report_changes(self) -> None:
         """Hand the call's gathered transitions to the sink (lock held: the index's order is the sink's)."""
@@ -526,30 +542,38 @@ def _words(packed: bytes) -> npt.NDArray[np.uint64]:
     return np.frombuffer(packed, np.uint64).reshape(-1, KEY_BYTES // 8)
 
 
-def _prefixes(keys: Iterable[BlockKey]) -> tuple[U64, U64]:
-    """The first 16 bytes of each 32-byte key as two uint64 arrays; ValueError for keys of another length."""
+def _prefixes(keys: Iterable[BlockKey]) -> tuple[U64, U64, U32]:
+    """The first 16 bytes of each 32-byte key as two uint64 arrays, and its last 4 (its tenant's tag) as a
+    uint32 array; ValueError for keys of another length."""
     if not isinstance(keys, (list, tuple)):
         keys = list(keys)
     packed = b"".join(keys)
     if len(packed) != KEY_BYTES * len(keys):
         raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
     words = np.frombuffer(packed, np.uint64).reshape(-1, KEY_BYTES // 8)
-    return words[:, 0], words[:, 1]
+    return words[:, 0], words[:, 1], key_tags(packed)
+
+
+def key_tags(packed: bytes) -> U32:
+    """The last 4 bytes of each packed 32-byte key (its tenant's tag, :func:`kvpool.auth.tag_of`), as a
+    native-order uint32: the form :class:`TierChange` carries."""
+    return np.frombuffer(packed, np.uint32).reshape(-1, KEY_BYTES // 4)[:, -1]
 
 
 def _report(
     keys: Sequence[BlockKey], sizes: Sequence[int], checksums: Sequence[int]
-) -> tuple[U64, U64, U64, U64]:
-    """A report's keys, sizes and checksums as arrays; ValueError (before anything changes) if malformed."""
+) -> tuple[U64, U64, U64, U64, U32]:
+    """A report's keys, sizes, checksums and tags as arrays; ValueError (before anything changes) if
+    malformed."""
     if not len(keys) == len(sizes) == len(checksums):
         raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes and {len(checksums)} checksums")
-    q0, q1 = _prefixes(keys)
+    q0, q1, tag = _prefixes(keys)
     try:
         size = np.fromiter(sizes, np.uint64, len(sizes))
         checksum = np.fromiter(checksums, np.uint64, len(checksums))
     except (OverflowError, TypeError, ValueError) as exc:
         raise ValueError(f"sizes and checksums must be integers in [0, 2**64): {exc}") from exc
-    return q0, q1, size, checksum
+    return q0, q1, size, checksum, tag
 
 
 HbmSink = Callable[[str, list[BlockKey], list[BlockKey]], None]  # (scoped worker id, keys it now holds, keys it lost)

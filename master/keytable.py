@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -239,7 +240,7 @@ class KeyTable:
         assert np.array_equal(self.find(k0, k1), live), "KeyTable: a key is not found at its row"
 
 
-def last_wins(k0: U64, k1: U64, *columns: U64) -> tuple[U64, ...]:
+def last_wins(k0: U64, k1: U64, *columns: npt.NDArray[Any]) -> tuple[npt.NDArray[Any], ...]:
     """``(k0, k1, *columns)`` with all but the last occurrence of each key dropped (a batch may name a key
     twice; its last values count). Unchanged, without a copy, when the keys are distinct."""
     if len(k0) < 2:

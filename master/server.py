@@ -20,7 +20,14 @@ Invariants:
   ``kvpool_errors_total{kind}``); with ``tls_cert``/``tls_key`` both speak TLS only.
 - With ``kv_events_endpoint`` the index's tier transitions go out as KV events
   (:mod:`~kvpool.master.kv_events`) from ``start`` until ``stop``; a port it
-  cannot bind is the same one-line ValueError.
+  cannot bind is the same one-line ValueError. With an ``auth_file`` too, the
+  event ports take CURVE subscribers of the file's client tokens only and
+  each tenant gets its own topics (:mod:`kvpool.event_publisher`). Each
+  event port holds at most a quarter of the descriptors left free at start
+  (fewer than ``kv_events_max_connections`` if the limit is low, logged): an
+  event port never takes the descriptors gRPC, fast calls and metrics need.
+- ``start`` first raises the process's open-file soft limit to its hard limit
+  (logged when it changes).
 - With ``etcd`` the master first asks etcd whether it may campaign (TLS,
   user and password, its role: :func:`~kvpool.master.election.check_access`),
   before anything is bound: a refusal is the one-line ValueError. Then it
@@ -35,6 +42,8 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
+import resource
 import socket
 import threading
 import time
@@ -47,7 +56,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kvpool.auth import load_authority
 from kvpool.config import MasterConfig
 from kvpool.etcd import EtcdAccess, EtcdClient, LeaderInfo, parse_endpoints
-from kvpool.events import EventPublisher
+from kvpool.event_guard import EventAccess
+from kvpool.event_publisher import EventLimits, EventPublisher
 from kvpool.framing import TcpListener
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.lifecycle import wait_for_shutdown
@@ -55,7 +65,7 @@ from kvpool.malloc import limit_arenas
 from kvpool.master.election import Election, check_access
 from kvpool.master.engine_names import EngineNames
 from kvpool.master.index import BlockIndex, HbmIndex, TierChange
-from kvpool.master.kv_events import MasterEventFeed
+from kvpool.master.kv_events import MasterEventFeed, Tenants
 from kvpool.master.membership import Membership
 from kvpool.master.servicer import MasterServicer
 from kvpool.master.stats import MasterMetrics
@@ -107,8 +117,9 @@ class MasterServer:
         self.errors = ErrorMetrics(self.registry)
         self.events: MasterEventFeed | None = None  # with kv_events_endpoint, once started
         on = bool(config.kv_events_endpoint)
-        self.names = EngineNames() if on else None  # engines' own block hashes, for events only
-        self.index = BlockIndex(on_change=self._pool_changed if on else None)
+        tenants = self.authority.tenants if self.authority is not None else [""]
+        self.names = EngineNames(tenants=tenants or [""]) if on else None  # engines' block hashes, for events only
+        self.index = BlockIndex(on_change=self._pool_changed if on else None, tags=on and self.authority is not None)
         self.hbm = HbmIndex(on_change=self._hbm_changed if on else None,
                             max_keys_per_worker=config.max_hbm_keys_per_worker,
                             max_keys_per_tenant=config.max_hbm_keys_per_tenant)
@@ -116,8 +127,7 @@ class MasterServer:
             self.index, self.hbm, node_timeout_s=config.node_timeout_s, worker_timeout_s=config.worker_timeout_s,
             max_workers_per_tenant=config.max_workers_per_tenant,
         )
-        tenants = self.authority.tenants() if self.authority is not None else [""]
-        self.metrics = MasterMetrics(self.registry, self.index, self.hbm, self.membership, self.errors, tenants)
+        self.metrics = MasterMetrics(self.registry, self.index, self.hbm, self.membership, self.errors, tenants or [""])
         self.servicer = MasterServicer(config, self.index, self.hbm, self.membership, self.metrics, self.names)
         self.port: int = 0  # the bound gRPC port, once started
         self.metrics_port: int = 0  # the bound metrics port, once started (0: no endpoint)
@@ -151,6 +161,7 @@ class MasterServer:
                 master_pb2_grpc.add_MasterServicer_to_server(servicer, server)
                 return master_pb2.DESCRIPTOR.services_by_name["Master"].full_name
 
+            raise_fd_limit()  # before any listener: the master keeps descriptors for all of them
             self._server, self.port, self._health = make_server(
                 f"{self.config.host}:{self.config.port}", [add_master],
                 max_message_bytes=max_message_bytes(self.config), authority=self.authority,
@@ -159,10 +170,8 @@ class MasterServer:
             )
             try:
                 if self.config.kv_events_endpoint:
-                    self.events = MasterEventFeed(EventPublisher(
-                        self.config.kv_events_endpoint, self.config.kv_events_replay_endpoint or None,
-                        buffer_batches=self.config.kv_events_buffer, max_queue=self.config.kv_events_max_queue,
-                        registry=self.registry), self.config.kv_events_topic, self.names)
+                    self.events = self._event_feed()
+                    servicer.events_server_key = self.events.publisher.server_key
                 self._calls = self._call_listener()
                 servicer.call_port = self._calls.port
                 if self.config.metrics_port != 0:
@@ -192,6 +201,23 @@ class MasterServer:
             if self.config.etcd:
                 self._stand_by()
             return self
+
+    def _event_feed(self) -> MasterEventFeed:
+        """The KV event publisher and feed (see the module docstring): bounds from the config and the
+        descriptors this process may open, CURVE and tenants from the auth file."""
+        c = self.config
+        spare = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - len(os.listdir("/proc/self/fd"))
+        per_port = max(1, spare // 4)
+        if per_port < c.kv_events_max_connections:
+            log.warning("KV events: %d connections per event port at most (a quarter of the %d file descriptors "
+                        "this process has left; kv_events_max_connections is %d): raise `ulimit -n`", per_port,
+                        spare, c.kv_events_max_connections)
+        limits = EventLimits.of(c, max_connections=per_port)
+        access = EventAccess.from_authority(self.authority) if self.authority is not None else None
+        publisher = EventPublisher(c.kv_events_endpoint, c.kv_events_replay_endpoint or None, topic=c.kv_events_topic,
+                                   limits=limits, access=access, registry=self.registry)
+        tenants = Tenants.of(self.authority) if self.authority is not None else None
+        return MasterEventFeed(publisher, c.kv_events_topic, self.names, tenants)
 
     def advertised_address(self) -> str:
         """The gRPC ``host:port`` nodes and clients dial this master at (what it puts in etcd when it leads)."""
@@ -312,6 +338,23 @@ class MasterServer:
         self.stop()
 
 
+def raise_fd_limit() -> int:
+    """Raise this process's open-file soft limit to its hard limit (logged when it changes); the soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.info("master: raised the open-file limit from %d to %d (the hard limit)", soft, hard)
+        return hard
+    return soft
+
+
+def log_events(publisher: EventPublisher) -> None:
+    """Say where the KV event ports are, and the CURVE server key subscribers need (auth on)."""
+    curve = f"; CURVE, server key {publisher.server_key}" if publisher.server_key else ""
+    log.info("kvpool master: KV events on %s (replay %s%s)", publisher.endpoint, publisher.replay_endpoint or "off",
+             curve)
+
+
 def run_master(config: MasterConfig) -> None:
     """Run a master until SIGINT or SIGTERM, then stop it cleanly. Call from the main thread."""
     limit_arenas()  # before any thread: a large message's buffers are reused, not kept per thread (kvpool/malloc.py)
@@ -320,8 +363,7 @@ def run_master(config: MasterConfig) -> None:
         log.info("kvpool master listening on %s (fast calls :%d, metrics %s)", server.address,
                  server.servicer.call_port, metrics)
         if server.events is not None:
-            log.info("kvpool master: KV events on %s (replay %s)", server.events.publisher.endpoint,
-                     server.events.publisher.replay_endpoint or "off")
+            log_events(server.events.publisher)
         if config.etcd:
             log.info("kvpool master: standing by for cluster %s in etcd %s as %s (leader TTL %d s)", config.cluster,
                      config.etcd, server.advertised_address(), config.leader_ttl_s)

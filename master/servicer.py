@@ -54,7 +54,7 @@ import grpc
 import numpy as np
 
 from kvpool import __version__
-from kvpool.auth import caller, caller_keys, caller_tenant
+from kvpool.auth import ROLE_CLIENT, caller, caller_keys, caller_tenant
 from kvpool.config import MasterConfig
 from kvpool.core import NodeRef, Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
@@ -98,6 +98,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self._elected_at = 0.0  # monotonic time of this master's last election (0: never, or no etcd)
         self._resyncing: set[str] = set()  # nodes that registered soon after it, their inventories not yet whole
         self.names = names  # engines' block hashes for KV events (None: events off)
+        self.events_server_key = ""  # the KV event ports' CURVE public key, told to clients (auth and events on)
 
     def elected(self) -> None:
         """This master was just elected: nodes registering within ``node_timeout_s`` count as following from the
@@ -418,7 +419,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return response
 
     def NameBlocks(self, request: master_pb2.NameBlocksRequest, context: Any) -> master_pb2.NameBlocksResponse:
-        """Keep the engine's hash of each key for KV events (nothing without events: the answer says 0)."""
+        """Keep the engine's hash of each key for KV events (nothing without events: the answer says 0), in the
+        caller's tenant's share of the name table (:class:`~kvpool.master.engine_names.EngineNames`)."""
         self._lead(context)
         n = self._count_keys(request.keys)
         if len(request.engine_hashes) != n:
@@ -427,17 +429,20 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             return master_pb2.NameBlocksResponse(named=0)
         words = np.frombuffer(caller_keys(request.keys), np.uint64).reshape(-1, KEY_BYTES // 8)
         k0, k1 = np.ascontiguousarray(words[:, 0]), np.ascontiguousarray(words[:, 1])
-        named = self.names.learn(k0, k1, np.array(request.engine_hashes, np.uint64), self._index.holds)
+        named = self.names.learn(k0, k1, np.array(request.engine_hashes, np.uint64), self._index.holds,
+                                 caller_tenant())
         return master_pb2.NameBlocksResponse(named=named)
 
     # -- status ---------------------------------------------------------------------------
 
     def Info(self, request: master_pb2.MasterInfoRequest, context: Any) -> master_pb2.MasterInfoResponse:
         who = caller()
+        client = who is not None and who.role == ROLE_CLIENT
         return master_pb2.MasterInfoResponse(call_port=self.call_port, version=__version__,
                                              tenant_mask=who.mask if who is not None else b"",
                                              standby=not self.leading(), leader_address=self.leader_address(),
-                                             cluster=self.cluster)
+                                             cluster=self.cluster,
+                                             kv_events_server_key=self.events_server_key if client else "")
 
     def ClusterStatus(self, request: master_pb2.ClusterStatusRequest, context: Any) -> master_pb2.ClusterStatusResponse:
         self._lead(context)

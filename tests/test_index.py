@@ -491,15 +491,49 @@ def test_a_second_copy_or_a_repeated_report_is_no_change():
     assert [(c.tier, c.stored, sorted(prefixes(c))) for c in seen] == [(DRAM, False, sorted(k[:16] for k in keys))]
 
 
+def test_with_tags_every_transition_names_its_keys_tenant_tags():
+    """Issue 26: the KV event feed (auth on) sends a block's events to its tenant, the owner of the tag its
+    stored key ends with: the index keeps each key's tag and hands it over with every transition (adds, a
+    removal, a full sync's replacement, a dropped node), key for key."""
+    seen: list = []
+    index = BlockIndex(min_capacity=64, on_change=seen.extend, tags=True)
+    index.open_node(0)
+    keys = [k[:28] + (i % 3).to_bytes(4, "little") for i, k in enumerate(make_keys(40, "tags"))]
+    tag_of = {k[:16]: int.from_bytes(k[28:], "little") for k in keys}
+    sizes, sums = sizes_for(keys)
+    index.add(0, DRAM, keys, sizes, sums)
+    index.add(0, SSD, keys[:10], sizes[:10], sums[:10])
+    index.remove(0, DRAM, keys[:5])
+    index.replace_node_tier(0, SSD, keys[5:10], sizes[5:10], sums[5:10])
+    index.drop_node(0)
+    assert len(seen) >= 5
+    for change in seen:
+        assert change.tag is not None and len(change.tag) == len(change.k0)
+        assert [tag_of[k] for k in prefixes(change)] == change.tag.tolist()
+    assert all(c.tag is None for c in opened_changes())
+
+
+def opened_changes() -> list:
+    """Transitions of an index that keeps no tags: they carry none."""
+    seen: list = []
+    index = BlockIndex(min_capacity=64, on_change=seen.extend)
+    index.open_node(0)
+    keys = make_keys(3, "no-tags")
+    index.add(0, DRAM, keys, *sizes_for(keys))
+    return seen
+
+
 def test_a_large_change_goes_out_in_bounded_batches_in_order(monkeypatch):
-    """A dropped node's blocks: consecutive batches of at most MAX_BATCH_BLOCKS hashes, naming each key once."""
-    from kvpool.events import BlockRemoved, BlockStored, EventPublisher, key_hash
+    """A dropped node's blocks: consecutive batches that fit BATCH_ROOM bytes, naming each key once."""
+    from kvpool.event_publisher import EventPublisher
+    from kvpool.events import EVENT_BYTES, HASH_BYTES, BlockRemoved, BlockStored, key_hash
     from kvpool.master import kv_events
 
-    monkeypatch.setattr(kv_events, "MAX_BATCH_BLOCKS", 100)
+    monkeypatch.setattr(kv_events, "BATCH_ROOM", EVENT_BYTES + 100 * HASH_BYTES)  # 100 hashes in one event
     published: list[tuple[list, str | None]] = []
     publisher = EventPublisher("tcp://127.0.0.1:0")
-    monkeypatch.setattr(publisher, "publish", lambda events, topic=None: published.append((list(events), topic)))
+    monkeypatch.setattr(publisher, "publish",
+                        lambda events, topic=None, tenant="": published.append((list(events), topic)))
     try:
         feed = kv_events.MasterEventFeed(publisher, "kvpool")
         index = BlockIndex(min_capacity=64, on_change=feed.pool_changed)
@@ -511,7 +545,8 @@ def test_a_large_change_goes_out_in_bounded_batches_in_order(monkeypatch):
         index.add(0, SSD, keys[:30], sizes[:30], sums[:30])
         index.drop_node(0)
         sizes_of = [sum(len(e.block_hashes) for e in events) for events, _ in published]
-        assert all(n <= 100 for n in sizes_of) and len(published) == 11 + 1 + 11
+        # 1,050 stored in 11; 30 in 1; the drop's 1,050 + 30 removed in 12 (a second event costs room)
+        assert all(n <= 100 for n in sizes_of) and len(published) == 11 + 1 + 12
         stored_hashes = [h for events, _ in published[:11] for e in events for h in e.block_hashes]
         assert all(isinstance(e, BlockStored) for events, _ in published[:12] for e in events)
         assert sorted(stored_hashes) == sorted(map(key_hash, keys))
@@ -554,14 +589,41 @@ def test_engine_names_keep_indexed_keys_names_and_trim_the_rest_when_full():
     assert names.names_of(k0[1:2], k1[1:2]).tolist() == [2]
 
 
+def test_engine_names_keep_each_tenant_within_its_share_and_never_drop_anothers():
+    """Issue 26: a tenant at its share (max_names / tenants) drops its own names of unindexed keys, then is
+    refused; another tenant's names, indexed or not, stay."""
+    from kvpool.master.engine_names import EngineNames
+
+    index = opened(0)
+    names = EngineNames(max_names=100, tenants=["a", "b"])
+    assert names.share == 50
+    a0, a1 = words_of(make_keys(10, "tenant-a"))
+    assert names.learn(a0, a1, np.arange(1, 11, dtype=np.uint64), index.holds, "a") == 10  # in flight
+    b_keys = make_keys(150, "tenant-b")
+    b0, b1 = words_of(b_keys)
+    values = np.arange(100, 250, dtype=np.uint64)
+    assert names.learn(b0[:60], b1[:60], values[:60], index.holds, "b") == 50 and names.refused == 10
+    assert names.learn(b0[60:90], b1[60:90], values[60:90], index.holds, "b") == 30  # b's own stale names go
+    assert names.held("b") == 30 and names.held("a") == 10
+    assert names.names_of(a0, a1).tolist() == list(range(1, 11))  # a's names are all there
+    index.add(0, DRAM, b_keys[60:90], *sizes_for(b_keys[60:90]))  # b's 30 names are of indexed keys now
+    assert names.learn(b0[90:], b1[90:], values[90:], index.holds, "b") == 20  # room for 20 more, no more
+    assert names.held("b") == 50 and names.refused == 10 + 40
+    assert (names.names_of(b0[60:90], b1[60:90]) != 0).all()
+    assert names.names_of(a0, a1).tolist() == list(range(1, 11))
+    with pytest.raises(ValueError, match="unknown tenant"):
+        names.learn(a0, a1, np.arange(1, 11, dtype=np.uint64), index.holds, "c")
+
+
 def test_the_feed_names_named_blocks_by_their_engine_hash_in_every_tier():
-    from kvpool.events import EventPublisher, key_hash
+    from kvpool.event_publisher import EventPublisher
+    from kvpool.events import key_hash
     from kvpool.master import kv_events
     from kvpool.master.engine_names import EngineNames
 
     published: list = []
     publisher = EventPublisher("tcp://127.0.0.1:0")
-    publisher.publish = lambda events, topic=None: published.append(list(events))
+    publisher.publish = lambda events, topic=None, tenant="": published.append(list(events))
     try:
         names = EngineNames()
         feed = kv_events.MasterEventFeed(publisher, "kvpool", names)

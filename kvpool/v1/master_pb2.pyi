@@ -280,17 +280,19 @@ class MasterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MasterInfoResponse(_message.Message):
-    __slots__ = ("call_port", "version", "tenant_mask", "standby", "leader_address", "cluster")
+    __slots__ = ("call_port", "version", "tenant_mask", "standby", "leader_address", "cluster", "kv_events_server_key")
     CALL_PORT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENANT_MASK_FIELD_NUMBER: _ClassVar[int]
     STANDBY_FIELD_NUMBER: _ClassVar[int]
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_SERVER_KEY_FIELD_NUMBER: _ClassVar[int]
     call_port: int
     version: str
     tenant_mask: bytes
     standby: bool
     leader_address: str
     cluster: str
-    def __init__(self, call_port: _Optional[int] = ..., version: _Optional[str] = ..., tenant_mask: _Optional[bytes] = ..., standby: _Optional[bool] = ..., leader_address: _Optional[str] = ..., cluster: _Optional[str] = ...) -> None: ...
+    kv_events_server_key: str
+    def __init__(self, call_port: _Optional[int] = ..., version: _Optional[str] = ..., tenant_mask: _Optional[bytes] = ..., standby: _Optional[bool] = ..., leader_address: _Optional[str] = ..., cluster: _Optional[str] = ..., kv_events_server_key: _Optional[str] = ...) -> None: ...
