@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvpool.rpc import StatusError
 from kvpool.v1 import etcd_pb2, etcd_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -59,36 +60,18 @@ _AUTH_OFF = "etcdserver: authentication is not enabled"
 _TLS_FAILURES = ("handshake", "tsi_", "ssl", "certificate")  # in gRPC's details of a refused TLS connection
 
 
-class EtcdUnavailable(grpc.RpcError):
+class EtcdUnavailable(StatusError):
     """No etcd endpoint answered."""
 
     def __init__(self, details: str):
-        super().__init__(details)
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return self._details
+        super().__init__(grpc.StatusCode.UNAVAILABLE, details)
 
 
-class EtcdRefused(grpc.RpcError):
+class EtcdRefused(StatusError):
     """etcd answered but refused kvpool's credentials (TLS, user and password, or the role's permission).
 
     Not a passing fault: the settings (or etcd's users and roles) need fixing.
     """
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 def endpoints_tls(spec: str) -> bool | None:

@@ -124,6 +124,22 @@ def port_taken(address: str) -> bool:
     return in_use
 
 
+class StatusError(grpc.RpcError):
+    """A failure that is not a gRPC call's own but reads like one: ``code()`` and ``details()`` (callers handle
+    every transport's failures as ``grpc.RpcError``)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, message: str | None = None):
+        super().__init__(details if message is None else message)
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
 def make_server(
     address: str,
     register: Sequence[Callable[[grpc.Server], str]],

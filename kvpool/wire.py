@@ -96,6 +96,7 @@ from kvpool.framing import (
 )
 from kvpool.keys import KEY_BYTES
 from kvpool.metrics import ErrorMetrics
+from kvpool.rpc import StatusError
 from kvpool.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -202,21 +203,13 @@ def request_limit(message: type[Message], max_keys: int) -> int:
 # -- client side ----------------------------------------------------------------------------------
 
 
-class CallError(grpc.RpcError):
+class CallError(StatusError):
     """A wire call that failed, shaped like a gRPC error (``code()``, ``details()``)."""
 
     not_applied = False  # True: the peer read nothing of the request (a full listener's refusal)
 
     def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+        super().__init__(code, details, f"{code.name}: {details}")
 
 
 def read_reply(sock: socket.socket, state: Exchange | None, max_header: int) -> tuple[Head, bytes]:

@@ -1,4 +1,4 @@
-"""Shared fixtures: unique shared-memory names that are always cleaned up."""
+"""Shared fixtures: unique shared-memory names that are always cleaned up, and a default pool of processes."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 import uuid
 
 import pytest
+from support import PoolProcesses
 
 from kvpool.tiers.arena import shm_path
 
@@ -20,3 +21,14 @@ def arena_name():
     except FileNotFoundError:
         pass
 
+
+@pytest.fixture
+def procs(tmp_path):
+    """A :class:`support.PoolProcesses` with default flags (a test needing others defines its own); every process
+    it started is stopped, and each must have exited cleanly (killed on purpose counts as clean)."""
+    p = PoolProcesses(tmp_path)
+    try:
+        yield p
+    finally:
+        p.close()
+    p.assert_stopped_cleanly()

@@ -325,3 +325,12 @@ class EtcdServer:
         self.resume()
         stop_process(self.proc)
         self.log.close()
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident set (VmRSS), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")

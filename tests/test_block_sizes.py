@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
-from support import PoolProcesses, metric, scrape
+from support import metric, scrape
 
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig
@@ -25,13 +24,6 @@ from kvpool.metrics import error_counts
 
 MIB = 1 << 20
 README = Path(__file__).resolve().parent.parent / "README.md"
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = PoolProcesses(tmp_path)
-    yield p
-    p.close()
 
 
 def test_readme_example_runs_on_a_default_kvpool_serve(procs, tmp_path):

@@ -92,15 +92,6 @@ def timed(fn, *args):
     return result, time.monotonic() - wall, time.thread_time() - cpu
 
 
-@pytest.fixture
-def procs(tmp_path):
-    p = PoolProcesses(tmp_path)
-    try:
-        yield p
-    finally:
-        p.close()
-
-
 def config(procs: PoolProcesses, **over) -> ClientConfig:
     values = {"master": procs.master, "shared_memory": False, "lookup_timeout_s": LOOKUP_S, "io_timeout_s": IO_S}
     return ClientConfig(**{**values, **over})

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support import PoolProcesses, free_port, wait_until
+from support import free_port, wait_until
 
 pytest.importorskip("transformers")
 import torch
@@ -54,14 +54,6 @@ def model():
 def reference(model) -> list[int]:
     """Greedy tokens with the pool off."""
     return PrefixCachedEngine(model).generate(PROMPT, NEW_TOKENS).tokens
-
-
-@pytest.fixture
-def procs(tmp_path):
-    p = PoolProcesses(tmp_path)
-    yield p
-    p.close()
-    p.assert_stopped_cleanly()
 
 
 def client(model, master: str, **over) -> KVCacheClient:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from certs import make_ca, make_cert, openssl
 from support import EtcdServer, EtcdTls, free_port, kvpool_process, stop_process, wait_serving, wait_until
 
 from kvpool.client.pool import PoolClient
@@ -35,26 +36,6 @@ TTL_S = 2  # the masters' leader lease
 TOKEN_TTL_S = 2  # etcd's --auth-token-ttl: a token unused this long is gone
 PASSWORDS = {"root": "root-secret-1", "kvpool-master": "master-secret-2", "kvpool-reader": "reader-secret-3"}
 START_TIMEOUT_S = 60.0  # a refused start on a loaded 2-core machine: Python, grpc and the etcd round trips
-
-
-def openssl(*args: str, cwd) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def make_ca(d, name: str) -> None:
-    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN=kvpool test {name}",
-            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-            cwd=d)
-
-
-def make_cert(d, name: str, ca: str, cn: str, usage: str, san: str = "") -> None:
-    (d / f"{name}.ext").write_text(f"basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-                                   f"extendedKeyUsage={usage}\n" + (f"subjectAltName={san}\n" if san else ""))
-    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", f"{name}.key",
-            "-out", f"{name}.csr", "-subj", f"/CN={cn}", cwd=d)
-    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-            "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
 
 
 @pytest.fixture(scope="module")

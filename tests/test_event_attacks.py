@@ -34,30 +34,22 @@ import grpc
 import msgspec
 import numpy as np
 import zmq
+from event_support import Collector, replay_all
 from prometheus_client import CollectorRegistry
-from support import PoolProcesses, free_port, metric, scrape, stop_process, wait_serving, wait_until
+from support import PoolProcesses, free_port, metric, rss_bytes, scrape, stop_process, wait_serving, wait_until
 
-from kvpool.events import END_SEQ, MEDIUM_CPU, BlockStored, KVEventBatch, key_hash
+from kvpool.events import MEDIUM_CPU, BlockStored, key_hash
 from kvpool.keys import opaque_key, pack_keys
 from kvpool.rpc import make_channel
 from kvpool.v1 import master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
 
 MIB = 1 << 20
-DECODE = msgspec.msgpack.Decoder(type=KVEventBatch)
 NODE_TOKEN = secrets.token_hex(32)
 TOKEN_A = secrets.token_hex(32)
 TOKEN_B = secrets.token_hex(32)
 
 
 # -- measuring a process ---------------------------------------------------------------------------------
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -177,64 +169,6 @@ class HbmChurn:
     def stop(self) -> None:
         self._stopping.set()
         self._thread.join(15)
-
-
-class Collector:
-    """A real SUB socket on a thread, keeping every (topic, seq, batch) it receives; ``configure`` sets socket
-    options before it connects (CURVE keys). Close it before its context is destroyed."""
-
-    def __init__(self, ctx: zmq.Context, endpoint: str, topic: bytes = b"", configure=None):
-        self.sock = ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        if configure is not None:
-            configure(self.sock)
-        self.sock.setsockopt(zmq.SUBSCRIBE, topic)
-        self.sock.connect(endpoint)
-        self.got: list[tuple[bytes, int, KVEventBatch]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if poller.poll(50):
-                topic, seq, payload = self.sock.recv_multipart()
-                self.got.append((topic, int.from_bytes(seq, "big"), DECODE.decode(payload)))
-
-    def count(self) -> int:
-        return len(self.got)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sock.close(linger=0)
-
-
-def replay_all(ctx: zmq.Context, endpoint: str, start: int = 0, configure=None,
-               timeout_ms: int = 5000) -> list[tuple[bytes, int, KVEventBatch]] | None:
-    """Every batch the replay port sends for a request from ``start``, up to its end marker (None: no answer
-    within ``timeout_ms``)."""
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.setsockopt(zmq.RCVTIMEO, timeout_ms)
-    if configure is not None:
-        configure(dealer)
-    dealer.connect(endpoint)
-    try:
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        got: list[tuple[bytes, int, KVEventBatch]] = []
-        while True:
-            try:
-                _, topic, seq, payload = dealer.recv_multipart()
-            except zmq.Again:
-                return None
-            if seq == END_SEQ:
-                return got
-            got.append((topic, int.from_bytes(seq, "big"), DECODE.decode(payload)))
-    finally:
-        dealer.close(linger=0)
 
 
 # -- 2. idle TCP connections: descriptors and CPU ------------------------------------------------------

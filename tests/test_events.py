@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from event_support import Collector
 from prometheus_client import CollectorRegistry
 from support import wait_until
 
@@ -418,33 +419,6 @@ def test_a_replay_to_a_requester_that_does_not_keep_up_arrives_whole_and_in_orde
 # -- the master's feed, end to end: a real `kvpool serve` -----------------------------------------------
 
 
-class Subscriber:
-    """A real SUB socket on a thread, keeping every (topic, seq, batch) it receives, in order."""
-
-    def __init__(self, ctx: zmq.Context, endpoint: str, topic: bytes = b""):
-        self.sock = ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, topic)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.got: list[tuple[bytes, int, KVEventBatch]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if poller.poll(50):
-                topic, seq, payload = self.sock.recv_multipart()
-                self.got.append((topic, int.from_bytes(seq, "big"), DECODE.decode(payload)))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sock.close(linger=0)
-
-
 class MediaModel:
     """Applies a pool event stream to empty sets: per block hash, the media holding it. Asserts each event
     is a real transition (stored into a medium it lacked, removed from one it had)."""
@@ -498,7 +472,7 @@ def test_a_subscriber_of_kvpool_serve_sees_every_tier_change_in_order_and_replay
         with KVCacheClient(ClientConfig(master=procs.master, lookup_timeout_s=2.0, io_timeout_s=5.0)) as c:
             assert c.put(ks[:3], values[:3]) == [True] * 3 and c.flush(timeout=10)
             wait_until(lambda: c.lookup(ks[:3]).hit_blocks == 3)
-            sub = Subscriber(ctx, pub, b"kvpool/")  # joins late: the first batches reach it only by replay
+            sub = Collector(ctx, pub, b"kvpool/")  # joins late: the first batches reach it only by replay
             wait_until(lambda: metric(scrape(procs.master_metrics_port), "kvpool_event_subscribers") == 1)
             for i in range(3, len(ks)):  # one by one: DRAM holds about 7, SSD as many
                 assert c.put([ks[i]], [values[i]]) == [True] and c.flush(timeout=10)

@@ -25,7 +25,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from support import PoolProcesses, free_port, wait_until
+from support import PoolProcesses, free_port, rss_bytes, wait_until
 
 from kvpool import framing, wire
 from kvpool.calls import FastStub
@@ -67,14 +67,6 @@ def put_frame(keys: list[BlockKey], sizes: list[int]) -> bytes:
     """A PUT's fixed header and header section: its payload (``sum(sizes)`` bytes) is the caller's to send."""
     header = node_pb2.BulkPutRequest(keys=b"".join(keys), sizes=sizes, checksums=[0] * len(keys)).SerializeToString()
     return wire.pack(Method.PUT, len(header), sum(sizes)) + header
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def max_rss_over(pid: int, seconds: float) -> int:

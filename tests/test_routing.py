@@ -15,8 +15,9 @@ import sys
 import grpc
 import pytest
 import zmq
+from event_support import Collector
 from support import PoolProcesses, free_port, metric, scrape, wait_until
-from test_events import MediaModel, Subscriber
+from test_events import MediaModel
 
 from kvpool.config import ClientConfig
 from kvpool.events import MEDIUM_GPU, key_hash
@@ -53,7 +54,7 @@ def test_score_equals_what_each_workers_lookup_then_hits_and_hbm_events_name_the
     pub = f"tcp://127.0.0.1:{free_port()}"
     procs.serve(**{"master-kv-events-endpoint": pub})
     ctx = zmq.Context()
-    sub = Subscriber(ctx, pub, b"kvpool/hbm/")
+    sub = Collector(ctx, pub, b"kvpool/hbm/")
     try:
         wait_until(lambda: metric(scrape(procs.master_metrics_port), "kvpool_event_subscribers") == 1)
         chains = {name: [opaque_key(f"route-{name}-{i}") for i in range(160)] for name in ("a", "b")}

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from certs import make_ca, make_cert
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import free_port, kvpool_process, stop_process, wait_serving, wait_until
 
@@ -454,30 +455,13 @@ def test_bulk_put_reservations_count_against_the_quota_while_their_bytes_are_on_
 # -- TLS -------------------------------------------------------------------------------------------------
 
 
-def openssl(*args: str, cwd) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def make_ca(d, name: str) -> None:
-    openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-            "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2", "-subj", f"/CN=kvpool test {name}",
-            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-            cwd=d)
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     """A CA, a server certificate it signed (SAN IP 127.0.0.1, DNS localhost), and an unrelated CA."""
     d = tmp_path_factory.mktemp("certs")
     make_ca(d, "ca")
     make_ca(d, "other-ca")
-    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
-                                  "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
-                                  "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
-    openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "server.key",
-            "-out", "server.csr", "-subj", "/CN=kvpool server", cwd=d)
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "server.pem", "-days", "2", "-extfile", "server.ext", cwd=d)
+    make_cert(d, "server", "ca", "kvpool server", "serverAuth", san="IP:127.0.0.1,DNS:localhost")
     return {name: str(d / name) for name in ("ca.pem", "other-ca.pem", "server.pem", "server.key")}
 
 

@@ -34,14 +34,6 @@ def blocks(n: int, size: int = MIB, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
 
 
-@pytest.fixture
-def procs(tmp_path):
-    p = PoolProcesses(tmp_path)
-    yield p
-    p.close()
-    p.assert_stopped_cleanly()
-
-
 def client(procs: PoolProcesses, **over) -> KVCacheClient:
     values: dict[str, Any] = dict(master=procs.master, lookup_timeout_s=2.0, io_timeout_s=5.0)
     values.update(over)

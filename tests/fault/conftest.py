@@ -7,20 +7,8 @@ path and this folder, without an ``__init__.py``, is a namespace package).
 from __future__ import annotations
 
 import pytest
-from support import PoolProcesses
 
 from kvpool.config import ClientConfig
-
-
-@pytest.fixture
-def procs(tmp_path):
-    """A :class:`PoolProcesses`; every process it started is stopped (killed ones count as stopped)."""
-    p = PoolProcesses(tmp_path)
-    try:
-        yield p
-    finally:
-        p.close()
-    p.assert_stopped_cleanly()
 
 
 @pytest.fixture
