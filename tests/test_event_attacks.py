@@ -105,9 +105,9 @@ class EventMaster:
                                          stdout=out, stderr=subprocess.STDOUT, preexec_fn=limit)
         try:
             wait_serving(self.address, proc=self.proc)
-        except BaseException:
+        except BaseException as exc:
             self.close()
-            raise
+            raise RuntimeError(f"the master did not serve: {exc}; its log:\n{self.log.read_text()[-4000:]}") from exc
         self._channel = grpc.insecure_channel(self.address)
         self.stub = master_pb2_grpc.MasterStub(self._channel)
 
