@@ -329,9 +329,9 @@ def test_pointer_attributes_leave_room_for_cuda_13s_reserved_words():
         return 0 if addr != 1 else 1  # address 1: an error (not CUDA memory)
 
     runtime = FakeRuntime()
-    runtime.cudaPointerGetAttributes = _CFunction(get_attributes)  # type: ignore[attr-defined]
-    assert _cuda_device_of(runtime, 0x7000) == 5  # type: ignore[arg-type]
-    assert _cuda_device_of(runtime, 1) is None  # type: ignore[arg-type]
+    runtime.cudaPointerGetAttributes = _CFunction(get_attributes)
+    assert _cuda_device_of(runtime, 0x7000) == 5
+    assert _cuda_device_of(runtime, 1) is None
     assert seen == [88, 88]
 
 
