@@ -27,7 +27,9 @@ from kvpool.engines.device_copy import (
     DeviceCopyError,
     HostCopier,
     Piece,
+    _cuda_device_of,
     copier_for,
+    mapped_libraries,
 )
 from kvpool.engines.vllm_ascend import ERR_FAILED, ERR_INVALID, OK, KVPoolStoreBackend
 from kvpool.engines.vllm_ascend_plugin import register_backend
@@ -309,6 +311,46 @@ def test_acl_copies_unpinned_host_memory_synchronously_and_cuda_reports_failures
     assert [e[0] for e in failing.log][-2:] == ["async", "sync"]  # nothing left in flight on the stream
     cuda.pin(staging.ctypes.data, staging.size, already_pinned=True)  # torch pinned it: nothing to register
     assert "register" not in [e[0] for e in failing.log]
+
+
+def test_pointer_attributes_leave_room_for_cuda_13s_reserved_words():
+    # CUDA 13's struct cudaPointerAttributes is type, device, devicePointer, hostPointer, long reserved[8]: 88 bytes,
+    # all written by cudaPointerGetAttributes. A 24-byte struct (CUDA 12's) would be overrun: heap corruption.
+    seen: list[int] = []
+
+    def get_attributes(attrs: Any, addr: int) -> int:
+        struct = attrs._obj
+        seen.append(ctypes.sizeof(struct))
+        assert ctypes.sizeof(struct) >= 88, "cudaPointerGetAttributes would write past the struct"
+        assert bytes(struct)[24:] == bytes(ctypes.sizeof(struct) - 24), "reserved words must be zero"
+        cuda13 = (ctypes.c_int * 2)(2, 5)  # cudaMemoryTypeDevice on device 5, then the pointers and reserved words
+        ctypes.memmove(ctypes.addressof(struct), cuda13, ctypes.sizeof(cuda13))
+        ctypes.memset(ctypes.addressof(struct) + 24, 0, 64)
+        return 0 if addr != 1 else 1  # address 1: an error (not CUDA memory)
+
+    runtime = FakeRuntime()
+    runtime.cudaPointerGetAttributes = _CFunction(get_attributes)
+    assert _cuda_device_of(runtime, 0x7000) == 5
+    assert _cuda_device_of(runtime, 1) is None
+    assert seen == [88, 88]
+
+
+def test_the_cuda_runtime_torch_mapped_is_found_by_its_path(tmp_path):
+    # pip's torch keeps libcudart in site-packages/nvidia/*/lib: the copier loads that one, not another copy
+    runtime = "/venv/lib/python3.12/site-packages/nvidia/cuda_runtime/lib/libcudart.so.12"
+    maps = tmp_path / "maps"
+    maps.write_text("\n".join([
+        "55d0c0000000-55d0c0001000 r--p 00000000 08:01 1234 /usr/bin/python3.12",
+        f"7f1a00000000-7f1a00010000 r--p 00000000 08:01 77 {runtime}",
+        f"7f1a00010000-7f1a00080000 r-xp 00010000 08:01 77 {runtime}",
+        "7f1a00080000-7f1a00090000 rw-p 00000000 00:00 0 ",
+        "7f1a00090000-7f1a000a0000 r-xp 00000000 08:01 78 /opt/cuda/lib64/libcudart_static_helper.so",
+        "7f1a000a0000-7f1a000b0000 r-xp 00000000 08:01 79 /usr/lib/libcudart.so.13.0.48",
+        "7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0 [stack]",
+    ]))
+    assert mapped_libraries("libcudart.so", str(maps)) == [runtime, "/usr/lib/libcudart.so.13.0.48"]
+    assert mapped_libraries("libcudart.so", str(tmp_path / "absent")) == []
+    assert mapped_libraries("libcudart.so") == []  # this process (CPU torch) has no CUDA runtime
 
 
 def test_the_vllm_plugin_is_silent_where_vllm_ascend_cannot_be_imported(caplog):

@@ -34,6 +34,8 @@ Invariants:
 Neither device path has run on hardware in this repository's tests (no GPU or
 NPU here); both follow their runtime's documented C API, and their batching,
 bounds and staging logic is tested through an injected copier.
+``tests/gpu/check.sh`` runs the CUDA path on a real GPU (put from one
+process's device memory, get into another's, bytes compared).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
 import threading
 from abc import ABC, abstractmethod
@@ -304,14 +307,37 @@ def _load(names: Sequence[str]) -> ctypes.CDLL | None:
     return None
 
 
+def mapped_libraries(prefix: str, maps: str = "/proc/self/maps") -> list[str]:
+    """Paths of the shared libraries whose file name starts with ``prefix`` that this process has mapped, in
+    the order first mapped (e.g. torch's own ``libcudart.so.12`` from its pip wheel's directory)."""
+    try:
+        with open(maps) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found: list[str] = []
+    for line in lines:
+        fields = line.split(None, 5)  # address perms offset dev inode [path]
+        path = fields[5].strip() if len(fields) == 6 else ""
+        if path.startswith("/") and os.path.basename(path).startswith(prefix) and path not in found:
+            found.append(path)
+    return found
+
+
 def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime this process loaded already (torch's: one runtime in the process; a bare name may find
+    another copy or version, or none: pip's torch keeps its own in ``nvidia/*/lib``), else one the loader finds."""
     found = ctypes.util.find_library("cudart")
-    return _load([n for n in (found, "libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0") if n])
+    names = (found, "libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0")
+    return _load([*mapped_libraries("libcudart.so"), *(n for n in names if n)])
 
 
 class _CudaPointerAttributes(ctypes.Structure):
+    """``struct cudaPointerAttributes``: CUDA 11 and 12 end at ``hostPointer``; CUDA 13 appends ``long
+    reserved[8]`` ("must be zero": ctypes zeroes it). Room for it always, so no runtime writes past the struct."""
+
     _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int), ("devicePointer", ctypes.c_void_p),
-                ("hostPointer", ctypes.c_void_p)]
+                ("hostPointer", ctypes.c_void_p), ("reserved", ctypes.c_long * 8)]
 
 
 def _cuda_device_of(lib: ctypes.CDLL, addr: int) -> int | None:

@@ -12,7 +12,9 @@ One request, greedy (:meth:`PrefixCachedEngine.generate`):
    ``[1, kv_heads, seq, head_dim]`` a layer, so each layer's prefix is copied
    once, permuted, straight into the tensor that also takes the suffix's K/V
    (the copy a plain cache makes anyway when it appends the suffix; before
-   transformers 4.56, one permuting copy and then that append);
+   transformers 4.56, one permuting copy and then that append); a model on a
+   GPU gets the staged blocks in one host-to-device copy first (staging is
+   pinned there), and the permuting copy runs on the device;
 4. a forward over the rest of the prompt only; the argmax of its last
    logits is the first token: the time to first token (TTFT) ends here;
 5. the prompt's full blocks that were not loaded are packed (one copy) and
@@ -189,11 +191,13 @@ class PrefixCachedEngine:
             timings[what] = time.perf_counter() - t
 
     def _staging(self, n: int) -> torch.Tensor:
-        """``n`` blocks of staging, ``[n, layers, 2, block, kv_heads, head_dim]``, grown when needed."""
+        """``n`` blocks of host staging, ``[n, layers, 2, block, kv_heads, head_dim]``, grown when needed;
+        page-locked when the model is on a CUDA device (its copies to and from the device use DMA)."""
         _, lay = self._pool()
         if self._blocks is None or self._blocks.shape[0] < n:
             shape = (n, lay.num_layers, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
-            self._blocks = torch.empty(shape, dtype=self.model.dtype)
+            pin = self.model.device.type == "cuda"
+            self._blocks = torch.empty(shape, dtype=self.model.dtype, pin_memory=pin)
         return self._blocks[:n]
 
     def _load(self, keys: list[BlockKey], result: LookupResult) -> int:
@@ -207,10 +211,11 @@ class PrefixCachedEngine:
         """The model's cache holding the first ``n`` staged blocks (read by the next forward: one request at a time)."""
         assert self._blocks is not None, "transformers engine: nothing staged"  # _load staged the blocks
         staging = self._blocks[:n]  # [n, L, 2, B, H, D]
-        if staging.device == self.model.device:
-            cache = staged_cache(staging)
-            if cache is not None:
-                return cache
+        if staging.device != self.model.device:  # a GPU model: the blocks as they are, then permuted there
+            staging = staging.to(self.model.device)
+        cache = staged_cache(staging)
+        if cache is not None:
+            return cache
         _, lay = self._pool()  # older transformers: one permuting copy of everything, then a plain cache
         kv = staging.permute(1, 2, 4, 0, 3, 5).contiguous()  # [L, 2, H, n, B, D]
         kv = kv.view(lay.num_layers, 2, 1, lay.num_kv_heads, n * lay.block_size, lay.head_dim)
