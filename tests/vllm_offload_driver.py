@@ -1,0 +1,221 @@
+"""Drives vLLM's own offloading tiers for tests/test_vllm_offload_tier.py: ``<vllm python> THIS SPEC.json``.
+
+What runs is vLLM's: ``OffloadingSpecFactory`` builds the spec the user's ``kv_connector_extra_config`` names
+(``TieringOffloadingSpec``), whose ``get_manager()`` makes the CPU primary tier on its shared-memory region and,
+through ``SecondaryTierFactory``, every secondary tier from its ``type`` and ``module_path``: kvpool's among them.
+Block hashes are vLLM's own (``Request`` with vLLM's block hasher, sha256). This driver then calls the manager as
+``OffloadingConnectorScheduler`` does, one engine step at a time (lookups of a request's chunk keys in order,
+``on_schedule_end`` at the end of the step). The one thing not vLLM's is :class:`GpuWorkerStandIn`: vLLM's CPU
+offloading worker copies GPU KV blocks to and from the primary tier's rows and needs CUDA or XPU; the stand-in
+writes a chunk's "GPU" bytes (a function of its key, so another process can check them) into the rows through
+its own mapping of the region, as that worker does, and reads them back after a load.
+
+SPEC: ``{"engine_id", "model", "block_size", "layers", "page_bytes", "extra_config": the user's
+kv_connector_extra_config, "steps": [{"store": id, "tokens": [...], "cache_salt": s} | {"load": id, "tokens":
+[...], "cache_salt": s, "timeout": seconds, "pause_on_hit": name} | {"pause": name}]}``.
+
+Prints one JSON object a line, prefixed ``KVPOOL-TEST``: per store ``{"stored": id, "chunks", "offered":
+chunks the primary tier took, "submit_s": seconds the scheduler-side calls took, "done_s"}``, per load
+``{"loaded": id, "chunks", "hits", "equal": the hit chunks' bytes are the stored ones, "steps", "seconds"}``,
+``{"paused": name}`` before waiting for a line on stdin, and last ``{"stats": vLLM's reduced offloading stats}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+PREFIX = "KVPOOL-TEST "
+
+
+def say(**fields: Any) -> None:
+    print(PREFIX + json.dumps(fields), flush=True)
+
+
+def pause(name: str) -> None:
+    say(paused=name)
+    sys.stdin.readline()
+
+
+def gpu_bytes(key: bytes, n: int) -> np.ndarray:
+    """The "GPU" KV bytes of the chunk with offload key ``key``: the same in every process."""
+    seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+class GpuWorkerStandIn:
+    """Stands in for vLLM's CUDA-only CPU offloading worker (``CPUOffloadingWorker``): copies chunks between "GPU"
+    bytes and the primary tier's rows, through the worker's own mapping of the shared region (rank 0)."""
+
+    def __init__(self, spec: Any):
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+        self.region = SharedOffloadRegion(engine_id=spec.config.engine_id, num_chunks=spec.num_chunks, rank=0,
+                                          kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
+                                          cpu_page_size=spec.cpu_page_size_per_worker)
+        self.rows = np.asarray(self.region.create_kv_memoryview()).view(np.uint8)
+        self.chunk_bytes = spec.cpu_page_size_per_worker  # one worker's bytes of a chunk (one worker here)
+
+    def store(self, keys: list[bytes], chunk_ids: np.ndarray) -> None:
+        for key, c in zip(keys, chunk_ids):
+            self.rows[c, : self.chunk_bytes] = gpu_bytes(key, self.chunk_bytes)
+
+    def equal(self, keys: list[bytes], chunk_ids: np.ndarray) -> bool:
+        return all(np.array_equal(self.rows[c, : self.chunk_bytes], gpu_bytes(key, self.chunk_bytes))
+                   for key, c in zip(keys, chunk_ids))
+
+
+def offloading_spec(spec: dict[str, Any]) -> Any:
+    """vLLM's offloading spec for a one-worker fp32 model of ``layers`` layers, from the user's extra config."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    bs = spec["block_size"]
+    layers = tuple(f"model.layers.{i}.self_attn.attn" for i in range(spec["layers"]))
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=bs, layer_names=layers, group_id=0),),
+        worker_kv_bytes_per_block=spec["page_bytes"], enable_kv_cache_events=False,
+        extra_config=spec["extra_config"], engine_id=spec["engine_id"],
+        model=OffloadingModelConfig(name=spec["model"], dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=bs, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                                          is_parallelism_agnostic=True),
+        kv_cache_layout="NHD")
+    return OffloadingSpecFactory.create_spec(config)
+
+
+class Driver:
+    def __init__(self, spec: dict[str, Any]):
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        init_none_hash(sha256)
+        self.block_size = spec["block_size"]
+        self.hasher = get_request_block_hasher(self.block_size, sha256)
+        self.spec = offloading_spec(spec)
+        self.manager = self.spec.get_manager()
+        self.gpu = GpuWorkerStandIn(self.spec)
+        self.new_req_ids: list[str] = []
+
+    def offload_keys(self, req_id: str, tokens: list[int], salt: str | None) -> list[bytes]:
+        from vllm import SamplingParams
+        from vllm.v1.kv_offload.base import make_offload_key
+        from vllm.v1.request import Request
+
+        request = Request(req_id, tokens, SamplingParams(max_tokens=1), None, cache_salt=salt,
+                          block_hasher=self.hasher)
+        return [make_offload_key(bytes(h), 0) for h in request.block_hashes]
+
+    def end_step(self) -> None:
+        from vllm.v1.kv_offload.base import ScheduleEndContext
+
+        self.manager.on_schedule_end(ScheduleEndContext(tuple(self.new_req_ids), ()))
+        self.new_req_ids = []
+
+    def context(self, req_id: str) -> Any:
+        from vllm.v1.kv_offload.base import ReqContext
+
+        ctx = ReqContext(req_id=req_id)
+        self.manager.on_new_request(ctx)
+        self.new_req_ids.append(req_id)
+        return ctx
+
+    def store(self, step: dict[str, Any]) -> None:
+        keys = self.offload_keys(step["store"], step["tokens"], step.get("cache_salt"))
+        ctx = self.context(step["store"])
+        start = time.perf_counter()
+        out = self.manager.prepare_store(keys, ctx)
+        offered = 0
+        if out is not None:
+            offered = len(out.keys_to_store)
+            self.gpu.store(out.keys_to_store, out.store_spec.chunk_ids)  # the worker's GPU -> CPU copy
+            self.manager.complete_store(out.keys_to_store, ctx)  # cascades to the secondary tiers
+        self.manager.on_request_finished(ctx)
+        self.end_step()
+        submit_s = time.perf_counter() - start
+        deadline = time.monotonic() + step.get("timeout", 30)
+        while self.manager.has_pending_work() and time.monotonic() < deadline:
+            time.sleep(0.005)  # the engine's next step
+            self.end_step()
+        say(stored=step["store"], chunks=len(keys), offered=offered, submit_s=submit_s,
+            done_s=time.perf_counter() - start, pending=self.manager.has_pending_work())
+
+    def load(self, step: dict[str, Any]) -> None:
+        """Look the chunks up step by step, as OffloadingConnectorScheduler._maximal_prefix_lookup does, until the
+        answer is final; then the hit chunks go to the "GPU" and are compared."""
+        from vllm.v1.kv_offload.base import LookupResult
+
+        keys = self.offload_keys(step["load"], step["tokens"], step.get("cache_salt"))
+        ctx = self.context(step["load"])
+        start = time.perf_counter()
+        deadline = time.monotonic() + step.get("timeout", 30)
+        steps, hits, paused = 0, None, False
+        while hits is None and time.monotonic() < deadline:
+            steps += 1
+            count, deferred = 0, False
+            for key in keys:
+                result = self.manager.lookup(key, ctx)
+                if result is LookupResult.MISS:
+                    break
+                if result is LookupResult.HIT:
+                    count += 1
+                elif result is LookupResult.HIT_PENDING:
+                    count, deferred = count + 1, True
+                else:
+                    deferred = True
+            if deferred and step.get("pause_on_hit") and not paused and count:
+                paused = True  # promotions queued, not yet submitted: the test faults the pool now
+                pause(step["pause_on_hit"])
+            hits = None if deferred else count
+            self.end_step()
+            if hits is None:
+                time.sleep(0.005)  # the engine's next step
+        equal = True
+        if hits:
+            load_spec = self.manager.prepare_load(keys[:hits], ctx)
+            equal = self.gpu.equal(keys[:hits], load_spec.chunk_ids)  # the worker's CPU -> GPU copy
+            self.manager.complete_load(keys[:hits], ctx)
+        self.manager.on_request_finished(ctx)
+        self.end_step()
+        say(loaded=step["load"], chunks=len(keys), hits=hits, equal=equal, steps=steps,
+            seconds=time.perf_counter() - start)
+
+    def stats(self) -> dict[str, float]:
+        stats = self.manager.get_stats()
+        return {} if stats is None else {k: float(v) for k, v in stats.reduce().items()}
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    driver = Driver(spec)
+    try:
+        for step in spec["steps"]:
+            if "store" in step:
+                driver.store(step)
+            elif "load" in step:
+                driver.load(step)
+            else:
+                pause(step["pause"])
+        say(stats=driver.stats())
+    finally:
+        driver.manager.shutdown()
+        driver.gpu.rows = np.empty((0, 0), dtype=np.uint8)  # unmapped next: no view of it may outlive it
+        driver.gpu.region.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
