@@ -1,15 +1,18 @@
 """kvpool as a secondary tier behind vLLM's own CPU offloading tier (kvpool/engines/vllm/offload_tier.py).
 
-Two halves:
+Three parts:
 
 - :class:`~kvpool.engines.vllm.offload_jobs.TierJobs` and the tier's settings and keys, without vLLM, against a
   real ``kvpool serve``: rows stored by one client load byte for byte into another's, a pool fault is a miss, a
   store past the queue bound or one no node can take fails at once, never blocking.
-- vLLM's own classes (tests/vllm_offload_driver.py, in build/vllm-venv): ``OffloadingSpecFactory`` builds the
-  ``TieringOffloadingSpec`` from the ``kv_connector_extra_config`` a user writes, its manager builds kvpool's tier
-  through ``SecondaryTierFactory`` (``type`` + ``module_path``), and two such managers in two processes share
-  chunks through one pool. Only vLLM's CUDA-only CPU offloading worker is stood in (the driver's
-  ``GpuWorkerStandIn``).
+- vLLM's own tiering classes without a model (tests/vllm_offload_driver.py, in build/vllm-venv):
+  ``OffloadingSpecFactory`` builds the ``TieringOffloadingSpec`` from the ``kv_connector_extra_config`` a user
+  writes, its manager builds kvpool's tier through ``SecondaryTierFactory`` (``type`` + ``module_path``), and two
+  such managers in two processes share chunks through one pool, through faults and a stalled pool.
+- The real vLLM engine (tests/vllm_driver.py) with vLLM's ``OffloadingConnector``: a fresh process is served
+  from the pool behind its own CPU tier, greedy tokens equal to a run without any connector.
+
+Only vLLM's CUDA-only CPU offloading worker is stood in, named as such: tests/vllm_offload_standins.py.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ import numpy as np
 import pytest
 from fault.faultkit import kill_9, stopped
 from support import PoolProcesses, wait_until
-from test_engine_vllm import kvpool_dirs, kvpool_frames
+from test_engine_vllm import drive, kvpool_dirs, kvpool_frames, prompt, req
 
-from kvpool.bench.vllm_runtime import vllm_env, vllm_python
+from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig
 from kvpool.engines.vllm.offload_jobs import (
@@ -252,14 +255,15 @@ def test_a_tier_that_is_off_misses_and_fails_every_job_at_once():
 
 
 @pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_model(tmp_path_factory.mktemp("model") / "qwen2-test", "test", seed=0))
+
+
+@pytest.fixture(scope="module")
 def python() -> str:
     found = vllm_python()
     assert found is not None, "no vLLM here: run `bash tests/vllm_env.sh` (tests/run.sh does)"
     return found
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 31 + (i * i) % 97) % 500 for i in range(n)]
 
 
 def user_extra_config(kvpool_config: Path, **tier: Any) -> dict[str, Any]:
@@ -285,7 +289,7 @@ class Said:
         self.log = ""
 
 
-def drive(python: str, tmp: Path, engine: str, extra: dict[str, Any], steps: list[dict[str, Any]],
+def drive_manager(python: str, tmp: Path, engine: str, extra: dict[str, Any], steps: list[dict[str, Any]],
           on_pause: Callable[[str], None] | None = None, timeout: float = 120) -> Said:
     spec = tmp / f"offload-{engine}.json"
     spec.write_text(json.dumps({"engine_id": f"{engine}-{tmp.name}", "model": "qwen-test", "block_size": BLOCK,
@@ -342,7 +346,7 @@ def test_two_vllm_offloading_managers_share_chunks_through_one_pool(python, pool
         else:
             stalled["cm"].__exit__(None, None, None)
 
-    a = drive(python, tmp_path, "A", extra, [
+    a = drive_manager(python, tmp_path, "A", extra, [
         {"store": "p", "tokens": p}, {"store": "q-alice", "tokens": q, "cache_salt": "alice"},
         {"pause": "stall"},  # the pool stops answering: stores must neither block vLLM nor pile up
         {"store": "s1", "tokens": prompt(3, 6 * BLOCK), "timeout": 0},
@@ -354,7 +358,7 @@ def test_two_vllm_offloading_managers_share_chunks_through_one_pool(python, pool
     assert a.stats["vllm:kvpool_tier_dropped_blocks"] == 6  # s2: s1's 6 chunks fill kvpool_store_queue_bytes
     assert a.stats["vllm:kvpool_tier_stored_blocks"] >= 8
 
-    b = drive(python, tmp_path, "B", extra, [  # another process: its own, empty CPU tier
+    b = drive_manager(python, tmp_path, "B", extra, [  # another process: its own, empty CPU tier
         {"load": "p", "tokens": p}, {"load": "p-longer", "tokens": p + prompt(5, 2 * BLOCK)},
         {"load": "q-alice", "tokens": q, "cache_salt": "alice"}, {"load": "q-bob", "tokens": q, "cache_salt": "bob"},
         {"load": "never", "tokens": prompt(6, 4 * BLOCK)}])
@@ -375,11 +379,40 @@ def test_a_pool_killed_between_lookup_and_load_or_down_costs_misses_in_vllm(pyth
     # (correctly) read it, which would hide the failed load this test is about.
     b_extra = user_extra_config(kvpool_config(tmp_path, pool.master, shared_memory=False))
     p, r = prompt(7, 4 * BLOCK), prompt(8, 4 * BLOCK)
-    drive(python, tmp_path, "A", extra, [{"store": "p", "tokens": p}, {"store": "r", "tokens": r}])
-    b = drive(python, tmp_path, "B", b_extra, [
+    drive_manager(python, tmp_path, "A", extra, [{"store": "p", "tokens": p}, {"store": "r", "tokens": r}])
+    b = drive_manager(python, tmp_path, "B", b_extra, [
         {"load": "p", "tokens": p, "pause_on_hit": "kill"},  # found, promotion queued: the pool dies now
         {"load": "r", "tokens": r, "timeout": 20}],  # and is down when r is looked up
         on_pause=lambda _: kill_9(serve))
     assert b.loaded["p"]["hits"] == 0 and b.loaded["r"]["hits"] == 0  # computed, not loaded: never wrong bytes
     assert b.stats["vllm:kvpool_tier_load_failed_blocks"] == 4  # p's promotion ran and failed
     assert "vllm:kvpool_tier_loaded_blocks" not in b.stats
+
+
+def offloading_connector(engine_id: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's OffloadingConnector with the user's extra config; on this CPU, vLLM's CUDA-only worker stood in."""
+    standin = {"spec_name": "CpuStandInTieringSpec", "spec_module_path": "vllm_offload_standins"}
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine_id,
+            "kv_connector_extra_config": {**extra, **standin}}
+
+
+def test_a_fresh_vllm_process_is_served_from_the_pool_behind_its_own_cpu_tier(python, model, pool, tmp_path):
+    pool.serve()
+    extra = user_extra_config(kvpool_config(tmp_path, pool.master))
+    p, q = prompt(1, 300), prompt(2, 200)
+    a = drive(python, model, tmp_path, [
+        {"name": "A", "kv_transfer_config": offloading_connector(f"A-{tmp_path.name}", extra),
+         "requests": [req("p", p), req("q", q)]}])
+    requests = [req("p+", p + prompt(5, 100)), req("q", q)]
+    b = drive(python, model, tmp_path, [  # a new process: vLLM's prefix cache and CPU tier start empty
+        {"name": "B", "kv_transfer_config": offloading_connector(f"B-{tmp_path.name}", extra), "requests": requests},
+        {"name": "ref", "kvpool": None, "requests": [*requests, req("p", p)]}])
+    assert a.cached("A", "p") == a.cached("A", "q") == 0
+    assert a.tokens("A", "p") == b.tokens("ref", "p") and a.tokens("A", "q") == b.tokens("ref", "q")
+    for r in requests:
+        assert b.tokens("B", r["id"]) == b.tokens("ref", r["id"]), r["id"]
+    # p's 9 full blocks and q's 6 came from A through the pool: B's CPU tier had none of them.
+    assert b.cached("B", "p+") == 288 and b.cached("B", "q") == 192
+    assert a.metrics["A"]["vllm:kvpool_tier_stored_blocks"] == 9 + 6  # prompt blocks (vLLM: offload_prompt_only)
+    assert b.metrics["B"]["vllm:kvpool_tier_loaded_blocks"] == 9 + 6
+    assert b.metrics["B"].get("vllm:kvpool_tier_load_failed_blocks", 0) == 0

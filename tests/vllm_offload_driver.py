@@ -5,10 +5,11 @@ What runs is vLLM's: ``OffloadingSpecFactory`` builds the spec the user's ``kv_c
 through ``SecondaryTierFactory``, every secondary tier from its ``type`` and ``module_path``: kvpool's among them.
 Block hashes are vLLM's own (``Request`` with vLLM's block hasher, sha256). This driver then calls the manager as
 ``OffloadingConnectorScheduler`` does, one engine step at a time (lookups of a request's chunk keys in order,
-``on_schedule_end`` at the end of the step). The one thing not vLLM's is :class:`GpuWorkerStandIn`: vLLM's CPU
-offloading worker copies GPU KV blocks to and from the primary tier's rows and needs CUDA or XPU; the stand-in
-writes a chunk's "GPU" bytes (a function of its key, so another process can check them) into the rows through
-its own mapping of the region, as that worker does, and reads them back after a load.
+``on_schedule_end`` at the end of the step). The one thing not vLLM's is ``GpuWorkerStandIn``
+(tests/vllm_offload_standins.py): vLLM's CPU offloading worker copies GPU KV blocks to and from the primary tier's
+rows and needs CUDA or XPU; the stand-in writes a chunk's "GPU" bytes (a function of its key, so another process
+can check them) into the rows through its own mapping of the region, as that worker does, and reads them back
+after a load.
 
 SPEC: ``{"engine_id", "model", "block_size", "layers", "page_bytes", "extra_config": the user's
 kv_connector_extra_config, "steps": [{"store": id, "tokens": [...], "cache_salt": s} | {"load": id, "tokens":
@@ -22,52 +23,17 @@ chunks the primary tier took, "submit_s": seconds the scheduler-side calls took,
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 import time
 from typing import Any
 
-import numpy as np
-
-PREFIX = "KVPOOL-TEST "
-
-
-def say(**fields: Any) -> None:
-    print(PREFIX + json.dumps(fields), flush=True)
+from vllm_driver import say
 
 
 def pause(name: str) -> None:
     say(paused=name)
     sys.stdin.readline()
-
-
-def gpu_bytes(key: bytes, n: int) -> np.ndarray:
-    """The "GPU" KV bytes of the chunk with offload key ``key``: the same in every process."""
-    seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-
-class GpuWorkerStandIn:
-    """Stands in for vLLM's CUDA-only CPU offloading worker (``CPUOffloadingWorker``): copies chunks between "GPU"
-    bytes and the primary tier's rows, through the worker's own mapping of the shared region (rank 0)."""
-
-    def __init__(self, spec: Any):
-        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-
-        self.region = SharedOffloadRegion(engine_id=spec.config.engine_id, num_chunks=spec.num_chunks, rank=0,
-                                          kv_bytes_per_chunk=spec.kv_bytes_per_chunk,
-                                          cpu_page_size=spec.cpu_page_size_per_worker)
-        self.rows = np.asarray(self.region.create_kv_memoryview()).view(np.uint8)
-        self.chunk_bytes = spec.cpu_page_size_per_worker  # one worker's bytes of a chunk (one worker here)
-
-    def store(self, keys: list[bytes], chunk_ids: np.ndarray) -> None:
-        for key, c in zip(keys, chunk_ids):
-            self.rows[c, : self.chunk_bytes] = gpu_bytes(key, self.chunk_bytes)
-
-    def equal(self, keys: list[bytes], chunk_ids: np.ndarray) -> bool:
-        return all(np.array_equal(self.rows[c, : self.chunk_bytes], gpu_bytes(key, self.chunk_bytes))
-                   for key, c in zip(keys, chunk_ids))
 
 
 def offloading_spec(spec: dict[str, Any]) -> Any:
@@ -100,13 +66,14 @@ class Driver:
     def __init__(self, spec: dict[str, Any]):
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm_offload_standins import GpuWorkerStandIn
 
         init_none_hash(sha256)
         self.block_size = spec["block_size"]
         self.hasher = get_request_block_hasher(self.block_size, sha256)
         self.spec = offloading_spec(spec)
         self.manager = self.spec.get_manager()
-        self.gpu = GpuWorkerStandIn(self.spec)
+        self.gpu = GpuWorkerStandIn(self.spec)  # vLLM's CUDA-only worker, stood in (tests/vllm_offload_standins.py)
         self.new_req_ids: list[str] = []
 
     def offload_keys(self, req_id: str, tokens: list[int], salt: str | None) -> list[bytes]:
@@ -212,8 +179,7 @@ def main() -> int:
         say(stats=driver.stats())
     finally:
         driver.manager.shutdown()
-        driver.gpu.rows = np.empty((0, 0), dtype=np.uint8)  # unmapped next: no view of it may outlive it
-        driver.gpu.region.cleanup()
+        driver.gpu.close()
     return 0
 
 

@@ -234,9 +234,11 @@ class TierJobs:
             stats, self._stats = self._stats, Counter()
         return stats
 
-    def close(self) -> None:
-        """Finish the running jobs, fail the queued ones (each still reported once), stop the threads, and let go
-        of the rows."""
+    def close(self, timeout: float = 0.0) -> None:
+        """Let the queued jobs finish for up to ``timeout`` seconds (a store queued as vLLM shuts down still
+        reaches the pool), then fail what is left (each still reported once), stop the threads and let go of the
+        rows. A job running then is always finished first: vLLM unmaps the rows next."""
+        self.drain(timeout)
         with self._lock:
             self._closed = True
         for q in (self._loads, self._stores):

@@ -202,11 +202,14 @@ class KVPoolSecondaryTier(SecondaryTierManager):
         self.jobs.drain()
 
     def shutdown(self) -> None:
+        """Stores still queued get the pool's ``io_timeout_s`` to finish (a prefill instance that exits at once
+        still leaves its chunks in the pool); then the rest fail and the tier lets go of vLLM's memory."""
         if self._lookups is not None:
             self._lookups.shutdown()
-        self.jobs.close()
-        if self.jobs.pool is not None:
-            self.jobs.pool.close()
+        pool = self.jobs.pool
+        self.jobs.close(pool.config.io_timeout_s if pool is not None else 0.0)
+        if pool is not None:
+            pool.close()
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
