@@ -100,7 +100,9 @@ def test_tier_fields_are_parsed_strictly_and_errors_name_the_field(tmp_path):
     config.write_text(json.dumps({"client": {"master": "127.0.0.1:7777", "model": "qwen", "tenant": "t1"}}))
     settings = tier_settings({"kvpool_config_path": str(config), "kvpool_store_queue_bytes": "8M",
                               "locality": "REMOTE"})
-    assert (settings.client.master, settings.store_queue_bytes) == ("127.0.0.1:7777", 8 << 20)
+    assert (settings.client.master, settings.store_queue_bytes, settings.locality) == ("127.0.0.1:7777", 8 << 20,
+                                                                                        "REMOTE")
+    assert tier_settings({"locality": "local"}).locality == "LOCAL" and tier_settings({}).locality == ""
     assert tier_settings({}).store_queue_bytes == DEFAULT_STORE_QUEUE_BYTES
     assert model_name(settings.client, "/models/qwen-7b") == "qwen"  # the kvpool config names the model
     assert model_name(tier_settings({}).client, "/models/qwen-7b") == "/models/qwen-7b"  # else vLLM's
@@ -111,6 +113,7 @@ def test_tier_fields_are_parsed_strictly_and_errors_name_the_field(tmp_path):
                           ({"kvpool_store_queue_bytes": 0}, "kvpool_store_queue_bytes"),
                           ({"kvpool_store_queue_bytes": "lots"}, "kvpool_store_queue_bytes"),
                           ({"kvpool_store_queue_bytes": True}, "kvpool_store_queue_bytes"),
+                          ({"locality": "NEARBY"}, "locality"), ({"locality": 1}, "locality"),
                           ({"kvpool_config_path": str(tmp_path / "missing.json")}, "missing.json")]:
         with pytest.raises(ValueError, match=named):
             tier_settings(fields)
@@ -285,6 +288,7 @@ class Said:
     def __init__(self) -> None:
         self.stored: dict[str, dict[str, Any]] = {}
         self.loaded: dict[str, dict[str, Any]] = {}
+        self.built: dict[str, dict[str, Any]] = {}
         self.stats: dict[str, float] = {}
         self.log = ""
 
@@ -315,6 +319,8 @@ def drive_manager(python: str, tmp: Path, engine: str, extra: dict[str, Any], st
                 said.stored[out["stored"]] = out
             elif "loaded" in out:
                 said.loaded[out["loaded"]] = out
+            elif "built" in out:
+                said.built[out["built"]] = out
             else:
                 said.stats = out["stats"]
         code = proc.wait()
@@ -379,7 +385,19 @@ def test_a_pool_killed_between_lookup_and_load_or_down_costs_misses_in_vllm(pyth
     # (correctly) read it, which would hide the failed load this test is about.
     b_extra = user_extra_config(kvpool_config(tmp_path, pool.master, shared_memory=False))
     p, r = prompt(7, 4 * BLOCK), prompt(8, 4 * BLOCK)
-    drive_manager(python, tmp_path, "A", extra, [{"store": "p", "tokens": p}, {"store": "r", "tokens": r}])
+    config = str(kvpool_config(tmp_path, pool.master))
+    a = drive_manager(python, tmp_path, "A", extra, [
+        {"store": "p", "tokens": p}, {"store": "r", "tokens": r},
+        # a config the tier cannot use: one ERROR line and the tier is off (vLLM serves), or, strict, no start
+        {"build": "typo", "extra_config": user_extra_config(Path(config), kvpool_confg_path=config)},
+        {"build": "typo-strict", "extra_config": user_extra_config(Path(config), kvpool_confg_path=config,
+                                                                    kvpool_strict=True)},
+        {"build": "strict-maybe", "extra_config": user_extra_config(Path(config), kvpool_strict="maybe")}])
+    assert a.built["typo"] == {"built": "typo", "error": None, "tier_on": False, "lookup": "MISS"}
+    assert a.built["strict-maybe"]["error"] is None and not a.built["strict-maybe"]["tier_on"]
+    refused = a.built["typo-strict"]["error"]
+    assert refused.startswith("ValueError: kvpool offload tier: unknown") and "kvpool_confg_path" in refused
+    assert "kvpool_confg_path" in a.log and "kv_connector_extra_config.secondary_tiers[].kvpool_strict" in a.log
     b = drive_manager(python, tmp_path, "B", b_extra, [
         {"load": "p", "tokens": p, "pause_on_hit": "kill"},  # found, promotion queued: the pool dies now
         {"load": "r", "tokens": r, "timeout": 20}],  # and is down when r is looked up

@@ -13,12 +13,15 @@ after a load.
 
 SPEC: ``{"engine_id", "model", "block_size", "layers", "page_bytes", "extra_config": the user's
 kv_connector_extra_config, "steps": [{"store": id, "tokens": [...], "cache_salt": s} | {"load": id, "tokens":
-[...], "cache_salt": s, "timeout": seconds, "pause_on_hit": name} | {"pause": name}]}``.
+[...], "cache_salt": s, "timeout": seconds, "pause_on_hit": name} | {"build": name, "extra_config": another}
+| {"pause": name}]}``.
 
 Prints one JSON object a line, prefixed ``KVPOOL-TEST``: per store ``{"stored": id, "chunks", "offered":
 chunks the primary tier took, "submit_s": seconds the scheduler-side calls took, "done_s"}``, per load
 ``{"loaded": id, "chunks", "hits", "equal": the hit chunks' bytes are the stored ones, "steps", "seconds"}``,
-``{"paused": name}`` before waiting for a line on stdin, and last ``{"stats": vLLM's reduced offloading stats}``.
+per build ``{"built": name, "error": why vLLM refused to start or null, "tier_on", "lookup": the tier's answer
+for a chunk it does not hold}``, ``{"paused": name}`` before waiting for a line on stdin, and last ``{"stats":
+vLLM's reduced offloading stats}``.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class Driver:
         from vllm_offload_standins import GpuWorkerStandIn
 
         init_none_hash(sha256)
+        self.raw = spec
         self.block_size = spec["block_size"]
         self.hasher = get_request_block_hasher(self.block_size, sha256)
         self.spec = offloading_spec(spec)
@@ -159,6 +163,26 @@ class Driver:
         say(loaded=step["load"], chunks=len(keys), hits=hits, equal=equal, steps=steps,
             seconds=time.perf_counter() - start)
 
+    def build(self, step: dict[str, Any]) -> None:
+        """Another manager from another extra config (a fresh CPU tier): did vLLM start, is the kvpool tier on,
+        and what does it answer for a chunk it cannot hold."""
+        from vllm.v1.kv_offload.base import ReqContext
+
+        spec = {**self.raw, "engine_id": f"{self.raw['engine_id']}-{step['build']}",
+                "extra_config": step["extra_config"]}
+        try:
+            manager = offloading_spec(spec).get_manager()
+        except Exception as exc:  # noqa: BLE001 - a refusal to start is what the test looks at
+            say(built=step["build"], error=f"{type(exc).__name__}: {exc}")
+            return
+        try:
+            tier = manager.secondary_tiers[0]
+            ctx = ReqContext(req_id="build")
+            answer = tier.lookup(self.offload_keys("build", list(range(self.block_size)), None)[0], ctx)
+            say(built=step["build"], error=None, tier_on=tier.jobs.pool is not None, lookup=answer.name)
+        finally:
+            manager.shutdown()
+
     def stats(self) -> dict[str, float]:
         stats = self.manager.get_stats()
         return {} if stats is None else {k: float(v) for k, v in stats.reduce().items()}
@@ -174,6 +198,8 @@ def main() -> int:
                 driver.store(step)
             elif "load" in step:
                 driver.load(step)
+            elif "build" in step:
+                driver.build(step)
             else:
                 pause(step["pause"])
         say(stats=driver.stats())

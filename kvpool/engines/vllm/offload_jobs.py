@@ -57,6 +57,7 @@ TIER_FIELDS = ("kvpool_config_path", "kvpool_strict", "kvpool_store_queue_bytes"
 VLLM_TIER_FIELDS = ("locality",)  # vLLM's own per-tier fields this tier takes (type, module_path and
 # backpressure are taken out by vLLM's SecondaryTierFactory before the tier is built)
 DEFAULT_STORE_QUEUE_BYTES = 256 << 20
+LOCALITIES = ("LOCAL", "REMOTE")
 FINGERPRINT_PREFIX = "vllm-offload/"
 
 
@@ -66,6 +67,7 @@ class TierSettings:
 
     client: ClientConfig
     store_queue_bytes: int = DEFAULT_STORE_QUEUE_BYTES
+    locality: str = ""  # vLLM's tier locality: "LOCAL", "REMOTE" or "" (none: every request's tier filter matches)
 
 
 def strict_mode(fields: Mapping[str, Any]) -> bool:
@@ -88,7 +90,10 @@ def tier_settings(fields: Mapping[str, Any]) -> TierSettings:
         except ValueError:
             raise ValueError(f"{name} must be a size (bytes, or e.g. \"512M\"), got {queue_bytes!r}") from None
     queue_bytes = options.integer(queue_bytes, name, low=1)
-    return TierSettings(load_config(path or None).client, queue_bytes)
+    locality = fields.get("locality")
+    if locality is not None and (not isinstance(locality, str) or locality.upper() not in LOCALITIES):
+        raise ValueError(f"{TIER_CONFIG}.locality must be one of {', '.join(LOCALITIES)}, got {locality!r}")
+    return TierSettings(load_config(path or None).client, queue_bytes, locality.upper() if locality else "")
 
 
 def model_name(client: ClientConfig, vllm_model: str) -> str:

@@ -106,6 +106,11 @@ def row_format(spec: OffloadingSpec, row_bytes: int) -> dict[str, Any]:
     }
 
 
+def _rows(primary_kv_view: memoryview) -> np.ndarray:
+    """The CPU tier's memory as ``(num_chunks, row_bytes)`` uint8 rows, no copy."""
+    return np.asarray(primary_kv_view).view(np.uint8)
+
+
 class _PoolLookups(AsyncLookupManager):
     """vLLM's async lookup state, answered by one pool ``exists`` per request per step (on its thread)."""
 
@@ -125,9 +130,6 @@ class KVPoolSecondaryTier(SecondaryTierManager):
     def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: BackpressureDetector | None = None, **fields: Any):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        locality = fields.get("locality")
-        self.locality = Locality(str(locality).upper()) if locality is not None else None
-        rows = np.asarray(primary_kv_view).view(np.uint8)
         vllm_model = offloading_spec.config.model.name
         row = row_format(offloading_spec, self.block_size_bytes)
         pool: PoolClient | None = None
@@ -135,20 +137,20 @@ class KVPoolSecondaryTier(SecondaryTierManager):
         try:
             strict = strict_mode(fields)
             settings = tier_settings(fields)
-        except ValueError as exc:
-            if strict:
-                raise ValueError(f"kvpool offload tier: {exc}") from None
-            log.error("kvpool offload tier: %s; the tier is off (every lookup a miss, every store dropped)", exc)
-            self.namespace = offload_namespace(vllm_model, "", row)  # keys for bookkeeping only: no pool
-            self.jobs = TierJobs(None, rows)
-            log.info("kvpool offload tier: off")
-        else:
             model = model_name(settings.client, vllm_model)
             self.namespace = offload_namespace(model, settings.client.tenant, row)
             pool = PoolClient(dataclasses.replace(settings.client, hbm_blocks=0, strict=False, layout=None))
-            self.jobs = TierJobs(pool, rows, settings.store_queue_bytes)
+        except (ValueError, OSError) as exc:  # OSError: files the client config names (a TLS CA)
+            if strict:  # raised before any view of vLLM's memory exists: vLLM's clean-up unmaps it
+                raise ValueError(f"kvpool offload tier: {exc}") from None
+            log.error("kvpool offload tier: %s; the tier is off (every lookup a miss, every store dropped)", exc)
+            self.namespace = offload_namespace(vllm_model, "", row)  # keys for bookkeeping only: no pool
+            self.jobs = TierJobs(None, _rows(primary_kv_view))
+        else:
+            self.locality = Locality(settings.locality) if settings.locality else None
+            self.jobs = TierJobs(pool, _rows(primary_kv_view), settings.store_queue_bytes)
             log.info("kvpool offload tier: pool at %s, model %r, %d chunks of %d bytes", settings.client.master,
-                     model, len(rows), self.block_size_bytes)
+                     model, len(self.jobs.rows), self.block_size_bytes)
         self._lookups = _PoolLookups(self) if pool is not None else None
         self._load_keys: dict[int, list[OffloadKey]] = {}  # in-flight loads: their vLLM keys, for the results
 
