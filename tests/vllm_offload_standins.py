@@ -73,13 +73,15 @@ class CpuOffloadingWorkerStandIn(OffloadingWorker):
 class CpuStandInTieringSpec(TieringOffloadingSpec):
     """vLLM's ``TieringOffloadingSpec`` whose worker is :class:`CpuOffloadingWorkerStandIn` (see the module doc)."""
 
+    standin: CpuOffloadingWorkerStandIn | None = None
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if self._worker is None:
+        if self.standin is None:
             region = SharedOffloadRegion(engine_id=self._engine_id, num_chunks=self.num_chunks, rank=0,
                                          kv_bytes_per_chunk=self.kv_bytes_per_chunk,
                                          cpu_page_size=self.cpu_page_size_per_worker)
-            self._worker = CpuOffloadingWorkerStandIn(kv_caches, region, self.blocks_per_chunk)  # type: ignore[assignment]
-        return self._worker  # type: ignore[return-value]
+            self.standin = CpuOffloadingWorkerStandIn(kv_caches, region, self.blocks_per_chunk)
+        return self.standin
 
 
 def gpu_bytes(key: bytes, n: int) -> np.ndarray:
