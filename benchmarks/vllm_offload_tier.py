@@ -6,7 +6,7 @@
 Model, prompts and engine as ``kvpool bench vllm`` (kvpool/bench/vllm.py): Qwen2-0.5B's shape with vLLM's dummy
 weights, ``--prompt-tokens`` (2,048) random token ids, ``max_tokens=1``, blocks of 32 tokens (one block across
 all layers: 768 KiB in float32), OpenMP on cores 0-1, in-process engine core, TTFT vLLM's own
-(``first_token_latency``); one ``kvpool serve`` this script starts. Four vLLM processes, one after another, each
+(``first_token_latency``); one ``kvpool serve`` this script starts. Five vLLM processes, one after another, each
 serving a warm-up prompt ``W`` first:
 
 1. tier fill: vLLM's ``OffloadingConnector`` with ``TieringOffloadingSpec`` and kvpool's tier (the extra config
@@ -18,7 +18,9 @@ serving a warm-up prompt ``W`` first:
    again (``own``: vLLM's own prefix-cache hit, the ceiling), then, after ``reset_prefix_cache()`` (vLLM's
    prefix cache only; the connector's CPU tier is kept), once more (``cpu_tier``: a hit in vLLM's own CPU tier,
    what vLLM's offloading does without kvpool).
-3. connector fill and 4. connector hit: ``KVPoolConnector`` the same way (``connector``: a fresh process
+3. tier hit again, a fresh process, with ``kvpool_switch_interval_us: 0`` (Python's own 5 ms GIL switch interval
+   while the tier's jobs run, instead of 0.2 ms): ``tier_py``, then ``own_py``.
+4. connector fill and 5. connector hit: ``KVPoolConnector`` the same way (``connector``: a fresh process
    loads the prefix from the pool's DRAM, then ``own_after_connector``).
 
 Checks before numbers: every hit row reused 2,016 tokens; ``tier`` rows loaded all 63 chunks from the pool
@@ -50,9 +52,10 @@ STANDIN = {"spec_name": "CpuStandInTieringSpec", "spec_module_path": "vllm_offlo
 LABELS = {"cold": "cold prefill, tier on", "own": "vLLM's own prefix-cache hit (ceiling)",
           "cpu_tier": "vLLM's CPU tier hit (its offloading alone)",
           "tier": "kvpool tier hit, fresh process (pool -> CPU tier -> KV cache)",
+          "tier_py": "the same, Python's own 5 ms switch interval (kvpool_switch_interval_us 0)",
           "connector_cold": "cold prefill, connector on",
           "connector": "KVPoolConnector hit, fresh process (pool -> KV cache)"}
-PAIRED = {"tier": "own", "cpu_tier": "own", "connector": "own_after_connector"}
+PAIRED = {"tier": "own", "cpu_tier": "own", "tier_py": "own_py", "connector": "own_after_connector"}
 
 
 # -- the vLLM side ----------------------------------------------------------------------------------------
@@ -149,19 +152,25 @@ def check(results: list[dict[str, Any]], hit_tokens: int, blocks: int) -> None:
             raise RuntimeError(f"{r['case']} of prompt {r['prompt']}: {r['cached']} tokens cached")
         m = r["metrics"]
         tier = m.get("vllm:kvpool_tier_loaded_blocks", 0)
-        if (r["case"] == "tier" and tier != blocks) or (r["case"] == "cpu_tier" and tier != 0):
+        if (r["case"] in ("tier", "tier_py") and tier != blocks) or (r["case"] == "cpu_tier" and tier != 0):
             raise RuntimeError(f"{r['case']} of prompt {r['prompt']}: {tier:.0f} chunks loaded from the pool")
         if r["case"] == "connector" and (m.get("vllm:kvpool_loaded_blocks", 0), m.get("vllm:kvpool_load_errors", 0)) \
                 != (blocks, 0):
             raise RuntimeError(f"connector of prompt {r['prompt']}: {m}")
 
 
+PARTS = {"lookup ms": "trace:lookup_s", "pool read ms": "trace:read_s", "load job ms": "trace:load_job_s",
+         "connector load ms": "vllm:kvpool_load_seconds"}
+
+
 def summarize(results: list[dict[str, Any]]) -> str:
+    """The table docs/benchmarks.md shows: medians, paired ratio and +ms, and the traced parts (medians)."""
     by_case: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         if r["case"] not in ("warmup", "flush"):
             by_case.setdefault(r["case"], []).append(r)
-    lines = ["| case | TTFT ms median | min | max | paired / own | paired +ms |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| case | TTFT ms median | min | max | paired / own | paired +ms | " + " | ".join(PARTS) + " |",
+             "|---|" + "---:|" * (5 + len(PARTS))]
     for case, label in LABELS.items():
         rs = by_case.get(case)
         if not rs:
@@ -173,8 +182,12 @@ def summarize(results: list[dict[str, Any]]) -> str:
             pairs = [(r["ttft_s"] * 1e3, own[r["prompt"]]) for r in rs]
             ratio = f"{statistics.median(t / o for t, o in pairs):.2f}"
             plus = f"{statistics.median(t - o for t, o in pairs):.1f}"
+        parts = []
+        for name in PARTS.values():
+            values = [r["metrics"].get(name, 0.0) * 1e3 for r in rs]
+            parts.append(f"{statistics.median(values):.1f}" if any(values) else "")
         lines.append(f"| {label} | {statistics.median(ttft):.1f} | {min(ttft):.1f} | {max(ttft):.1f} | {ratio} "
-                     f"| {plus} |")
+                     f"| {plus} | " + " | ".join(parts) + " |")
     return "\n".join(lines)
 
 
@@ -230,9 +243,10 @@ def main() -> int:
             extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 2 * chunks * block_bytes,
                      "secondary_tiers": [{**TIER, "kvpool_config_path": str(config), "kvpool_strict": True}]}
 
-            def offloading(engine: str) -> dict[str, Any]:
+            def offloading(engine: str, **tier: Any) -> dict[str, Any]:
+                tiers = [{**extra["secondary_tiers"][0], **tier}]
                 return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "engine_id": engine,
-                        "kv_connector_extra_config": {**extra, **STANDIN}}
+                        "kv_connector_extra_config": {**extra, "secondary_tiers": tiers, **STANDIN}}
 
             connector = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool.engines.vllm",
                          "kv_role": "kv_both",
@@ -244,6 +258,8 @@ def main() -> int:
                 ("tier-fill", offloading(f"fill-{work.name}"),
                  [("warmup", 0)] + [("cold", i) for i in measured] + [("flush", flush)]),
                 ("tier-hit", offloading(f"hit-{work.name}"), tier_hits),
+                ("tier-hit-5ms", offloading(f"hit5-{work.name}", kvpool_switch_interval_us=0),
+                 [("warmup", 0)] + [r for i in measured for r in (("tier_py", i), ("own_py", i))]),
                 ("connector-fill", connector,
                  [("warmup", 0)] + [("connector_cold", i) for i in measured] + [("flush", flush)]),
                 ("connector-hit", connector,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from kvpool.config import ClientConfig
 from kvpool.engines.vllm.offload_jobs import (
     DEFAULT_STORE_QUEUE_BYTES,
     JobDone,
+    SwitchInterval,
     TierJobs,
     model_name,
     offload_namespace,
@@ -103,6 +105,8 @@ def test_tier_fields_are_parsed_strictly_and_errors_name_the_field(tmp_path):
     assert (settings.client.master, settings.store_queue_bytes, settings.locality) == ("127.0.0.1:7777", 8 << 20,
                                                                                         "REMOTE")
     assert tier_settings({"locality": "local"}).locality == "LOCAL" and tier_settings({}).locality == ""
+    assert tier_settings({}).switch_interval_us == 200
+    assert tier_settings({"kvpool_switch_interval_us": 0}).switch_interval_us == 0
     assert tier_settings({}).store_queue_bytes == DEFAULT_STORE_QUEUE_BYTES
     assert model_name(settings.client, "/models/qwen-7b") == "qwen"  # the kvpool config names the model
     assert model_name(tier_settings({}).client, "/models/qwen-7b") == "/models/qwen-7b"  # else vLLM's
@@ -114,6 +118,8 @@ def test_tier_fields_are_parsed_strictly_and_errors_name_the_field(tmp_path):
                           ({"kvpool_store_queue_bytes": "lots"}, "kvpool_store_queue_bytes"),
                           ({"kvpool_store_queue_bytes": True}, "kvpool_store_queue_bytes"),
                           ({"locality": "NEARBY"}, "locality"), ({"locality": 1}, "locality"),
+                          ({"kvpool_switch_interval_us": 5001}, "kvpool_switch_interval_us"),
+                          ({"kvpool_switch_interval_us": "200"}, "kvpool_switch_interval_us"),
                           ({"kvpool_config_path": str(tmp_path / "missing.json")}, "missing.json")]:
         with pytest.raises(ValueError, match=named):
             tier_settings(fields)
@@ -133,6 +139,20 @@ def test_chunk_keys_differ_by_row_format_model_and_tenant_and_are_the_same_every
     assert len(seen) == 1 + len(others)
     group1 = [k[:-4] + (1).to_bytes(4, "big") for k in keys]  # the same hash in another KV cache group
     assert not set(pool_keys(group1, namespace())) & set(same)
+
+
+def test_the_switch_interval_is_lowered_while_anyone_is_inside_and_put_back_after_the_last():
+    before = sys.getswitchinterval()
+    with SwitchInterval(200e-6):
+        assert sys.getswitchinterval() == pytest.approx(200e-6)
+        with SwitchInterval(100e-6):  # the first holder's value stands
+            assert sys.getswitchinterval() == pytest.approx(200e-6)
+        assert sys.getswitchinterval() == pytest.approx(200e-6)
+    assert sys.getswitchinterval() == before
+    with SwitchInterval(0):  # off: Python's own
+        assert sys.getswitchinterval() == before
+    with SwitchInterval(1.0):  # never raised above what it was
+        assert sys.getswitchinterval() == before
 
 
 # -- TierJobs against a real pool ----------------------------------------------------------------------------

@@ -27,6 +27,8 @@ Invariants:
   of its blocks arrived intact (checksum-verified by the pool client), and a
   block that did not is never reported loaded. A store the pool cannot take
   is a failed job, never an exception on vLLM's thread.
+- While a job or a lookup runs, Python's GIL switch interval is lowered (:class:`SwitchInterval`), so the
+  jobs' threads are not starved by vLLM's busy engine loop; it is put back when none runs.
 - Backpressure: stores waiting or running hold at most ``store_queue_bytes``
   (one job is always let in when none is queued); a store past that is
   dropped at once (reported failed, counted), so a slow or stalled pool
@@ -38,6 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import queue
+import sys
 import threading
 import time
 from collections import Counter
@@ -53,10 +56,11 @@ from kvpool.engines import options
 from kvpool.keys import BlockKey, KeyNamespace, opaque_key
 
 TIER_CONFIG = "kv_connector_extra_config.secondary_tiers[]"  # where the tier's fields live (errors name it)
-TIER_FIELDS = ("kvpool_config_path", "kvpool_strict", "kvpool_store_queue_bytes")
+TIER_FIELDS = ("kvpool_config_path", "kvpool_strict", "kvpool_store_queue_bytes", "kvpool_switch_interval_us")
 VLLM_TIER_FIELDS = ("locality",)  # vLLM's own per-tier fields this tier takes (type, module_path and
 # backpressure are taken out by vLLM's SecondaryTierFactory before the tier is built)
 DEFAULT_STORE_QUEUE_BYTES = 256 << 20
+DEFAULT_SWITCH_INTERVAL_US = 200  # while a job runs; Python's own is 5,000 (see SwitchInterval)
 LOCALITIES = ("LOCAL", "REMOTE")
 FINGERPRINT_PREFIX = "vllm-offload/"
 
@@ -68,6 +72,7 @@ class TierSettings:
     client: ClientConfig
     store_queue_bytes: int = DEFAULT_STORE_QUEUE_BYTES
     locality: str = ""  # vLLM's tier locality: "LOCAL", "REMOTE" or "" (none: every request's tier filter matches)
+    switch_interval_us: int = DEFAULT_SWITCH_INTERVAL_US  # 0: Python's own, always
 
 
 def strict_mode(fields: Mapping[str, Any]) -> bool:
@@ -93,7 +98,10 @@ def tier_settings(fields: Mapping[str, Any]) -> TierSettings:
     locality = fields.get("locality")
     if locality is not None and (not isinstance(locality, str) or locality.upper() not in LOCALITIES):
         raise ValueError(f"{TIER_CONFIG}.locality must be one of {', '.join(LOCALITIES)}, got {locality!r}")
-    return TierSettings(load_config(path or None).client, queue_bytes, locality.upper() if locality else "")
+    switch_us = options.integer(fields.get("kvpool_switch_interval_us", DEFAULT_SWITCH_INTERVAL_US),
+                                f"{TIER_CONFIG}.kvpool_switch_interval_us", low=0, high=5000)
+    return TierSettings(load_config(path or None).client, queue_bytes, locality.upper() if locality else "",
+                        switch_us)
 
 
 def model_name(client: ClientConfig, vllm_model: str) -> str:
@@ -116,6 +124,41 @@ def offload_namespace(model: str, tenant: str, row_format: Mapping[str, Any]) ->
 def pool_keys(offload_keys: Sequence[bytes], namespace: KeyNamespace) -> list[BlockKey]:
     """The pool keys of vLLM offload keys (block hash + group index bytes) in ``namespace``."""
     return [opaque_key(bytes(k), namespace) for k in offload_keys]
+
+
+class SwitchInterval:
+    """Python's GIL switch interval lowered to ``seconds`` while anyone is inside, then put back (process-wide,
+    as the interval is the interpreter's; the first holder's value wins; ``seconds`` 0: no change).
+
+    Why: while a request waits for a promotion, vLLM's engine loop runs Python without pause; a tier thread
+    that lets go of the GIL (every copy and checksum of a pool read does, a few times per block) then waits a
+    whole switch interval (5 ms by default) to get it back. Measured in the real vLLM here: 5-8 ms before a
+    load job even starts, and 0.6-0.7 s for a 63-block read that takes 10-30 ms on its own
+    (benchmarks/vllm_offload_tier.py, docs/benchmarks.md).
+    """
+
+    _lock = threading.Lock()
+    _inside = 0
+    _saved = 0.0
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __enter__(self) -> SwitchInterval:
+        if self.seconds > 0:
+            with SwitchInterval._lock:
+                if SwitchInterval._inside == 0:
+                    SwitchInterval._saved = sys.getswitchinterval()
+                    sys.setswitchinterval(min(SwitchInterval._saved, self.seconds))
+                SwitchInterval._inside += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.seconds > 0:
+            with SwitchInterval._lock:
+                SwitchInterval._inside -= 1
+                if SwitchInterval._inside == 0:
+                    sys.setswitchinterval(SwitchInterval._saved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,13 +191,15 @@ class TierJobs:
     fails at once.
     """
 
-    def __init__(self, pool: PoolClient | None, rows: np.ndarray, store_queue_bytes: int = DEFAULT_STORE_QUEUE_BYTES):
+    def __init__(self, pool: PoolClient | None, rows: np.ndarray, store_queue_bytes: int = DEFAULT_STORE_QUEUE_BYTES,
+                 switch_interval_us: int = DEFAULT_SWITCH_INTERVAL_US):
         if rows.ndim != 2 or rows.dtype != np.uint8 or not rows.flags.c_contiguous:
             raise ValueError(f"rows must be a C-contiguous 2-D uint8 array, got {rows.dtype} {rows.shape}")
         self.pool = pool
         self.rows = rows
         self.row_bytes = int(rows.shape[1])
         self.store_queue_bytes = store_queue_bytes
+        self.switch = SwitchInterval(switch_interval_us * 1e-6)  # while a job or a lookup runs
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0  # jobs submitted and not yet in _done
@@ -177,7 +222,8 @@ class TierJobs:
         if self.pool is None or not keys:
             return [False] * len(keys)
         try:
-            found = self.pool.exists(keys)
+            with self.switch:
+                found = self.pool.exists(keys)
         except Exception:  # noqa: BLE001 - a fault is a miss (PoolClient counts its own faults)
             found = []
         if len(found) != len(keys):
@@ -270,7 +316,11 @@ class TierJobs:
                 closed = self._closed
             start = time.monotonic()
             try:
-                ok = [False] * len(job.keys) if closed else run(job)
+                if closed:
+                    ok = [False] * len(job.keys)
+                else:
+                    with self.switch:
+                        ok = run(job)
             except Exception:  # noqa: BLE001 - a pool fault is a failed job, never an error in vLLM
                 ok = [False] * len(job.keys)
             done = JobDone(job.job_id, is_load, ok, time.monotonic() - start, sum(ok) * self.row_bytes)

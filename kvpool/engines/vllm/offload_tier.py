@@ -15,7 +15,9 @@ Fields of the tier's entry (:mod:`.offload_jobs` parses them strictly; any other
 name): ``kvpool_config_path``, ``kvpool_strict`` (as the connector's: off, a config that cannot be used is
 one ERROR line and the tier answers every lookup with a miss; on, vLLM refuses to start),
 ``kvpool_store_queue_bytes`` (default 256 MiB: the stores waiting for the pool, past which new ones are
-dropped); vLLM's own ``locality`` (``LOCAL``/``REMOTE``, for per-request tier filters) and ``backpressure``.
+dropped), ``kvpool_switch_interval_us`` (default 200: Python's GIL switch interval while the tier's jobs run,
+see :class:`~kvpool.engines.vllm.offload_jobs.SwitchInterval`; 0 leaves Python's 5 ms); vLLM's own
+``locality`` (``LOCAL``/``REMOTE``, for per-request tier filters) and ``backpressure``.
 
 Every method runs on vLLM's scheduler thread and returns at once: lookups go through vLLM's
 ``AsyncLookupManager`` (a background thread asks the pool once per step for the step's keys; until it has
@@ -148,7 +150,7 @@ class KVPoolSecondaryTier(SecondaryTierManager):
             self.jobs = TierJobs(None, _rows(primary_kv_view))
         else:
             self.locality = Locality(settings.locality) if settings.locality else None
-            self.jobs = TierJobs(pool, _rows(primary_kv_view), settings.store_queue_bytes)
+            self.jobs = TierJobs(pool, _rows(primary_kv_view), settings.store_queue_bytes, settings.switch_interval_us)
             log.info("kvpool offload tier: pool at %s, model %r, %d chunks of %d bytes", settings.client.master,
                      model, len(self.jobs.rows), self.block_size_bytes)
         self._lookups = _PoolLookups(self) if pool is not None else None
