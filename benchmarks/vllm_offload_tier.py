@@ -1,7 +1,7 @@
 """What kvpool adds behind vLLM's own CPU offloading tier, beside the KVPoolConnector, in the real vLLM here.
 
     bash tests/vllm_env.sh                                     # once: build/vllm-venv
-    .venv/bin/python benchmarks/vllm_offload_tier.py [--prompts 3] [--keep]     # ~6 min on 2 quiet cores
+    .venv/bin/python benchmarks/vllm_offload_tier.py [--prompts 3] [--keep]     # ~3 min here
 
 Model, prompts and engine as ``kvpool bench vllm`` (kvpool/bench/vllm.py): Qwen2-0.5B's shape with vLLM's dummy
 weights, ``--prompt-tokens`` (2,048) random token ids, ``max_tokens=1``, blocks of 32 tokens (one block across
