@@ -451,6 +451,8 @@ def test_a_fresh_vllm_process_is_served_from_the_pool_behind_its_own_cpu_tier(py
         assert b.tokens("B", r["id"]) == b.tokens("ref", r["id"]), r["id"]
     # p's 9 full blocks and q's 6 came from A through the pool: B's CPU tier had none of them.
     assert b.cached("B", "p+") == 288 and b.cached("B", "q") == 192
-    assert a.metrics["A"]["vllm:kvpool_tier_stored_blocks"] == 9 + 6  # prompt blocks (vLLM: offload_prompt_only)
+    # Prompt blocks only (vLLM's offload_prompt_only). q's store may be counted after A's metrics are read (the
+    # job ends on the tier's thread); p's is counted during q's steps. B's loads show every block arrived.
+    assert 9 <= a.metrics["A"]["vllm:kvpool_tier_stored_blocks"] <= 9 + 6
     assert b.metrics["B"]["vllm:kvpool_tier_loaded_blocks"] == 9 + 6
     assert b.metrics["B"].get("vllm:kvpool_tier_load_failed_blocks", 0) == 0
