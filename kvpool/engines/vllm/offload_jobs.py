@@ -133,7 +133,7 @@ class SwitchInterval:
     Why: while a request waits for a promotion, vLLM's engine loop runs Python without pause; a tier thread
     that lets go of the GIL (every copy and checksum of a pool read does, a few times per block) then waits a
     whole switch interval (5 ms by default) to get it back. Measured in the real vLLM here: 5-8 ms before a
-    load job even starts, and 0.6-0.7 s for a 63-block read that takes 10-30 ms on its own
+    load job even starts, and 0.6-0.7 s for a 64-chunk (24 MiB) read that takes 13-19 ms at 0.2 ms
     (benchmarks/vllm_offload_tier.py, docs/benchmarks.md).
     """
 
