@@ -2,6 +2,7 @@
 
 SPEC: ``{"model": dir, "block_size": 32, "engines": [{"name": ..., "kvpool": extra-config or null,
 "vllm_kv_events": {"endpoint": ..., "replay_endpoint": ...} (optional: vLLM's own KV event publisher),
+"kv_transfer_config": a whole KVTransferConfig (optional: another connector instead of kvpool's),
 "requests": [{"id": ..., "prompt": [token ids], "max_tokens": n, "cache_salt": s or null} | {"pause": name}]}]}``.
 Engines run one after another in this process, each a new ``vllm.LLM`` (its own prefix cache), with the
 KVPoolConnector when ``kvpool`` is set and without a connector otherwise. Greedy sampling.
@@ -27,12 +28,15 @@ def say(**fields: Any) -> None:
     print(PREFIX + json.dumps(fields), flush=True)
 
 
-def engine(model: str, block_size: int, extra: dict[str, Any] | None, events: dict[str, str] | None = None) -> Any:
+def engine(model: str, block_size: int, extra: dict[str, Any] | None, events: dict[str, str] | None = None,
+           kv_transfer: dict[str, Any] | None = None) -> Any:
     from vllm import LLM
     from vllm.config import KVEventsConfig, KVTransferConfig
 
     kv = None
-    if extra is not None:
+    if kv_transfer is not None:  # another connector's whole config (vLLM's OffloadingConnector)
+        kv = KVTransferConfig(**kv_transfer)
+    elif extra is not None:
         kv = KVTransferConfig(kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.engines.vllm",
                               kv_role="kv_both", kv_connector_extra_config=extra)
     kv_events = None if events is None else KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", **events)
@@ -59,7 +63,8 @@ def main() -> int:
     for eng in spec["engines"]:
         name = eng["name"]
         try:
-            llm = engine(spec["model"], spec.get("block_size", 32), eng.get("kvpool"), eng.get("vllm_kv_events"))
+            llm = engine(spec["model"], spec.get("block_size", 32), eng.get("kvpool"), eng.get("vllm_kv_events"),
+                         eng.get("kv_transfer_config"))
         except Exception as exc:  # noqa: BLE001 - a refusal to start is what the test looks at
             say(engine=name, refused=f"{type(exc).__name__}: {exc}")
             continue

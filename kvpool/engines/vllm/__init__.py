@@ -4,6 +4,10 @@ The connector (:mod:`.connector`) needs vllm; its planning and data movement
 (:mod:`.keys`, :mod:`.scheduler`, :mod:`.worker`) do not import it, so they are
 importable (and tested) without vLLM. ``KVPoolConnector`` is imported on first
 access, which is how vLLM's connector factory reaches it.
+
+kvpool behind vLLM's own CPU offloading tier instead: :mod:`.offload_tier`
+(``"module_path": "kvpool.engines.vllm.offload_tier"``, ``"type": "KVPoolSecondaryTier"`` in the
+OffloadingConnector's ``secondary_tiers``); its vLLM-free part is :mod:`.offload_jobs`.
 """
 
 from __future__ import annotations
