@@ -7,6 +7,7 @@ it reads; the pool is an in-memory set of keys. ``tests/test_engine_vllm_pd.py``
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from support import free_port
 
 from kvpool.client.faults import PoolFault
 from kvpool.client.lookup import PoolRun
@@ -153,6 +155,13 @@ def test_a_consumer_waits_for_announced_blocks_without_a_lookup_each_step_then_l
     assert sched.match(r, 0) == 2016  # 63 blocks: one token is left to compute
     stats = sched.take_stats()
     assert (stats.handoff_waits, stats.handoff_timeouts, stats.lookups, stats.hit_blocks["dram"]) == (1, 0, 1, 63)
+    # vLLM asks every step (here every millisecond for 2 s): the pool is asked at gaps doubling to 50 ms
+    slow = Request("slow", tokens(12, 2048), announced(2048))
+    asked = pool.lookups
+    for _ in range(2000):
+        assert sched.match(slow, 0) is None
+        clock.now += 0.001
+    assert 40 <= pool.lookups - asked <= 50
     # vLLM's own cache hit counts: a request whose hit covers what was announced does not wait
     assert sched.match(Request("s", tokens(4, 2048), announced(640)), 640) == 0
 
@@ -306,3 +315,88 @@ def test_the_handoff_timeout_setting(value, want):
     for bad in (0, 600_001, 1.5, "100", True):
         with pytest.raises(ValueError, match=r"extra_config\.kvpool_handoff_timeout_ms must be an integer"):
             handoff_timeout_s({"kvpool_handoff_timeout_ms": bad})
+
+
+class Backend:
+    """A stand-in for one vLLM OpenAI server: records each POST body, answers ``reply`` (SSE lines if streamed)."""
+
+    def __init__(self, reply: dict[str, Any]):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        backend = self
+        self.reply = reply
+        self.bodies: list[dict[str, Any]] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                backend.bodies.append(body)
+                stream = body.get("stream")
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
+                self.end_headers()
+                if stream:
+                    for i in range(3):
+                        self.wfile.write(f"data: {json.dumps({'i': i})}\n\n".encode())
+                        self.wfile.flush()
+                    self.wfile.write(b"data: [DONE]\n\n")
+                else:
+                    self.wfile.write(json.dumps(backend.reply).encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def post(url: str, body: Any) -> tuple[int, bytes]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_the_proxy_sends_the_prompt_to_prefill_for_one_token_then_to_decode_with_what_prefill_returned():
+    from kvpool.engines.vllm.pd_proxy import ProxyServer, Upstreams
+
+    handed = {STORED_TOKENS: 2048}
+    prefill = Backend({"choices": [{"text": "x"}], "kv_transfer_params": handed})
+    decode = Backend({"choices": [{"text": "decoded"}]})
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = ProxyServer(("127.0.0.1", 0), Upstreams([prefill.url, dead], [decode.url]))
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{proxy.server_address[1]}"
+    try:
+        body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 40, "temperature": 0}
+        status, data = post(url + "/v1/completions", body)
+        assert status == 200 and json.loads(data) == {"choices": [{"text": "decoded"}]}
+        assert prefill.bodies == [dict(body, max_tokens=1, stream=False,
+                                       kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})]
+        assert decode.bodies == [dict(body, kv_transfer_params=handed)]
+        # the next prefill instance cannot be reached: decode computes the prompt (no params), the client never knows
+        status, data = post(url + "/v1/chat/completions", dict(body, stream=True, max_completion_tokens=40))
+        assert status == 200 and data.count(b"data: ") == 4 and data.endswith(b"data: [DONE]\n\n")
+        assert decode.bodies[1] == dict(body, stream=True, max_completion_tokens=40)
+        status, data = post(url + "/v1/completions", dict(body, stream=True))  # round robin: prefill again
+        assert status == 200 and data.count(b"data: ") == 4
+        assert prefill.bodies[1]["stream"] is False and prefill.bodies[1]["max_tokens"] == 1
+        assert decode.bodies[2] == dict(body, stream=True, kv_transfer_params=handed)
+        assert post(url + "/v1/completions", [1])[0] == 400
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+        prefill.close()
+        decode.close()
+    with pytest.raises(ValueError, match="http://host:port"):
+        Upstreams(["127.0.0.1:8100"], [decode.url])

@@ -25,7 +25,9 @@ Prefill/decode disaggregation through the pool (vLLM's ``kv_role``, :class:`Role
   ``kv_transfer_params`` announce stored tokens (the proxy passes on the
   producer's) waits for those blocks: while the pool has fewer, the answer
   is None, which vLLM's scheduler takes as "ask again later" (other requests
-  run meanwhile); after ``handoff_timeout_s`` it takes what is there and
+  run meanwhile; vLLM asks every step, the pool is asked 1 ms after the first
+  lookup, then at gaps doubling to 50 ms, so a waiting request never floods
+  the master); after ``handoff_timeout_s`` it takes what is there and
   computes the rest.
 - ``kv_both`` does neither hand-off: loads and saves as above. It honours
   announced tokens like a consumer (vLLM counts it as one).
@@ -61,7 +63,7 @@ log = logging.getLogger(__name__)
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 5.0
 MATCH_REUSE_S = 1.0  # a lookup answer is reused for a request asked about again this soon (it waited a step)
-POLL_S = 0.002  # a request waiting for announced blocks asks the pool at most this often
+POLL_MIN_S, POLL_MAX_S = 0.001, 0.05  # a request waiting for announced blocks asks again after these, doubling
 STORED_TOKENS = "kvpool_stored_tokens"  # kv_transfer_params: prompt tokens whose blocks a producer stored
 
 
@@ -147,6 +149,7 @@ class _Request:
     resave: list[int] = field(default_factory=list)  # a producer's blocks vLLM hit that the pool lacks
     waiting_since: float | None = None  # when it began waiting for announced blocks (None: it never waited)
     polled: float | None = None  # its last lookup while it waits for them (None: not waiting now)
+    poll_gap: float = POLL_MIN_S  # ... and how long after it the next is due
 
 
 @dataclass(slots=True)
@@ -205,7 +208,7 @@ class PoolScheduler:
             return len(state.match[2]) * bs
         if now < self._closed_until:
             return 0
-        if state.polled is not None and now - state.polled < POLL_S:
+        if state.polled is not None and now - state.polled < state.poll_gap:
             return None
         keys = state.keys.upto(request.all_token_ids, end)
         try:
@@ -217,8 +220,14 @@ class PoolScheduler:
             return 0
         self._backoff = BACKOFF_MIN_S
         if start + len(run) < self._announced(request, end) and not self._gave_up(state, now):
+            if state.polled is not None:
+                state.poll_gap = min(state.poll_gap * 2, POLL_MAX_S)
             state.polled = now
             return None
+        if state.polled is not None:
+            log.debug("kvpool: request %s waited %.3f s for the blocks its producer announced (%d of %d found)",
+                      request.request_id, now - (state.waiting_since or now), start + len(run),
+                      self._announced(request, end))
         state.polled = None
         self.stats.lookups += 1
         self.stats.hit_blocks["dram"] += run.count(Tier.DRAM)
