@@ -22,9 +22,10 @@ a line on stdin and writes one event a line on stdout, prefixed
   events ``{"event": "first_step", "id"}`` after the engine's first step
   with the request (the scheduler has asked the connector about it), then
   ``{"event": "done", "id", "tokens", "logprobs" (the sampled tokens'), "cached"
-  (``num_cached_tokens``), "ttft_s" (vLLM's ``first_token_latency``),
-  "kv_transfer_params" (the engine's), "counters" (vLLM's ``vllm:kvpool_*``
-  and prefix-cache counters' growth)}``. Greedy sampling.
+  (``num_cached_tokens``), "ttft_s" (vLLM's ``first_token_latency``), "wall_s",
+  "queued_to_scheduled_s", "scheduled_to_first_token_s", "kv_transfer_params"
+  (the engine's), "counters" (vLLM's ``vllm:kvpool_*`` and prefix-cache
+  counters' growth)}``. Greedy sampling.
 - ``{"op": "drain", "timeout_s"}``: steps the engine until its scheduler
   holds no request (a producer's hand-offs reported, their blocks freed):
   ``{"event": "drained", "ok": bool}``.
@@ -63,8 +64,8 @@ def _build(spec: dict[str, Any]) -> Any:
                               kv_role=spec["kv_role"], kv_connector_extra_config=spec.get("kvpool", {}))
     return LLM(model=spec["model"], skip_tokenizer_init=True, block_size=spec["block_size"], dtype=spec["dtype"],
                load_format=spec.get("load_format", "auto"), max_model_len=spec["max_model_len"],
-               max_num_batched_tokens=spec.get("max_num_batched_tokens"), enforce_eager=True,
-               disable_log_stats=False, kv_transfer_config=kv, seed=0)
+               max_num_batched_tokens=spec.get("max_num_batched_tokens"), max_num_seqs=spec.get("max_num_seqs"),
+               enforce_eager=True, disable_log_stats=False, kv_transfer_config=kv, seed=0)
 
 
 def _generate(llm: Any, cmd: dict[str, Any]) -> None:
@@ -78,6 +79,7 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> None:
                             logprobs=0 if cmd.get("logprobs") else None, extra_args=extra)
     engine = llm.llm_engine
     before = _counters()
+    start = time.perf_counter()
     engine.add_request(cmd["id"], TokensPrompt(prompt_token_ids=cmd["prompt"]), params)
     first, out = True, None
     while out is None:
@@ -87,14 +89,17 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> None:
         if first:
             _say(event="first_step", id=cmd["id"])
             first = False
+    wall = time.perf_counter() - start
     after = _counters()
     completion = out.outputs[0]
     tokens = list(completion.token_ids)
     logprobs = [float(completion.logprobs[i][t].logprob) for i, t in enumerate(tokens)] if completion.logprobs else []
     m = out.metrics
+    if m is None or not m.first_token_latency:
+        raise RuntimeError("vLLM returned no request metrics (disable_log_stats must be False)")
     _say(event="done", id=cmd["id"], tokens=tokens, logprobs=logprobs, cached=int(out.num_cached_tokens or 0),
-         ttft_s=float(m.first_token_latency) if m is not None else None,
-         kv_transfer_params=out.kv_transfer_params,
+         ttft_s=float(m.first_token_latency), wall_s=wall, queued_to_scheduled_s=float(m.scheduled_ts - m.queued_ts),
+         scheduled_to_first_token_s=float(m.first_token_ts - m.scheduled_ts), kv_transfer_params=out.kv_transfer_params,
          counters={k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)})
 
 
