@@ -62,3 +62,25 @@ def test_a_row_that_did_not_come_whole_from_its_tier_is_an_error():
 def test_the_cli_knows_the_bench():
     args = build_parser().parse_args(["bench", "vllm", "--prompts", "1", "--no-mooncake"])
     assert (args.prompts, args.mooncake, args.install, args.dtype) == (1, False, True, "auto")
+
+
+def test_the_1p1d_rows_pair_the_decode_from_the_hand_off_with_the_decode_instances_own_hit():
+    from kvpool.bench.vllm_pd import _check_handoff
+
+    handed = {"vllm:kvpool_hit_blocks_dram": BLOCKS, "vllm:kvpool_loaded_blocks": BLOCKS}
+    run = run_of(2) + [req("pd_cold", 7, 18.0, 0), req("pd_decode", 7, 0.56, metrics=handed),
+                       req("own_after_pd", 7, 0.52)]
+    _check(run, HIT, 32)
+    summary = summarize(run)
+    assert summary["paired"]["pd_decode"] == pytest.approx(0.56 / 0.52)
+    assert summary["overhead_s"]["pd_decode"] == pytest.approx(0.04)
+    table = render({"setup": {"model": "m", "dtype": "float32", "prompt_tokens": 2048, "block_size": 32,
+                              "block_bytes": 786432, "prompts": 2, "cpus": "0-1", "engine": "in-process"},
+                    "requests": run, "summary": summary})
+    assert "| 1P1D: decode instance, from the hand-off | 560.0 |" in table
+    assert "| 1P1D: prefill instance, cold prefill | 18000.0 |" in table
+    _check_handoff({"counters": handed}, 2048, 32, 7)
+    with pytest.raises(RuntimeError, match="found 60 blocks in DRAM, loaded 60 with 3 errors and 0 time-outs"):
+        _check_handoff({"counters": {"vllm:kvpool_hit_blocks_dram": 60, "vllm:kvpool_loaded_blocks": 60,
+                                     "vllm:kvpool_load_errors": 3}}, 2048, 32, 7)
+    assert build_parser().parse_args(["bench", "vllm", "--no-pd"]).pd is False

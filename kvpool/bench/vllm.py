@@ -26,6 +26,13 @@ ones (prompt ``W``, which the process filling a store stores too). Then
   ``mooncake_client`` store process, :mod:`kvpool.bench.vllm_peers`): the same
   as kvpool's fill and DRAM phases (``mooncake_cold``, ``mooncake``,
   ``own_after_mooncake``);
+- ``kvpool 1P1D`` (unless ``--no-pd``): prefill/decode disaggregation through
+  the pool, a prefill and a decode vLLM process alive at once
+  (:mod:`kvpool.bench.vllm_pd`): each of ``--prompts`` prompts of its own to
+  the prefill instance for one token (``pd_cold``), then to the decode
+  instance with the ``kv_transfer_params`` it returned (``pd_decode``: the
+  decode TTFT from the hand-off), then again to the decode instance
+  (``own_after_pd``, the colocated own hit it is paired with);
 - ``kvpool SSD``: this process first puts as many filler blocks as the node's
   DRAM holds, so every block of ``W`` and ``Pi`` is evicted from DRAM and
   demoted to SSD (write-back), waits until the node has written them all
@@ -69,7 +76,8 @@ from kvpool.bench.vllm_runtime import MODELS, save_model, vllm_env, vllm_python
 
 MODEL = "qwen2-0.5b"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-CASES = ("cold", "own", "kvpool_cold", "kvpool_own", "kvpool_dram", "kvpool_ssd", "mooncake_cold", "mooncake")
+CASES = ("cold", "own", "kvpool_cold", "kvpool_own", "kvpool_dram", "kvpool_ssd", "mooncake_cold", "mooncake",
+         "pd_cold", "pd_decode")
 LABELS = {
     "cold": "cold prefill, vLLM alone",
     "own": "vLLM's own prefix-cache hit (ceiling)",
@@ -79,8 +87,11 @@ LABELS = {
     "kvpool_ssd": "kvpool hit from SSD, fresh process",
     "mooncake_cold": "cold prefill, Mooncake connector on",
     "mooncake": "Mooncake Store hit, fresh process",
+    "pd_cold": "1P1D: prefill instance, cold prefill",
+    "pd_decode": "1P1D: decode instance, from the hand-off",
 }
-PAIRED = {"kvpool_dram": "own_after_dram", "kvpool_ssd": "own_after_ssd", "mooncake": "own_after_mooncake"}
+PAIRED = {"kvpool_dram": "own_after_dram", "kvpool_ssd": "own_after_ssd", "mooncake": "own_after_mooncake",
+          "pd_decode": "own_after_pd"}
 AIMS: list[tuple[str, str, float]] = [("kvpool_dram", "own", 1.2), ("kvpool_dram", "mooncake", 0.6),
                                       ("kvpool_ssd", "own", 1.5)]
 PHASE_TIMEOUT_S = 1800.0
@@ -374,7 +385,8 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
         save_model(work / "model", MODEL)
         rng = np.random.default_rng(args.seed)
         vocab = int(shape["vocab_size"])  # type: ignore[call-overload]
-        prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(args.prompts + 1)]
+        sets = 2 if args.pd else 1  # the 1P1D phase's prompts (a warm-up and its measured ones) are its own
+        prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(sets * (args.prompts + 1))]
         (work / "prompts.json").write_text(json.dumps(prompts))
         measured = range(1, args.prompts + 1)  # prompt 0 is W, the warm-up
 
@@ -399,6 +411,13 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
                 _check(done, expect_hit, args.block_size)
                 requests += done
                 evidence[f"master after {name}"] = _master_counts(pool.address)
+            if args.pd:
+                from kvpool.bench.vllm_pd import pd_phase
+
+                done = pd_phase(runner, str(config), range(args.prompts + 1, 2 * (args.prompts + 1)))
+                _check(done, expect_hit, args.block_size)
+                requests += done
+                evidence["master after kvpool 1P1D"] = _master_counts(pool.address)
             if args.mooncake:
                 from kvpool.bench.vllm_peers import MooncakeStore
 
@@ -534,6 +553,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its own process; ~60 s a start here) instead of the in-process engine core (~20 s)")
     parser.add_argument("--no-mooncake", dest="mooncake", action="store_false",
                         help="skip the MooncakeStoreConnector phases")
+    parser.add_argument("--no-pd", dest="pd", action="store_false",
+                        help="skip the 1P1D phase (a prefill and a decode vLLM process handing prompts off through "
+                        "the pool)")
     parser.add_argument("--no-install", dest="install", action="store_false",
                         help="fail instead of installing Mooncake (" + "mooncake-transfer-engine-non-cuda"
                         + " into the vLLM Python, and its Debian libraries) when it is missing")

@@ -15,7 +15,10 @@ Load it with::
   stops vLLM from starting, with the reason. Otherwise it is one ERROR line
   and vLLM serves without the pool (every block computed).
 
-Both are parsed strictly (:mod:`.settings`): ``"false"`` is false.
+- ``kvpool_handoff_timeout_ms`` (default 2000): prefill/decode disaggregation's
+  bound on either side's wait, below.
+
+All are parsed strictly (:mod:`.settings`): ``"false"`` is false.
 
 vLLM's prefix cache is the HBM tier: the scheduler side
 (:mod:`kvpool.engines.vllm.scheduler`) asks the pool only for the blocks
@@ -26,6 +29,16 @@ block that does not load is reported (``get_block_ids_with_load_errors``)
 and vLLM recomputes it; the connector sets ``kv_load_failure_policy`` to
 ``recompute`` (vLLM's default, ``fail``, would fail the request). Keys:
 :mod:`kvpool.engines.vllm.keys`. Stats: :mod:`kvpool.engines.vllm.stats`.
+
+``kv_role`` (:class:`~kvpool.engines.vllm.scheduler.Role`): ``kv_both`` loads
+and saves as above. ``kv_producer`` (a prefill instance) stores every full
+block of each prompt and keeps a finished request's blocks until the pool
+holds them (``request_finished`` answers True; :mod:`.handoff` reports it in
+``finished_sending``, confirmed or, after the timeout, not); its
+``kv_transfer_params`` say how many prompt tokens it stored. ``kv_consumer``
+(a decode instance) stores only the blocks its generated tokens fill, and a
+request whose ``kv_transfer_params`` announce stored tokens waits for them
+(bounded by the timeout), then loads them.
 
 Not supported (refused with a warning, vLLM then runs without the pool):
 models with more than one KV cache group (hybrid attention).
@@ -48,9 +61,10 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig
+from kvpool.engines.vllm.handoff import HandoffWatch
 from kvpool.engines.vllm.keys import VllmKeySpace
-from kvpool.engines.vllm.scheduler import PoolScheduler, StepPlan
-from kvpool.engines.vllm.settings import client_config, strict_mode
+from kvpool.engines.vllm.scheduler import PoolScheduler, Role, StepPlan
+from kvpool.engines.vllm.settings import HANDOFF_TIMEOUT_MS, client_config, handoff_timeout_s, strict_mode
 from kvpool.engines.vllm.stats import KVPoolConnectorStats, KVPoolPromMetrics
 from kvpool.engines.vllm.worker import PoolWorker, block_layers
 from kvpool.layout import KVLayout
@@ -124,9 +138,15 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._space: VllmKeySpace | None = None
         self._num_blocks = kv_cache_config.num_blocks
         self._unloadable: set[int] = set()  # planned loads this worker could not attempt (it has no pool)
+        kv = self._kv_transfer_config
+        self._role = Role.of(kv.is_kv_producer, kv.is_kv_consumer)
+        self._handoffs: HandoffWatch | None = None  # a producer worker's
+        self._unwatched: set[str] = set()  # hand-offs this worker could not watch (it has no pool): done at once
+        timeout = HANDOFF_TIMEOUT_MS / 1000
         try:
             strict = strict_mode(extra)
             config = client_config(extra)
+            timeout = handoff_timeout_s(extra)
             groups = len(kv_cache_config.kv_cache_groups)
             if groups > 1:
                 raise ValueError(f"{groups} KV cache groups (hybrid attention) are not supported")
@@ -145,10 +165,12 @@ class KVPoolConnector(KVConnectorBase_V1):
                 # strict: a fault raises PoolFault, which the scheduler side answers with 0 tokens and a pause
                 self._pool = PoolClient(dataclasses.replace(config, hbm_blocks=0, shared_memory=False, strict=True,
                                                             layout=None))
-            self._scheduler = PoolScheduler(self._key_space, self._pool, self._block_size)
+            self._scheduler = PoolScheduler(self._key_space, self._pool, self._block_size, role=self._role,
+                                            handoff_timeout_s=timeout)
         elif config is not None:
             self._pool = PoolClient(dataclasses.replace(config, hbm_blocks=0, strict=False, layout=None))
-        log.info("kvpool connector (%s): %s", role.name.lower(),
+        self._handoff_timeout_s = timeout
+        log.info("kvpool connector (%s, %s): %s", role.name.lower(), self._role.value,
                  f"pool at {config.master}, model {self._model!r}" if config is not None else "pool off")
 
     def _key_space(self) -> VllmKeySpace:
@@ -176,9 +198,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         return KVPoolMetadata(self._scheduler.plan(scheduler_output))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._scheduler is not None:
-            self._scheduler.finished(request)
-        return False, None  # saves were copied out in the step that filled the blocks
+        if self._scheduler is None:
+            return False, None
+        # Saves were copied out in the steps that filled the blocks; a producer's request is held until the pool
+        # holds them (finished_sending), and its params say how many prompt tokens it stored.
+        handoff, params = self._scheduler.finished(request)
+        return handoff is not None, params
 
     # -- worker side ------------------------------------------------------------------------------------
 
@@ -199,6 +224,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         pc = self._vllm_config.parallel_config
         shard = get_pp_group().rank_in_group * pc.tensor_parallel_size + get_tensor_model_parallel_rank()
         self._worker = PoolWorker(self._pool, layers, shard)
+        if self._role is Role.PRODUCER:
+            self._handoffs = HandoffWatch(self._pool, self._handoff_timeout_s, shard)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -222,6 +249,23 @@ class KVPoolConnector(KVConnectorBase_V1):
         if meta.plan.saves and self._worker is not None:
             self._worker.save(meta.plan.saves)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._sending(), None
+
+    def _sending(self) -> set[str] | None:
+        """Hand-offs done (``finished_sending``): this step's go to the watch, and what it reported comes back."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        handoffs = meta.plan.handoffs if isinstance(meta, KVPoolMetadata) else []
+        if handoffs:
+            if self._handoffs is None:  # this worker has no pool: nothing to wait for
+                self._unwatched.update(h.req_id for h in handoffs)
+            else:
+                self._handoffs.add(handoffs)
+        done, self._unwatched = self._unwatched, set()
+        if self._handoffs is not None:
+            done |= self._handoffs.take_done()
+        return done or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._unloadable = self._unloadable, set()
         if self._worker is not None:
@@ -234,7 +278,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             stats = KVPoolConnectorStats.of(match=self._scheduler.take_stats())
         elif self._worker is not None:
-            stats = KVPoolConnectorStats.of(transfer=self._worker.take_stats())
+            handoff = self._handoffs.take_stats() if self._handoffs is not None else None
+            stats = KVPoolConnectorStats.of(transfer=self._worker.take_stats(), handoff=handoff)
         else:
             return None
         return None if stats.is_empty() else stats
@@ -250,6 +295,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self._handoffs is not None:
+            self._handoffs.close()
         if self._pool is not None:
             self._pool.flush(5.0)
             self._pool.close()

@@ -2,6 +2,9 @@
 
 - ``kvpool_config_path``: a kvpool JSON config (a string; absent: ``KVPOOL_CLIENT_*`` variables and defaults).
 - ``kvpool_strict``: on/off (:func:`kvpool.engines.options.flag`: true/false, 1/0, yes/no, on/off; default off).
+- ``kvpool_handoff_timeout_ms``: prefill/decode disaggregation's bound on each side's wait (an integer, 1 ms to
+  10 min; default 2000): a producer's wait for the pool to confirm a finished request's blocks, a consumer's
+  wait for the blocks a producer announced (:mod:`kvpool.engines.vllm.scheduler`).
 
 Other ``kvpool_*`` fields are refused by name (a typo must not pass silently); fields without the prefix belong
 to vLLM or other connectors and are left alone. Every problem is one ValueError naming the field.
@@ -16,12 +19,21 @@ from kvpool.config import ClientConfig, load_config
 from kvpool.engines import options
 
 EXTRA = "kv_connector_extra_config"
-EXTRA_FIELDS = ("kvpool_config_path", "kvpool_strict")
+EXTRA_FIELDS = ("kvpool_config_path", "kvpool_strict",
+                "kvpool_handoff_timeout_ms")
+HANDOFF_TIMEOUT_MS = 2000
 
 
 def strict_mode(extra: Mapping[str, Any]) -> bool:
     """``kvpool_strict``: whether a config that cannot be used stops vLLM (default False)."""
     return options.flag(extra.get("kvpool_strict", False), f"{EXTRA}.kvpool_strict")
+
+
+def handoff_timeout_s(extra: Mapping[str, Any]) -> float:
+    """``kvpool_handoff_timeout_ms`` in seconds: how long either side of a prefill/decode hand-off waits."""
+    field = f"{EXTRA}.kvpool_handoff_timeout_ms"
+    return options.integer(extra.get("kvpool_handoff_timeout_ms", HANDOFF_TIMEOUT_MS), field, low=1,
+                           high=600_000) / 1000
 
 
 def client_config(extra: Mapping[str, Any]) -> ClientConfig:

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvpool.engines.vllm.handoff import HandoffStats
 from kvpool.engines.vllm.scheduler import MatchStats
 from kvpool.engines.vllm.worker import TransferStats
 
@@ -39,6 +40,11 @@ FIELDS: dict[str, tuple[str, str]] = {
     "dropped_blocks": ("dropped_blocks", "Blocks not saved: the write-behind queue was full"),
     "load_seconds": ("load_seconds", "Time spent loading blocks"),
     "save_seconds": ("save_seconds", "Time spent copying blocks out for saving"),
+    # prefill/decode disaggregation (kv_role): a producer's hand-offs, a consumer's waits for them
+    "handoffs": ("handoffs", "Finished requests of a kv_producer whose blocks the pool confirmed"),
+    "handoff_faults": ("handoff_faults", "Finished requests of a kv_producer released without that confirmation"),
+    "handoff_waits": ("handoff_waits", "Requests of a consumer that waited for the blocks a producer announced"),
+    "handoff_timeouts": ("handoff_timeouts", "Of those, the waits that ended at the timeout, short of the blocks"),
 }
 
 
@@ -54,11 +60,15 @@ class KVPoolConnectorStats(KVConnectorStats):
         self.data: dict[str, Any] = dict.fromkeys(FIELDS, 0)
 
     @classmethod
-    def of(cls, match: MatchStats | None = None, transfer: TransferStats | None = None) -> KVPoolConnectorStats:
+    def of(cls, match: MatchStats | None = None, transfer: TransferStats | None = None,
+           handoff: HandoffStats | None = None) -> KVPoolConnectorStats:
         stats = cls()
         if match is not None:
             stats.data.update(lookups=match.lookups, hit_blocks_dram=match.hit_blocks.get("dram", 0),
-                              hit_blocks_ssd=match.hit_blocks.get("ssd", 0), lookup_faults=match.faults)
+                              hit_blocks_ssd=match.hit_blocks.get("ssd", 0), lookup_faults=match.faults,
+                              handoff_waits=match.handoff_waits, handoff_timeouts=match.handoff_timeouts)
+        if handoff is not None:
+            stats.data.update(handoffs=handoff.confirmed, handoff_faults=handoff.failed)
         if transfer is not None:
             stats.data.update(loaded_blocks=transfer.loaded_blocks, load_errors=transfer.load_errors,
                               saved_blocks=transfer.saved_blocks, dropped_blocks=transfer.dropped_blocks,
