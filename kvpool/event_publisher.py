@@ -13,13 +13,14 @@ vLLM subscriber reads it unchanged.
 
 Invariants:
 
-- :meth:`EventPublisher.publish` never blocks and never raises for a full queue: it numbers the batch in its
-  tenant's sequence and queues it, or counts it dropped when ``max_queue`` batches (or
-  :data:`MAX_QUEUE_HASHES` hashes) are waiting. Numbers are taken at publish, so a dropped batch is a gap in
-  the sequence its tenant's subscribers see; replay cannot fill it (it never reached the buffer), which
-  tells the router its view is incomplete. A topic over :data:`~kvpool.events.MAX_TOPIC_BYTES` is refused
-  before it is numbered (counted: no gap), an encoded batch over
-  :data:`~kvpool.events.MAX_BATCH_BYTES` after (counted: a gap; the master's feed never makes one).
+- :meth:`EventPublisher.publish` never blocks and never raises for a full queue: it encodes the batch (in
+  the caller's thread), numbers it in its tenant's sequence and queues the bytes, or counts it dropped when
+  ``max_queue`` batches (or :data:`MAX_QUEUE_BYTES` of them) are waiting: the queue holds encoded bytes
+  only, so a publisher thread that lags behind (a busy host) costs at most that much memory. Numbers are
+  taken at publish, so a dropped batch is a gap in the sequence its tenant's subscribers see; replay cannot
+  fill it (it never reached the buffer), which tells the router its view is incomplete. A topic over
+  :data:`~kvpool.events.MAX_TOPIC_BYTES` or an encoded batch over :data:`~kvpool.events.MAX_BATCH_BYTES`
+  (the master's feed never makes one) is refused before it is numbered (counted: no gap).
 - Batches are sent in sequence order. A slow subscriber loses batches at its queue's mark, never slowing
   the publisher; it sees the gap and replays. The mark is ``subscriber_bytes / MAX_BATCH_BYTES`` batches:
   libzmq queues one copy of a batch for all its subscribers (each subscriber's queue holds a reference,
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 HANDSHAKE_MS = 3000  # a connection that has not completed ZMTP's handshake (and CURVE's) by then is closed
 HEARTBEAT_MS = 5000  # ZMTP pings to every peer; one silent for HEARTBEAT_TIMEOUT_MS is dropped
 HEARTBEAT_TIMEOUT_MS = 15_000
-MAX_QUEUE_HASHES = 2_000_000  # hashes waiting to be encoded (Python ints: ~70 MB at most)
+MAX_QUEUE_BYTES = 16 << 20  # encoded batches waiting for the publisher thread
 MIN_SUBSCRIBER_BATCHES = 16  # the smallest send mark, whatever the byte budget
 INBOUND_HWM = 100  # subscriptions or replay requests queued from one peer before libzmq stops reading it
 REPLAY_REQUESTS_PER_TURN = 64
@@ -136,12 +137,11 @@ class EventPublisher:
         self._topic = topic
         tenants = access.tenants if access is not None else [""]
         self._namespaces = {t.encode(): tenant_prefix(topic, t).encode() for t in tenants}
-        self._queue: deque[tuple[str, int, bytes, KVEventBatch, int] | None] = deque()
-        self._queued_hashes = 0
+        self._queue: deque[tuple[str, int, bytes, bytes] | None] = deque()
+        self._queued_bytes = 0
         self._buffer = ReplayBuffer(tenants, limits.buffer_batches, limits.buffer_bytes)
         self._seq = dict.fromkeys(tenants, 0)  # each tenant's next sequence number
         self._lock = threading.Lock()  # the queue and the sequence numbers
-        self._encoder = msgspec.msgpack.Encoder()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._ctx = zmq.Context()
         self._sockets: list[zmq.Socket] = []
@@ -215,17 +215,20 @@ class EventPublisher:
         if len(wire_topic) > MAX_TOPIC_BYTES:
             self._refuse("topic", f"a topic of {len(wire_topic)} bytes (at most {MAX_TOPIC_BYTES})")
             return None
-        hashes = sum(len(getattr(event, "block_hashes", ())) for event in events)
+        payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=list(events)))
+        if len(payload) > MAX_BATCH_BYTES:
+            self._refuse("batch", f"a batch of {len(payload)} bytes (at most {MAX_BATCH_BYTES})")
+            return None
         with self._lock:
             if not self._running:  # closed meanwhile (the wake-up descriptor may be gone)
                 return None
             seq = self._seq[tenant]  # KeyError: a tenant the publisher was not made for (a bug)
             self._seq[tenant] = seq + 1
-            if len(self._queue) >= self.limits.max_queue or self._queued_hashes + hashes > MAX_QUEUE_HASHES:
+            if len(self._queue) >= self.limits.max_queue or self._queued_bytes + len(payload) > MAX_QUEUE_BYTES:
                 self.metrics.dropped.inc()
                 return None
-            self._queue.append((tenant, seq, wire_topic, KVEventBatch(ts=time.time(), events=list(events)), hashes))
-            self._queued_hashes += hashes
+            self._queue.append((tenant, seq, wire_topic, payload))
+            self._queued_bytes += len(payload)
             os.eventfd_write(self._wake, 1)
         return seq
 
@@ -317,17 +320,13 @@ class EventPublisher:
                     return False
                 item = self._queue.popleft()
                 if item is not None:
-                    self._queued_hashes -= item[4]
+                    self._queued_bytes -= len(item[3])
             if item is None:
                 return True
-            self._send(*item[:4])
+            self._send(*item)
         return False
 
-    def _send(self, tenant: str, seq: int, topic: bytes, batch: KVEventBatch) -> None:
-        payload = self._encoder.encode(batch)
-        if len(payload) > MAX_BATCH_BYTES:
-            self._refuse("batch", f"a batch of {len(payload)} bytes (at most {MAX_BATCH_BYTES}): a gap at {seq}")
-            return
+    def _send(self, tenant: str, seq: int, topic: bytes, payload: bytes) -> None:
         self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)  # PUB never blocks
         self._buffer.append(tenant, seq, topic, payload)
         self.metrics.published.inc()

