@@ -146,7 +146,7 @@ def _trace_connector() -> None:
     PoolClient.lookup = timed("lookup", PoolClient.lookup)  # type: ignore[method-assign]
     PoolClient.get_into = timed("get", PoolClient.get_into)  # type: ignore[method-assign]
     worker._scatter = timed("scatter", worker._scatter)
-    worker.PoolWorker._load = timed("load", worker.PoolWorker._load)  # type: ignore[method-assign]
+    worker.PoolWorker.fetch = timed("fetch", worker.PoolWorker.fetch)  # type: ignore[method-assign]
     worker.PoolWorker.save = timed("save", worker.PoolWorker.save)  # type: ignore[method-assign]
 
 
@@ -238,9 +238,6 @@ class _Runner:
     def __init__(self, args: argparse.Namespace, python: str, work: Path, progress: Callable[[str], None]):
         self.args, self.python, self.work, self.progress = args, python, work, progress
         self.env = vllm_env(python, cpus=args.cpus, kv_cache_gib=args.kv_cache_gib, in_process=not args.multiprocess)
-        iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # the venv's own lib (vllm_env resolves the
-        if "LD_PRELOAD" not in self.env and iomp.exists():  # interpreter's symlink past the venv and misses it)
-            self.env["LD_PRELOAD"] = str(iomp)
         self.env["VLLM_LOGGING_LEVEL"] = "WARNING"
         self.env["PYTHONUNBUFFERED"] = "1"
 
