@@ -9,6 +9,7 @@ load is in flight without sleeping to win a race.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,6 +150,21 @@ def test_an_async_load_is_reported_only_after_its_blocks_are_written_and_its_fai
     assert rig.worker.take_load_errors() == set()  # async failures go out with finished_recving, not here
     stats = rig.worker.take_stats()
     assert (stats.loaded_blocks, stats.load_errors, stats.loads) == (5, 2, 2)
+    loads.close()
+
+
+def test_an_idle_step_waits_for_a_load_to_finish_but_never_past_its_bound(rig):
+    loads = AsyncLoads(rig.worker)
+    loads.wait(5.0)  # nothing pending: at once
+    rig.pool.gate = threading.Event()
+    loads.submit([rig.job("r1", [0], [20])])
+    start = time.monotonic()
+    loads.wait(0.05)
+    assert time.monotonic() - start >= 0.05 and loads.take_finished() == (set(), set())  # still held: bounded
+    opener = threading.Timer(0.01, rig.pool.gate.set)
+    opener.start()
+    loads.wait(30.0)  # returns when the job finishes, long before the bound
+    assert loads.take_finished() == ({"r1"}, set())
     loads.close()
 
 

@@ -22,6 +22,12 @@ vLLM's contract (``vllm/v1/core/sched/scheduler.py``, read for 0.32):
   freed and gave to another request. A waiting request is never preempted.
 - A job that raises (a bug, not a pool fault: those are misses) is reported
   finished with every block failed: vLLM recomputes, the request is not stuck.
+- While every request waits for its KV, vLLM steps without computing, as
+  fast as it can, and each empty step's Python holds the GIL the loader
+  thread needs (a lone request's load ran ~4x slower so). In such a step
+  ``get_finished`` waits for the next job to finish, at most
+  :data:`IDLE_WAIT_S` (:meth:`AsyncLoads.wait`): nothing runs that it could
+  delay, and a request arriving meanwhile waits that long at most.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from kvpool.engines.vllm.worker import Fetched, PoolWorker
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.02  # the longest an idle step waits for a load to finish
+
 
 class AsyncLoads:
     """The loader thread and what it finished since the last :meth:`take_finished` (see the module docstring)."""
@@ -46,6 +54,7 @@ class AsyncLoads:
         self._staging = worker.staging()  # the loader thread's own
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-load")
         self._lock = threading.Lock()
+        self._finished = threading.Condition(self._lock)  # notified when a job finishes
         self._done: set[str] = set()  # requests whose job finished since the last take_finished
         self._failed: set[int] = set()  # their blocks that did not load
         self._pending = 0  # jobs submitted and not finished
@@ -72,6 +81,12 @@ class AsyncLoads:
             self._done.add(job.req_id)
             self._failed.update(failed)
             self._pending -= 1
+            self._finished.notify_all()
+
+    def wait(self, timeout: float = IDLE_WAIT_S) -> None:
+        """Return once a job finished that is not taken yet, no job is pending, or ``timeout`` passed."""
+        with self._lock:
+            self._finished.wait_for(lambda: self._done or not self._pending, timeout)
 
     def take_finished(self) -> tuple[set[str], set[int]]:
         """The requests whose load finished since the last call, and the blocks of theirs that did not load."""

@@ -289,9 +289,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         return None, self._recving()
 
     def _recving(self) -> set[str] | None:
-        """Async loads finished since the last step (their failed blocks go out with this step's load errors)."""
+        """Async loads finished since the last step (their failed blocks go out with this step's load errors);
+        in a step that computed nothing, waits a moment for one (:mod:`.async_loads`)."""
         done, self._unreceived = self._unreceived, set()
         if self._async is not None:
+            if self.has_connector_metadata() and self._plan().idle:
+                self._async.wait()
             finished, failed = self._async.take_finished()
             done |= finished
             self._async_errors |= failed

@@ -64,6 +64,7 @@ class LayerwiseLoad:
         self._jobs = list(jobs)
         self._ready = [threading.Event() for _ in self._worker.layers]
         self._start = time.perf_counter()
+        self._seconds = 0.0
         self._future: Future[list[Fetched]] = thread.executor.submit(self._run, thread.load_staging)
         self._finished = False
 
@@ -79,6 +80,7 @@ class LayerwiseLoad:
             for i, ready in enumerate(self._ready):
                 worker.scatter(fetched, (i,))
                 ready.set()
+            self._seconds = time.perf_counter() - self._start  # the load's own time, not the forward's
             return fetched
         finally:
             for ready in self._ready:  # after a failure too: the forward must not hang
@@ -101,7 +103,7 @@ class LayerwiseLoad:
         except Exception:
             log.exception("kvpool: a layer-wise load failed; vLLM recomputes its blocks")
             fetched = [Fetched(job, 0, torch.empty(0, dtype=torch.uint8)) for job in self._jobs]
-        seconds = (time.perf_counter() - self._start) / max(1, len(fetched))
+        seconds = self._seconds / max(1, len(fetched))
         for f in fetched:
             failed = self._worker.count_load(f, seconds)
             if failed:

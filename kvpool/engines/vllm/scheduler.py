@@ -94,11 +94,13 @@ class StepPlan:
 
     ``loads`` are the step's own (done before its forward reads them); ``async_loads`` start now and are
     reported done in ``finished_recving`` of a later step (their requests are not in this step's batch).
+    ``idle``: the step computes nothing (vLLM steps like this while every request waits for its KV).
     """
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     async_loads: list[LoadJob] = field(default_factory=list)
+    idle: bool = False
 
 
 @dataclass(slots=True)
@@ -220,6 +222,7 @@ class PoolScheduler:
         if self._pool is None:
             return plan
         plan.async_loads, self._async_planned = self._async_planned, []
+        plan.idle = not getattr(output, "total_num_scheduled_tokens", 1)
         scheduled = output.num_scheduled_tokens
         for new in output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
