@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.bench.vllm import AIMS, Request, _check, render, summarize
+from kvpool.bench.vllm import AIMS, LAYERWISE_AIM, Request, _check, render, summarize
 from kvpool.cli import build_parser
 
 HIT = 2016  # a 2,048-token prompt in blocks of 32: all but the last block
@@ -45,7 +45,7 @@ def test_summary_judges_every_aim_on_medians_and_pairs_each_hit_with_its_own_hit
     table = render({"setup": {"model": "m", "dtype": "float32", "prompt_tokens": 2048, "block_size": 32,
                               "block_bytes": 786432, "prompts": 3, "cpus": "0-1", "engine": "in-process"},
                     "requests": run_of(), "summary": summary})
-    assert "| kvpool hit from DRAM, fresh process | 540.0 |" in table
+    assert "| kvpool hit from DRAM, fresh process (whole-request sync load) | 540.0 |" in table
     assert "kvpool_dram <= 0.6 x mooncake: 0.93 (MISSED)" in table
 
 
@@ -84,3 +84,31 @@ def test_the_1p1d_rows_pair_the_decode_from_the_hand_off_with_the_decode_instanc
         _check_handoff({"counters": {"vllm:kvpool_hit_blocks_dram": 60, "vllm:kvpool_loaded_blocks": 60,
                                      "vllm:kvpool_load_errors": 3}}, 2048, 32, 7)
     assert build_parser().parse_args(["bench", "vllm", "--no-pd"]).pd is False
+
+
+def test_the_layerwise_aim_is_on_what_each_load_adds_to_the_same_processs_own_hit_and_itl_rows_are_medians():
+    run = run_of()
+    for p in range(1, 4):
+        run += [req("kvpool_layerwise", p, 0.52, metrics=loaded("dram")), req("own_after_layerwise", p, 0.50),
+                req("kvpool_async", p, 0.56, metrics=loaded("dram")), req("own_after_async", p, 0.50)]
+    _check(run, HIT, 32)
+
+    def hit(prompt: int, window: list[float], hit_step: float) -> dict:
+        return {"prompt": prompt, "baseline_s": [0.05, 0.05, 0.06], "window_s": window, "hit_step_s": hit_step,
+                "ttft_s": 0.2, "cached": HIT, "load_s": 0.03, "loaded_blocks": BLOCKS}
+
+    itl = {"sync": [hit(1, [], 0.15), hit(2, [], 0.13)], "async": [hit(1, [0.05, 0.07], 0.09), hit(2, [0.06], 0.1)]}
+    summary = summarize(run, itl)
+    aim = summary["aims"][-1]
+    # what each adds to the own hit served after it: layer-wise 20 ms, the whole-request load 40 ms
+    assert (aim["case"], aim["reference"], aim["limit"]) == ("kvpool_layerwise", "kvpool_dram", LAYERWISE_AIM)
+    assert aim["ratio"] == pytest.approx(0.02 / 0.04) and not aim["met"]
+    assert summary["itl"]["async"]["window_max"] == pytest.approx(0.065)  # median over hits of each hit's max
+    assert summary["itl"]["sync"]["window_steps"] == 0 and summary["itl"]["sync"]["hit_step"] == pytest.approx(0.14)
+    table = render({"setup": {"model": "m", "dtype": "bfloat16", "prompt_tokens": 2048, "block_size": 32,
+                              "block_bytes": 393216, "prompts": 3, "cpus": "0-1", "engine": "in-process",
+                              "running": 4},
+                    "requests": run, "summary": summary})
+    assert "kvpool_layerwise paired +ms <= 0.4 x kvpool_dram paired +ms: 0.50 (MISSED)" in table
+    assert "| async | 50.0 | 60.0 / 65.0 (2) | 95.0 | 200.0 | 30.0 |" in table
+    assert "| sync | 50.0 | (none: in the hit's step) | 140.0 | 200.0 | 30.0 |" in table

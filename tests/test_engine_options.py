@@ -12,7 +12,7 @@ import types
 import pytest
 
 from kvpool.engines import options
-from kvpool.engines.vllm.settings import client_config, strict_mode
+from kvpool.engines.vllm.settings import DEFAULT_LOAD_MODE, client_config, load_mode, strict_mode
 
 # (value, what an on/off setting reads it as; None: refused). A list: True, 1 and 1.0 are one dict key.
 FLAGS = [
@@ -65,6 +65,17 @@ def test_the_vllm_connectors_kvpool_strict(value, want):
     else:
         assert strict_mode({"kvpool_strict": value}) is want
     assert strict_mode({}) is False
+
+
+@pytest.mark.parametrize("value", ["Async", "layer-wise", "", None, 1, True, ["sync"]])
+def test_the_vllm_connectors_load_mode_is_one_of_its_words_as_written(value):
+    assert [load_mode({"kvpool_load_mode": m}) for m in ("async", "sync", "layerwise")] == ["async", "sync",
+                                                                                          "layerwise"]
+    assert load_mode({}) == DEFAULT_LOAD_MODE == "async"
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config\.kvpool_load_mode must be one of 'async', "
+                                         r"'sync', 'layerwise', got "):
+        load_mode({"kvpool_load_mode": value})
+    client_config({"kvpool_load_mode": "sync"})  # a known field, not refused as unknown
 
 
 def test_the_vllm_connectors_config_path_must_be_a_path(tmp_path):

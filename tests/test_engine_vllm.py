@@ -62,6 +62,7 @@ class Run:
         self.results: dict[tuple[str, str], dict[str, Any]] = {}
         self.metrics: dict[str, dict[str, float]] = {}
         self.refused: dict[str, str] = {}
+        self.stepped: dict[str, dict[str, Any]] = {}
         self.log = ""
 
     def tokens(self, engine: str, req: str) -> list[int]:
@@ -97,6 +98,8 @@ def drive(python: str, model: str, tmp: Path, engines: list[dict[str, Any]], *, 
                 run.refused[said["engine"]] = said["refused"]
             elif "metrics" in said:
                 run.metrics[said["engine"]] = said["metrics"]
+            elif "stepped" in said:
+                run.stepped[said["engine"]] = said["stepped"]
             else:
                 run.results[(said["engine"], said["id"])] = said
         code = proc.wait()
@@ -312,3 +315,114 @@ def test_a_connector_config_that_cannot_be_used_is_one_error_line_and_vllm_serve
     assert "strict" in run.refused and "kvpool connector: cannot read config file" in run.refused["strict"]
     assert ("strict", "p") not in run.results
 
+
+
+def arena_blocks(name: str) -> dict[bytes, tuple[int, int]]:
+    """The committed blocks of arena ``name``: key -> (offset, length) in its data region."""
+    import numpy as np
+
+    from kvpool.tiers.arena import SharedArena
+
+    arena = SharedArena.attach(name)
+    try:
+        rows = arena.table[np.flatnonzero(arena.gens % 2 == 0)]
+        return {r["key"].tobytes(): (int(r["offset"]), int(r["length"])) for r in rows}
+    finally:
+        arena.close()
+
+
+def corrupt(name: str, extents: list[tuple[int, int]]) -> None:
+    """Overwrite the first KiB of each extent of arena ``name``'s data (rows, gens and checksums unchanged)."""
+    from kvpool.tiers.arena import SharedArena
+
+    arena = SharedArena.attach(name)
+    try:
+        for offset, length in extents:
+            arena.data[offset : offset + min(length, 1024)] = 0x5A
+    finally:
+        arena.close()
+
+
+def test_async_and_layerwise_loads_park_the_request_keep_the_batch_running_and_fail_into_recompute(
+        python, model, procs, tmp_path):
+    """Issue 27: ``kvpool_load_mode`` async and layerwise in the real vLLM.
+
+    A fill process stores eight prompts (sync mode). A layer-wise process loads one whole and one whose last
+    block was corrupted in the node's arena. An async process (vLLM driven step by step): a request decodes,
+    then two prompts whose blocks are in the pool arrive while the worker's reads of them are held (a slow
+    pool); vLLM's own scheduler shows them in WAITING_FOR_REMOTE_KVS while the other request decodes, one is
+    aborted mid-load, and after the reads go through vLLM holds no request and no block. Then loads that fail:
+    every block corrupted, the last corrupted, and (a fresh process, async by default) the node killed with
+    its memory while the master still indexes its blocks. Greedy tokens equal vLLM without the pool
+    throughout; each failed load cost exactly its blocks (no load asked twice).
+    """
+    from fault.faultkit import kill_9, start_master, start_node
+
+    from kvpool.tiers.arena import shm_path
+
+    start_master(procs, **{"node-timeout-s": "60"})  # a killed node stays indexed: its loads fail
+    node = start_node(procs, "n1")
+    procs.wait_nodes(1)
+    arena = f"kvpool-test-{procs.tag}-n1"
+    names = ["hit", "aborted", "layer", "layer_bad", "all_bad", "last_bad", "killed"]
+    prompts = {n: prompt(40 + i, 300) for i, n in enumerate(names)}  # 9 full blocks each
+    running = req("running", prompt(60, 40), max_tokens=60)
+    batches = {"m1": ["hit", "aborted", "layer"], "m2": ["layer_bad"], "m3": ["all_bad"], "m4": ["last_bad"]}
+    marks: dict[str, dict[bytes, tuple[int, int]]] = {}
+    state: dict[str, Any] = {"expect": 0}
+
+    def on_pause(name: str) -> None:
+        if name in batches:  # the blocks the fill process saved since the last mark are this batch's
+            state["expect"] += 9 * len(batches[name])
+            wait_until(lambda: len(arena_blocks(arena)) >= state["expect"], timeout=30)
+            marks[name] = arena_blocks(arena)
+        elif name == "corrupt":
+            def extents(mark: str, before: str) -> list[tuple[int, int]]:
+                return sorted(v for k, v in marks[mark].items() if k not in marks[before])
+            assert [len(extents(m, b)) for m, b in (("m2", "m1"), ("m3", "m2"), ("m4", "m3"))] == [9, 9, 9]
+            corrupt(arena, extents("m2", "m1")[-1:] + extents("m3", "m2") + extents("m4", "m3")[-1:])
+        elif name == "kill":  # the node and its memory: a client that maps its arena from now on cannot
+            kill_9(node)
+            os.unlink(shm_path(arena))
+
+    def fill(*batch: str) -> list[dict[str, Any]]:
+        return [req(n, prompts[n]) for n in batch]
+
+    kv = functools.partial(connector, procs.master, tmp_path)
+    run = drive(python, model, tmp_path, [
+        {"name": "fill", "kvpool": kv(kvpool_load_mode="sync"),
+         "requests": [*fill(*batches["m1"]), {"pause": "m1"}, *fill("layer_bad"), {"pause": "m2"},
+                      *fill("all_bad"), {"pause": "m3"}, *fill("last_bad"), {"pause": "m4"}, *fill("killed")]},
+        {"name": "layerwise", "kvpool": kv(kvpool_load_mode="layerwise"),
+         "requests": [*fill("layer"), {"pause": "corrupt"}, *fill("layer_bad")]},
+        {"name": "async", "kvpool": kv(kvpool_load_mode="async"),
+         "requests": [{"stepped": {"running": running, "hits": fill("hit", "aborted"), "abort": ["aborted"],
+                                   "gate_steps": 3}},
+                      *fill("all_bad", "last_bad"), {"pause": "kill"}]},
+        {"name": "async_killed", "kvpool": kv(), "requests": fill("killed")},  # async: the default mode
+        {"name": "ref", "kvpool": None, "requests": [running, *fill(*(n for n in names if n != "aborted"))]},
+    ], on_pause=on_pause)
+
+    for engine, ids in (("layerwise", ["layer", "layer_bad"]), ("async", ["running", "hit", "all_bad", "last_bad"]),
+                        ("async_killed", ["killed"])):
+        for rid in ids:
+            assert run.tokens(engine, rid) == run.tokens("ref", rid), (engine, rid)
+    full = 9 * BLOCK
+    assert run.cached("layerwise", "layer") == run.cached("async", "hit") == full
+    # vLLM's own state: both hits waited in WAITING_FOR_REMOTE_KVS while the running request decoded (3 steps
+    # with a new token each, the gate's condition), then every request and block was released, the aborted
+    # one's included (vLLM frees a waiting request's blocks only once finished_recving names it).
+    stepped = run.stepped["async"]
+    assert stepped["overlap_steps"] >= 3, stepped["timeline"]
+    waits = [t for t in stepped["timeline"] if set(t["statuses"].values()) == {"WAITING_FOR_REMOTE_KVS"}]
+    assert sum(1 for t in waits if t["running_new_tokens"]) >= 3
+    assert stepped["left_requests"] == 0 and stepped["free_blocks"][0] == stepped["free_blocks"][1], stepped
+    # What loaded and what failed: each failed load cost its own blocks once (a request that failed at its
+    # first block is asked again by vLLM, and the connector answers 0: no second load).
+    def loads(engine: str) -> tuple[float, float]:
+        m = run.metrics[engine]
+        return m["vllm:kvpool_loaded_blocks"], m["vllm:kvpool_load_errors"]
+
+    assert loads("layerwise") == (9 + 8, 1)  # blocks are laid out in the arena in the order they were saved
+    assert loads("async") == (9 + 9 + 0 + 8, 9 + 1)  # hit, aborted (loaded all the same), all_bad, last_bad
+    assert loads("async_killed") == (0, 9)

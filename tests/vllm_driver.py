@@ -3,9 +3,21 @@
 SPEC: ``{"model": dir, "block_size": 32, "engines": [{"name": ..., "kvpool": extra-config or null,
 "vllm_kv_events": {"endpoint": ..., "replay_endpoint": ...} (optional: vLLM's own KV event publisher),
 "kv_transfer_config": a whole KVTransferConfig (optional: another connector instead of kvpool's),
-"requests": [{"id": ..., "prompt": [token ids], "max_tokens": n, "cache_salt": s or null} | {"pause": name}]}]}``.
+"requests": [REQUEST | {"pause": name} | {"stepped": STEPPED}]}]}``, a REQUEST being
+``{"id": ..., "prompt": [token ids], "max_tokens": n, "cache_salt": s or null}``.
 Engines run one after another in this process, each a new ``vllm.LLM`` (its own prefix cache), with the
 KVPoolConnector when ``kvpool`` is set and without a connector otherwise. Greedy sampling.
+
+``{"stepped": {"running": REQUEST, "hits": [REQUEST, ...], "abort": [id, ...], "gate_steps": n}}`` drives
+vLLM's engine step by step (``LLMEngine.add_request`` / ``step``, the engine core in this process): the
+running request starts and decodes, then the hits arrive while the kvpool worker's reads of their blocks are
+held at a gate (standing in for a slow pool: ``PoolWorker.fetch`` waits, nothing else changes). After each
+step the driver reads each hit's status from vLLM's scheduler. The gate opens once the running request has
+produced a token in ``gate_steps`` steps during which every hit was ``WAITING_FOR_REMOTE_KVS`` (or after
+400 steps), the ``abort`` requests being aborted just before; then every request runs to its end and the
+engine steps until vLLM's scheduler holds no request. Reported: ``{"engine", "stepped": {"timeline": [per
+step: hit statuses and the running request's new tokens], "overlap_steps", "left_requests", "free_blocks":
+[before, after]}}``, and each request's result as below.
 
 Prints one JSON object a line, each prefixed ``KVPOOL-TEST``: ``{"engine", "id", "tokens", "cached"}`` per
 request (``cached``: prompt tokens vLLM did not compute: its own hits plus the pool's), ``{"engine",
@@ -54,10 +66,93 @@ def metrics(llm: Any) -> dict[str, float]:
     return out
 
 
-def main() -> int:
-    from vllm import SamplingParams
+def prompt_of(req: dict[str, Any]) -> Any:
     from vllm.inputs import TokensPrompt
 
+    prompt = TokensPrompt(prompt_token_ids=req["prompt"])
+    if req.get("cache_salt"):
+        prompt["cache_salt"] = req["cache_salt"]
+    return prompt
+
+
+def params_of(req: dict[str, Any]) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=req.get("max_tokens", 8), temperature=0.0, detokenize=False)
+
+
+def stepped(name: str, llm: Any, spec: dict[str, Any]) -> None:
+    """The ``stepped`` scenario of the module docstring."""
+    import threading
+    import time
+
+    from kvpool.engines.vllm import worker as kvworker
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    gate = threading.Event()
+    held: set[str] = set()  # vLLM's ids of the requests whose reads wait at the gate
+    fetch = kvworker.PoolWorker.fetch
+
+    def gated_fetch(self: Any, job: Any, blocks: Any) -> Any:
+        if job.req_id in held:
+            gate.wait(300)
+        return fetch(self, job, blocks)
+
+    kvworker.PoolWorker.fetch = gated_fetch  # type: ignore[method-assign]
+    ids: dict[str, str] = {}  # our id -> vLLM's
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+
+    def add(req: dict[str, Any]) -> str:
+        ids[req["id"]] = engine.add_request(req["id"], prompt_of(req), params_of(req))
+        return ids[req["id"]]
+
+    def step() -> None:
+        for out in engine.step():
+            rid = out.request_id if out.request_id in ids else next(k for k, v in ids.items() if v == out.request_id)
+            tokens[rid] = list(out.outputs[0].token_ids)
+            if out.finished:
+                cached[rid] = out.num_cached_tokens or 0
+
+    running, hits = spec["running"], spec["hits"]
+    try:
+        add(running)
+        while len(tokens.get(running["id"], [])) < 2:
+            step()
+        for req in hits:
+            held.add(add(req))
+        timeline, overlap, steps = [], 0, 0
+        while not gate.is_set():
+            before = len(tokens.get(running["id"], []))
+            step()
+            steps += 1
+            statuses = {r["id"]: scheduler.requests[ids[r["id"]]].status.name if ids[r["id"]] in scheduler.requests
+                        else "GONE" for r in hits}
+            gained = len(tokens.get(running["id"], [])) - before
+            timeline.append({"statuses": statuses, "running_new_tokens": gained})
+            if gained and all(v == "WAITING_FOR_REMOTE_KVS" for v in statuses.values()):
+                overlap += 1
+            if overlap >= spec.get("gate_steps", 3) or steps >= 400 or running["id"] in cached:
+                if spec.get("abort"):
+                    engine.abort_request(list(spec["abort"]))
+                gate.set()
+        deadline = time.monotonic() + 120
+        while scheduler.has_requests() and time.monotonic() < deadline:
+            step()
+    finally:
+        gate.set()
+        kvworker.PoolWorker.fetch = fetch  # type: ignore[method-assign]
+    for req in [running, *hits]:
+        if req["id"] in cached:
+            say(engine=name, id=req["id"], tokens=tokens.get(req["id"], []), cached=cached[req["id"]])
+    say(engine=name, stepped={"timeline": timeline, "overlap_steps": overlap, "left_requests": len(scheduler.requests),
+                              "free_blocks": [free_before, pool.get_num_free_blocks()]})
+
+
+def main() -> int:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     for eng in spec["engines"]:
@@ -73,11 +168,10 @@ def main() -> int:
                 say(paused=req["pause"])
                 sys.stdin.readline()
                 continue
-            params = SamplingParams(max_tokens=req.get("max_tokens", 8), temperature=0.0, detokenize=False)
-            prompt = TokensPrompt(prompt_token_ids=req["prompt"])
-            if req.get("cache_salt"):
-                prompt["cache_salt"] = req["cache_salt"]
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            if "stepped" in req:
+                stepped(name, llm, req["stepped"])
+                continue
+            out = llm.generate([prompt_of(req)], params_of(req), use_tqdm=False)[0]
             say(engine=name, id=req["id"], tokens=list(out.outputs[0].token_ids), cached=out.num_cached_tokens or 0)
         say(engine=name, metrics=metrics(llm))
         del llm

@@ -20,7 +20,17 @@ ones (prompt ``W``, which the process filling a store stores too). Then
   its blocks are saved), then again (``kvpool_own``: vLLM's own hit with the
   connector loaded). The process exits (the connector flushes its saves);
 - ``kvpool DRAM``, a fresh process: each ``Pi`` (``kvpool_dram``: the prefix
-  loaded from the node's DRAM arena), then again (``own_after_dram``);
+  loaded from the node's DRAM arena, whole-request ``sync`` loads), then
+  again (``own_after_dram``);
+- ``kvpool DRAM layerwise`` and ``kvpool DRAM async``: the same in fresh
+  processes with ``kvpool_load_mode`` ``layerwise`` (``kvpool_layerwise``,
+  ``own_after_layerwise``) and ``async`` (``kvpool_async``,
+  ``own_after_async``);
+- ``kvpool ITL sync`` and ``kvpool ITL async``: fresh processes driven step
+  by step (:mod:`kvpool.bench.vllm_itl`): ``--running`` (4) requests decode
+  while each ``Pi`` arrives; the running requests' inter-token latency
+  while its load runs, against steps with no load in the same process,
+  and its TTFT;
 - ``mooncake fill`` / ``mooncake hit`` (vLLM's in-tree
   ``MooncakeStoreConnector``, ``mooncake_master`` and a separate
   ``mooncake_client`` store process, :mod:`kvpool.bench.vllm_peers`): the same
@@ -45,7 +55,10 @@ the forward are all inside it). Reported: medians over the prompts, the aims'
 ratios against ``own`` (``kvpool_dram <= 1.2 x own``, ``kvpool_dram <= 0.6 x
 mooncake``, ``kvpool_ssd <= 1.5 x own``) and, because the machine is shared,
 the same ratio per prompt against the ``own`` hit served right after it in
-the same process (``paired``). Every row is checked: cold rows computed every
+the same process (``paired``), and what the layer-wise load adds to that own
+hit against what the whole-request load adds (``paired +ms``, aim <= 0.4 x).
+``--only`` runs some of the phases (the kvpool ones need ``kvpool fill``,
+which always runs with them). Every row is checked: cold rows computed every
 token, hit rows reused all but the last block (``RequestOutput.num_cached_tokens``),
 kvpool rows came whole from the tier they name (the connector's
 ``vllm:kvpool_hit_blocks_{dram,ssd}`` and ``loaded_blocks`` counters), and
@@ -72,29 +85,36 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool.bench import vllm_itl
 from kvpool.bench.vllm_runtime import MODELS, save_model, vllm_env, vllm_python
 
 MODEL = "qwen2-0.5b"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-CASES = ("cold", "own", "kvpool_cold", "kvpool_own", "kvpool_dram", "kvpool_ssd", "mooncake_cold", "mooncake",
-         "pd_cold", "pd_decode")
+CASES = ("cold", "own", "kvpool_cold", "kvpool_own", "kvpool_dram", "kvpool_layerwise", "kvpool_async", "kvpool_ssd",
+         "mooncake_cold", "mooncake", "pd_cold", "pd_decode")
+DRAM_CASES = ("kvpool_dram", "kvpool_layerwise", "kvpool_async")  # loaded from DRAM, by load mode
 LABELS = {
     "cold": "cold prefill, vLLM alone",
     "own": "vLLM's own prefix-cache hit (ceiling)",
     "kvpool_cold": "cold prefill, kvpool connector on",
     "kvpool_own": "vLLM's own hit, kvpool connector on",
-    "kvpool_dram": "kvpool hit from DRAM, fresh process",
+    "kvpool_dram": "kvpool hit from DRAM, fresh process (whole-request sync load)",
+    "kvpool_layerwise": "kvpool hit from DRAM, fresh process, layer-wise load",
+    "kvpool_async": "kvpool hit from DRAM, fresh process, async load",
     "kvpool_ssd": "kvpool hit from SSD, fresh process",
     "mooncake_cold": "cold prefill, Mooncake connector on",
     "mooncake": "Mooncake Store hit, fresh process",
     "pd_cold": "1P1D: prefill instance, cold prefill",
     "pd_decode": "1P1D: decode instance, from the hand-off",
 }
-PAIRED = {"kvpool_dram": "own_after_dram", "kvpool_ssd": "own_after_ssd", "mooncake": "own_after_mooncake",
-          "pd_decode": "own_after_pd"}
+PAIRED = {"kvpool_dram": "own_after_dram", "kvpool_layerwise": "own_after_layerwise", "kvpool_async": "own_after_async",
+          "kvpool_ssd": "own_after_ssd", "mooncake": "own_after_mooncake", "pd_decode": "own_after_pd"}
+LAYERWISE_AIM = 0.4  # what the layer-wise load adds to vLLM's own hit <= this x what the whole-request load adds
+PHASES = ("vllm", "dram", "modes", "pd", "itl", "mooncake", "ssd")  # --only's words
 AIMS: list[tuple[str, str, float]] = [("kvpool_dram", "own", 1.2), ("kvpool_dram", "mooncake", 0.6),
                                       ("kvpool_ssd", "own", 1.5)]
 PHASE_TIMEOUT_S = 1800.0
+RUNNING_TOKENS = 128  # the prompt of each request decoding in the ITL phases
 
 
 @dataclass
@@ -157,7 +177,7 @@ def _trace_connector() -> None:
     PoolClient.lookup = timed("lookup", PoolClient.lookup)  # type: ignore[method-assign]
     PoolClient.get_into = timed("get", PoolClient.get_into)  # type: ignore[method-assign]
     worker._scatter = timed("scatter", worker._scatter)
-    worker.PoolWorker._load = timed("load", worker.PoolWorker._load)  # type: ignore[method-assign]
+    worker.PoolWorker.fetch = timed("fetch", worker.PoolWorker.fetch)  # type: ignore[method-assign]
     worker.PoolWorker.save = timed("save", worker.PoolWorker.save)  # type: ignore[method-assign]
 
 
@@ -174,7 +194,8 @@ def driver_main(spec_path: str) -> int:
         kv = KVTransferConfig(kv_connector="KVPoolConnector", kv_connector_module_path="kvpool.engines.vllm",
                               kv_role="kv_both",
                               kv_connector_extra_config={"kvpool_config_path": spec["kvpool_config"],
-                                                         "kvpool_strict": True})
+                                                         "kvpool_strict": True,
+                                                         "kvpool_load_mode": spec["load_mode"]})
     elif spec["connector"] == "mooncake":
         kv = KVTransferConfig(kv_connector="MooncakeStoreConnector", kv_role="kv_both")
     if spec["connector"] == "kvpool":
@@ -182,9 +203,17 @@ def driver_main(spec_path: str) -> int:
     tokens = spec["prompt_tokens"]
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, block_size=spec["block_size"], dtype=spec["dtype"],
               load_format="dummy", enforce_eager=True, disable_log_stats=False, max_model_len=tokens + 64,
-              max_num_batched_tokens=max(tokens + 64, 2048), max_num_seqs=4, seed=0, kv_transfer_config=kv)
+              max_num_batched_tokens=max(tokens + 64, 2048), max_num_seqs=spec.get("max_num_seqs", 4), seed=0,
+              kv_transfer_config=kv)
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     results = []
+    if spec.get("itl"):  # the batch rows (kvpool.bench.vllm_itl): warm up alone, then the scenario
+        from kvpool.bench import vllm_itl
+
+        itl = spec["itl"]
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)
+        records = vllm_itl.drive(llm, prompts, itl["running"], itl["hits"], itl["settle"], _counters)
+        Path(spec["result"] + ".itl").write_text(json.dumps(records))
     for case, index in spec["requests"]:
         before = dict(_counters(), **{f"trace:{k}": v for k, v in _TRACE.items()})
         start = time.perf_counter()
@@ -249,19 +278,18 @@ class _Runner:
     def __init__(self, args: argparse.Namespace, python: str, work: Path, progress: Callable[[str], None]):
         self.args, self.python, self.work, self.progress = args, python, work, progress
         self.env = vllm_env(python, cpus=args.cpus, kv_cache_gib=args.kv_cache_gib, in_process=not args.multiprocess)
-        iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # the venv's own lib (vllm_env resolves the
-        if "LD_PRELOAD" not in self.env and iomp.exists():  # interpreter's symlink past the venv and misses it)
-            self.env["LD_PRELOAD"] = str(iomp)
         self.env["VLLM_LOGGING_LEVEL"] = "WARNING"
         self.env["PYTHONUNBUFFERED"] = "1"
 
     def phase(self, name: str, connector: str | None, requests: list[tuple[str, int]],
-              extra_env: dict[str, str] | None = None, kvpool_config: str | None = None) -> list[Request]:
+              extra_env: dict[str, str] | None = None, kvpool_config: str | None = None, load_mode: str = "sync",
+              **extra_spec: Any) -> list[Request]:
         slug = name.replace(" ", "-")
         spec = {"model": str(self.work / "model"), "prompts": str(self.work / "prompts.json"),
                 "prompt_tokens": self.args.prompt_tokens, "block_size": self.args.block_size,
                 "dtype": self.args.dtype, "connector": connector, "kvpool_config": kvpool_config,
-                "requests": requests, "result": str(self.work / f"{slug}.result.json")}
+                "load_mode": load_mode, "requests": requests, "result": str(self.work / f"{slug}.result.json"),
+                **extra_spec}
         spec_path = self.work / f"{slug}.spec.json"
         spec_path.write_text(json.dumps(spec))
         log_path = self.work / f"{slug}.log"
@@ -301,8 +329,8 @@ def _check(requests: list[Request], expect_hit: int, block_size: int) -> None:
         if r.cached != want:
             raise RuntimeError(f"bench vllm: {r.case} of prompt {r.prompt} had {r.cached} tokens cached, not {want}")
         blocks = expect_hit // block_size
-        if r.case in ("kvpool_dram", "kvpool_ssd"):
-            tier = r.case.rsplit("_", 1)[1]
+        if r.case in (*DRAM_CASES, "kvpool_ssd", "itl_sync", "itl_async"):
+            tier = "ssd" if r.case == "kvpool_ssd" else "dram"
             other = "ssd" if tier == "dram" else "dram"
             m = r.metrics
             got = (m.get(f"vllm:kvpool_hit_blocks_{tier}", 0), m.get(f"vllm:kvpool_hit_blocks_{other}", 0),
@@ -363,8 +391,17 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
         raise ValueError("--prompts must be at least 1")
     if args.dtype == "auto":
         args.dtype = cpu_dtype()
+    only = set(args.only.split(",")) if args.only else set(PHASES)
+    if not only <= set(PHASES):
+        raise ValueError(f"--only takes {', '.join(PHASES)} (comma-separated), got {args.only!r}")
+    if not args.mooncake:
+        only.discard("mooncake")
+    if not args.pd:
+        only.discard("pd")
+    if args.running < 1 or args.settle < 1:
+        raise ValueError("--running and --settle must be at least 1")
     versions = {}
-    if args.mooncake:
+    if "mooncake" in only:
         from kvpool.bench.vllm_peers import ensure_mooncake
 
         versions["mooncake_check"] = ensure_mooncake(python, install=args.install)
@@ -378,17 +415,20 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
     work = Path(tempfile.mkdtemp(prefix="kvpool-bench-vllm-", dir=args.work_dir))
     setup = {"model": f"{MODEL} shape, dummy weights", "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
              "block_size": args.block_size, "block_bytes": block_bytes, "prompts": args.prompts,
-             "dram_slots": dram_slots, "cpus": args.cpus, "engine": "multiprocess" if args.multiprocess else
+             "dram_slots": dram_slots, "running": args.running, "cpus": args.cpus,
+             "engine": "multiprocess" if args.multiprocess else
              "in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)", "python": python, **versions}
     evidence: dict[str, Any] = {}
     try:
         save_model(work / "model", MODEL)
         rng = np.random.default_rng(args.seed)
         vocab = int(shape["vocab_size"])  # type: ignore[call-overload]
-        sets = 2 if args.pd else 1  # the 1P1D phase's prompts (a warm-up and its measured ones) are its own
+        sets = 2 if "pd" in only else 1  # the 1P1D phase's prompts (a warm-up and its measured ones) are its own
         prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(sets * (args.prompts + 1))]
+        prompts += [rng.integers(0, vocab, RUNNING_TOKENS).tolist() for _ in range(args.running)]  # ITL's running
         (work / "prompts.json").write_text(json.dumps(prompts))
         measured = range(1, args.prompts + 1)  # prompt 0 is W, the warm-up
+        running = list(range(sets * (args.prompts + 1), sets * (args.prompts + 1) + args.running))
 
         def fill(case: str, repeat: str | None) -> list[tuple[str, int]]:
             reqs = [("warmup", 0)]
@@ -398,27 +438,48 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
 
         runner = _Runner(args, python, work, progress)
         requests: list[Request] = []
-        done = runner.phase("vllm", None, fill("cold", "own"))
-        _check(done, expect_hit, args.block_size)
-        requests += done
+        itl: dict[str, list[dict[str, Any]]] = {}
+        if "vllm" in only:
+            done = runner.phase("vllm", None, fill("cold", "own"))
+            _check(done, expect_hit, args.block_size)
+            requests += done
+        if not only & {"dram", "modes", "pd", "itl", "mooncake", "ssd"}:
+            return {"setup": setup, "requests": requests, "evidence": evidence, "itl": itl}
         with LocalPool(dram_bytes=dram_slots * block_bytes, max_block_bytes=block_bytes,
                        ssd_bytes=max(4 << 30, 4 * dram_slots * block_bytes), ssd_parent=args.work_dir) as pool:
             config = work / "kvpool.json"
             config.write_text(json.dumps({"client": {"master": pool.address}}))
-            for name, case, repeat in (("kvpool fill", "kvpool_cold", "kvpool_own"),
-                                       ("kvpool DRAM", "kvpool_dram", "own_after_dram")):
-                done = runner.phase(name, "kvpool", fill(case, repeat), kvpool_config=str(config))
+            kvpool_phases = [("kvpool fill", "kvpool_cold", "kvpool_own", "sync")]
+            if "dram" in only:
+                kvpool_phases.append(("kvpool DRAM", "kvpool_dram", "own_after_dram", "sync"))
+            if "modes" in only:
+                kvpool_phases += [("kvpool DRAM layerwise", "kvpool_layerwise", "own_after_layerwise", "layerwise"),
+                                  ("kvpool DRAM async", "kvpool_async", "own_after_async", "async")]
+            for name, case, repeat, mode in kvpool_phases:
+                done = runner.phase(name, "kvpool", fill(case, repeat), kvpool_config=str(config), load_mode=mode)
                 _check(done, expect_hit, args.block_size)
                 requests += done
                 evidence[f"master after {name}"] = _master_counts(pool.address)
-            if args.pd:
+            if "pd" in only:
                 from kvpool.bench.vllm_pd import pd_phase
 
                 done = pd_phase(runner, str(config), range(args.prompts + 1, 2 * (args.prompts + 1)))
                 _check(done, expect_hit, args.block_size)
                 requests += done
                 evidence["master after kvpool 1P1D"] = _master_counts(pool.address)
-            if args.mooncake:
+            for mode in ("sync", "async") if "itl" in only else ():
+                name = f"kvpool ITL {mode}"
+                runner.phase(name, "kvpool", [], kvpool_config=str(config), load_mode=mode,
+                             max_num_seqs=args.running + 2,
+                             itl={"running": running, "hits": list(measured), "settle": args.settle})
+                records = json.loads((work / f"{name.replace(' ', '-')}.result.json.itl").read_text())
+                for r in records:
+                    if r["cached"] != expect_hit or r["loaded_blocks"] != expect_hit // args.block_size:
+                        raise RuntimeError(f"bench vllm: {name}: hit {r['prompt']} had {r['cached']} tokens cached "
+                                           f"and {r['loaded_blocks']:.0f} blocks loaded, not {expect_hit} and "
+                                           f"{expect_hit // args.block_size}")
+                itl[mode] = records
+            if "mooncake" in only:
                 from kvpool.bench.vllm_peers import MooncakeStore
 
                 with MooncakeStore(python) as store:
@@ -430,6 +491,8 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
                         requests += done
                     if not store.alive():
                         raise RuntimeError(f"bench vllm: a Mooncake process died:\n{store.log_tail()}")
+            if "ssd" not in only:
+                return {"setup": setup, "requests": requests, "evidence": evidence, "itl": itl}
             progress(f"kvpool SSD: {dram_slots} filler blocks push every prompt block out of DRAM")
             _push_out_of_dram(pool.address, dram_slots, block_bytes, pool.metrics_port)
             before = _master_counts(pool.address)
@@ -453,7 +516,7 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
             progress(f"logs and specs kept in {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
-    return {"setup": setup, "requests": requests, "evidence": evidence}
+    return {"setup": setup, "requests": requests, "evidence": evidence, "itl": itl}
 
 
 # -- report ------------------------------------------------------------------------------------------
@@ -463,12 +526,13 @@ PARTS = {"lookup": "trace:lookup_s", "read": "trace:get_s", "scatter": "trace:sc
          "load": "vllm:kvpool_load_seconds"}
 
 
-def summarize(requests: list[Request]) -> dict[str, Any]:
+def summarize(requests: list[Request], itl: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
     """Medians per case; the aims' ratios of medians; per hit case, over its prompts, the median ratio to and
     the median difference from the ``own`` hit of the same prompt served right after it in the same process
-    (``paired``, ``overhead_s``); the kvpool connector's parts (medians, seconds: ``lookup`` the scheduler's
-    pool lookup, ``read`` the pool read into staging, ``scatter`` the copies into vLLM's blocks, ``load`` the
-    connector's own load time, read plus scatter plus its bookkeeping)."""
+    (``paired``, ``overhead_s``), and the layer-wise aim on those differences; the ITL phases' medians per
+    load mode (:func:`kvpool.bench.vllm_itl.summarize`); the kvpool connector's parts (medians, seconds:
+    ``lookup`` the scheduler's pool lookup, ``read`` the pool read into staging, ``scatter`` the copies into
+    vLLM's blocks, ``load`` the connector's own load time, read plus scatter plus its bookkeeping)."""
     by_case: dict[str, list[Request]] = {}
     for r in requests:
         if r.case != "warmup":
@@ -489,8 +553,15 @@ def summarize(requests: list[Request]) -> dict[str, Any]:
             aims.append({"case": case, "reference": ref, "limit": limit, "ratio": ratio, "met": ratio <= limit})
     parts = {c: {part: statistics.median(r.metrics.get(name, 0.0) for r in rs) for part, name in PARTS.items()}
              for c, rs in by_case.items() if c.startswith("kvpool_")}
-    return {"median_s": medians, "paired": paired, "overhead_s": overhead, "aims": aims, "kvpool_parts_s": parts,
-            "n": {c: len(rs) for c, rs in by_case.items()}}
+    if "kvpool_layerwise" in overhead and overhead.get("kvpool_dram", 0) > 0:
+        ratio = overhead["kvpool_layerwise"] / overhead["kvpool_dram"]
+        aims.append({"case": "kvpool_layerwise", "reference": "kvpool_dram", "limit": LAYERWISE_AIM, "ratio": ratio,
+                     "met": ratio <= LAYERWISE_AIM, "paired_added": True})
+    summary: dict[str, Any] = {"median_s": medians, "paired": paired, "overhead_s": overhead, "aims": aims,
+                               "kvpool_parts_s": parts, "n": {c: len(rs) for c, rs in by_case.items()}}
+    if itl:
+        summary["itl"] = {mode: vllm_itl.summarize(records) for mode, records in itl.items()}
+    return summary
 
 
 def render(report: dict[str, Any]) -> str:
@@ -524,8 +595,9 @@ def render(report: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "aims (ratio of medians, same run):"]
     for aim in summary["aims"]:
-        lines.append(f"- {aim['case']} <= {aim['limit']} x {aim['reference']}: {aim['ratio']:.2f} "
-                     f"({'met' if aim['met'] else 'MISSED'})")
+        what = (f"{aim['case']} paired +ms <= {aim['limit']} x {aim['reference']} paired +ms" if
+                aim.get("paired_added") else f"{aim['case']} <= {aim['limit']} x {aim['reference']}")
+        lines.append(f"- {what}: {aim['ratio']:.2f} ({'met' if aim['met'] else 'MISSED'})")
     for case, ref, limit in AIMS:
         if case not in medians or ref not in medians:
             lines.append(f"- {case} <= {limit} x {ref}: not measured")
@@ -535,6 +607,8 @@ def render(report: dict[str, Any]) -> str:
                      f"({overhead['kvpool_dram'] / overhead['mooncake']:.2f} x)")
     lines += ["", ("paired: median over prompts of TTFT / (and minus) the own hit of the same prompt served right "
                    "after it in the same process. lookup, pool read, scatter: kvpool connector parts (medians).")]
+    if summary.get("itl"):
+        lines += ["", *vllm_itl.render(summary["itl"], setup.get("running", 0))]
     return "\n".join(lines)
 
 
@@ -559,6 +633,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-install", dest="install", action="store_false",
                         help="fail instead of installing Mooncake (" + "mooncake-transfer-engine-non-cuda"
                         + " into the vLLM Python, and its Debian libraries) when it is missing")
+    parser.add_argument("--only", default="", help=f"run only these phases, comma-separated: {', '.join(PHASES)} "
+                        "(vllm: vLLM alone; dram: kvpool's whole-request DRAM hit; modes: its layer-wise and async "
+                        "DRAM hits; pd: the 1P1D hand-off; itl: the running requests' ITL during a hit's load, sync "
+                        "and async; mooncake; "
+                        "ssd; default: all)")
+    parser.add_argument("--running", type=int, default=4, help="requests decoding in the ITL phases "
+                        "(default: %(default)s)")
+    parser.add_argument("--settle", type=int, default=6, help="steps with no load before each hit in the ITL phases "
+                        "(the baseline; default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="prompts (default: %(default)s)")
     parser.add_argument("--work-dir", default=None, help="parent of the temporary directory (model config, logs, "
                         "the pool's SSD directory; default: the system temp dir)")
@@ -570,7 +653,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     report = measure(args, progress=lambda s: print(f"bench vllm: {s}", file=sys.stderr, flush=True))
-    report["summary"] = summarize(report["requests"])
+    report["summary"] = summarize(report["requests"], report.get("itl"))
     if args.json:
         out = dict(report, requests=[asdict(r) for r in report["requests"]])
         print(json.dumps(out, indent=2))

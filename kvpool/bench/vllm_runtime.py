@@ -59,7 +59,7 @@ def vllm_env(python: str, *, cpus: str = "0-1", kv_cache_gib: int = 2, in_proces
     a start in ~20 s instead of ~60 s here); the default is vLLM's usual process layout.
     """
     env = dict(os.environ)
-    prefix = Path(python).resolve().parent.parent
+    prefix = Path(python).absolute().parent.parent  # the venv's: resolving bin/python's link leaves the venv
     iomp = prefix / "lib" / "libiomp5.so"
     if iomp.exists():
         env["LD_PRELOAD"] = str(iomp)

@@ -10,6 +10,7 @@ Rules (docs/engines/*.md say the same):
   the other way round (``words=False``).
 - A number is a JSON integer in its range: never a bool, a float or a string of digits.
 - A path is a string.
+- A choice is one of its words, as written (a string; case matters, as in the engine's own JSON).
 - Anything else is one ValueError naming the field, what it takes, and the value: ``"false"`` never means true,
   and ``null``, ``2`` or ``"maybe"`` never mean anything. Each adapter raises it where its engine expects
   config errors (see its module).
@@ -54,4 +55,11 @@ def path(value: object, field: str) -> str:
     """``value`` as a path (a string; ``""``: none given); ValueError naming ``field`` otherwise."""
     if not isinstance(value, str):
         raise ValueError(f"{field} must be a path (a string), got {value!r}")
+    return value
+
+
+def choice(value: object, field: str, choices: tuple[str, ...]) -> str:
+    """``value`` as one of ``choices`` (a string, exactly); ValueError naming ``field`` and the choices otherwise."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{field} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
     return value

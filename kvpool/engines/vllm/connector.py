@@ -14,19 +14,29 @@ Load it with::
   other value is itself an unusable config): a config that cannot be used
   stops vLLM from starting, with the reason. Otherwise it is one ERROR line
   and vLLM serves without the pool (every block computed).
+- ``kvpool_load_mode`` (default ``"async"``): how a request's blocks are
+  loaded. ``"async"``: the scheduler side answers ``(n, True)``, vLLM parks
+  the request in ``WAITING_FOR_REMOTE_KVS`` and a loader thread loads its
+  blocks while the batch keeps running; ``get_finished`` reports it in
+  ``finished_recving`` (:mod:`.async_loads`). ``"sync"``: every block of the
+  step's loads before its forward. ``"layerwise"``: started before the
+  forward, each layer waited for by its own ``wait_for_layer_load``, saves
+  gathered per layer from ``save_kv_layer`` (:mod:`.layerwise`).
 
 - ``kvpool_handoff_timeout_ms`` (default 2000): prefill/decode disaggregation's
   bound on either side's wait, below.
 
-All are parsed strictly (:mod:`.settings`): ``"false"`` is false.
+All are parsed strictly (:mod:`.settings`): ``"false"`` is false, a mode is
+one of the three words.
 
 vLLM's prefix cache is the HBM tier: the scheduler side
 (:mod:`kvpool.engines.vllm.scheduler`) asks the pool only for the blocks
 after vLLM's own hit; the worker side (:mod:`kvpool.engines.vllm.worker`)
-loads them before the forward and saves every block that fills up, prompt
+loads them (as the mode says) and saves every block that fills up, prompt
 and generated. A pool fault is a miss: a failed lookup answers 0 tokens, a
-block that does not load is reported (``get_block_ids_with_load_errors``)
-and vLLM recomputes it; the connector sets ``kv_load_failure_policy`` to
+block that does not load is reported (``get_block_ids_with_load_errors``;
+for an async load in the same step as its ``finished_recving``) and vLLM
+recomputes it; the connector sets ``kv_load_failure_policy`` to
 ``recompute`` (vLLM's default, ``fail``, would fail the request). Keys:
 :mod:`kvpool.engines.vllm.keys`. Stats: :mod:`kvpool.engines.vllm.stats`.
 
@@ -61,10 +71,19 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig
+from kvpool.engines.vllm.async_loads import AsyncLoads
 from kvpool.engines.vllm.handoff import HandoffWatch
 from kvpool.engines.vllm.keys import VllmKeySpace
+from kvpool.engines.vllm.layerwise import LayerThread, LayerwiseLoad, LayerwiseSave
 from kvpool.engines.vllm.scheduler import PoolScheduler, Role, StepPlan
-from kvpool.engines.vllm.settings import HANDOFF_TIMEOUT_MS, client_config, handoff_timeout_s, strict_mode
+from kvpool.engines.vllm.settings import (
+    DEFAULT_LOAD_MODE,
+    HANDOFF_TIMEOUT_MS,
+    client_config,
+    handoff_timeout_s,
+    load_mode,
+    strict_mode,
+)
 from kvpool.engines.vllm.stats import KVPoolConnectorStats, KVPoolPromMetrics
 from kvpool.engines.vllm.worker import PoolWorker, block_layers
 from kvpool.layout import KVLayout
@@ -77,6 +96,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -142,11 +162,19 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._role = Role.of(kv.is_kv_producer, kv.is_kv_consumer)
         self._handoffs: HandoffWatch | None = None  # a producer worker's
         self._unwatched: set[str] = set()  # hand-offs this worker could not watch (it has no pool): done at once
+        self._unreceived: set[str] = set()  # async loads this worker could not attempt: finished, all failed
+        self._async: AsyncLoads | None = None
+        self._async_errors: set[int] = set()  # failed blocks of async loads reported finished this step
+        self._layers: LayerThread | None = None
+        self._layer_load: LayerwiseLoad | None = None  # this step's, in layer-wise mode
+        self._layer_save: LayerwiseSave | None = None
+        self._mode = DEFAULT_LOAD_MODE
         timeout = HANDOFF_TIMEOUT_MS / 1000
         try:
             strict = strict_mode(extra)
             config = client_config(extra)
             timeout = handoff_timeout_s(extra)
+            self._mode = load_mode(extra)
             groups = len(kv_cache_config.kv_cache_groups)
             if groups > 1:
                 raise ValueError(f"{groups} KV cache groups (hybrid attention) are not supported")
@@ -166,12 +194,13 @@ class KVPoolConnector(KVConnectorBase_V1):
                 self._pool = PoolClient(dataclasses.replace(config, hbm_blocks=0, shared_memory=False, strict=True,
                                                             layout=None))
             self._scheduler = PoolScheduler(self._key_space, self._pool, self._block_size, role=self._role,
-                                            handoff_timeout_s=timeout)
+                                            handoff_timeout_s=timeout, async_loads=self._mode == "async")
         elif config is not None:
             self._pool = PoolClient(dataclasses.replace(config, hbm_blocks=0, strict=False, layout=None))
         self._handoff_timeout_s = timeout
         log.info("kvpool connector (%s, %s): %s", role.name.lower(), self._role.value,
-                 f"pool at {config.master}, model {self._model!r}" if config is not None else "pool off")
+                 f"pool at {config.master}, model {self._model!r}, {self._mode} loads" if config is not None
+                 else "pool off")
 
     def _key_space(self) -> VllmKeySpace:
         if self._space is None:  # vLLM resolves its KV cache layout after building the scheduler's connector
@@ -182,7 +211,8 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None, "kvpool connector: scheduler call on a worker"
-        return self._scheduler.match(request, num_computed_tokens), False
+        n = self._scheduler.match(request, num_computed_tokens)  # None: a consumer waiting for announced blocks
+        return n, n is not None and n > 0 and self._scheduler.async_loads
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None, "kvpool connector: scheduler call on a worker"
@@ -196,6 +226,10 @@ class KVPoolConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None, "kvpool connector: scheduler call on a worker"
         return KVPoolMetadata(self._scheduler.plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None:  # the workers' load outcomes: failed requests are not offered loads again
+            self._scheduler.load_outcomes(connector_output.finished_recving or (), connector_output.invalid_block_ids)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is None:
@@ -226,31 +260,78 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._worker = PoolWorker(self._pool, layers, shard)
         if self._role is Role.PRODUCER:
             self._handoffs = HandoffWatch(self._pool, self._handoff_timeout_s, shard)
+        if self._mode == "async":
+            self._async = AsyncLoads(self._worker)
+        elif self._mode == "layerwise":
+            self._layers = LayerThread(self._worker)
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+    def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPoolMetadata), "kvpool connector: metadata of another connector"
-        if meta.plan.loads:
+        return meta.plan
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan.loads:  # this step's own: before its forward reads them
             if self._worker is None:  # nothing can be loaded here: every planned block is recomputed
-                self._unloadable.update(b for job in meta.plan.loads for b in job.block_ids)
+                self._unloadable.update(b for job in plan.loads for b in job.block_ids)
+            elif self._layers is not None:
+                self._layer_load = LayerwiseLoad(self._layers, plan.loads)
             else:
-                self._worker.load(meta.plan.loads)
+                self._worker.load(plan.loads)
+        if plan.async_loads:  # vLLM calls this after the step's forward when the step has no sync loads
+            if self._async is None:  # no loader here: finished at once, every block failed
+                self._unreceived.update(job.req_id for job in plan.async_loads)
+                self._unloadable.update(b for job in plan.async_loads for b in job.block_ids)
+            else:
+                self._async.submit(plan.async_loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loaded every layer (copies on the same cores gain nothing from overlapping)
+        if self._layer_load is not None:  # layer-wise mode: this layer's pieces only
+            self._layer_load.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        return  # wait_for_save copies the step's full blocks out of every layer at once
+        if self._layers is None or self._worker is None:
+            return  # the other modes copy the step's full blocks out of every layer at once, in wait_for_save
+        if self._layer_save is None:
+            saves = self._plan().saves
+            if not saves:
+                return
+            self._layer_save = LayerwiseSave(self._layers, saves)
+        self._layer_save.gather_layer(layer_name)
+
+    def _finish_layer_load(self) -> None:
+        if self._layer_load is not None:
+            self._layer_load.finish()
+            self._layer_load = None
 
     def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVPoolMetadata), "kvpool connector: metadata of another connector"
-        if meta.plan.saves and self._worker is not None:
-            self._worker.save(meta.plan.saves)
+        plan = self._plan()
+        self._finish_layer_load()  # its failures decide which requests save nothing this step
+        if self._worker is None:
+            return
+        if self._layer_save is not None:
+            self._layer_save.finish()
+            self._layer_save = None
+        elif plan.saves:
+            self._worker.save(plan.saves)
+        self._worker.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._sending(), None
+        return self._sending(), self._recving()
+
+    def _recving(self) -> set[str] | None:
+        """Async loads finished since the last step (their failed blocks go out with this step's load errors);
+        in a step that computed nothing, waits a moment for one (:mod:`.async_loads`)."""
+        done, self._unreceived = self._unreceived, set()
+        if self._async is not None:
+            if self.has_connector_metadata() and self._plan().idle:
+                self._async.wait()
+            finished, failed = self._async.take_finished()
+            done |= finished
+            self._async_errors |= failed
+        return done or None
 
     def _sending(self) -> set[str] | None:
         """Hand-offs done (``finished_sending``): this step's go to the watch, and what it reported comes back."""
@@ -267,7 +348,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         return done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._unloadable = self._unloadable, set()
+        self._finish_layer_load()  # vLLM may call this before wait_for_save (a deferred finalize)
+        errors, self._unloadable, self._async_errors = self._unloadable | self._async_errors, set(), set()
         if self._worker is not None:
             errors |= self._worker.take_load_errors()
         return errors
@@ -297,6 +379,9 @@ class KVPoolConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._handoffs is not None:
             self._handoffs.close()
+        for threads in (self._async, self._layers):
+            if threads is not None:
+                threads.close()
         if self._pool is not None:
             self._pool.flush(5.0)
             self._pool.close()

@@ -6,7 +6,11 @@ lookup for the full blocks after vLLM's hit, and then plans, step by step:
 
 - a *load* of the blocks it answered, into the blocks vLLM allocated for
   them (with the locations the lookup returned, so the worker makes no
-  second master call);
+  second master call). With asynchronous loads (``async_loads``) the load is
+  planned in the step vLLM allocated the blocks in (``StepPlan.async_loads``)
+  while vLLM parks the request in ``WAITING_FOR_REMOTE_KVS``; otherwise in
+  the step that computes the request's first tokens, before its forward
+  (``StepPlan.loads``);
 - a *save* of every block that becomes full in the step, prompt and
   generated tokens alike: after a step, the KV of the first
   ``num_computed_tokens + num_scheduled_tokens`` tokens exists, so each block
@@ -40,6 +44,13 @@ Invariants:
   asked, so a dead pool costs no request its deadline twice.
 - A pool fault answers 0 at once, even for a request waiting for announced
   blocks: waiting is for blocks not written yet, never for a pool that fails.
+- A request whose load failed (vLLM's output named one of its blocks in
+  ``invalid_block_ids``, :meth:`PoolScheduler.load_outcomes`) is never
+  offered a load again: vLLM frees an async request that failed at its
+  first block and asks again, and a pool that keeps failing must not make
+  that a loop. Its blocks from the first failed one on are saved again
+  once recomputed (the worker drops the saves of a step whose load failed:
+  what the forward computed there used the bytes that did not arrive).
 - Nothing here touches KV bytes or holds data memory: the worker moves them.
 """
 
@@ -48,7 +59,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -130,11 +141,20 @@ class Handoff:
 
 @dataclass(slots=True)
 class StepPlan:
-    """One step's loads, saves and hand-offs (the connector metadata's content)."""
+    """One step's loads, saves and hand-offs (the connector metadata's content).
+
+    ``loads`` are the step's own (done before its forward reads them); ``async_loads`` start now and are
+    reported done in ``finished_recving`` of a later step (their requests are not in this step's batch).
+    ``handoffs``: a producer's finished requests whose blocks the workers confirm in the pool
+    (``finished_sending``). ``idle``: the step computes nothing (vLLM steps like this while every request
+    waits for its KV).
+    """
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    async_loads: list[LoadJob] = field(default_factory=list)
     handoffs: list[Handoff] = field(default_factory=list)
+    idle: bool = False
 
 
 @dataclass(slots=True)
@@ -150,6 +170,7 @@ class _Request:
     waiting_since: float | None = None  # when it began waiting for announced blocks (None: it never waited)
     polled: float | None = None  # its last lookup while it waits for them (None: not waiting now)
     poll_gap: float = POLL_MIN_S  # ... and how long after it the next is due
+    load_failed: bool = False  # a load of this request failed: it is never offered one again
 
 
 @dataclass(slots=True)
@@ -168,15 +189,19 @@ class PoolScheduler:
     calls it from one thread."""
 
     def __init__(self, space: Callable[[], VllmKeySpace], pool: Lookups | None, block_size: int,
-                 clock: Callable[[], float] = time.monotonic, role: Role = Role.BOTH, handoff_timeout_s: float = 2.0):
+                 clock: Callable[[], float] = time.monotonic, *, role: Role = Role.BOTH,
+                 handoff_timeout_s: float = 2.0, async_loads: bool = False):
         self._space = space  # resolved at first use: vLLM settles its KV cache layout after building connectors
         self._pool = pool  # None: the pool is off (a bad config), every answer is 0 and nothing is saved
         self.block_size = block_size
+        self.async_loads = async_loads
         self._clock = clock
         self.role = role
         self.handoff_timeout_s = handoff_timeout_s
         self._requests: dict[str, _Request] = {}
         self._handoffs: list[Handoff] = []  # finished since the last plan
+        self._async_planned: list[LoadJob] = []  # async loads allocated since the last plan
+        self._receiving: dict[str, LoadJob] = {}  # async loads sent to the workers and not reported done
         self._closed_until = 0.0
         self._backoff = BACKOFF_MIN_S
         self.stats = MatchStats()
@@ -198,6 +223,8 @@ class PoolScheduler:
         if self._pool is None:
             return 0
         state = self._state(request)  # even with nothing to look up: its generated blocks are saved
+        if state.load_failed:
+            return 0
         bs = self.block_size
         start = num_computed_tokens // bs
         end = (request.num_tokens - 1) // bs  # at least one token left to compute
@@ -276,7 +303,12 @@ class PoolScheduler:
         n = num_external_tokens // self.block_size
         assert n <= len(run), f"vllm connector: {n} blocks to load, the lookup found {len(run)}"
         loaded = run[:n]
-        state.load = LoadJob(request.request_id, list(loaded.keys), list(block_ids[start : start + n]), list(loaded))
+        job = LoadJob(request.request_id, list(loaded.keys), list(block_ids[start : start + n]), list(loaded))
+        if self.async_loads:
+            self._async_planned.append(job)
+            self._receiving[job.req_id] = job
+        else:
+            state.load = job
         state.sources = (loaded.count(Tier.DRAM) * self.block_size, loaded.count(Tier.SSD) * self.block_size)
         state.match = None
 
@@ -293,6 +325,8 @@ class PoolScheduler:
         if self._pool is None:
             return plan
         plan.handoffs, self._handoffs = self._handoffs, []
+        plan.async_loads, self._async_planned = self._async_planned, []
+        plan.idle = not getattr(output, "total_num_scheduled_tokens", 1)
         scheduled = output.num_scheduled_tokens
         for new in output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -336,6 +370,26 @@ class PoolScheduler:
                                       state.block_ids[state.done_blocks:full],
                                       vllm_block_hashes(state.request, state.done_blocks, full)))
             state.done_blocks = full
+
+    def load_outcomes(self, finished_recving: Collection[str], invalid_block_ids: Collection[int]) -> None:
+        """What the workers reported after a step (vLLM's aggregated ``KVConnectorOutput``): async loads done
+        (``finished_recving``) and blocks that did not load (``invalid_block_ids``, sync or async loads).
+
+        A request with a failed block is marked (see the module docstring) and its saves restart at that block.
+        """
+        invalid = set(invalid_block_ids)
+        for req_id in finished_recving:
+            job = self._receiving.pop(req_id, None)
+            state = self._requests.get(req_id)
+            if job is not None and state is not None and invalid.intersection(job.block_ids):
+                state.load_failed = True
+        if not invalid:
+            return
+        for state in self._requests.values():
+            first = next((i for i, b in enumerate(state.block_ids) if b in invalid), None)
+            if first is not None:
+                state.load_failed = True
+                state.done_blocks = min(state.done_blocks, first)
 
     def finished(self, request: Any) -> tuple[Handoff | None, dict[str, Any] | None]:
         """The request is done: forget it. A producer's: its hand-off (None if it stored no block: vLLM frees

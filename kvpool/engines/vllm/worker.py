@@ -7,23 +7,33 @@ the registered tensors hold along their block dimension). The key space
 names vLLM's physical layout, so blocks are only ever read back by workers
 that lay them out the same way.
 
-- Loads (before the forward): the blocks are fetched into one host staging
-  buffer (``[n, layers, piece]`` bytes), then scattered into vLLM's blocks
-  with one indexed copy per layer. Only the leading run that arrived intact
-  (checksum verified by the pool client) is copied; the blocks from the
-  first failure on are reported as load errors, so vLLM recomputes them and
-  never reads what was in those blocks.
+- A load (:meth:`PoolWorker.fetch`, then :meth:`PoolWorker.scatter`): the
+  blocks are fetched into a host staging buffer (``[n, layers, piece]``
+  bytes), then scattered into vLLM's blocks with one indexed copy per layer.
+  Only the leading run that arrived intact (checksum verified by the pool
+  client) is copied; the blocks from the first failure on are load errors,
+  so vLLM recomputes them and never reads what was in those blocks. Who
+  calls these and when is the load mode's business: :meth:`PoolWorker.load`
+  (``sync``: the step's loads, before its forward), :mod:`.async_loads`,
+  :mod:`.layerwise`.
+- A step whose load of a request failed saves nothing of that request
+  (:meth:`PoolWorker.save` skips it): the forward computed its new tokens
+  over KV that did not arrive, and vLLM recomputes them.
 - Saves (after the forward): one indexed gather per layer into staging, then
   the pool's write-behind queue takes a copy (:meth:`PoolClient.put`): the
   forward never waits on the network; a full queue drops blocks (counted).
-- Staging buffers are reused and grow to the largest batch seen.
+- Staging buffers (:class:`Staging`) are reused and grow to the largest batch
+  seen; each thread that copies has its own.
+- Stats may be counted from several threads (the async loader's, the layer
+  thread's): :meth:`PoolWorker.count` takes a lock.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,6 +78,20 @@ class TransferStats:
     by_tier: dict[str, int] = field(default_factory=lambda: {"dram": 0, "ssd": 0})
 
 
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """A job's blocks in staging: the first ``n`` arrived intact (``blocks[:n]``, ``[n, layers, piece]`` bytes)."""
+
+    job: LoadJob
+    n: int
+    blocks: torch.Tensor
+
+    @property
+    def failed(self) -> list[int]:
+        """vLLM block ids that did not load: from the first that did not arrive on."""
+        return self.job.block_ids[self.n:]
+
+
 def block_layers(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[LayerCache]:
     """vLLM's registered caches as :class:`LayerCache` (block dimension: the first of size ``num_blocks``).
 
@@ -87,61 +111,98 @@ def block_layers(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[La
     return layers
 
 
+class Staging:
+    """A reusable host buffer of blocks as ``[n, layers, piece]`` bytes (grows as needed; one thread's)."""
+
+    def __init__(self, layers: int, piece_bytes: int):
+        self.layers, self.piece_bytes = layers, piece_bytes
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def blocks(self, n: int) -> torch.Tensor:
+        need = n * self.layers * self.piece_bytes
+        if self._buffer.numel() < need:
+            self._buffer = torch.empty(need, dtype=torch.uint8)
+        return self._buffer[:need].view(n, self.layers, self.piece_bytes)
+
+
 class PoolWorker:
-    """Loads and saves of one vLLM worker (see the module docstring). Called from vLLM's model-runner thread."""
+    """Loads and saves of one vLLM worker (see the module docstring). :meth:`load` and :meth:`save` are called
+    from vLLM's model-runner thread; :meth:`fetch`, :meth:`scatter` and :meth:`gather` from any thread with
+    its own staging."""
 
     def __init__(self, pool: PoolClient, layers: list[LayerCache], shard: int = 0):
         self.pool = pool
         self.layers = layers
+        self.layer_index = {layer.name: i for i, layer in enumerate(layers)}
         self.shard = shard  # pp_rank * tp_size + tp_rank: which shard of each block this worker holds
         self.piece_bytes = layers[0].piece_bytes
         self.block_bytes = self.piece_bytes * len(layers)
-        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._load_staging = self.staging()
+        self._save_staging = self.staging()
         self._errors: set[int] = set()
+        self.failed_reqs: set[str] = set()  # requests whose load failed in this step (their saves are dropped)
+        self._lock = threading.Lock()
         self.stats = TransferStats()
 
-    def _stage(self, n: int) -> torch.Tensor:
-        """Host staging for ``n`` blocks, as ``[n, layers, piece]`` bytes (reused; grows as needed)."""
-        need = n * self.block_bytes
-        if self._staging.numel() < need:
-            self._staging = torch.empty(need, dtype=torch.uint8)
-        return self._staging[:need].view(n, len(self.layers), self.piece_bytes)
+    def staging(self) -> Staging:
+        """A new staging buffer for this worker's blocks (one per copying thread)."""
+        return Staging(len(self.layers), self.piece_bytes)
 
     # -- loads ---------------------------------------------------------------------------------
 
     def load(self, jobs: Sequence[LoadJob]) -> None:
-        """Fetch and scatter every job's blocks; what fails is kept for :meth:`take_load_errors`."""
+        """Fetch and scatter every job's blocks now; what fails is kept for :meth:`take_load_errors`."""
         for job in jobs:
             start = time.perf_counter()
-            loaded = self._load(job)
-            self.stats.loads += 1
-            self.stats.loaded_blocks += loaded
-            self.stats.load_seconds += time.perf_counter() - start
-            if loaded < len(job.block_ids):
-                failed = job.block_ids[loaded:]
-                self._errors.update(failed)
-                self.stats.load_errors += len(failed)
-                log.debug("kvpool: %d of %d blocks of %s did not load; vLLM recomputes them", len(failed),
-                          len(job.block_ids), job.req_id)
+            fetched = self.fetch(job, self._load_staging.blocks(len(job.block_ids)))
+            self.scatter([fetched], range(len(self.layers)))
+            failed = self.count_load(fetched, time.perf_counter() - start)
+            if failed:
+                self.failed(fetched.job, failed)
 
-    def _load(self, job: LoadJob) -> int:
-        locations = self._locations(job)
-        if not locations:
-            return 0
-        staging = self._stage(len(locations))
-        outs = [staging[i].view(-1).numpy() for i in range(len(locations))]
+    def fetch(self, job: LoadJob, blocks: torch.Tensor) -> Fetched:
+        """The job's blocks into ``blocks`` (staging, ``[len(job.block_ids), layers, piece]`` bytes): the
+        leading run that arrived intact (checksums verified)."""
+        locations = self._locations(job)[:len(job.block_ids)]
         sizes_ok = [loc.size == self.block_bytes for loc in locations]
         n = leading_hits(sizes_ok)
-        arrived = self.pool.get_into(locations[:n], outs[:n]) if n else []
+        outs = [blocks[i].view(-1).numpy() for i in range(n)]
+        arrived = self.pool.get_into(locations[:n], outs) if n else []
         n = leading_hits(arrived)
-        if n:
-            for loc in locations[:n]:
+        return Fetched(job, n, blocks)
+
+    def scatter(self, fetched: Sequence[Fetched], layers: Iterable[int]) -> None:
+        """Copy the fetched blocks' pieces of ``layers`` into vLLM's blocks (one indexed copy per layer)."""
+        parts = [f for f in fetched if f.n]
+        if not parts:
+            return
+        ids = torch.tensor([b for f in parts for b in f.job.block_ids[:f.n]], dtype=torch.long)
+        for i in layers:
+            pieces = parts[0].blocks[:parts[0].n, i] if len(parts) == 1 else \
+                torch.cat([f.blocks[:f.n, i] for f in parts])
+            _scatter(self.layers[i], ids, pieces)
+
+    def count_load(self, fetched: Fetched, seconds: float) -> list[int]:
+        """Count a finished load in the stats (any thread); its failed blocks."""
+        job, failed = fetched.job, fetched.failed
+        with self._lock:
+            s = self.stats
+            s.loads += 1
+            s.loaded_blocks += fetched.n
+            s.load_seconds += seconds
+            for loc in job.locations[:fetched.n] if self.shard == 0 else ():
                 tier = loc.tier.name.lower()
-                self.stats.by_tier[tier] = self.stats.by_tier.get(tier, 0) + 1
-            ids = torch.tensor(job.block_ids[:n], dtype=torch.long)
-            for i, layer in enumerate(self.layers):
-                _scatter(layer, ids, staging[:n, i])
-        return n
+                s.by_tier[tier] = s.by_tier.get(tier, 0) + 1
+            s.load_errors += len(failed)
+        return failed
+
+    def failed(self, job: LoadJob, blocks: Sequence[int]) -> None:
+        """``blocks`` of the step's ``job`` did not load: reported to vLLM (:meth:`take_load_errors`), and the
+        request saves nothing this step. Model-runner thread."""
+        self._errors.update(blocks)
+        self.failed_reqs.add(job.req_id)
+        log.debug("kvpool: %d of %d blocks of %s did not load; vLLM recomputes them", len(blocks),
+                  len(job.block_ids), job.req_id)
 
     def _locations(self, job: LoadJob) -> list[BlockLocation]:
         """Where the job's blocks are: the scheduler's lookup for shard 0, a lookup of this shard's keys otherwise."""
@@ -151,36 +212,62 @@ class PoolWorker:
         return list(run)
 
     def take_load_errors(self) -> set[int]:
-        """vLLM block ids whose load failed since the last call (vLLM recomputes them)."""
+        """vLLM block ids whose load (sync or layer-wise) failed since the last call (vLLM recomputes them)."""
         errors, self._errors = self._errors, set()
         return errors
 
     # -- saves ---------------------------------------------------------------------------------
 
     def save(self, jobs: Sequence[SaveJob]) -> None:
-        """Gather every job's blocks and hand them to the pool's write-behind queue."""
+        """Gather every job's blocks and hand them to the pool's write-behind queue (requests whose load failed
+        this step excepted)."""
+        jobs = [job for job in jobs if job.block_ids and job.req_id not in self.failed_reqs]
+        if not jobs:
+            return
+        start = time.perf_counter()
+        ids = save_ids(jobs)
+        blocks = self._save_staging.blocks(len(ids))
+        self.gather(ids, blocks, range(len(self.layers)))
+        self.put(jobs, blocks, time.perf_counter() - start)
+
+    def gather(self, ids: torch.Tensor, blocks: torch.Tensor, layers: Iterable[int]) -> None:
+        """Copy the pieces of ``layers`` of vLLM's blocks ``ids`` into ``blocks`` (staging, same order)."""
+        for i in layers:
+            _gather(self.layers[i], ids, blocks[:, i])
+
+    def put(self, jobs: Sequence[SaveJob], blocks: torch.Tensor, seconds: float) -> None:
+        """Hand the gathered blocks (``jobs`` in order) to the write-behind queue (it copies them now)."""
+        start = time.perf_counter()
+        at = 0
         for job in jobs:
-            if not job.block_ids:
-                continue
-            start = time.perf_counter()
             n = len(job.block_ids)
-            staging = self._stage(n)
-            ids = torch.tensor(job.block_ids, dtype=torch.long)
-            for i, layer in enumerate(self.layers):
-                _gather(layer, ids, staging[:, i])
             keys = [shard_key(k, self.shard) for k in job.keys]
             # vLLM's hash names the block in KV events; one shard carries it (each shard is its own pool key)
             names = job.engine_hashes if self.shard == 0 and len(job.engine_hashes) == n else None
-            accepted = self.pool.put(keys, [staging[j].view(-1).numpy() for j in range(n)], names)  # copied now
-            kept = sum(accepted)
-            self.stats.saves += 1
-            self.stats.saved_blocks += kept
-            self.stats.dropped_blocks += n - kept
-            self.stats.save_seconds += time.perf_counter() - start
+            staged, at = blocks[at : at + n], at + n
+            if job.req_id in self.failed_reqs:  # its load failed after the gather began (layer-wise)
+                continue
+            kept = sum(self.pool.put(keys, [staged[j].view(-1).numpy() for j in range(n)], names))
+            with self._lock:
+                self.stats.saves += 1
+                self.stats.saved_blocks += kept
+                self.stats.dropped_blocks += n - kept
+        with self._lock:
+            self.stats.save_seconds += seconds + time.perf_counter() - start
+
+    def end_step(self) -> None:
+        """The step is over: its failed loads no longer hold back saves."""
+        self.failed_reqs = set()
 
     def take_stats(self) -> TransferStats:
-        stats, self.stats = self.stats, TransferStats()
+        with self._lock:
+            stats, self.stats = self.stats, TransferStats()
         return stats
+
+
+def save_ids(jobs: Sequence[SaveJob]) -> torch.Tensor:
+    """The vLLM block ids of ``jobs``' blocks, jobs in order (how :meth:`PoolWorker.put` reads staging)."""
+    return torch.tensor([b for job in jobs for b in job.block_ids], dtype=torch.long)
 
 
 def _gather(layer: LayerCache, ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -203,7 +290,7 @@ def _scatter(layer: LayerCache, ids: torch.Tensor, src: torch.Tensor) -> None:
         return
     shape = list(t.shape)
     del shape[layer.block_dim]
-    values = src.view(t.dtype).view(len(ids), *shape).to(t.device)  # a view: one copy, by index_copy_
+    values = src.contiguous().view(t.dtype).view(len(ids), *shape).to(t.device)  # one copy, by index_copy_
     t.index_copy_(layer.block_dim, ids.to(t.device), values.movedim(0, layer.block_dim))
 
 
