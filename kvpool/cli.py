@@ -14,6 +14,7 @@ start) is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import logging
@@ -257,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT from a native library) prints every thread's stack
+    with contextlib.suppress(ValueError, OSError):  # stderr without a descriptor (captured in-process): no dump
+        faulthandler.enable()  # a fatal signal (SIGSEGV, SIGABRT from a native library) prints every thread's stack
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
