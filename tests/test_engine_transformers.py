@@ -108,6 +108,13 @@ def test_suffix_after_a_loaded_prefix_gives_the_full_prefill_logits(model, torch
             return
         assert staged is not None, "this transformers has per-layer caches: the one-copy path must be used"
         via_staging = engine.forward(ids[:, FULL_PREFIX:], staged)
+        # A layer-wise load's waits: each layer's is called once, in layer order, before that layer reads its
+        # staged prefix (on a GPU each waits for that layer's copy event only).
+        called: list[int] = []
+        ready = [lambda i=i: called.append(i) for i in range(layout.num_layers)]
+        via_ready = engine.forward(ids[:, FULL_PREFIX:], staged_cache(staging, ready))
+        assert called == list(range(layout.num_layers))
+        assert torch.equal(via_ready, via_staging)
     assert_same_logits(via_staging, full)
     assert torch.equal(layer_kv(staged, 1)[0][:, :, :FULL_PREFIX], kv[1][0])
 

@@ -47,7 +47,8 @@ def test_the_dry_run_passes_every_check_and_writes_its_summary(tmp_path):
     assert engine["tokens_equal"] is True and engine["tokens_stable_across_rounds"] is True
     assert engine["reused_tokens"] == 8 * 16 and engine["prompt_tokens"] == 8 * 16 + 8  # every full block, from DRAM
     assert engine["hit_ttft_ms"] > 0 and engine["recompute_ttft_ms"] > 0
-    assert engine["store_tokens"] == engine["hit_tokens"] == engine["recompute_tokens"]
+    assert engine["store_tokens"] == engine["hit_tokens"] == engine["layerwise_tokens"] == engine["recompute_tokens"]
+    assert engine["layerwise_hit_ttft_ms"] > 0 and engine["own_forward_ms"] > 0
 
     table = (tmp_path / "out" / "gpu-check.txt").read_text()
     assert table in done.stdout and "overall: PASS" in table and "FAIL" not in table

@@ -14,7 +14,10 @@ One request, greedy (:meth:`PrefixCachedEngine.generate`):
    (the copy a plain cache makes anyway when it appends the suffix; before
    transformers 4.56, one permuting copy and then that append); a model on a
    GPU gets the staged blocks in one host-to-device copy first (staging is
-   pinned there), and the permuting copy runs on the device;
+   pinned there), and the permuting copy runs on the device; with
+   ``layerwise=True`` the copy is issued layer by layer on a side stream,
+   each layer's first use waiting on its own event only, so layer i+1's
+   bytes cross while layer i computes (a GPU's copy engine beside its SMs);
 4. a forward over the rest of the prompt only; the argmax of its last
    logits is the first token: the time to first token (TTFT) ends here;
 5. the prompt's full blocks that were not loaded are packed (one copy) and
@@ -93,8 +96,10 @@ class GenerationResult:
 class PrefixCachedEngine:
     """Greedy generation with a HuggingFace causal LM, its prefix cache in kvpool (see module docstring)."""
 
-    def __init__(self, model: Any, client: KVCacheClient | None = None):
+    def __init__(self, model: Any, client: KVCacheClient | None = None, *, layerwise: bool = False):
         self.model = model
+        self.layerwise = layerwise  # a CUDA model: the loaded prefix crosses layer by layer (module docstring)
+        self._copy_stream: Any = None
         self.client = client
         self.layout: KVLayout | None = None
         if client is not None:
@@ -211,16 +216,46 @@ class PrefixCachedEngine:
         """The model's cache holding the first ``n`` staged blocks (read by the next forward: one request at a time)."""
         assert self._blocks is not None, "transformers engine: nothing staged"  # _load staged the blocks
         staging = self._blocks[:n]  # [n, L, 2, B, H, D]
-        if staging.device != self.model.device:  # a GPU model: the blocks as they are, then permuted there
+        ready: list[Any] | None = None
+        if self.layerwise and self.model.device.type == "cuda":
+            staging, ready = self._to_device_by_layer(staging)
+        elif staging.device != self.model.device:  # a GPU model: the blocks as they are, then permuted there
             staging = staging.to(self.model.device)
-        cache = staged_cache(staging)
+        cache = staged_cache(staging, ready)
         if cache is not None:
             return cache
+        for wait in ready or ():  # older transformers: the whole prefix is read at once, after every layer landed
+            wait()
         _, lay = self._pool()  # older transformers: one permuting copy of everything, then a plain cache
         kv = staging.permute(1, 2, 4, 0, 3, 5).contiguous()  # [L, 2, H, n, B, D]
         kv = kv.view(lay.num_layers, 2, 1, lay.num_kv_heads, n * lay.block_size, lay.head_dim)
         kv = kv.to(self.model.device)
         return prefilled_cache([(kv[layer, 0], kv[layer, 1]) for layer in range(lay.num_layers)])
+
+    def _to_device_by_layer(self, staging: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+        """Pinned ``staging`` copied to the model's device on a side stream, layer by layer: the device copy, and
+        per layer a callable that makes the caller's stream wait for that layer's bytes (and no later layer's).
+
+        Each copy is one block's contiguous piece of one layer (pinned to device memory: asynchronous). The
+        forward reads layer i after waiting on event i only. The staging is reused by the next request only
+        after this one's forward, which waited on every event.
+        """
+        device = self.model.device
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=device)
+        out = torch.empty(staging.shape, dtype=staging.dtype, device=device)
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(device))  # out's allocation happened on the caller's stream
+        events = []
+        with torch.cuda.stream(stream):
+            for layer in range(staging.shape[1]):
+                for block in range(staging.shape[0]):
+                    out[block, layer].copy_(staging[block, layer], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                events.append(event)
+        out.record_stream(stream)
+        return out, [lambda event=event: torch.cuda.current_stream(device).wait_event(event) for event in events]
 
     def _store(self, keys: list[BlockKey], loaded: int, cache: Any) -> int:
         """Pack the prompt's full blocks after the loaded ones out of ``cache`` (one copy) and put them."""
@@ -304,9 +339,10 @@ def _staged_layer_class() -> type | None:
         plain DynamicLayer would concatenate a prefix it had copied before.
         """
 
-        def __init__(self, k_blocks: torch.Tensor, v_blocks: torch.Tensor):
+        def __init__(self, k_blocks: torch.Tensor, v_blocks: torch.Tensor, ready: Any = None):
             super().__init__()
             self._staged: tuple[torch.Tensor, torch.Tensor] | None = (k_blocks, v_blocks)
+            self._ready = ready  # called once before the staged blocks are first read (a layer-wise copy's wait)
             self._staged_len = k_blocks.shape[0] * k_blocks.shape[1]
             self.device = k_blocks.device
             self.keys = k_blocks.new_empty(0)
@@ -319,6 +355,9 @@ def _staged_layer_class() -> type | None:
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if self._staged is None:
                 return super().update(key_states, value_states, *args, **kwargs)
+            if self._ready is not None:
+                self._ready()
+                self._ready = None
             merged = []
             for blocks, new in zip(self._staged, (key_states, value_states)):
                 n, block, heads, dim = blocks.shape
@@ -335,10 +374,11 @@ def _staged_layer_class() -> type | None:
     return StagedLayer
 
 
-def staged_cache(staging: torch.Tensor) -> Any:
+def staged_cache(staging: torch.Tensor, ready: Sequence[Any] | None = None) -> Any:
     """A DynamicCache over block staging ``[n, layers, 2, block, heads, dim]``; None if this transformers lacks layers.
 
-    The staging must stay untouched until the next forward has run.
+    The staging must stay untouched until the next forward has run. ``ready[i]`` (optional) is called once,
+    just before layer i's staged blocks are first read (a layer-wise copy's wait for that layer).
     """
     from transformers import DynamicCache
 
@@ -349,7 +389,8 @@ def staged_cache(staging: torch.Tensor) -> Any:
         return None
     try:
         for layer in range(staging.shape[1]):
-            layers.append(layer_class(staging[:, layer, 0], staging[:, layer, 1]))
+            layers.append(layer_class(staging[:, layer, 0], staging[:, layer, 1],
+                                      ready[layer] if ready is not None else None))
         if cache.get_seq_length() == staging.shape[0] * staging.shape[3]:
             return cache
     except (TypeError, AttributeError):  # a transformers whose layers work otherwise
