@@ -12,14 +12,13 @@ import functools
 import json
 import os
 import re
-import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from driver_support import kvpool_dirs, kvpool_frames, run_driver
 from support import PoolProcesses, free_port, metric, scrape, wait_until
 
 from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python
@@ -77,65 +76,21 @@ def drive(python: str, model: str, tmp: Path, engines: list[dict[str, Any]], *, 
     """Run the engines in one vLLM driver process; ``on_pause(name)`` is called at each pause."""
     spec = tmp / f"spec-{engines[0]['name']}.json"
     spec.write_text(json.dumps({"model": model, "block_size": BLOCK, "engines": engines}))
-    proc = subprocess.Popen([python, str(DRIVER), str(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=vllm_env(python, in_process=in_process))
-    timer = threading.Timer(timeout, proc.kill)
-    timer.start()
-    run, lines = Run(), []
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if not line.startswith("KVPOOL-TEST "):
-                continue
-            said = json.loads(line[len("KVPOOL-TEST "):])
-            if "paused" in said:
-                if on_pause is not None:
-                    on_pause(said["paused"])
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
-            elif "refused" in said:
-                run.refused[said["engine"]] = said["refused"]
-            elif "metrics" in said:
-                run.metrics[said["engine"]] = said["metrics"]
-            elif "stepped" in said:
-                run.stepped[said["engine"]] = said["stepped"]
-            else:
-                run.results[(said["engine"], said["id"])] = said
-        code = proc.wait()
-    finally:
-        timer.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    run.log = "".join(lines)
-    (tmp / f"driver-{engines[0]['name']}.log").write_text(run.log)
-    assert code == 0, f"driver exited {code}:\n{run.log[-4000:]}"
-    frames = kvpool_frames(run.log, kvpool_dirs(python))
-    assert not frames, f"a traceback through kvpool ({frames[0]}):\n{run.log[-4000:]}"
+    run = Run()
+
+    def report(said: dict[str, Any]) -> None:
+        if "refused" in said:
+            run.refused[said["engine"]] = said["refused"]
+        elif "metrics" in said:
+            run.metrics[said["engine"]] = said["metrics"]
+        elif "stepped" in said:
+            run.stepped[said["engine"]] = said["stepped"]
+        else:
+            run.results[(said["engine"], said["id"])] = said
+
+    run.log = run_driver(python, DRIVER, spec, vllm_env(python, in_process=in_process),
+                         tmp / f"driver-{engines[0]['name']}.log", on_report=report, on_pause=on_pause, timeout=timeout)
     return run
-
-
-@functools.cache
-def kvpool_dirs(python: str) -> tuple[str, ...]:
-    """The folders of kvpool's own source as ``python`` imports it: kvpool, kvpool.master, kvpool.client.
-
-    Asked of that Python as the driver runs (find_spec: nothing of them runs), so a traceback check names
-    kvpool's files, never the checkout's folder: cloned as ``kvpool``, vLLM's own frames are under
-    ``kvpool/build/vllm-venv/``.
-    """
-    code = ("import importlib.util, os\n"
-            "for name in ('kvpool', 'kvpool.master', 'kvpool.client'):\n"
-            "    print(os.path.dirname(importlib.util.find_spec(name).origin))")
-    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120, check=True,
-                          cwd=DRIVER.parent)  # the driver's first sys.path entry: its folder
-    return tuple(done.stdout.splitlines())
-
-
-def kvpool_frames(log: str, dirs: tuple[str, ...]) -> list[str]:
-    """The traceback frames in ``log`` that are in one of kvpool's source folders ``dirs``."""
-    return [path for path in re.findall(r'File "([^"]+)", line', log)
-            if any(path.startswith(folder + os.sep) for folder in dirs)]
 
 
 def test_the_traceback_check_names_kvpools_files_not_the_checkouts_folder(tmp_path):

@@ -17,14 +17,13 @@ kvpool is faked.
 from __future__ import annotations
 
 import json
-import subprocess
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+from driver_support import run_driver
 from support import PoolProcesses, free_port
-from vllm_ascend_driver import BLOCK, DOWN_IDS, HEAD_DIM, KV_HEADS, LAYERS, LOAD_IDS, MARK, PROMPT_BLOCKS
+from vllm_ascend_driver import BLOCK, DOWN_IDS, HEAD_DIM, KV_HEADS, LAYERS, LOAD_IDS, PROMPT_BLOCKS
 
 REPO = Path(__file__).resolve().parent.parent
 ASCEND_SRC = REPO / "build" / "vllm-ascend-src"
@@ -60,33 +59,9 @@ def drive(python: str, tmp: Path, spec: dict[str, Any], on_pause: Any = None) ->
 
     path = tmp / f"spec-{spec['role']}.json"
     path.write_text(json.dumps(spec))
-    proc = subprocess.Popen([python, str(DRIVER), str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=vllm_env(python, in_process=True))
-    timer = threading.Timer(240, proc.kill)
-    timer.start()
     said: dict[str, Any] = {}
-    lines = []
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith(MARK):
-                report = json.loads(line[len(MARK):])
-                if "paused" in report and on_pause is not None:
-                    on_pause(report["paused"])
-                    proc.stdin.write("go\n")
-                    proc.stdin.flush()
-                said.update(report)
-        code = proc.wait()
-    finally:
-        timer.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    log = "".join(lines)
-    (tmp / f"driver-{spec['role']}.log").write_text(log)
-    assert code == 0, f"driver exited {code}:\n{log[-5000:]}"
-    assert 'File "' + str(REPO / "kvpool") not in log, f"a traceback through kvpool:\n{log[-5000:]}"
+    run_driver(python, DRIVER, path, vllm_env(python, in_process=True), tmp / f"driver-{spec['role']}.log",
+               on_report=said.update, on_pause=on_pause, timeout=240)
     return said
 
 

@@ -18,9 +18,7 @@ Only vLLM's CUDA-only CPU offloading worker is stood in, named as such: tests/vl
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,9 +26,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from driver_support import run_driver
 from fault.faultkit import kill_9, stopped
 from support import PoolProcesses, wait_until
-from test_engine_vllm import drive, kvpool_dirs, kvpool_frames, prompt, req
+from test_engine_vllm import drive, prompt, req
 
 from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python
 from kvpool.client.pool import PoolClient
@@ -318,42 +317,20 @@ def drive_manager(python: str, tmp: Path, engine: str, extra: dict[str, Any], st
     spec = tmp / f"offload-{engine}.json"
     spec.write_text(json.dumps({"engine_id": f"{engine}-{tmp.name}", "model": "qwen-test", "block_size": BLOCK,
                                 "layers": 2, "page_bytes": ROW, "extra_config": extra, "steps": steps}))
-    proc = subprocess.Popen([python, str(DRIVER), str(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=vllm_env(python))
-    timer = threading.Timer(timeout, proc.kill)
-    timer.start()
-    said, lines = Said(), []
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if not line.startswith("KVPOOL-TEST "):
-                continue
-            out = json.loads(line[len("KVPOOL-TEST "):])
-            if "paused" in out:
-                if on_pause is not None:
-                    on_pause(out["paused"])
-                proc.stdin.write("go\n")
-                proc.stdin.flush()
-            elif "stored" in out:
-                said.stored[out["stored"]] = out
-            elif "loaded" in out:
-                said.loaded[out["loaded"]] = out
-            elif "built" in out:
-                said.built[out["built"]] = out
-            else:
-                said.stats = out["stats"]
-        code = proc.wait()
-    finally:
-        timer.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    said.log = "".join(lines)
-    (tmp / f"driver-{engine}.log").write_text(said.log)
-    assert code == 0, f"driver exited {code}:\n{said.log[-4000:]}"
-    frames = kvpool_frames(said.log, kvpool_dirs(python))
-    assert not frames, f"a traceback through kvpool ({frames[0]}):\n{said.log[-4000:]}"
+    said = Said()
+
+    def report(out: dict[str, Any]) -> None:
+        if "stored" in out:
+            said.stored[out["stored"]] = out
+        elif "loaded" in out:
+            said.loaded[out["loaded"]] = out
+        elif "built" in out:
+            said.built[out["built"]] = out
+        else:
+            said.stats = out["stats"]
+
+    said.log = run_driver(python, DRIVER, spec, vllm_env(python), tmp / f"driver-{engine}.log", on_report=report,
+                          on_pause=on_pause, timeout=timeout)
     return said
 
 
