@@ -158,16 +158,16 @@ def test_a_stuck_publisher_thread_drops_new_batches_without_blocking_and_the_gap
     pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", topic="kvpool",
                          limits=EventLimits(max_queue=5), registry=registry)
     release, entered = threading.Event(), threading.Event()
-    encode = pub._encoder.encode
+    send = pub._send
 
-    def slow_encode(batch):  # stands for a publisher thread that cannot keep up
+    def slow_send(*batch):  # stands for a publisher thread that cannot keep up
         entered.set()
         release.wait(30)
-        return encode(batch)
+        return send(*batch)
 
     try:
         sub = subscribe(ctx, pub)
-        pub._encoder = type("Slow", (), {"encode": staticmethod(slow_encode)})()
+        pub._send = slow_send
         results = [pub.publish([stored([bytes([0]) * 32], MEDIUM_CPU)])]
         assert entered.wait(10)  # the thread holds that batch, stuck: from here on only the queue takes more
         results += [pub.publish([stored([bytes([i]) * 32], MEDIUM_CPU)]) for i in range(1, 40)]
