@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from support import free_port
+from support import free_port, wait_until
 
 from kvpool.client.faults import PoolFault
 from kvpool.client.lookup import PoolRun
@@ -400,3 +400,43 @@ def test_the_proxy_sends_the_prompt_to_prefill_for_one_token_then_to_decode_with
         decode.close()
     with pytest.raises(ValueError, match="http://host:port"):
         Upstreams(["127.0.0.1:8100"], [decode.url])
+
+
+def test_the_proxy_bounds_what_one_client_can_make_it_spend(monkeypatch):
+    """A huge or negative Content-Length, an idle connection, a flood of connections: refused or cut, at once or
+    after the client timeout, never a body read into memory or a thread held forever."""
+    import socket
+
+    from kvpool.engines.vllm import pd_proxy
+
+    monkeypatch.setattr(pd_proxy._Handler, "timeout", 2.0)
+    decode = Backend({"choices": []})
+    proxy = pd_proxy.ProxyServer(("127.0.0.1", 0), pd_proxy.Upstreams([decode.url], [decode.url]), max_connections=2)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    address = ("127.0.0.1", proxy.server_address[1])
+
+    def ask(head: bytes) -> bytes:
+        with socket.create_connection(address, timeout=10) as sock:
+            sock.sendall(head)
+            return sock.recv(200)
+
+    try:
+        for length, status in ((1 << 40, b" 413 "), (-1, b" 400 "), ("x", b" 400 ")):
+            reply = ask(f"POST /v1/completions HTTP/1.0\r\nContent-Length: {length}\r\n\r\n".encode())
+            assert status in reply.split(b"\r\n")[0], reply
+        assert decode.bodies == []  # nothing went upstream
+        wait_until(lambda: proxy.serving == 0, timeout=10)
+        idle = [socket.create_connection(address, timeout=10) for _ in range(2)]  # both slots, saying nothing
+        try:
+            wait_until(lambda: proxy.serving == 2, timeout=5)
+            assert b" 503 " in ask(b"GET /health HTTP/1.0\r\n\r\n")  # a third: refused at once
+            for sock in idle:  # cut at the client timeout (2 s here): the proxy closes them
+                assert sock.recv(200) == b""
+            wait_until(lambda: b" 503 " not in ask(b"GET /health HTTP/1.0\r\n\r\n"), timeout=10)  # slots free
+        finally:
+            for sock in idle:
+                sock.close()
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+        decode.close()

@@ -24,6 +24,15 @@ computes the prompt itself). Instances are taken round robin. Other paths
 beyond the standard library: each request is a thread
 (:class:`http.server.ThreadingHTTPServer`), each upstream call one
 :mod:`http.client` connection.
+
+Bounds on what one client can make it spend: a request body of at most
+:data:`MAX_BODY_BYTES` (a larger ``Content-Length`` is refused, 413, before a
+byte of it is read; a missing, negative or malformed one: 400); a client that
+stalls (an idle connection, a half-sent request, a reply it does not read)
+is cut after :data:`CLIENT_TIMEOUT_S` per read or write; at most
+``max_connections`` connections are served at once, a newcomer past them gets
+503 and the connection is closed. It listens on 127.0.0.1 unless told
+otherwise (``--host``).
 """
 
 from __future__ import annotations
@@ -43,7 +52,10 @@ from urllib.parse import urlsplit
 log = logging.getLogger(__name__)
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
-TIMEOUT_S = 600.0
+TIMEOUT_S = 600.0  # an upstream call (a long generation streams within it)
+MAX_BODY_BYTES = 32 << 20  # a request body (a prompt of a few million tokens as JSON)
+CLIENT_TIMEOUT_S = 30.0  # one read or write of the client's connection
+MAX_CONNECTIONS = 256  # client connections served at once
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -110,6 +122,7 @@ def post_json(base: str, path: str, body: dict[str, Any], headers: dict[str, str
 class _Handler(BaseHTTPRequestHandler):
     server: ProxyServer
     protocol_version = "HTTP/1.0"  # one request a connection: the reply ends when the connection closes
+    timeout = CLIENT_TIMEOUT_S  # socket timeout of each read and write of the client's connection
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("pd_proxy: " + format, *args)
@@ -122,7 +135,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self.send_error(400, "pd_proxy: a POST needs a Content-Length")
+            return
+        if not 0 <= length <= MAX_BODY_BYTES:
+            self.send_error(413 if length > 0 else 400, f"pd_proxy: a body of {length} bytes (at most "
+                            f"{MAX_BODY_BYTES})")
+            return
+        try:
+            body = json.loads(self.rfile.read(length))
             if not isinstance(body, dict):
                 raise ValueError("the body is not a JSON object")
         except ValueError as exc:
@@ -170,9 +192,36 @@ class ProxyServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], upstreams: Upstreams):
+    def __init__(self, address: tuple[str, int], upstreams: Upstreams, max_connections: int = MAX_CONNECTIONS):
         super().__init__(address, _Handler)
         self.upstreams = upstreams
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._lock = threading.Lock()
+        self.serving = 0  # client connections being served now
+
+    def _serving(self, change: int) -> None:
+        with self._lock:
+            self.serving += change
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve the connection on a thread of its own, or (every slot taken) answer 503 and close it."""
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.settimeout(1.0)
+                request.sendall(b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        self._serving(1)
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._serving(-1)
+            self._slots.release()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -181,7 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prefill", action="append", required=True, help="a prefill instance's base URL, "
                         "http://host:port (repeat for more)")
     parser.add_argument("--decode", action="append", required=True, help="a decode instance's base URL (repeat)")
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; "
+                        "0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
