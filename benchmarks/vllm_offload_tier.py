@@ -68,20 +68,12 @@ def _trace_tier() -> None:
     """Time (never change) the tier's parts in this process: a load job, and in it the pool lookup and the pool
     read into the CPU tier's rows. Totals in seconds go to ``_TRACE``, read per request like the counters."""
     import functools
-    from collections.abc import Callable
 
+    from kvpool.bench import vllm as bench_vllm
     from kvpool.client.pool import PoolClient
     from kvpool.engines.vllm.offload_jobs import TierJobs
 
-    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _TRACE[f"trace:{name}_s"] = _TRACE.get(f"trace:{name}_s", 0.0) + time.perf_counter() - start
-        return wrapper
+    timed = functools.partial(bench_vllm.timed, _TRACE)
 
     PoolClient.lookup = timed("lookup", PoolClient.lookup)  # type: ignore[method-assign]
     PoolClient.get_into = timed("read", PoolClient.get_into)  # type: ignore[method-assign]
@@ -111,9 +103,9 @@ def driver(spec_path: str) -> int:
             if not llm.reset_prefix_cache():
                 raise RuntimeError("vLLM did not reset its prefix cache")
             continue
-        before = dict(_counters(), **_TRACE)
+        before = dict(_counters(), **{f"trace:{k}": v for k, v in _TRACE.items()})
         out = llm.generate([TokensPrompt(prompt_token_ids=prompts[index])], params, use_tqdm=False)[0]
-        after = dict(_counters(), **_TRACE)
+        after = dict(_counters(), **{f"trace:{k}": v for k, v in _TRACE.items()})
         if out.metrics is None or not out.metrics.first_token_latency:
             raise RuntimeError("vLLM returned no request metrics (disable_log_stats must be False)")
         grown = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}

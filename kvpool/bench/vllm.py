@@ -72,6 +72,7 @@ The vLLM side runs this module with ``--driver SPEC`` (:func:`driver_main`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -154,31 +155,34 @@ def _counters() -> dict[str, float]:
 _TRACE: dict[str, float] = {}
 
 
+def timed(trace: dict[str, float], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, wrapped (never changed) to add its seconds and calls to ``trace[name + "_s"]`` and
+    ``trace[name + "_calls"]`` (two ``perf_counter`` calls a call)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            trace[f"{name}_s"] = trace.get(f"{name}_s", 0.0) + time.perf_counter() - start
+            trace[f"{name}_calls"] = trace.get(f"{name}_calls", 0.0) + 1
+    return wrapper
+
+
 def _trace_connector() -> None:
     """Time the kvpool connector's parts in this process: wrap (never change) the pool lookup of the scheduler
-    side, the pool read and the per-layer scatter of the worker side. Each wrapper adds two ``perf_counter``
-    calls. Totals in seconds (and calls) go to ``_TRACE``, read per request like the counters."""
-    import functools
-
+    side, the pool read and the per-layer scatter of the worker side. Totals in seconds (and calls) go to
+    ``_TRACE``, read per request like the counters."""
     from kvpool.client.pool import PoolClient
     from kvpool.engines.vllm import worker
 
-    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _TRACE[f"{name}_s"] = _TRACE.get(f"{name}_s", 0.0) + time.perf_counter() - start
-                _TRACE[f"{name}_calls"] = _TRACE.get(f"{name}_calls", 0.0) + 1
-        return wrapper
+    traced = functools.partial(timed, _TRACE)
 
-    PoolClient.lookup = timed("lookup", PoolClient.lookup)  # type: ignore[method-assign]
-    PoolClient.get_into = timed("get", PoolClient.get_into)  # type: ignore[method-assign]
-    worker._scatter = timed("scatter", worker._scatter)
-    worker.PoolWorker.fetch = timed("fetch", worker.PoolWorker.fetch)  # type: ignore[method-assign]
-    worker.PoolWorker.save = timed("save", worker.PoolWorker.save)  # type: ignore[method-assign]
+    PoolClient.lookup = traced("lookup", PoolClient.lookup)  # type: ignore[method-assign]
+    PoolClient.get_into = traced("get", PoolClient.get_into)  # type: ignore[method-assign]
+    worker._scatter = traced("scatter", worker._scatter)
+    worker.PoolWorker.fetch = traced("fetch", worker.PoolWorker.fetch)  # type: ignore[method-assign]
+    worker.PoolWorker.save = traced("save", worker.PoolWorker.save)  # type: ignore[method-assign]
 
 
 def driver_main(spec_path: str) -> int:
