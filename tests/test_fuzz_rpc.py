@@ -374,11 +374,11 @@ def test_place_blocks(pool, data):
 
 @FUZZ
 @given(worker=id_text, added=packed_keys(fuzz_key), removed=packed_keys(fuzz_key), full=st.booleans(),
-       capacity=u64, used=u64, lookups=small_u64, blocks=small_u64, tokens=small_u32, extra=unknown_fields())
-def test_report_hbm(pool, worker, added, removed, full, capacity, used, lookups, blocks, tokens, extra):
+       lookups=small_u64, blocks=small_u64, tokens=small_u32, extra=unknown_fields())
+def test_report_hbm(pool, worker, added, removed, full, lookups, blocks, tokens, extra):
     request = master_pb2.ReportHbmRequest(
-        worker_id=worker, added_keys=added[0], removed_keys=removed[0], full_sync=full, capacity_bytes=capacity,
-        used_bytes=used, hbm_only_lookups=lookups, hbm_only_blocks=blocks, block_tokens=tokens)
+        worker_id=worker, added_keys=added[0], removed_keys=removed[0], full_sync=full,
+        hbm_only_lookups=lookups, hbm_only_blocks=blocks, block_tokens=tokens)
     counts_ok = lookups <= MAX_REPORTED_LOOKUPS and blocks <= lookups * HBM_MOST and tokens <= MAX_BLOCK_TOKENS
     ok = worker_ok(worker) and None not in (added[1], removed[1]) and counts_ok
     checked(pool, "master", "ReportHbm", request, extra, valid_if(ok))

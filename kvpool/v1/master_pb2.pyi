@@ -192,13 +192,11 @@ class PlaceBlocksResponse(_message.Message):
     def __init__(self, node_indexes: _Optional[_Iterable[int]] = ..., present: _Optional[bytes] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeRef, _Mapping]]] = ..., too_large: _Optional[bytes] = ...) -> None: ...
 
 class ReportHbmRequest(_message.Message):
-    __slots__ = ("worker_id", "added_keys", "removed_keys", "full_sync", "capacity_bytes", "used_bytes", "hbm_only_lookups", "hbm_only_blocks", "block_tokens", "local_lookups", "local_requested_blocks", "local_hbm_blocks", "local_dram_blocks", "local_ssd_blocks")
+    __slots__ = ("worker_id", "added_keys", "removed_keys", "full_sync", "hbm_only_lookups", "hbm_only_blocks", "block_tokens", "local_lookups", "local_requested_blocks", "local_hbm_blocks", "local_dram_blocks", "local_ssd_blocks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDED_KEYS_FIELD_NUMBER: _ClassVar[int]
     REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
     FULL_SYNC_FIELD_NUMBER: _ClassVar[int]
-    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
-    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     HBM_ONLY_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     HBM_ONLY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -211,8 +209,6 @@ class ReportHbmRequest(_message.Message):
     added_keys: bytes
     removed_keys: bytes
     full_sync: bool
-    capacity_bytes: int
-    used_bytes: int
     hbm_only_lookups: int
     hbm_only_blocks: int
     block_tokens: int
@@ -221,7 +217,7 @@ class ReportHbmRequest(_message.Message):
     local_hbm_blocks: int
     local_dram_blocks: int
     local_ssd_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., added_keys: _Optional[bytes] = ..., removed_keys: _Optional[bytes] = ..., full_sync: _Optional[bool] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., hbm_only_lookups: _Optional[int] = ..., hbm_only_blocks: _Optional[int] = ..., block_tokens: _Optional[int] = ..., local_lookups: _Optional[int] = ..., local_requested_blocks: _Optional[int] = ..., local_hbm_blocks: _Optional[int] = ..., local_dram_blocks: _Optional[int] = ..., local_ssd_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., added_keys: _Optional[bytes] = ..., removed_keys: _Optional[bytes] = ..., full_sync: _Optional[bool] = ..., hbm_only_lookups: _Optional[int] = ..., hbm_only_blocks: _Optional[int] = ..., block_tokens: _Optional[int] = ..., local_lookups: _Optional[int] = ..., local_requested_blocks: _Optional[int] = ..., local_hbm_blocks: _Optional[int] = ..., local_dram_blocks: _Optional[int] = ..., local_ssd_blocks: _Optional[int] = ...) -> None: ...
 
 class ReportHbmResponse(_message.Message):
     __slots__ = ()
