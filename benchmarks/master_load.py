@@ -8,7 +8,7 @@ protocols:
 - **N nodes**: each registers over its own gRPC channel, heartbeats at the interval the master returned
   (1 s), and reports ``--node-adds`` new 4 KiB blocks a second as one ``ReportBlocks`` every 0.25 s (a
   node's coalesced reports; MasterLink sends the same messages);
-- **C clients**: each on its own fast-call connection (``FastStub``, as ``PoolClient`` asks), one 64-key
+- **C clients**: each on its own fast-call connection (``DirectMaster``, as ``PoolClient`` asks), one 64-key
   ``Lookup`` (half of the keys reported, half not) every ``1 / --client-rate`` s, open loop: a late call
   is not made up.
 
@@ -33,10 +33,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from kvpool.calls import FastStub, MasterCallAddress
 from kvpool.framing import ConnectionPool
+from kvpool.master_client import DirectMaster
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
-from kvpool.wire import MASTER_CALLS
 
 REPORT_S = 0.25
 LOOKUP_KEYS = 64
@@ -128,10 +127,8 @@ class Client(threading.Thread):
 
     def run(self) -> None:
         pool = ConnectionPool(5.0)
-        with grpc.insecure_channel(self.address) as channel:
-            stub = master_pb2_grpc.MasterStub(channel)
-            fast = FastStub(stub, master_pb2.DESCRIPTOR.services_by_name["Master"], MASTER_CALLS, pool,
-                            MasterCallAddress(stub, self.address, 5.0))
+        fast = DirectMaster(self.address, pool=pool, timeout_s=5.0, max_message_bytes=64 << 20)
+        try:
             next_at = time.monotonic() + self.rng.random() * self.period
             while not self.stopping.is_set():
                 late = next_at - time.monotonic()
@@ -147,13 +144,15 @@ class Client(threading.Thread):
                 measuring = self.measuring
                 t0 = time.perf_counter()
                 try:
-                    fast.Lookup(request, timeout=5)
+                    fast.lookup(request, 5)
                 except grpc.RpcError:
                     self.failed += measuring
                     continue
                 if measuring:
                     self.times.append(time.perf_counter() - t0)
                     self.asked += 1
+        finally:
+            fast.close()
         pool.close()
 
 

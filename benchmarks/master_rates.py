@@ -7,7 +7,7 @@
 - **lookup, in process**: ``Lookup`` of ``--keys`` keys (half present) called on the servicer directly:
   the index and the servicer's work per call, no transport.
 - **lookup, over the wire**: the same requests from one client thread through the fast-call listener
-  (``FastStub``), the way nodes' clients ask: calls per second one master answers one caller.
+  (``DirectMaster``), the way nodes' clients ask: calls per second one master answers one caller.
 
 One Python process has one core's worth of GIL, so these are per-core figures.
 """
@@ -18,15 +18,13 @@ import argparse
 import os
 import time
 
-import grpc
 import numpy as np
 
-from kvpool.calls import FastStub, MasterCallAddress
 from kvpool.config import MasterConfig
 from kvpool.framing import ConnectionPool
 from kvpool.master import MasterServer
-from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
-from kvpool.wire import MASTER_CALLS
+from kvpool.master_client import DirectMaster
+from kvpool.v1 import common_pb2, master_pb2
 
 CHUNK = 50_000
 
@@ -65,16 +63,14 @@ def main() -> None:
             servicer.Lookup(requests[i % len(requests)], None)
         in_process = args.calls / (time.perf_counter() - started)
         pool = ConnectionPool(5.0)
-        with grpc.insecure_channel(master.address) as channel:
-            stub = master_pb2_grpc.MasterStub(channel)
-            fast = FastStub(stub, master_pb2.DESCRIPTOR.services_by_name["Master"], MASTER_CALLS, pool,
-                            MasterCallAddress(stub, master.address, 5.0))
-            fast.Lookup(requests[0], timeout=5)
-            times = []
-            for i in range(args.calls):
-                t0 = time.perf_counter()
-                fast.Lookup(requests[i % len(requests)], timeout=5)
-                times.append(time.perf_counter() - t0)
+        fast = DirectMaster(master.address, pool=pool, timeout_s=5.0, max_message_bytes=64 << 20)
+        fast.lookup(requests[0], 5)
+        times = []
+        for i in range(args.calls):
+            t0 = time.perf_counter()
+            fast.lookup(requests[i % len(requests)], 5)
+            times.append(time.perf_counter() - t0)
+        fast.close()
         pool.close()
         wire = len(times) / sum(times)
         with open(f"/proc/{os.getpid()}/statm") as f:

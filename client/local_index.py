@@ -34,9 +34,9 @@ from kvpool.auth import mask_keys
 from kvpool.client.cluster import ClusterView
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
-from kvpool.client.shared_path import TenantMask
 from kvpool.core import NodeRef, Tier
 from kvpool.keys import BlockKey
+from kvpool.master_client import TenantMask
 from kvpool.rpc import MISS
 from kvpool.tiers.arena import KEY_DTYPE, InventoryState, SharedArena
 

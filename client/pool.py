@@ -1,7 +1,8 @@
 """PoolClient: the pool as seen from one worker process (no torch here; buffers only).
 
-- One master call per lookup, exists or placement (fast calls, gRPC as the
-  fallback: :mod:`kvpool.calls`).
+- One master call per lookup, exists or placement, through the typed master
+  interface (:class:`kvpool.master_client.MasterApi`: fast calls, gRPC as the
+  fallback, following the leader).
 - Block bytes move per node, a batch at a time, by the fastest
   :class:`~kvpool.client.datapath.DataPath` the node offers, each handing
   what it could not move to the next: shared memory when the node is on
@@ -48,14 +49,14 @@ from kvpool.client.grpc_path import GrpcPath
 from kvpool.client.local_index import REPORT_S, LocalIndex, LocalLookupCounts
 from kvpool.client.lookup import EMPTY_RUN, BlockLocation, PoolRun
 from kvpool.client.nodes import MAX_MESSAGE_BYTES, NodeDirectory
-from kvpool.client.shared_path import SharedMemoryPath, TenantMask
+from kvpool.client.shared_path import SharedMemoryPath
 from kvpool.client.writer import WriteBehindQueue
 from kvpool.config import ClientConfig
 from kvpool.core import NodeRef, Tier
 from kvpool.etcd import EtcdAccess
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey, check_keys, pack_keys
-from kvpool.master_client import MasterConnection
+from kvpool.master_client import MasterApi, MasterConnection, TenantMask
 from kvpool.metrics import ErrorMetrics, LookupMetrics, MetricsServer, latency_histogram
 from kvpool.placement import TOO_LARGE
 from kvpool.rpc import flags_from_bytes
@@ -96,20 +97,18 @@ class PoolClient:
                                      hello=auth_hello(config.token) if config.token else None,
                                      spin_wait_s=config.spin_wait_us * 1e-6)
         # The master, or the leader etcd names (followed when a call finds it gone: kvpool.master_client).
-        self.masters = MasterConnection(config.master, pool=self._calls, timeout_s=config.lookup_timeout_s,
-                                        max_message_bytes=MAX_MESSAGE_BYTES, token=config.token,
-                                        tls_ca=config.tls_ca, etcd_access=EtcdAccess.from_config(config, "client"))
-        master_stub = self.masters.grpc_stub
-        self._master = self.masters.stub
+        self.master: MasterApi = MasterConnection(
+            config.master, pool=self._calls, timeout_s=config.lookup_timeout_s, max_message_bytes=MAX_MESSAGE_BYTES,
+            token=config.token, tls_ca=config.tls_ca, etcd_access=EtcdAccess.from_config(config, "client"))
         self.nodes = NodeDirectory(config, self._calls)
         self.cluster = ClusterView(
-            lambda: master_stub.ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=config.lookup_timeout_s),
+            lambda: self.master.cluster_status(master_pb2.ClusterStatusRequest(), config.lookup_timeout_s),
             on_nodes=self.nodes.learn)
         self._written_lock = threading.Lock()
         self._written: set[str] = set()  # nodes written to since the last flush (their reports may be pending)
         self._names: dict[BlockKey, int] = {}  # engine hashes of queued puts, sent before their blocks (writer)
         self._names_unwanted_until = 0.0  # the master kept none (it publishes no events): ask again after this
-        mask = TenantMask(master_stub, config.lookup_timeout_s) if config.token else None
+        mask = TenantMask(self.master) if config.token else None
         self.local = LocalIndex(self.cluster, self.nodes, mask, enabled=config.shared_memory)
         self._local_counts = LocalLookupCounts()
         self.shared_path = SharedMemoryPath(config, self.nodes, self.faults, mask, self._calls)
@@ -148,7 +147,7 @@ class PoolClient:
             block_tokens=block_tokens,
         )
         try:
-            reply = self._master.Lookup(request, timeout=call_timeout(deadline))
+            reply = self.master.lookup(request, call_timeout(deadline))
         except grpc.RpcError as exc:
             self.faults.lost(error_kind(exc), exc, len(keys))
             return EMPTY_RUN
@@ -177,7 +176,7 @@ class PoolClient:
         if local is not None:
             return local
         try:
-            reply = self._master.Exists(master_pb2.ExistsRequest(keys=packed), timeout=call_timeout(deadline))
+            reply = self.master.exists(master_pb2.ExistsRequest(keys=packed), call_timeout(deadline))
         except grpc.RpcError as exc:
             self.faults.lost(error_kind(exc), exc, len(keys))
             return [False] * len(keys)
@@ -199,11 +198,10 @@ class PoolClient:
             hbm_only_lookups=hbm_only_lookups, hbm_only_blocks=hbm_only_blocks, block_tokens=block_tokens,
         )
         if not wait:
-            future = self._master.ReportHbm.future(request, timeout=timeout)
-            future.add_done_callback(self._count_report_failure)
+            self.master.report_hbm_nowait(request, timeout, self._count_report_failure)
             return
         try:
-            self._master.ReportHbm(request, timeout=timeout)
+            self.master.report_hbm(request, timeout)
         except grpc.RpcError as exc:
             self.faults.counted(_report_kind(exc))
 
@@ -225,16 +223,14 @@ class PoolClient:
                 local_requested_blocks=c.requested, local_hbm_blocks=c.hbm, local_dram_blocks=c.dram,
                 local_ssd_blocks=c.ssd)
             try:
-                self._master.ReportHbm(request, timeout=timeout)
+                self.master.report_hbm(request, timeout)
             except grpc.RpcError as exc:
                 self.faults.counted(_report_kind(exc))
                 ok = False
         return ok
 
-    def _count_report_failure(self, future: grpc.Future[master_pb2.ReportHbmResponse]) -> None:
-        exc = future.exception()
-        if exc is not None:
-            self.faults.counted(_report_kind(exc))
+    def _count_report_failure(self, exc: grpc.RpcError) -> None:
+        self.faults.counted(_report_kind(exc))
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -360,7 +356,7 @@ class PoolClient:
                 request = master_pb2.NameBlocksRequest(keys=pack_keys([k for k, _ in named]),
                                                        engine_hashes=[h for _, h in named])
                 try:
-                    reply = self._master.NameBlocks(request, timeout=self.config.lookup_timeout_s)
+                    reply = self.master.name_blocks(request, self.config.lookup_timeout_s)
                 except (grpc.RpcError, CallError, OSError) as exc:  # a name is a hint for routers: never fatal
                     self.faults.counted(_report_kind(exc))
                 else:
@@ -477,8 +473,8 @@ class PoolClient:
     def _ask_placement(self, keys: list[BlockKey], sizes: list[int]) -> Placement | None:
         """The master's PlaceBlocks (see :meth:`_place`)."""
         try:
-            placed = self._master.PlaceBlocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(keys), sizes=sizes),
-                                              timeout=self.config.lookup_timeout_s)
+            placed = self.master.place_blocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(keys), sizes=sizes),
+                                               self.config.lookup_timeout_s)
         except grpc.RpcError as exc:
             self.faults.lost(error_kind(exc), exc, len(keys))
             return None
@@ -512,7 +508,7 @@ class PoolClient:
         self.bulk_path.close()
         self._calls.close()
         self.nodes.close()
-        self.masters.close()
+        self.master.close()
         if self._metrics_server is not None:
             self._metrics_server.close()
 

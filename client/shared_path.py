@@ -21,8 +21,8 @@ got no slot (too large, no room) are handed to the next path; a writer that
 dies mid-put leaves slots the node reclaims when the lease lapses.
 
 Tenants (auth on): arena rows hold *stored* keys, so reads compare rows with
-this client's keys under its tenant mask (:class:`TenantMask`, from the
-master). Until the mask is known, reads take the network path.
+this client's keys under its tenant mask (:class:`~kvpool.master_client.TenantMask`,
+from the master's Info). Until the mask is known, reads take the network path.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvpool.auth import MASK_BYTES, mask_keys
+from kvpool.auth import mask_keys
 from kvpool.checksum import copy_with_checksum
 from kvpool.client.commit_pipe import CommitPipe
 from kvpool.client.datapath import LEASE_CHUNK_BYTES, call_timeout, chunks
@@ -51,48 +51,17 @@ from kvpool.config import ClientConfig
 from kvpool.core import NodeRef
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey, pack_keys
+from kvpool.master_client import TenantMask
 from kvpool.tiers.arena import KEY_DTYPE, SharedArena
-from kvpool.v1 import master_pb2, node_pb2
+from kvpool.v1 import node_pb2
 
 log = logging.getLogger(__name__)
 
-MASK_RETRY_S = 5.0  # a mask the master could not be asked for is asked again after this long
 STOCK_BYTES = 1 << 20  # slots leased ahead per stock: a put's sizes again and again, up to this many bytes (one
 # block at least); a stock serves several puts (each Commit keeps the lease's other slots), and the next is leased
 # before it runs out
 STOCK_SLOTS = 256  # most slots one stock leases ahead
 STOCK_USE_SHARE = 0.5  # a stock is used only within this share of its lease's timeout (it must not lapse mid-put)
-
-
-class TenantMask:
-    """This client's tenant mask, asked of the master's ``Info`` once (again after MASK_RETRY_S if that failed).
-
-    Calling it returns the mask (b"": keys are stored as sent) or None (not known yet).
-    """
-
-    def __init__(self, master_stub: Any, timeout_s: float):
-        self._stub = master_stub
-        self._timeout = timeout_s
-        self._lock = threading.Lock()
-        self._known: bytes | None = None
-        self._next_try = 0.0
-
-    def __call__(self) -> bytes | None:
-        with self._lock:
-            if self._known is not None or time.monotonic() < self._next_try:
-                return self._known
-            self._next_try = time.monotonic() + MASK_RETRY_S
-        try:
-            info = self._stub.Info(master_pb2.MasterInfoRequest(), timeout=self._timeout)
-        except grpc.RpcError as exc:
-            log.debug("master Info failed (%s); same-host reads wait for the tenant mask", error_kind(exc))
-            return None
-        if len(info.tenant_mask) not in (0, MASK_BYTES):
-            log.warning("master sent a tenant mask of %d bytes; ignoring it", len(info.tenant_mask))
-            return None
-        with self._lock:
-            self._known = bytes(info.tenant_mask)
-            return self._known
 
 
 class SharedMemoryPath:

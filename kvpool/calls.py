@@ -116,38 +116,3 @@ class FastStub:
 def _left(deadline: float | None) -> float | None:
     """Seconds until ``deadline`` (None: none), at least 0 (a call given 0 fails at once: DEADLINE_EXCEEDED)."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-class MasterCallAddress:
-    """The master's fast-call ``host:port``, asked of its gRPC ``Info`` once (and again after :meth:`forget`).
-
-    The host is the one the caller dials for gRPC; a master that cannot be
-    asked is asked again after ``RETRY_S`` (until then: None, use gRPC).
-    """
-
-    def __init__(self, grpc_stub: Any, master: str, timeout_s: float):
-        self._stub = grpc_stub
-        self._host = master.rpartition(":")[0]
-        self._timeout = timeout_s
-        self._lock = threading.Lock()
-        self._known: str | None = None  # "": the master has no fast-call listener
-        self._next_try = 0.0
-
-    def __call__(self) -> str | None:
-        with self._lock:
-            if self._known is not None or time.monotonic() < self._next_try:
-                return self._known or None
-            self._next_try = time.monotonic() + RETRY_S
-        try:
-            info = self._stub.Info(master_pb2.MasterInfoRequest(), timeout=self._timeout)
-        except grpc.RpcError as exc:
-            log.debug("master Info failed (%s); using gRPC for now", exc)
-            return None
-        with self._lock:
-            self._known = f"{self._host}:{info.call_port}" if info.call_port else ""
-            return self._known or None
-
-    def forget(self) -> None:
-        """The address stopped working (a master restart may have moved it): ask again later."""
-        with self._lock:
-            self._known = None

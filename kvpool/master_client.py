@@ -1,17 +1,37 @@
-"""The stubs of the current master, for a node or a client: a fixed ``host:port``, or the leader etcd names.
+"""The typed master interface (:class:`MasterApi`) and its implementations over fast calls and gRPC.
 
-``master`` is either ``host:port`` or ``etcd://HOST:PORT[,HOST:PORT]/CLUSTER``
-(the form Mooncake's users know). For the second, :class:`MasterConnection`
-reads the cluster's leader key (:func:`kvpool.etcd.leader_key`) and dials the
-master it names; a call that fails (the leader died, or the master answered
-that it stands by) makes it read the key again, at most every ``FOLLOW_S``,
-and dial the new leader if it moved. Nodes re-register and clients simply
-call the new leader: no restart.
+Every call a client, node, router or status makes on the master goes through
+:class:`MasterApi`: one typed method per RPC, taking and returning the
+protobuf messages of ``kvpool.v1``. Two implementations:
+
+- :class:`DirectMaster`: one master at a fixed gRPC address. The hot calls
+  (:data:`kvpool.wire.MASTER_CALLS`) go over the master's fast-call listener
+  (:class:`kvpool.calls.FastStub`), gRPC as the fallback; the rest over gRPC.
+- :class:`MasterConnection`: the current master of ``master``, either
+  ``host:port`` or ``etcd://HOST:PORT[,HOST:PORT]/CLUSTER`` (the form
+  Mooncake's users know). For the second it reads the cluster's leader key
+  (:func:`kvpool.etcd.leader_key`) and dials the master it names; a call that
+  fails (the leader died, or the master answered that it stands by) makes it
+  read the key again, at most every ``FOLLOW_S``, and dial the new leader if
+  it moved. Nodes re-register and clients simply call the new leader: no
+  restart.
+
+A sharded master (a later issue) is a new implementation of the same
+Protocol: one :class:`MasterConnection` per shard, ``lookup`` / ``exists`` /
+``place_blocks`` splitting the request's keys by shard and merging the
+replies, node calls sent to every shard. No caller changes.
 
 Invariants:
-- :attr:`MasterConnection.stub` (fast calls over the wire, gRPC as the
-  fallback) and :attr:`MasterConnection.grpc_stub` always belong to one master;
-  a change closes the old channel after building the new one.
+- A call ends by its ``timeout``; errors are ``grpc.RpcError`` (over fast
+  calls a :class:`~kvpool.wire.CallError`, which is one), so callers handle
+  both transports alike.
+- The master's ``Info`` is asked once per master dialed (:meth:`MasterApi.info`),
+  and again only after it failed (not before ``RETRY_S``) or the master's
+  fast-call listener proved unreachable (a restart may have moved it). Its
+  answer serves every use: the fast-call address and the tenant mask
+  (:class:`TenantMask`).
+- :class:`MasterConnection` calls one :class:`DirectMaster` at a time; a
+  change closes the old channel after building the new one.
 - With no leader known (etcd unreachable, or no key), every call raises
   UNAVAILABLE at once: a pool lookup is then a miss, never a hang.
 - etcd is read as ``etcd_access`` says (TLS, user and password:
@@ -28,12 +48,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import grpc
+from google.protobuf.message import Message
 
-from kvpool.calls import FastStub, MasterCallAddress
+from kvpool.auth import MASK_BYTES
+from kvpool.calls import RETRY_S, FastStub
 from kvpool.etcd import EtcdAccess, EtcdClient, EtcdRefused, EtcdTarget, LeaderInfo, leader_key
 from kvpool.framing import ConnectionPool
 from kvpool.rpc import make_channel
@@ -46,6 +68,180 @@ FOLLOW_S = 0.25  # a failed call re-reads the leader key at most this often
 _SERVICE = master_pb2.DESCRIPTOR.services_by_name["Master"]
 _FOLLOW_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
+OnError = Callable[[grpc.RpcError], None]
+
+
+class MasterApi(Protocol):
+    """The master, as every caller sees it (see the module docstring). Thread-safe; errors are grpc.RpcError."""
+
+    # -- clients -------------------------------------------------------------------------
+    def lookup(self, request: master_pb2.LookupRequest, timeout: float | None) -> master_pb2.LookupResponse: ...
+
+    def exists(self, request: master_pb2.ExistsRequest, timeout: float | None) -> master_pb2.ExistsResponse: ...
+
+    def place_blocks(self, request: master_pb2.PlaceBlocksRequest,
+                     timeout: float | None) -> master_pb2.PlaceBlocksResponse: ...
+
+    def name_blocks(self, request: master_pb2.NameBlocksRequest,
+                    timeout: float | None) -> master_pb2.NameBlocksResponse: ...
+
+    def report_hbm(self, request: master_pb2.ReportHbmRequest,
+                   timeout: float | None) -> master_pb2.ReportHbmResponse: ...
+
+    def report_hbm_nowait(self, request: master_pb2.ReportHbmRequest, timeout: float | None,
+                          on_error: OnError) -> None:
+        """Send without waiting for the answer; a failure reaches ``on_error`` (on another thread)."""
+        ...
+
+    def info(self) -> master_pb2.MasterInfoResponse | None:
+        """The master's ``Info``, asked once (see the module docstring); None: not known now."""
+        ...
+
+    # -- routers and operators -------------------------------------------------------------
+    def score(self, request: master_pb2.ScoreRequest, timeout: float | None) -> master_pb2.ScoreResponse: ...
+
+    def cluster_status(self, request: master_pb2.ClusterStatusRequest,
+                       timeout: float | None) -> master_pb2.ClusterStatusResponse: ...
+
+    # -- nodes -------------------------------------------------------------------------------
+    def register_node(self, request: master_pb2.RegisterNodeRequest,
+                      timeout: float | None) -> master_pb2.RegisterNodeResponse: ...
+
+    def heartbeat(self, request: master_pb2.HeartbeatRequest,
+                  timeout: float | None) -> master_pb2.HeartbeatResponse: ...
+
+    def report_blocks(self, request: master_pb2.ReportBlocksRequest,
+                      timeout: float | None) -> master_pb2.ReportBlocksResponse: ...
+
+    def unregister_node(self, request: master_pb2.UnregisterNodeRequest,
+                        timeout: float | None) -> master_pb2.UnregisterNodeResponse: ...
+
+    def close(self) -> None: ...
+
+
+class MasterCalls:
+    """:class:`MasterApi`'s typed methods over one generic :meth:`call` (by RPC name): the base of the
+    implementations that send each request whole to one master."""
+
+    def call(self, name: str, request: Message, timeout: float | None) -> Any:
+        raise NotImplementedError
+
+    def call_nowait(self, name: str, request: Message, timeout: float | None, on_error: OnError) -> None:
+        raise NotImplementedError
+
+    def info(self) -> master_pb2.MasterInfoResponse | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def lookup(self, request: master_pb2.LookupRequest, timeout: float | None) -> master_pb2.LookupResponse:
+        return self.call("Lookup", request, timeout)
+
+    def exists(self, request: master_pb2.ExistsRequest, timeout: float | None) -> master_pb2.ExistsResponse:
+        return self.call("Exists", request, timeout)
+
+    def place_blocks(self, request: master_pb2.PlaceBlocksRequest,
+                     timeout: float | None) -> master_pb2.PlaceBlocksResponse:
+        return self.call("PlaceBlocks", request, timeout)
+
+    def name_blocks(self, request: master_pb2.NameBlocksRequest,
+                    timeout: float | None) -> master_pb2.NameBlocksResponse:
+        return self.call("NameBlocks", request, timeout)
+
+    def report_hbm(self, request: master_pb2.ReportHbmRequest,
+                   timeout: float | None) -> master_pb2.ReportHbmResponse:
+        return self.call("ReportHbm", request, timeout)
+
+    def report_hbm_nowait(self, request: master_pb2.ReportHbmRequest, timeout: float | None,
+                          on_error: OnError) -> None:
+        self.call_nowait("ReportHbm", request, timeout, on_error)
+
+    def score(self, request: master_pb2.ScoreRequest, timeout: float | None) -> master_pb2.ScoreResponse:
+        return self.call("Score", request, timeout)
+
+    def cluster_status(self, request: master_pb2.ClusterStatusRequest,
+                       timeout: float | None) -> master_pb2.ClusterStatusResponse:
+        return self.call("ClusterStatus", request, timeout)
+
+    def register_node(self, request: master_pb2.RegisterNodeRequest,
+                      timeout: float | None) -> master_pb2.RegisterNodeResponse:
+        return self.call("RegisterNode", request, timeout)
+
+    def heartbeat(self, request: master_pb2.HeartbeatRequest,
+                  timeout: float | None) -> master_pb2.HeartbeatResponse:
+        return self.call("Heartbeat", request, timeout)
+
+    def report_blocks(self, request: master_pb2.ReportBlocksRequest,
+                      timeout: float | None) -> master_pb2.ReportBlocksResponse:
+        return self.call("ReportBlocks", request, timeout)
+
+    def unregister_node(self, request: master_pb2.UnregisterNodeRequest,
+                        timeout: float | None) -> master_pb2.UnregisterNodeResponse:
+        return self.call("UnregisterNode", request, timeout)
+
+
+class DirectMaster(MasterCalls):
+    """One master at the gRPC ``address``: hot calls over its fast-call listener when ``pool`` is given and the
+    master's ``Info`` names one, else (and as the fallback) gRPC. Owns its channel (:meth:`close`)."""
+
+    def __init__(self, address: str, *, pool: ConnectionPool | None, timeout_s: float, max_message_bytes: int,
+                 token: str = "", tls_ca: str = "", options: Sequence[tuple[str, Any]] = ()):
+        self.address = address
+        self._host = address.rpartition(":")[0]
+        self._timeout = timeout_s
+        self._channel = make_channel(address, max_message_bytes=max_message_bytes, token=token, tls_ca=tls_ca,
+                                     options=list(options))
+        self._grpc = master_pb2_grpc.MasterStub(self._channel)
+        self._fast = FastStub(self._grpc, _SERVICE, MASTER_CALLS, pool, self._wire_address,
+                              on_unreachable=self._forget_info, max_reply_bytes=max_message_bytes) \
+            if pool is not None else None
+        self._lock = threading.Lock()
+        self._info: master_pb2.MasterInfoResponse | None = None
+        self._next_try = 0.0
+
+    def call(self, name: str, request: Message, timeout: float | None) -> Any:
+        if self._fast is not None and name in MASTER_CALLS:
+            return self._fast.call(name, request, timeout)
+        return getattr(self._grpc, name)(request, timeout=timeout)
+
+    def call_nowait(self, name: str, request: Message, timeout: float | None, on_error: OnError) -> None:
+        future = getattr(self._grpc, name).future(request, timeout=timeout)
+
+        def done(f: grpc.Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                on_error(exc)
+
+        future.add_done_callback(done)
+
+    def info(self) -> master_pb2.MasterInfoResponse | None:
+        with self._lock:
+            if self._info is not None or time.monotonic() < self._next_try:
+                return self._info
+            self._next_try = time.monotonic() + RETRY_S
+        try:
+            info = self._grpc.Info(master_pb2.MasterInfoRequest(), timeout=self._timeout)
+        except grpc.RpcError as exc:
+            log.debug("master Info from %s failed (%s); asked again in %.0f s", self.address, exc, RETRY_S)
+            return None
+        with self._lock:
+            self._info = info
+        return info
+
+    def _wire_address(self) -> str | None:
+        """The master's fast-call ``host:port`` (the host is the one dialed for gRPC); None: none, or not known."""
+        info = self.info()
+        return f"{self._host}:{info.call_port}" if info is not None and info.call_port else None
+
+    def _forget_info(self) -> None:
+        """The fast-call listener stopped answering (a master restart may have moved it): ask Info again."""
+        with self._lock:
+            self._info = None
+
+    def close(self) -> None:
+        self._channel.close()
+
 
 def leader_address(etcd: EtcdClient, cluster: str, timeout: float | None = None) -> str | None:
     """The gRPC address of ``cluster``'s leader as etcd names it now; None if there is none."""
@@ -54,33 +250,13 @@ def leader_address(etcd: EtcdClient, cluster: str, timeout: float | None = None)
     return info.address if info is not None else None
 
 
-class _NoMaster:
-    """Stands in for the stubs while no leader is known: every method raises UNAVAILABLE."""
+class MasterConnection(MasterCalls):
+    """The current master of ``master`` (see the module docstring): a :class:`MasterApi` that follows the leader.
 
-    def __init__(self, why: str):
-        self._why = why
+    ``pool``: the fast-call connections (None: every call over gRPC, as for ``kvpool status``).
+    """
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return _Refusing(f"{name}: {self._why}")
-
-
-class _Refusing:
-    def __init__(self, why: str):
-        self._why = why
-
-    def __call__(self, request: Any, timeout: float | None = None) -> Any:
-        raise CallError(grpc.StatusCode.UNAVAILABLE, self._why)
-
-    def future(self, request: Any, timeout: float | None = None) -> Any:
-        raise CallError(grpc.StatusCode.UNAVAILABLE, self._why)
-
-
-class MasterConnection:
-    """The current master's stubs (see the module docstring). Thread-safe."""
-
-    def __init__(self, master: str, *, pool: ConnectionPool, timeout_s: float, max_message_bytes: int,
+    def __init__(self, master: str, *, pool: ConnectionPool | None, timeout_s: float, max_message_bytes: int,
                  token: str = "", tls_ca: str = "", options: Sequence[tuple[str, Any]] = (),
                  etcd_access: EtcdAccess | None = None, refuse_start: bool = False):
         self.target = master
@@ -95,10 +271,8 @@ class MasterConnection:
         self._etcd = EtcdClient(self._etcd_target.endpoints, timeout_s=min(timeout_s, 2.0), access=etcd_access) \
             if self._etcd_target is not None else None
         self._refusal: str | None = None  # why etcd refused our credentials when last asked (None: it did not)
-        self._channel: grpc.Channel | None = None
-        self._address: str | None = None
-        self._grpc: Any = _NoMaster(f"no leading master known for {master}")
-        self._stub: Any = self._grpc
+        self._master: DirectMaster | None = None
+        self._why_none = f"no leading master known for {master}"  # why there is no master (while None)
         self._next_follow = 0.0
         self._following = False  # a background follow() is running (see failed)
         self._closed = False
@@ -121,21 +295,36 @@ class MasterConnection:
     def address(self) -> str | None:
         """The master dialed now (None: no leader known)."""
         with self._lock:
-            return self._address
+            return self._master.address if self._master is not None else None
 
-    @property
-    def stub(self) -> Any:
-        """The current master's :class:`~kvpool.calls.FastStub` (hot calls over the wire)."""
-        return _Following(self, fast=True)
-
-    @property
-    def grpc_stub(self) -> Any:
-        """The current master's plain gRPC stub."""
-        return _Following(self, fast=False)
-
-    def current(self, fast: bool) -> Any:
+    def _current(self, name: str) -> DirectMaster:
         with self._lock:
-            return self._stub if fast else self._grpc
+            master, why = self._master, self._why_none
+        if master is None:
+            raise CallError(grpc.StatusCode.UNAVAILABLE, f"{name}: {why}")
+        return master
+
+    def call(self, name: str, request: Message, timeout: float | None) -> Any:
+        """``name`` on the current master; a failure that may mean it moved makes the connection look again."""
+        master = self._current(name)
+        try:
+            return master.call(name, request, timeout)
+        except grpc.RpcError as exc:
+            self.failed(exc)
+            raise
+
+    def call_nowait(self, name: str, request: Message, timeout: float | None, on_error: OnError) -> None:
+        try:
+            master = self._current(name)
+        except CallError as exc:
+            on_error(exc)
+            return
+        master.call_nowait(name, request, timeout, on_error)
+
+    def info(self) -> master_pb2.MasterInfoResponse | None:
+        with self._lock:
+            master = self._master
+        return master.info() if master is not None else None
 
     def follow(self, force: bool = False) -> bool:
         """Re-read the leader (at most every ``FOLLOW_S`` unless ``force``); True if the master dialed changed."""
@@ -166,29 +355,25 @@ class MasterConnection:
             return False
         if address is None:
             log.info("no leading master in %s now", self.target)
-            self._replace(None, None, _NoMaster(f"no leading master in {self.target} now"))
+            self._replace(None, f"no leading master in {self.target} now")
             return True
         self._dial(address)
         log.info("following the leading master of %s at %s", self.target, address)
         return True
 
     def _dial(self, address: str) -> None:
-        channel = make_channel(address, max_message_bytes=self._max_message, token=self._token,
-                               tls_ca=self._tls_ca, options=self._options)
-        grpc_stub = master_pb2_grpc.MasterStub(channel)
-        calls = MasterCallAddress(grpc_stub, address, self._timeout)
-        fast = FastStub(grpc_stub, _SERVICE, MASTER_CALLS, self._pool, calls, on_unreachable=calls.forget,
-                        max_reply_bytes=self._max_message)
-        self._replace(address, channel, grpc_stub, fast)
+        self._replace(DirectMaster(address, pool=self._pool, timeout_s=self._timeout,
+                                   max_message_bytes=self._max_message, token=self._token, tls_ca=self._tls_ca,
+                                   options=self._options))
 
-    def _replace(self, address: str | None, channel: grpc.Channel | None, grpc_stub: Any,
-                 fast: Any = None) -> None:
+    def _replace(self, master: DirectMaster | None, why_none: str = "") -> None:
         with self._lock:
-            old, self._channel = self._channel, channel
+            old, self._master = self._master, master
+            if why_none:
+                self._why_none = why_none
             if self._dialed:
                 self.changes += 1
             self._dialed = True
-            self._address, self._grpc, self._stub = address, grpc_stub, fast if fast is not None else grpc_stub
         if old is not None:
             old.close()
 
@@ -218,38 +403,34 @@ class MasterConnection:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            channel, self._channel = self._channel, None
-        if channel is not None:
-            channel.close()
+            master, self._master = self._master, None
+            self._why_none = f"the connection to {self.target} is closed"
+        if master is not None:
+            master.close()
         if self._etcd is not None:
             self._etcd.close()
 
 
-class _Following:
-    """A stub that calls the connection's current master and follows it when a call fails."""
+class TenantMask:
+    """This client's tenant mask, from the master's ``Info`` (:meth:`MasterApi.info`: asked once, shared with the
+    fast-call address). Calling it returns the mask (b"": keys are stored as sent) or None (not known yet); once
+    known it is kept (a tenant's mask is the same on every master of a cluster)."""
 
-    def __init__(self, connection: MasterConnection, fast: bool):
-        self._connection = connection
-        self._fast = fast
+    def __init__(self, master: MasterApi):
+        self._master = master
+        self._known: bytes | None = None
+        self._refused = b""  # the last malformed mask the master sent (logged once)
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return _Method(self._connection, self._fast, name)
-
-
-class _Method:
-    def __init__(self, connection: MasterConnection, fast: bool, name: str):
-        self._connection = connection
-        self._fast = fast
-        self._name = name
-
-    def __call__(self, request: Any, timeout: float | None = None) -> Any:
-        try:
-            return getattr(self._connection.current(self._fast), self._name)(request, timeout=timeout)
-        except grpc.RpcError as exc:
-            self._connection.failed(exc)
-            raise
-
-    def future(self, request: Any, timeout: float | None = None) -> Any:
-        return getattr(self._connection.current(False), self._name).future(request, timeout=timeout)
+    def __call__(self) -> bytes | None:
+        if self._known is not None:
+            return self._known
+        info = self._master.info()
+        if info is None:
+            return None
+        if len(info.tenant_mask) not in (0, MASK_BYTES):
+            if info.tenant_mask != self._refused:
+                log.warning("master sent a tenant mask of %d bytes; ignoring it", len(info.tenant_mask))
+                self._refused = info.tenant_mask
+            return None
+        self._known = bytes(info.tenant_mask)
+        return self._known

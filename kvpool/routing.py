@@ -26,7 +26,7 @@ from kvpool.config import ClientConfig
 from kvpool.etcd import EtcdAccess
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey, pack_keys
-from kvpool.master_client import MasterConnection
+from kvpool.master_client import MasterApi, MasterConnection
 from kvpool.tls import client_context
 from kvpool.v1 import master_pb2
 from kvpool.wire import CallError, auth_hello
@@ -74,9 +74,9 @@ class ScoreClient:
         tls = client_context(config.tls_ca) if config.tls_ca else None
         self._calls = ConnectionPool(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0), tls=tls,
                                      hello=auth_hello(config.token) if config.token else None)
-        self._masters = MasterConnection(config.master, pool=self._calls, timeout_s=config.lookup_timeout_s,
-                                         max_message_bytes=MAX_MESSAGE_BYTES, token=config.token,
-                                         tls_ca=config.tls_ca, etcd_access=EtcdAccess.from_config(config, "client"))
+        self._master: MasterApi = MasterConnection(
+            config.master, pool=self._calls, timeout_s=config.lookup_timeout_s, max_message_bytes=MAX_MESSAGE_BYTES,
+            token=config.token, tls_ca=config.tls_ca, etcd_access=EtcdAccess.from_config(config, "client"))
         self._timeout = config.lookup_timeout_s
 
     def score(self, keys: Sequence[BlockKey], workers: Sequence[str] = ()) -> Score | None:
@@ -84,7 +84,7 @@ class ScoreClient:
         asked (logged): route without it."""
         request = master_pb2.ScoreRequest(keys=pack_keys(keys), worker_ids=list(workers))
         try:
-            reply = self._masters.stub.Score(request, timeout=self._timeout)
+            reply = self._master.score(request, self._timeout)
         except (grpc.RpcError, CallError, OSError) as exc:
             log.warning("kvpool routing: no score from the master (%s); routing without it", exc)
             return None
@@ -93,7 +93,7 @@ class ScoreClient:
 
     def close(self) -> None:
         self._calls.close()
-        self._masters.close()
+        self._master.close()
 
     def __enter__(self) -> ScoreClient:
         return self

@@ -14,15 +14,17 @@ import pytest
 from support import free_port
 
 from kvpool import wire
-from kvpool.calls import FastStub, MasterCallAddress
+from kvpool.calls import FastStub
 from kvpool.config import MasterConfig
 from kvpool.framing import ConnectionPool, await_bytes, recv_exact
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.master import MasterServer
+from kvpool.master_client import DirectMaster
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 from kvpool.wire import MASTER_CALLS, CallError, Method
 
 MASTER = master_pb2.DESCRIPTOR.services_by_name["Master"]
+MESSAGE_BYTES = 64 << 20
 
 
 def keys(n: int) -> list[BlockKey]:
@@ -64,25 +66,28 @@ def raw_call(port: int, method: int, body: bytes) -> tuple[int, bytes]:
 
 def test_info_advertises_the_call_port_and_lookup_answers_as_over_grpc(master, pool):
     server, stub = master
-    address = MasterCallAddress(stub, server.address, 2.0)
-    assert address() == f"127.0.0.1:{server.servicer.call_port}" and server.servicer.call_port > 0
-    fast = FastStub(stub, MASTER, MASTER_CALLS, pool, address)
-    request = master_pb2.LookupRequest(keys=pack_keys(keys(8)), worker_id="w")
-    over_tcp = fast.Lookup(request, timeout=2.0)
-    assert over_tcp == stub.Lookup(request, timeout=2.0)
-    assert len(over_tcp.tiers) == 4 and list(over_tcp.checksums) == [7, 8, 9, 10]
-    assert server._calls.connections == 1  # it really went over the fast-call listener
-    # Methods that are not fast calls are the gRPC stub's own.
-    assert fast.ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=2.0).indexed_blocks == 4
+    fast = DirectMaster(server.address, pool=pool, timeout_s=2.0, max_message_bytes=MESSAGE_BYTES)
+    try:
+        info = fast.info()
+        assert info is not None and info.call_port == server.servicer.call_port > 0
+        request = master_pb2.LookupRequest(keys=pack_keys(keys(8)), worker_id="w")
+        over_tcp = fast.lookup(request, 2.0)
+        assert over_tcp == stub.Lookup(request, timeout=2.0)
+        assert len(over_tcp.tiers) == 4 and list(over_tcp.checksums) == [7, 8, 9, 10]
+        assert server._calls.connections == 1  # it really went over the fast-call listener
+        # Methods that are not fast calls go over gRPC.
+        assert fast.cluster_status(master_pb2.ClusterStatusRequest(), 2.0).indexed_blocks == 4
+    finally:
+        fast.close()
 
 
 def test_a_spinning_pool_gets_the_same_answers_and_a_slow_reply_still_arrives(master):
     server, stub = master
     spinning = ConnectionPool(2.0, spin_wait_s=0.0003)
     try:
-        fast = FastStub(stub, MASTER, MASTER_CALLS, spinning, MasterCallAddress(stub, server.address, 2.0))
+        fast = DirectMaster(server.address, pool=spinning, timeout_s=2.0, max_message_bytes=MESSAGE_BYTES)
         request = master_pb2.LookupRequest(keys=pack_keys(keys(8)), worker_id="w")
-        assert fast.Lookup(request, timeout=2.0) == stub.Lookup(request, timeout=2.0)
+        assert fast.lookup(request, 2.0) == stub.Lookup(request, timeout=2.0)
         # A handler far slower than the spin: the spin gives up, the blocking read gets the reply.
         real, served = server.servicer.Lookup, []
 
@@ -93,8 +98,9 @@ def test_a_spinning_pool_gets_the_same_answers_and_a_slow_reply_still_arrives(ma
 
         handler = server._calls._serve.__self__  # the WireHandler behind the fast-call listener
         handler.replace(Method.LOOKUP, dataclasses.replace(handler.route(Method.LOOKUP), fn=slow))
-        assert fast.Lookup(request, timeout=2.0) == stub.Lookup(request, timeout=2.0)
+        assert fast.lookup(request, 2.0) == stub.Lookup(request, timeout=2.0)
         assert served == [request]  # the slow handler answered it, over the wire
+        fast.close()
     finally:
         spinning.close()
 
@@ -119,16 +125,17 @@ def test_await_bytes_returns_when_a_byte_is_there_leaves_it_unread_and_gives_up_
 
 def test_bad_requests_get_a_clear_status_and_change_nothing(master, pool):
     server, stub = master
-    fast = FastStub(stub, MASTER, MASTER_CALLS, pool, MasterCallAddress(stub, server.address, 2.0))
+    fast = DirectMaster(server.address, pool=pool, timeout_s=2.0, max_message_bytes=MESSAGE_BYTES)
     before = stub.ClusterStatus(master_pb2.ClusterStatusRequest()).indexed_blocks
     with pytest.raises(CallError) as bad_keys:
-        fast.Lookup(master_pb2.LookupRequest(keys=b"x" * 33), timeout=2.0)  # not a whole number of keys
+        fast.lookup(master_pb2.LookupRequest(keys=b"x" * 33), 2.0)  # not a whole number of keys
     assert bad_keys.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "key" in bad_keys.value.details()
     with pytest.raises(CallError) as unknown:
-        fast.ReportBlocks(master_pb2.ReportBlocksRequest(node_id="n1", incarnation=1, tier=77), timeout=2.0)
+        fast.report_blocks(master_pb2.ReportBlocksRequest(node_id="n1", incarnation=1, tier=77), 2.0)
     assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # The connection stays usable after error replies.
-    assert len(fast.Lookup(master_pb2.LookupRequest(keys=pack_keys(keys(2))), timeout=2.0).tiers) == 2
+    assert len(fast.lookup(master_pb2.LookupRequest(keys=pack_keys(keys(2))), 2.0).tiers) == 2
+    fast.close()
     assert server._calls.connections == 1
     port = server.servicer.call_port
     status, text = raw_call(port, Method.LOOKUP, b"\xff\xff\xff")  # undecodable protobuf
@@ -169,15 +176,13 @@ def test_an_unreachable_listener_falls_back_to_grpc(master, pool):
 
 def test_a_stopped_master_is_an_rpc_error_not_a_hang(pool):
     server = MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0)).start()
-    channel = grpc.insecure_channel(server.address)
+    fast = DirectMaster(server.address, pool=pool, timeout_s=1.0, max_message_bytes=MESSAGE_BYTES)
     try:
-        stub = master_pb2_grpc.MasterStub(channel)
-        fast = FastStub(stub, MASTER, MASTER_CALLS, pool, MasterCallAddress(stub, server.address, 1.0))
-        fast.Exists(master_pb2.ExistsRequest(keys=pack_keys(keys(1))), timeout=1.0)
+        fast.exists(master_pb2.ExistsRequest(keys=pack_keys(keys(1))), 1.0)
         server.stop()
         with pytest.raises(grpc.RpcError) as failed:  # the pooled connection is cut; gRPC finds nothing either
-            fast.Exists(master_pb2.ExistsRequest(keys=pack_keys(keys(1))), timeout=1.0)
+            fast.exists(master_pb2.ExistsRequest(keys=pack_keys(keys(1))), 1.0)
         assert failed.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     finally:
         server.stop()
-        channel.close()
+        fast.close()

@@ -180,7 +180,7 @@ def test_masters_a_node_and_a_client_with_tls_and_auth_hit_and_follow_a_killed_l
         first = wait_until(leading, timeout=30)
         pool = reader_pool(etcd, files, cluster)
         keys = fill(pool, f"tls-{cluster}")
-        follower = pool.masters.etcd
+        follower = pool.master.etcd
         assert follower is not None and follower.authentications == 1
         # kvpool status reads etcd with the client section's settings, here from KVPOOL_CLIENT_* variables.
         env = {**os.environ, **{f"KVPOOL_CLIENT_{k.upper()}": v for k, v in settings(files, "kvpool-reader").items()}}
@@ -201,7 +201,7 @@ def test_masters_a_node_and_a_client_with_tls_and_auth_hit_and_follow_a_killed_l
         assert hit_again is not None, "lookups never hit again after the leader was killed"
         second = leading()
         assert second is not None and second != first
-        assert node.poll() is None and pool.masters.changes >= 1  # the same node process followed
+        assert node.poll() is None and pool.master.changes >= 1  # the same node process followed
         # the client read the new leader after etcd had dropped its token: it authenticated again
         assert follower.authentications >= 2
         outs = [np.zeros(4096, np.uint8) for _ in keys]
@@ -353,7 +353,7 @@ def test_a_client_etcd_refuses_misses_and_says_why_once(etcd, files, caplog):
             while time.monotonic() < deadline:
                 assert len(bad.lookup(keys)) == 0  # a miss, never an exception
                 time.sleep(0.05)
-            assert bad.masters.address is None
+            assert bad.master.address is None
         finally:
             bad.close()
         warnings = [r.getMessage() for r in caplog.records if "cannot follow the master" in r.getMessage()]

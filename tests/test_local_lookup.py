@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 from support import wait_until
 
-from kvpool.calls import FastStub
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
 from kvpool.core import Tier
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.master.server import MasterServer
+from kvpool.master_client import MasterConnection
 from kvpool.node.daemon import PoolNode
 from kvpool.v1 import master_pb2
+from kvpool.wire import MASTER_CALLS
 
 BLOCK = 64 << 10
 
@@ -48,14 +49,14 @@ def cluster(tmp_path, arena_name):
 def master_calls(monkeypatch: pytest.MonkeyPatch, pool: PoolClient) -> list[str]:
     """The names of the fast-call-capable methods the client calls on the master from now on."""
     names: list[str] = []
-    call = FastStub.call
+    call = MasterConnection.call
 
-    def logged(stub, name, request, timeout=None):
-        if stub is pool.masters.current(fast=True):
+    def logged(master, name, request, timeout):
+        if master is pool.master and name in MASTER_CALLS:
             names.append(name)
-        return call(stub, name, request, timeout)
+        return call(master, name, request, timeout)
 
-    monkeypatch.setattr(FastStub, "call", logged)
+    monkeypatch.setattr(MasterConnection, "call", logged)
     return names
 
 

@@ -268,7 +268,7 @@ def test_a_killed_leader_is_replaced_and_a_node_and_a_client_follow_it_without_a
         outs = [np.zeros(4096, np.uint8) for _ in keys]
         assert pool.get_into(pool.lookup(keys), outs) == [True] * 8
         assert all(np.array_equal(o, v) for o, v in zip(outs, values))
-        assert node.poll() is None and pool.masters.changes >= 1  # the same node process, followed
+        assert node.poll() is None and pool.master.changes >= 1  # the same node process, followed
         # The new leader's failover metrics: from the old leader's last renewal it saw to its election, and from
         # the election to the node's inventory being whole. The lease outlived the kill by at least 2/3 TTL (the
         # last renewal came at most TTL/3 before it), less one standby poll (0.5 s) for seeing the key move.

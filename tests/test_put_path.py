@@ -18,11 +18,12 @@ from kvpool.client.pool import PoolClient, PoolFault
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.master.server import MasterServer
+from kvpool.master_client import MasterConnection
 from kvpool.metrics import error_counts
 from kvpool.node.daemon import PoolNode
 from kvpool.tiers.dram import DramStore
 from kvpool.v1 import master_pb2, node_pb2
-from kvpool.wire import Method
+from kvpool.wire import MASTER_CALLS, NODE_CALLS, Method
 
 SLOT = 4096
 
@@ -124,19 +125,24 @@ def pool_node(tmp_path, arena_name):
 
 
 class CallLog:
-    """Every fast-call-capable method a client calls (both transports pass through FastStub.call; the node's
-    own link to the master, in this process too, is left out), every Commit it pipes, and how many of those
-    leased a new stock (``next_sizes``)."""
+    """Every fast-call-capable method a client calls on its nodes (through FastStub.call, either transport) and
+    on its master (the node's own link to the master, in this process too, is left out), every Commit it pipes,
+    and how many of those leased a new stock (``next_sizes``)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, node: PoolNode):
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, pool: PoolClient):
         self.names: list[str] = []
         self.stocks_asked = 0
-        call, send = FastStub.call, CommitPipe.send
+        call, master_call, send = FastStub.call, MasterConnection.call, CommitPipe.send
 
         def logged(stub, name, request, timeout=None):
-            if stub is not node.link._master.current(fast=True):
+            if name in NODE_CALLS:
                 self.names.append(name)
             return call(stub, name, request, timeout)
+
+        def master_logged(master, name, request, timeout):
+            if master is pool.master and name in MASTER_CALLS:
+                self.names.append(name)
+            return master_call(master, name, request, timeout)
 
         def piped(pipe, request, done, deadline=None):
             self.names.append("Commit")
@@ -144,6 +150,7 @@ class CallLog:
             return send(pipe, request, done, deadline)
 
         monkeypatch.setattr(FastStub, "call", logged)
+        monkeypatch.setattr(MasterConnection, "call", master_logged)
         monkeypatch.setattr(CommitPipe, "send", piped)
 
 
@@ -151,7 +158,7 @@ def test_a_same_host_put_is_one_commit_and_no_master_call(pool_node, monkeypatch
     master, n = pool_node
     with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
         assert pool.store([key(0)], [block(0)]) == [True]  # warm-up: the view, the first lease
-        calls = CallLog(monkeypatch, n)
+        calls = CallLog(monkeypatch, pool)
         for i in range(1, 6):
             assert pool.store([key(i)], [block(i)]) == [True]
         assert calls.names == ["Commit"] * 5  # no PlaceBlocks, no Reserve: slots were leased ahead
@@ -194,7 +201,7 @@ def test_a_put_of_other_sizes_extends_the_stock_lease_and_commits_once(pool_node
         assert pool.store([key(0)], [block(0)]) == [True]
         assert pool.flush()  # a stock of SLOT-sized slots on the shelf
         stocked = pool.shared_path.stocked_slots()
-        calls = CallLog(monkeypatch, n)
+        calls = CallLog(monkeypatch, pool)
         values = [block(1), block(2, 3 * SLOT)]  # one size in stock, one not
         assert pool.store([key(1), key(2)], values) == [True, True]
         assert calls.names == ["Reserve", "Commit"]  # Reserve adds the other size to the stock's lease

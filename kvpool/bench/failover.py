@@ -150,8 +150,7 @@ def measure(etcd_endpoint: str, tmp: Path, blocks: int, block_bytes: int, ttl: i
 
             def indexed() -> int:
                 try:
-                    return reader.masters.grpc_stub.ClusterStatus(master_pb2.ClusterStatusRequest(),
-                                                                  timeout=5).indexed_blocks
+                    return reader.master.cluster_status(master_pb2.ClusterStatusRequest(), 5).indexed_blocks
                 except grpc.RpcError:
                     return 0
 

@@ -55,7 +55,7 @@ from kvpool.core import BlockMeta, Tier, TierStats
 from kvpool.etcd import EtcdAccess
 from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
-from kvpool.master_client import MasterConnection
+from kvpool.master_client import MasterApi, MasterConnection
 from kvpool.rpc import proto_tier, tier_usage
 from kvpool.tiers.base import ChangeListener
 from kvpool.tls import client_context
@@ -124,10 +124,9 @@ class MasterLink:
                                      hello=auth_hello(token) if token else None)
         # The master, or the leader etcd names (followed when it moves: the link then registers with it). Reports
         # go over fast calls; the rest over gRPC. etcd refusing etcd_access is a ValueError: the node does not start.
-        self._master = MasterConnection(master, pool=self._calls, timeout_s=rpc_timeout_s,
-                                        max_message_bytes=max_message_bytes, token=token, tls_ca=tls_ca,
-                                        options=_RECONNECT_OPTIONS, etcd_access=etcd_access, refuse_start=True)
-        self._stub = self._master.stub
+        self._master: MasterApi = MasterConnection(
+            master, pool=self._calls, timeout_s=rpc_timeout_s, max_message_bytes=max_message_bytes, token=token,
+            tls_ca=tls_ca, options=_RECONNECT_OPTIONS, etcd_access=etcd_access, refuse_start=True)
         self._pending_lock = threading.Lock()
         self._pending: dict[Tier, dict[BlockKey, BlockMeta | None]] = {t: {} for t in self._stores}
         self._send_lock = threading.Lock()  # one conversation with the master at a time, in order
@@ -196,7 +195,7 @@ class MasterLink:
         with self._send_lock:  # after this, flush() returns False without touching the channel
             if unregister and self._registered:
                 try:
-                    self._stub.UnregisterNode(
+                    self._master.unregister_node(
                         master_pb2.UnregisterNodeRequest(node_id=self.node_ref.node_id, incarnation=self._incarnation),
                         timeout=min(self._timeout, 1.0),
                     )
@@ -268,7 +267,7 @@ class MasterLink:
     def _register(self) -> bool:
         with self._send_lock:
             try:
-                reply = self._stub.RegisterNode(
+                reply = self._master.register_node(
                     master_pb2.RegisterNodeRequest(node=self.node_ref, tiers=self._usage(),
                                                    dram_max_block_bytes=self._dram_max_block_bytes,
                                                    max_block_bytes=self._max_block_bytes),
@@ -310,7 +309,7 @@ class MasterLink:
     def _heartbeat(self, incarnation: int) -> str | None:
         """One heartbeat; None if the master answered that it knows us, else what went wrong."""
         try:
-            reply = self._stub.Heartbeat(
+            reply = self._master.heartbeat(
                 master_pb2.HeartbeatRequest(node_id=self.node_ref.node_id, incarnation=incarnation,
                                             tiers=self._usage()),
                 timeout=self._timeout,
@@ -397,7 +396,7 @@ class MasterLink:
         self, tier: Tier, full_sync: bool, added: Sequence[BlockMeta], removed: Sequence[BlockKey],
         sync_complete: bool = False,
     ) -> None:
-        reply = self._stub.ReportBlocks(
+        reply = self._master.report_blocks(
             master_pb2.ReportBlocksRequest(
                 node_id=self.node_ref.node_id,
                 incarnation=self._incarnation,
