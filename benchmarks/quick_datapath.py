@@ -43,7 +43,7 @@ def wait_ready(pool: PoolClient, proc: subprocess.Popen, timeout: float = 60.0) 
         if proc.poll() is not None:
             raise SystemExit(f"kvpool serve exited with {proc.returncode}")
         try:
-            status = pool._master.ClusterStatus(master_pb2.ClusterStatusRequest(), timeout=1)
+            status = pool.master.cluster_status(master_pb2.ClusterStatusRequest(), 1)
             if len(status.nodes) == 1:
                 return
         except Exception:  # noqa: BLE001 - not up yet

@@ -10,8 +10,8 @@ Invariants:
 - ``put`` stores in HBM at once and queues the pool write (write-behind): the
   engine never waits on the pool. ``flush`` waits for the queue.
 - Lookups answered by HBM alone make no master call; their counts reach the
-  master with the next HBM report (within ~1 s, or at ``flush``), so its
-  cluster-wide hit rates include them.
+  master within ~1 s, or at ``flush`` (:mod:`kvpool.client.lookup_stats`),
+  so its cluster-wide hit rates include them.
 - Pool faults are counted misses, never exceptions (see :mod:`kvpool.client.pool`).
 """
 
@@ -31,7 +31,6 @@ from kvpool.config import ClientConfig, load_config
 from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys, check_keys, leading_hits
 
 _HBM_REPORT_BATCH = 1024  # HBM key changes that trigger a report
-_HBM_REPORT_INTERVAL_S = 1.0  # at most this stale: HBM-only lookups the master has not counted yet
 
 
 class KVCacheClient:
@@ -44,9 +43,6 @@ class KVCacheClient:
         self.registry = self.pool.registry
         self._hbm_lock = threading.Lock()
         self._hbm_changed_keys: set[BlockKey] = set()  # reported as what HBM holds at report time
-        self._hbm_only_lookups = 0
-        self._hbm_only_blocks = 0
-        self._last_report = time.monotonic()
         self.hbm = None
         if config.hbm_blocks > 0:
             if self.layout is None:
@@ -73,7 +69,7 @@ class KVCacheClient:
         """Keys of the full blocks of ``tokens`` in this client's namespace."""
         return chain_block_keys(tokens, self.block_tokens, self.namespace(tp_rank, tp_size))
 
-    # -- HBM reporting (stats at the master) -------------------------------------------
+    # -- HBM reporting (routing scores and KV events at the master) ----------------------
 
     def _hbm_changed(self, added: list[BlockKey], removed: list[BlockKey]) -> None:
         with self._hbm_lock:
@@ -84,21 +80,17 @@ class KVCacheClient:
             self._report_hbm(wait=False)
 
     def _report_hbm(self, *, wait: bool, timeout: float | None = None) -> None:
-        """Send HBM changes and HBM-only lookup counts the master has not seen (stats only; within
-        ``lookup_timeout_s`` and ``timeout``)."""
+        """Send the HBM changes the master has not seen (best effort; within ``lookup_timeout_s`` and
+        ``timeout``)."""
         with self._hbm_lock:
             changed = list(self._hbm_changed_keys)
-            lookups, blocks = self._hbm_only_lookups, self._hbm_only_blocks
             self._hbm_changed_keys = set()
-            self._hbm_only_lookups = self._hbm_only_blocks = 0
-            self._last_report = time.monotonic()
         # What HBM holds now, not the order events arrived in, decides added vs removed.
         held = self.hbm.contains(changed) if self.hbm is not None else [False] * len(changed)
         added = [k for k, h in zip(changed, held) if h]
         removed = [k for k, h in zip(changed, held) if not h]
-        if added or removed or lookups:
-            self.pool.report_hbm(added, removed, hbm_only_lookups=lookups, hbm_only_blocks=blocks,
-                                 block_tokens=self.block_tokens, wait=wait, timeout=timeout)
+        if added or removed:
+            self.pool.report_hbm(added, removed, wait=wait, timeout=timeout)
 
     # -- the engine's calls --------------------------------------------------------------
 
@@ -109,13 +101,8 @@ class KVCacheClient:
         pool = EMPTY_RUN
         if hbm < len(keys):
             pool = self.pool.lookup(keys[hbm:], hbm_prefix_blocks=hbm, block_tokens=self.block_tokens)
-        elif keys:  # HBM answered alone: the master hears of it with the next report
-            with self._hbm_lock:
-                self._hbm_only_lookups += 1
-                self._hbm_only_blocks += hbm
-                due = time.monotonic() - self._last_report >= _HBM_REPORT_INTERVAL_S
-            if due:
-                self._report_hbm(wait=False)
+        elif keys:  # HBM answered alone: counted here, the master hears of it within a second
+            self.pool.lookup_stats.count(hbm, b"", hbm, self.block_tokens)
         result = LookupResult(len(keys), hbm, pool)
         self.pool.lookup_metrics.record(result.by_tier(), len(keys), self.block_tokens)
         return result
@@ -173,7 +160,7 @@ class KVCacheClient:
         return [h or next(in_pool) for h in in_hbm]
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for queued pool writes; also sends pending HBM reports (one ``timeout`` for both)."""
+        """Wait for queued pool writes; also sends pending HBM and lookup reports (one ``timeout`` for all)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._report_hbm(wait=True, timeout=timeout)
         return self.pool.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))

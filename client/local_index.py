@@ -24,7 +24,6 @@ Invariants:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,15 +33,13 @@ from kvpool.auth import mask_keys
 from kvpool.client.cluster import ClusterView
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
-from kvpool.core import NodeRef, Tier
+from kvpool.core import NodeRef
 from kvpool.keys import BlockKey
 from kvpool.master_client import TenantMask
 from kvpool.rpc import MISS
 from kvpool.tiers.arena import KEY_DTYPE, InventoryState, SharedArena
 
-__all__ = ["Holdings", "LocalIndex", "LocalLookupCounts"]
-
-REPORT_S = 1.0  # lookups answered here reach the master within this long (and at flush and close)
+__all__ = ["Holdings", "LocalIndex"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,42 +123,3 @@ class LocalIndex:
         """Per key whether this host's nodes hold it; None: ask the master."""
         held = self.holdings(keys)
         return None if held is None else (held.tiers != MISS).tolist()
-
-
-@dataclass(slots=True)
-class LookupCounts:
-    """Lookups answered here, the blocks they asked for (HBM prefix included) and their hits per tier."""
-
-    lookups: int = 0
-    requested: int = 0
-    hbm: int = 0
-    dram: int = 0
-    ssd: int = 0
-
-
-class LocalLookupCounts:
-    """What the master would have counted for the lookups answered here, until they are reported (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._counts: dict[int, LookupCounts] = {}  # per block_tokens
-
-    def add(self, hbm_prefix_blocks: int, tiers: bytes, keys: int, block_tokens: int) -> bool:
-        """Count one lookup; True if it is the first since the last :meth:`take` (the caller schedules one)."""
-        run = np.frombuffer(tiers, dtype=np.uint8)
-        dram = int(np.count_nonzero(run == Tier.DRAM))
-        with self._lock:
-            first = not self._counts
-            c = self._counts.setdefault(block_tokens, LookupCounts())
-            c.lookups += 1
-            c.requested += hbm_prefix_blocks + keys
-            c.hbm += hbm_prefix_blocks
-            c.dram += dram
-            c.ssd += len(run) - dram
-        return first
-
-    def take(self) -> dict[int, LookupCounts]:
-        """The counts so far, reset."""
-        with self._lock:
-            counts, self._counts = self._counts, {}
-        return counts

@@ -46,8 +46,9 @@ from kvpool.client.cluster import ClusterView, Placement
 from kvpool.client.datapath import DataPath, call_timeout
 from kvpool.client.faults import Faults, PoolFault, error_kind
 from kvpool.client.grpc_path import GrpcPath
-from kvpool.client.local_index import REPORT_S, LocalIndex, LocalLookupCounts
+from kvpool.client.local_index import LocalIndex
 from kvpool.client.lookup import EMPTY_RUN, BlockLocation, PoolRun
+from kvpool.client.lookup_stats import LookupCounts, LookupStats
 from kvpool.client.nodes import MAX_MESSAGE_BYTES, NodeDirectory
 from kvpool.client.shared_path import SharedMemoryPath
 from kvpool.client.writer import WriteBehindQueue
@@ -110,7 +111,7 @@ class PoolClient:
         self._names_unwanted_until = 0.0  # the master kept none (it publishes no events): ask again after this
         mask = TenantMask(self.master) if config.token else None
         self.local = LocalIndex(self.cluster, self.nodes, mask, enabled=config.shared_memory)
-        self._local_counts = LocalLookupCounts()
+        self.lookup_stats = LookupStats(self._report_lookups)  # lookups answered here (HBM, same-host arenas)
         self.shared_path = SharedMemoryPath(config, self.nodes, self.faults, mask, self._calls)
         self.bulk_path = BulkPath(config, self.nodes, self.faults, self._calls)
         self.grpc_path = GrpcPath(config, self.nodes, self.faults)
@@ -138,8 +139,7 @@ class PoolClient:
         self.shared_path.settle(self.config.lookup_timeout_s)  # read-your-writes: this client's commits published
         local = self.local.lookup(keys)
         if local is not None:
-            if self._local_counts.add(hbm_prefix_blocks, local.tiers, len(keys), block_tokens):
-                self._report_timer()  # the first since the last report: send them within REPORT_S
+            self.lookup_stats.count(hbm_prefix_blocks, local.tiers, hbm_prefix_blocks + len(keys), block_tokens)
             self._lookup_seconds.observe(time.perf_counter() - start)
             return local
         request = master_pb2.LookupRequest(
@@ -182,21 +182,16 @@ class PoolClient:
             return [False] * len(keys)
         return flags_from_bytes(reply.present)
 
-    def report_hbm(
-        self, added: Sequence[BlockKey], removed: Sequence[BlockKey], *,
-        hbm_only_lookups: int = 0, hbm_only_blocks: int = 0, block_tokens: int = 0, wait: bool = True,
-        timeout: float | None = None,
-    ) -> None:
-        """Tell the master what this worker's HBM tier gained and lost, and the lookups HBM answered alone.
+    def report_hbm(self, added: Sequence[BlockKey], removed: Sequence[BlockKey], *, wait: bool = True,
+                   timeout: float | None = None) -> None:
+        """Tell the master what this worker's HBM tier gained and lost.
 
-        Stats only, best effort; with ``wait=False`` the call does not block. Within ``lookup_timeout_s``
-        (and ``timeout``, if less).
+        Best effort; with ``wait=False`` the call does not block. Within ``lookup_timeout_s`` (and ``timeout``,
+        if less).
         """
         timeout = self.config.lookup_timeout_s if timeout is None else min(timeout, self.config.lookup_timeout_s)
-        request = master_pb2.ReportHbmRequest(
-            worker_id=self.worker_id, added_keys=pack_keys(added), removed_keys=pack_keys(removed),
-            hbm_only_lookups=hbm_only_lookups, hbm_only_blocks=hbm_only_blocks, block_tokens=block_tokens,
-        )
+        request = master_pb2.ReportHbmRequest(worker_id=self.worker_id, added_keys=pack_keys(added),
+                                              removed_keys=pack_keys(removed))
         if not wait:
             self.master.report_hbm_nowait(request, timeout, self._count_report_failure)
             return
@@ -205,29 +200,20 @@ class PoolClient:
         except grpc.RpcError as exc:
             self.faults.counted(_report_kind(exc))
 
-    def _report_timer(self) -> None:
-        timer = threading.Timer(REPORT_S, self._send_local_counts)
-        timer.daemon = True
-        timer.start()
-
-    def _send_local_counts(self, deadline: float | None = None) -> bool:
-        """Report the lookups answered locally since the last report to the master (stats only; a failure is
-        counted and those counts are lost), each call within ``lookup_timeout_s`` and all by ``deadline``
-        (``time.monotonic()``). True if there was nothing to send or the master took it."""
-        ok = True
-        for block_tokens, c in self._local_counts.take().items():
-            timeout = self.config.lookup_timeout_s if deadline is None else \
-                min(self.config.lookup_timeout_s, call_timeout(deadline))
-            request = master_pb2.ReportHbmRequest(
-                worker_id=self.worker_id, block_tokens=block_tokens, local_lookups=c.lookups,
-                local_requested_blocks=c.requested, local_hbm_blocks=c.hbm, local_dram_blocks=c.dram,
-                local_ssd_blocks=c.ssd)
-            try:
-                self.master.report_hbm(request, timeout)
-            except grpc.RpcError as exc:
-                self.faults.counted(_report_kind(exc))
-                ok = False
-        return ok
+    def _report_lookups(self, block_tokens: int, counts: LookupCounts, deadline: float | None) -> bool:
+        """:class:`LookupStats`' sender: one ``ReportLookups`` within ``lookup_timeout_s`` and by ``deadline``
+        (``time.monotonic()``); a failure is counted and those counts are lost. True if the master took it."""
+        timeout = self.config.lookup_timeout_s if deadline is None else \
+            min(self.config.lookup_timeout_s, call_timeout(deadline))
+        request = master_pb2.ReportLookupsRequest(
+            worker_id=self.worker_id, block_tokens=block_tokens, lookups=counts.lookups,
+            requested_blocks=counts.requested, hbm_blocks=counts.hbm, dram_blocks=counts.dram, ssd_blocks=counts.ssd)
+        try:
+            self.master.report_lookups(request, timeout)
+        except grpc.RpcError as exc:
+            self.faults.counted(_report_kind(exc))
+            return False
+        return True
 
     def _count_report_failure(self, exc: grpc.RpcError) -> None:
         self.faults.counted(_report_kind(exc))
@@ -313,8 +299,8 @@ class PoolClient:
 
         Nodes report what they store in the background (a put's reply does not
         wait for the master); this is the barrier: it asks each node written to
-        since the last flush to send its reports now, and sends the hit counts
-        of the lookups answered from this host's arenas. False on timeout (one
+        since the last flush to send its reports now, and sends the counts of
+        the lookups this client answered itself (:class:`LookupStats`). False on timeout (one
         ``timeout`` for all of it), or if a node could not confirm (its blocks
         are stored; the master learns of them when the node's link is back).
         """
@@ -325,7 +311,7 @@ class PoolClient:
             return False
         with self._written_lock:
             written, self._written = self._written, set()
-        ok = self._send_local_counts(deadline)
+        ok = self.lookup_stats.send(deadline)
         left = self.config.io_timeout_s if deadline is None else call_timeout(deadline)
         return self._flush_reports(written, left) and ok
 
@@ -503,7 +489,7 @@ class PoolClient:
     def close(self) -> None:
         """Drain the write-behind queue (briefly), then close connections and unmap arenas."""
         self._writer.close()
-        self._send_local_counts()
+        self.lookup_stats.send()
         self.shared_path.close()
         self.bulk_path.close()
         self._calls.close()

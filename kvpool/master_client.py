@@ -93,6 +93,9 @@ class MasterApi(Protocol):
         """Send without waiting for the answer; a failure reaches ``on_error`` (on another thread)."""
         ...
 
+    def report_lookups(self, request: master_pb2.ReportLookupsRequest,
+                       timeout: float | None) -> master_pb2.ReportLookupsResponse: ...
+
     def info(self) -> master_pb2.MasterInfoResponse | None:
         """The master's ``Info``, asked once (see the module docstring); None: not known now."""
         ...
@@ -157,6 +160,10 @@ class MasterCalls:
                           on_error: OnError) -> None:
         self.call_nowait("ReportHbm", request, timeout, on_error)
 
+    def report_lookups(self, request: master_pb2.ReportLookupsRequest,
+                       timeout: float | None) -> master_pb2.ReportLookupsResponse:
+        return self.call("ReportLookups", request, timeout)
+
     def score(self, request: master_pb2.ScoreRequest, timeout: float | None) -> master_pb2.ScoreResponse:
         return self.call("Score", request, timeout)
 
@@ -210,8 +217,8 @@ class DirectMaster(MasterCalls):
 
         def done(f: grpc.Future) -> None:
             exc = f.exception()
-            if exc is not None:
-                on_error(exc)
+            if exc is not None:  # a failed call's exception is its grpc.RpcError
+                on_error(exc if isinstance(exc, grpc.RpcError) else CallError(grpc.StatusCode.UNKNOWN, repr(exc)))
 
         future.add_done_callback(done)
 

@@ -7,7 +7,7 @@ line in a ``Score`` reply and, with KV events on, its HBM topic.
 Invariants:
 
 - A worker id has 1 to :data:`MAX_WORKER_ID_CHARS` characters and no control character (C0, DEL or C1: no
-  NUL, no newline), wherever it enters (``Lookup``, ``ReportHbm``, ``Score``, the client's config).
+  NUL, no newline), wherever it enters (``Lookup``, ``ReportHbm``, ``ReportLookups``, ``Score``, the client's config).
   :func:`worker_id_problem` is the one rule.
 - Inside the master a worker is its scoped id: ``tenant + "\\x00" + worker_id`` for a client of a tenant
   (auth on), the worker id unchanged with auth off (tenant ""). A worker id holds no NUL, and a tenant name

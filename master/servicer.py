@@ -9,14 +9,14 @@ Invariants:
   control characters) are a ValueError, which
   :class:`kvpool.rpc.ErrorInterceptor` answers with INVALID_ARGUMENT and the
   message.
-- Workers are their tenant's: Lookup, ReportHbm and Score key a worker by its
+- Workers are their tenant's: Lookup, ReportHbm, ReportLookups and Score key a worker by its
   scoped id (:func:`kvpool.worker_ids.scoped_id` of the caller's tenant), so
   no call of one tenant reads, changes, refreshes or lists another tenant's
   workers; a Score naming another tenant's worker id scores the caller's own
   worker of that name (unknown: empty HBM). A tenant's new worker past
   ``max_workers_per_tenant`` is INVALID_ARGUMENT naming the setting.
-- Lookup counts a client reports (ReportHbm's ``hbm_only_*`` and ``local_*``,
-  Lookup's ``hbm_prefix_blocks`` and ``block_tokens``) are checked against
+- Lookup counts a client reports (ReportLookups, Lookup's
+  ``hbm_prefix_blocks`` and ``block_tokens``) are checked against
   what that many lookups can hold (:meth:`MasterServicer._check_reported`);
   a report out of bounds is INVALID_ARGUMENT and counts nothing. Counts are
   recorded under the caller's tenant (the ``tenant`` label).
@@ -73,8 +73,8 @@ MAX_SCORE_WORKERS = 4096  # most worker ids one Score call may name (duplicates 
 # Most keys x distinct workers one Score may ask for: its work (one HBM set lookup per cell, at worst) is about
 # 0.1 s of master CPU. A router's real calls (e.g. 512 keys x 64 workers, 32,768) are far below it.
 MAX_SCORE_CELLS = 1 << 21
-MAX_REPORTED_LOOKUPS = 1 << 22  # most lookups one ReportHbm may report in each of its two kinds (clients: ~1 s worth)
-MAX_BLOCK_TOKENS = 1 << 20  # most tokens per block a Lookup or ReportHbm may say
+MAX_REPORTED_LOOKUPS = 1 << 22  # most lookups one ReportLookups may report (clients: ~1 s worth)
+MAX_BLOCK_TOKENS = 1 << 20  # most tokens per block a Lookup or ReportLookups may say
 _U64_MAX = (1 << 64) - 1
 
 
@@ -139,25 +139,28 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         """The scoped id of a worker the caller named; ValueError if it is no valid worker id."""
         return scoped_id(caller_tenant(), check_worker_id(worker_id, where))
 
-    def _check_reported(self, request: master_pb2.ReportHbmRequest) -> None:
-        """ValueError unless the lookup counts of a ReportHbm are what that many lookups can hold.
+    def _check_reported(self, request: master_pb2.ReportLookupsRequest) -> None:
+        """ValueError unless the counts of a ReportLookups are what that many lookups can hold.
 
         Per lookup at most ``max_hbm_keys_per_worker`` HBM hits (a longer HBM prefix is more than the master
         keeps of any worker), ``max_keys_per_call`` pool hits, and the two together asked for; hits at most
-        the blocks asked for; at most :data:`MAX_REPORTED_LOOKUPS` lookups of each kind and
-        :data:`MAX_BLOCK_TOKENS` tokens a block. Clients report about a second's lookups at a time.
+        the blocks asked for; at most :data:`MAX_REPORTED_LOOKUPS` lookups and :data:`MAX_BLOCK_TOKENS`
+        tokens a block. Clients report about a second's lookups at a time.
         """
         r = request
         hbm_most, pool_most = self._config.max_hbm_keys_per_worker, self._config.max_keys_per_call
-        self._check_block_tokens("ReportHbm", r.block_tokens)
-        _per_lookup("hbm_only_lookups", r.hbm_only_lookups, ("hbm_only_blocks", r.hbm_only_blocks, hbm_most))
-        _per_lookup("local_lookups", r.local_lookups, ("local_hbm_blocks", r.local_hbm_blocks, hbm_most),
-                    ("local_dram_blocks + local_ssd_blocks", r.local_dram_blocks + r.local_ssd_blocks, pool_most),
-                    ("local_requested_blocks", r.local_requested_blocks, hbm_most + pool_most))
-        hits = r.local_hbm_blocks + r.local_dram_blocks + r.local_ssd_blocks
-        if hits > r.local_requested_blocks:
-            raise ValueError(f"ReportHbm: {hits} local hits (hbm + dram + ssd) but local_requested_blocks "
-                             f"{r.local_requested_blocks}")
+        self._check_block_tokens("ReportLookups", r.block_tokens)
+        if r.lookups > MAX_REPORTED_LOOKUPS:
+            raise ValueError(f"ReportLookups: lookups {r.lookups} > {MAX_REPORTED_LOOKUPS} in one report")
+        for field, count, most in (("hbm_blocks", r.hbm_blocks, hbm_most),
+                                   ("dram_blocks + ssd_blocks", r.dram_blocks + r.ssd_blocks, pool_most),
+                                   ("requested_blocks", r.requested_blocks, hbm_most + pool_most)):
+            if count > r.lookups * most:
+                raise ValueError(f"ReportLookups: {field} {count} > {most} a lookup x lookups {r.lookups}")
+        hits = r.hbm_blocks + r.dram_blocks + r.ssd_blocks
+        if hits > r.requested_blocks:
+            raise ValueError(f"ReportLookups: {hits} hits (hbm + dram + ssd) but requested_blocks "
+                             f"{r.requested_blocks}")
 
     @staticmethod
     def _check_block_tokens(where: str, block_tokens: int) -> None:
@@ -362,20 +365,25 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         worker = self._worker(request.worker_id, "ReportHbm")
         added = self._client_keys(request.added_keys, "added_keys")
         removed = self._client_keys(request.removed_keys, "removed_keys")
-        self._check_reported(request)
         self._membership.worker_seen(worker)  # refuses a tenant's worker past max_workers_per_tenant
         not_kept = self._hbm.report(worker, added, removed, full_sync=request.full_sync)
         if not_kept:
             self._metrics.record_hbm_not_kept(not_kept, worker, self._hbm.max_keys_per_worker,
                                               self._hbm.max_keys_per_tenant)
-        r, tenant = request, caller_tenant()
-        if r.hbm_only_lookups:
-            blocks = r.hbm_only_blocks
-            self._metrics.record_lookup(blocks, 0, 0, blocks, r.block_tokens, r.hbm_only_lookups, tenant)
-        if r.local_lookups:
-            self._metrics.record_lookup(r.local_hbm_blocks, r.local_dram_blocks, r.local_ssd_blocks,
-                                        r.local_requested_blocks, r.block_tokens, r.local_lookups, tenant)
         return master_pb2.ReportHbmResponse()
+
+    def ReportLookups(self, request: master_pb2.ReportLookupsRequest,
+                      context: Any) -> master_pb2.ReportLookupsResponse:
+        """Count lookups a worker answered without this master, as its own Lookups are counted."""
+        self._lead(context)
+        worker = self._worker(request.worker_id, "ReportLookups")
+        self._check_reported(request)
+        self._membership.worker_seen(worker)  # refuses a tenant's worker past max_workers_per_tenant
+        r = request
+        if r.lookups:
+            self._metrics.record_lookup(r.hbm_blocks, r.dram_blocks, r.ssd_blocks, r.requested_blocks,
+                                        r.block_tokens, r.lookups, caller_tenant())
+        return master_pb2.ReportLookupsResponse()
 
     def Score(self, request: master_pb2.ScoreRequest, context: Any) -> master_pb2.ScoreResponse:
         """Per worker: its HBM's leading run of the prompt, then the pool's leading run of the rest by tier.
@@ -463,7 +471,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         response.indexed_blocks = len(self._index)
         response.workers = self._membership.worker_count()
         response.hbm_blocks = self._hbm.blocks()
-        # Saturate: ReportHbm may add up to 2**64 - 1 per call, and a uint64 field refuses more (ValueError).
+        # Saturate: ReportLookups may add up to 2**64 - 1 per call, and a uint64 field refuses more (ValueError).
         response.lookups = min(totals.lookups, _U64_MAX)
         response.requested_blocks = min(totals.requested_blocks, _U64_MAX)
         response.hit_blocks_hbm = min(totals.hit_blocks_hbm, _U64_MAX)
@@ -475,13 +483,3 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         response.largest_block_bytes = max((max(i.dram_max_block_bytes, i.max_block_bytes) for i in
                                             self._membership.live_nodes()), default=0)
         return response
-
-
-def _per_lookup(lookups_field: str, lookups: int, *counts: tuple[str, int, int]) -> None:
-    """ValueError (for ReportHbm) if ``lookups`` is over :data:`MAX_REPORTED_LOOKUPS` or one of ``counts``, as
-    (field, value, most per lookup), is more than ``lookups`` lookups can hold."""
-    if lookups > MAX_REPORTED_LOOKUPS:
-        raise ValueError(f"ReportHbm: {lookups_field} {lookups} > {MAX_REPORTED_LOOKUPS} in one report")
-    for field, count, most in counts:
-        if count > lookups * most:
-            raise ValueError(f"ReportHbm: {field} {count} > {most} a lookup x {lookups_field} {lookups}")

@@ -375,7 +375,7 @@ def seed_request(request_type) -> bytes:
         "slots": [1, 2, 3], "node_id": "fuzz-raw", "worker_id": "w", "incarnation": 7, "lease": 3,
         "dram_max_block_bytes": 4096, "tier": 1, "full_sync": True, "promote": True,
         "hbm_prefix_blocks": 2,
-        "block_tokens": 16, "hbm_only_lookups": 1, "hbm_only_blocks": 1,
+        "block_tokens": 16, "lookups": 1, "requested_blocks": 1, "hbm_blocks": 1,
     }
     request = request_type()
     for field in request_type.DESCRIPTOR.fields:

@@ -87,6 +87,7 @@ MASTER_METHODS = {
     "Exists": (master_pb2.ExistsRequest, master_pb2.ExistsResponse),
     "PlaceBlocks": (master_pb2.PlaceBlocksRequest, master_pb2.PlaceBlocksResponse),
     "ReportHbm": (master_pb2.ReportHbmRequest, master_pb2.ReportHbmResponse),
+    "ReportLookups": (master_pb2.ReportLookupsRequest, master_pb2.ReportLookupsResponse),
     "Score": (master_pb2.ScoreRequest, master_pb2.ScoreResponse),
     "NameBlocks": (master_pb2.NameBlocksRequest, master_pb2.NameBlocksResponse),
     "ClusterStatus": (master_pb2.ClusterStatusRequest, master_pb2.ClusterStatusResponse),
@@ -274,6 +275,7 @@ def read_keys() -> st.SearchStrategy:
 
 
 HBM_MOST = MASTER_CONFIG.max_hbm_keys_per_worker
+POOL_MOST = MASTER_CONFIG.max_keys_per_call
 small_u32 = weighted((2, st.integers(0, 1000)), (1, u32))  # counts clients send, and any others
 small_u64 = weighted((2, st.integers(0, 1000)), (1, u64))
 
@@ -374,15 +376,26 @@ def test_place_blocks(pool, data):
 
 @FUZZ
 @given(worker=id_text, added=packed_keys(fuzz_key), removed=packed_keys(fuzz_key), full=st.booleans(),
-       lookups=small_u64, blocks=small_u64, tokens=small_u32, extra=unknown_fields())
-def test_report_hbm(pool, worker, added, removed, full, lookups, blocks, tokens, extra):
+       extra=unknown_fields())
+def test_report_hbm(pool, worker, added, removed, full, extra):
     request = master_pb2.ReportHbmRequest(
-        worker_id=worker, added_keys=added[0], removed_keys=removed[0], full_sync=full,
-        hbm_only_lookups=lookups, hbm_only_blocks=blocks, block_tokens=tokens)
-    counts_ok = lookups <= MAX_REPORTED_LOOKUPS and blocks <= lookups * HBM_MOST and tokens <= MAX_BLOCK_TOKENS
-    ok = worker_ok(worker) and None not in (added[1], removed[1]) and counts_ok
+        worker_id=worker, added_keys=added[0], removed_keys=removed[0], full_sync=full)
+    ok = worker_ok(worker) and None not in (added[1], removed[1])
     checked(pool, "master", "ReportHbm", request, extra, valid_if(ok))
     pool.count("Master.ReportHbm")
+
+
+@FUZZ
+@given(worker=id_text, lookups=small_u64, requested=small_u64, hbm=small_u64, dram=small_u64, ssd=small_u64,
+       tokens=small_u32, extra=unknown_fields())
+def test_report_lookups(pool, worker, lookups, requested, hbm, dram, ssd, tokens, extra):
+    request = master_pb2.ReportLookupsRequest(worker_id=worker, lookups=lookups, requested_blocks=requested,
+                                              hbm_blocks=hbm, dram_blocks=dram, ssd_blocks=ssd, block_tokens=tokens)
+    counts_ok = (lookups <= MAX_REPORTED_LOOKUPS and hbm <= lookups * HBM_MOST and dram + ssd <= lookups * POOL_MOST
+                 and requested <= lookups * (HBM_MOST + POOL_MOST) and hbm + dram + ssd <= requested
+                 and tokens <= MAX_BLOCK_TOKENS)
+    checked(pool, "master", "ReportLookups", request, extra, valid_if(worker_ok(worker) and counts_ok))
+    pool.count("Master.ReportLookups")
 
 
 @FUZZ
@@ -687,13 +700,15 @@ def test_undecodable_requests_are_invalid_argument_not_internal(pool):
 
 
 def test_huge_hbm_counters_are_refused_and_count_nothing(pool):
-    """ReportHbm used to add up to 2**64-1 lookups a call: ClusterStatus's uint64 totals overflowed (ValueError),
-    then saturated at 2**64-1 after one report. Counts past what the reported lookups can hold are refused."""
+    """ReportHbm (ReportLookups since) used to add up to 2**64-1 lookups a call: ClusterStatus's uint64 totals
+    overflowed (ValueError), then saturated at 2**64-1 after one report. Counts past what the reported lookups
+    can hold are refused."""
     code, before = master_call(pool, "ClusterStatus", master_pb2.ClusterStatusRequest())
     assert code == OK, before
     for _ in range(3):
-        code, reply = master_call(pool, "ReportHbm", master_pb2.ReportHbmRequest(
-            worker_id="fuzz-counter", hbm_only_lookups=2**64 - 1, hbm_only_blocks=2**64 - 1, block_tokens=2**32 - 1))
+        code, reply = master_call(pool, "ReportLookups", master_pb2.ReportLookupsRequest(
+            worker_id="fuzz-counter", lookups=2**64 - 1, requested_blocks=2**64 - 1, hbm_blocks=2**64 - 1,
+            block_tokens=2**32 - 1))
         assert code == INVALID, reply
     code, status = master_call(pool, "ClusterStatus", master_pb2.ClusterStatusRequest())
     assert code == OK, status

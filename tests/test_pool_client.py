@@ -12,9 +12,13 @@ from kvpool.metrics import error_counts
 
 def test_a_failed_hbm_report_is_counted_apart_from_data_path_errors():
     with PoolClient(ClientConfig(master=f"127.0.0.1:{free_port()}", lookup_timeout_s=0.3)) as pool:
-        pool.report_hbm([opaque_key("a")], [], hbm_only_lookups=1, wait=True)
+        pool.report_hbm([opaque_key("a")], [], wait=True)
         counted = error_counts(pool.registry)
         assert counted and all(kind.startswith("report_") for kind in counted), counted
+        pool.lookup_stats.count(2, b"", 2, 16)  # a lookup HBM answered alone
+        assert not pool.lookup_stats.send()  # its report fails: counted as a report error too
+        assert sum(error_counts(pool.registry).values()) == sum(counted.values()) + 1
+        assert all(kind.startswith("report_") for kind in error_counts(pool.registry))
         assert len(pool.lookup([opaque_key("a")])) == 0  # a lookup is a miss, counted under its own kind
         assert any(not kind.startswith("report_") for kind in error_counts(pool.registry))
 

@@ -65,10 +65,13 @@ class Caller:
         self.channel.close()
 
     def report(self, worker: str, added: Sequence[BlockKey] = (), removed: Sequence[BlockKey] = (), *,
-               full_sync: bool = False, **counts: int) -> master_pb2.ReportHbmResponse:
+               full_sync: bool = False) -> master_pb2.ReportHbmResponse:
         return self.stub.ReportHbm(master_pb2.ReportHbmRequest(
-            worker_id=worker, added_keys=pack_keys(added), removed_keys=pack_keys(removed), full_sync=full_sync,
-            **counts), timeout=60)
+            worker_id=worker, added_keys=pack_keys(added), removed_keys=pack_keys(removed), full_sync=full_sync),
+            timeout=60)
+
+    def report_lookups(self, worker: str, **counts: int) -> master_pb2.ReportLookupsResponse:
+        return self.stub.ReportLookups(master_pb2.ReportLookupsRequest(worker_id=worker, **counts), timeout=60)
 
     def score(self, prompt: list[BlockKey], workers: Sequence[str] = ()) -> master_pb2.ScoreResponse:
         return self.stub.Score(master_pb2.ScoreRequest(keys=pack_keys(prompt), worker_ids=list(workers)), timeout=60)
@@ -231,39 +234,40 @@ def totals(status: master_pb2.ClusterStatusResponse) -> tuple[int, ...]:
 
 
 def test_reported_lookup_counts_are_checked_bounded_and_counted_as_the_reporting_tenants(shared):
-    """One ReportHbm from B set lookups and hit_blocks_hbm to 2**64-1 in ClusterStatus and /metrics."""
+    """One report from B set lookups and hit_blocks_hbm to 2**64-1 in ClusterStatus and /metrics (ReportHbm
+    carried the counts then; ReportLookups does now)."""
     a, b = tenants(shared)
     try:
         before = totals(a.status()), lookup_counters(shared, "a"), lookup_counters(shared, "b")
         u64 = 2**64 - 1
-        b.refused("ReportHbm", master_pb2.ReportHbmRequest(  # the attack as measured
-            worker_id="stats", hbm_only_lookups=u64, hbm_only_blocks=u64, block_tokens=2**32 - 1))
+        b.refused("ReportLookups", master_pb2.ReportLookupsRequest(  # the attack as measured
+            worker_id="stats", lookups=u64, requested_blocks=u64, hbm_blocks=u64, block_tokens=2**32 - 1))
         from kvpool.master.servicer import MAX_REPORTED_LOOKUPS
 
         bad = [
-            dict(hbm_only_lookups=1, hbm_only_blocks=u64),
-            dict(hbm_only_lookups=MAX_REPORTED_LOOKUPS + 1, hbm_only_blocks=MAX_REPORTED_LOOKUPS + 1),
-            dict(hbm_only_lookups=0, hbm_only_blocks=5),  # blocks of no lookup
-            dict(hbm_only_lookups=1, hbm_only_blocks=1, block_tokens=2**32 - 1),
-            dict(local_lookups=u64, local_requested_blocks=u64, local_hbm_blocks=u64),
-            dict(local_lookups=1, local_requested_blocks=4, local_dram_blocks=5),  # more hits than asked for
-            dict(local_lookups=1, local_requested_blocks=4, local_hbm_blocks=2, local_dram_blocks=2,
-                 local_ssd_blocks=1),
-            dict(local_lookups=1, local_requested_blocks=10**9),
-            dict(local_lookups=0, local_requested_blocks=3),
+            dict(lookups=1, requested_blocks=u64, hbm_blocks=u64),
+            dict(lookups=MAX_REPORTED_LOOKUPS + 1, requested_blocks=MAX_REPORTED_LOOKUPS + 1,
+                 hbm_blocks=MAX_REPORTED_LOOKUPS + 1),
+            dict(lookups=0, requested_blocks=5, hbm_blocks=5),  # blocks of no lookup
+            dict(lookups=1, requested_blocks=1, hbm_blocks=1, block_tokens=2**32 - 1),
+            dict(lookups=u64, requested_blocks=u64, hbm_blocks=u64),
+            dict(lookups=1, requested_blocks=4, dram_blocks=5),  # more hits than asked for
+            dict(lookups=1, requested_blocks=4, hbm_blocks=2, dram_blocks=2, ssd_blocks=1),
+            dict(lookups=1, requested_blocks=10**9),
+            dict(lookups=0, requested_blocks=3),
         ]
         for counts in bad:
-            detail = b.refused("ReportHbm", master_pb2.ReportHbmRequest(worker_id="stats", **counts))
-            assert "ReportHbm" in detail, (counts, detail)
+            detail = b.refused("ReportLookups", master_pb2.ReportLookupsRequest(worker_id="stats", **counts))
+            assert "ReportLookups" in detail, (counts, detail)
         assert b.refused("Lookup", master_pb2.LookupRequest(keys=pack_keys(keys("s", 1)), worker_id="stats",
                                                             hbm_prefix_blocks=2**32 - 1))
         assert (totals(a.status()), lookup_counters(shared, "a"), lookup_counters(shared, "b")) == before, \
             "a refused report changed the counters"
 
         # What clients really send passes, and is counted as b's.
-        b.report("stats", hbm_only_lookups=3, hbm_only_blocks=10, block_tokens=16)
-        b.report("stats", local_lookups=2, local_requested_blocks=20, local_hbm_blocks=4, local_dram_blocks=6,
-                 local_ssd_blocks=2, block_tokens=16)
+        b.report_lookups("stats", lookups=3, requested_blocks=10, hbm_blocks=10, block_tokens=16)  # HBM alone
+        b.report_lookups("stats", lookups=2, requested_blocks=20, hbm_blocks=4, dram_blocks=6, ssd_blocks=2,
+                         block_tokens=16)  # same-host arenas
         status = totals(a.status())
         assert [now - then for now, then in zip(status, before[0])] == [5, 30, 14, 6, 2]
         assert lookup_counters(shared, "a") == before[1]

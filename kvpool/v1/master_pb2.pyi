@@ -192,34 +192,40 @@ class PlaceBlocksResponse(_message.Message):
     def __init__(self, node_indexes: _Optional[_Iterable[int]] = ..., present: _Optional[bytes] = ..., nodes: _Optional[_Iterable[_Union[_common_pb2.NodeRef, _Mapping]]] = ..., too_large: _Optional[bytes] = ...) -> None: ...
 
 class ReportHbmRequest(_message.Message):
-    __slots__ = ("worker_id", "added_keys", "removed_keys", "full_sync", "hbm_only_lookups", "hbm_only_blocks", "block_tokens", "local_lookups", "local_requested_blocks", "local_hbm_blocks", "local_dram_blocks", "local_ssd_blocks")
+    __slots__ = ("worker_id", "added_keys", "removed_keys", "full_sync")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDED_KEYS_FIELD_NUMBER: _ClassVar[int]
     REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
     FULL_SYNC_FIELD_NUMBER: _ClassVar[int]
-    HBM_ONLY_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
-    HBM_ONLY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    LOCAL_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
-    LOCAL_REQUESTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    LOCAL_HBM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    LOCAL_DRAM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    LOCAL_SSD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     added_keys: bytes
     removed_keys: bytes
     full_sync: bool
-    hbm_only_lookups: int
-    hbm_only_blocks: int
-    block_tokens: int
-    local_lookups: int
-    local_requested_blocks: int
-    local_hbm_blocks: int
-    local_dram_blocks: int
-    local_ssd_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., added_keys: _Optional[bytes] = ..., removed_keys: _Optional[bytes] = ..., full_sync: _Optional[bool] = ..., hbm_only_lookups: _Optional[int] = ..., hbm_only_blocks: _Optional[int] = ..., block_tokens: _Optional[int] = ..., local_lookups: _Optional[int] = ..., local_requested_blocks: _Optional[int] = ..., local_hbm_blocks: _Optional[int] = ..., local_dram_blocks: _Optional[int] = ..., local_ssd_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., added_keys: _Optional[bytes] = ..., removed_keys: _Optional[bytes] = ..., full_sync: _Optional[bool] = ...) -> None: ...
 
 class ReportHbmResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReportLookupsRequest(_message.Message):
+    __slots__ = ("worker_id", "block_tokens", "lookups", "requested_blocks", "hbm_blocks", "dram_blocks", "ssd_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HBM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SSD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    block_tokens: int
+    lookups: int
+    requested_blocks: int
+    hbm_blocks: int
+    dram_blocks: int
+    ssd_blocks: int
+    def __init__(self, worker_id: _Optional[str] = ..., block_tokens: _Optional[int] = ..., lookups: _Optional[int] = ..., requested_blocks: _Optional[int] = ..., hbm_blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., ssd_blocks: _Optional[int] = ...) -> None: ...
+
+class ReportLookupsResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

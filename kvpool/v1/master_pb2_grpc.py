@@ -74,6 +74,11 @@ class MasterStub:
                 request_serializer=kvpool_dot_v1_dot_master__pb2.ReportHbmRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_master__pb2.ReportHbmResponse.FromString,
                 _registered_method=True)
+        self.ReportLookups = channel.unary_unary(
+                '/kvpool.v1.Master/ReportLookups',
+                request_serializer=kvpool_dot_v1_dot_master__pb2.ReportLookupsRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_master__pb2.ReportLookupsResponse.FromString,
+                _registered_method=True)
         self.Score = channel.unary_unary(
                 '/kvpool.v1.Master/Score',
                 request_serializer=kvpool_dot_v1_dot_master__pb2.ScoreRequest.SerializeToString,
@@ -152,8 +157,16 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportHbm(self, request, context):
-        """Blocks a worker added to or dropped from its own HBM tier (stats,
-        routing scores, KV events).
+        """Blocks a worker added to or dropped from its own HBM tier (routing
+        scores, KV events).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportLookups(self, request, context):
+        """Lookups a worker answered without calling Lookup (stats): cluster-wide
+        hit rates count them too.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -232,6 +245,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ReportHbm,
                     request_deserializer=kvpool_dot_v1_dot_master__pb2.ReportHbmRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_master__pb2.ReportHbmResponse.SerializeToString,
+            ),
+            'ReportLookups': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportLookups,
+                    request_deserializer=kvpool_dot_v1_dot_master__pb2.ReportLookupsRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_master__pb2.ReportLookupsResponse.SerializeToString,
             ),
             'Score': grpc.unary_unary_rpc_method_handler(
                     servicer.Score,
@@ -470,6 +488,33 @@ class Master:
             '/kvpool.v1.Master/ReportHbm',
             kvpool_dot_v1_dot_master__pb2.ReportHbmRequest.SerializeToString,
             kvpool_dot_v1_dot_master__pb2.ReportHbmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportLookups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/ReportLookups',
+            kvpool_dot_v1_dot_master__pb2.ReportLookupsRequest.SerializeToString,
+            kvpool_dot_v1_dot_master__pb2.ReportLookupsResponse.FromString,
             options,
             channel_credentials,
             insecure,
