@@ -6,7 +6,7 @@ cluster-wide hit rates. :class:`LookupStats` is the one buffer for both kinds
 and the one timer that sends them (``Master.ReportLookups``).
 
 Invariants:
-- Counts reach the master within ``REPORT_S`` of the first lookup counted
+- Counts reach the master within ``interval_s`` (default ``REPORT_S``) of the first lookup counted
   after a report, and at :meth:`LookupStats.send` (a client's ``flush`` and
   ``close``); one report per block size (``block_tokens``).
 - Stats only: a report that fails is lost (the sender counts it), never
@@ -46,8 +46,9 @@ Sender = Callable[[int, LookupCounts, float | None], bool]
 class LookupStats:
     """The lookups this client answered itself, until reported (see the module docstring). Thread-safe."""
 
-    def __init__(self, sender: Sender):
+    def __init__(self, sender: Sender, interval_s: float = REPORT_S):
         self._sender = sender
+        self._interval = interval_s
         self._lock = threading.Lock()
         self._counts: dict[int, LookupCounts] = {}  # per block_tokens
 
@@ -66,7 +67,7 @@ class LookupStats:
             c.dram += dram
             c.ssd += len(run) - dram
         if first:
-            timer = threading.Timer(REPORT_S, self.send)
+            timer = threading.Timer(self._interval, self.send)
             timer.daemon = True
             timer.start()
 

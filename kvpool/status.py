@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvpool.metrics import TIER_LABELS
-from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
+from kvpool.v1 import common_pb2, master_pb2
 
 if TYPE_CHECKING:
     from kvpool.etcd import EtcdAccess
@@ -361,26 +361,24 @@ def render_masters(masters: Masters) -> str:
 
 def cluster_status(master: str, *, token: str = "", tls_ca: str = "", timeout: float = 5.0,
                    etcd_access: EtcdAccess | None = None) -> master_pb2.ClusterStatusResponse:
-    """The master's ``ClusterStatus``, asked over a channel with the caller's credentials (``token`` and
-    ``tls_ca`` as in a client config, so a master with an auth file or TLS answers too). ``master`` may be
-    ``etcd://HOST:PORT/CLUSTER``: the leader etcd names (asked as ``etcd_access``) is asked.
+    """The master's ``ClusterStatus``, asked over gRPC (:class:`~kvpool.master_client.MasterConnection`) with the
+    caller's credentials (``token`` and ``tls_ca`` as in a client config, so a master with an auth file or TLS
+    answers too). ``master`` may be ``etcd://HOST:PORT/CLUSTER``: the leader etcd names (asked as
+    ``etcd_access``) is asked.
 
     The one way every command and benchmark asks it. :class:`MasterUnreachable` (a ValueError) when the
-    master cannot be asked.
+    master cannot be asked; a ValueError if etcd refuses ``etcd_access``.
     """
-    from kvpool.rpc import make_channel
+    from kvpool.master_client import MasterConnection
 
-    if master.startswith("etcd://"):
-        masters = ask_etcd(master, timeout, etcd_access)
-        if masters is None or masters.leader is None:
-            raise MasterUnreachable(master, "UNAVAILABLE", "etcd names no leading master")
-        master = masters.leader
+    connection = MasterConnection(master, pool=None, timeout_s=timeout, max_message_bytes=64 << 20, token=token,
+                                  tls_ca=tls_ca, etcd_access=etcd_access, refuse_start=True)
     try:
-        with make_channel(master, max_message_bytes=64 << 20, token=token, tls_ca=tls_ca) as channel:
-            return master_pb2_grpc.MasterStub(channel).ClusterStatus(master_pb2.ClusterStatusRequest(),
-                                                                     timeout=timeout)
+        return connection.cluster_status(master_pb2.ClusterStatusRequest(), timeout)
     except grpc.RpcError as exc:
-        raise MasterUnreachable(master, exc.code().name, str(exc.details())) from None
+        raise MasterUnreachable(connection.address or master, exc.code().name, str(exc.details())) from None
+    finally:
+        connection.close()
 
 
 def run_status(master: str, timeout: float = 3.0, prometheus: str | None = None, *, token: str = "",
