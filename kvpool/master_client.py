@@ -312,10 +312,10 @@ class MasterConnection(MasterCalls):
         return master
 
     def call(self, name: str, request: Message, timeout: float | None) -> Any:
-        """``name`` on the current master; a failure that may mean it moved makes the connection look again."""
-        master = self._current(name)
+        """``name`` on the current master; a failure that may mean it moved (no master known included) makes the
+        connection look again."""
         try:
-            return master.call(name, request, timeout)
+            return self._current(name).call(name, request, timeout)
         except grpc.RpcError as exc:
             self.failed(exc)
             raise
@@ -324,6 +324,7 @@ class MasterConnection(MasterCalls):
         try:
             master = self._current(name)
         except CallError as exc:
+            self.failed(exc)
             on_error(exc)
             return
         master.call_nowait(name, request, timeout, on_error)
