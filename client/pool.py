@@ -131,7 +131,7 @@ class PoolClient:
 
         Answered from this host's arenas when every live node is on this host
         (:mod:`kvpool.client.local_index`: no round trip; the hit counts reach
-        the master in this worker's next report), else by the master.
+        the master through :attr:`lookup_stats`), else by the master.
         """
         keys = check_keys(keys)
         start = time.perf_counter()
