@@ -48,6 +48,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -122,21 +123,23 @@ class MasterApi(Protocol):
     def close(self) -> None: ...
 
 
-class MasterCalls:
+class MasterCalls(ABC):
     """:class:`MasterApi`'s typed methods over one generic :meth:`call` (by RPC name): the base of the
     implementations that send each request whole to one master."""
 
+    @abstractmethod
     def call(self, name: str, request: Message, timeout: float | None) -> Any:
-        raise NotImplementedError
+        """The RPC ``name`` with ``request``, within ``timeout``; its reply message."""
 
+    @abstractmethod
     def call_nowait(self, name: str, request: Message, timeout: float | None, on_error: OnError) -> None:
-        raise NotImplementedError
+        """The RPC ``name`` without waiting for its reply; a failure reaches ``on_error``."""
 
-    def info(self) -> master_pb2.MasterInfoResponse | None:
-        raise NotImplementedError
+    @abstractmethod
+    def info(self) -> master_pb2.MasterInfoResponse | None: ...
 
-    def close(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def close(self) -> None: ...
 
     def lookup(self, request: master_pb2.LookupRequest, timeout: float | None) -> master_pb2.LookupResponse:
         return self.call("Lookup", request, timeout)
