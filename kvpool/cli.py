@@ -233,23 +233,19 @@ def build_parser() -> argparse.ArgumentParser:
                           demo.run)
     demo.add_arguments(demo_parser)
 
+    # an operator's tools for their own pool and traces; the lab's harnesses (engines, peers) are benchmarks/*.py
     bench = commands.add_parser("bench", help="measure the pool against this machine's limits", parents=[common])
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
-    from kvpool.bench import failover, fragmentation, index_scale, lru_sweep, replay, route, soak, tiers, tracegen, ttft
-    from kvpool.bench import vllm as vllm_bench
+    from kvpool.bench import failover, fragmentation, index_scale, lru_sweep, replay, soak, tiers
 
     for name, module, help_text in (
         ("tiers", tiers, "DRAM and SSD put/get GB/s next to memcpy"),
         ("fragmentation", fragmentation, "DRAM under mixed block sizes: the usable fraction of its capacity"),
         ("replay", replay, "replay a Mooncake trace against a pool: hit ratio per tier"),
         ("lru-sweep", lru_sweep, "HBM + DRAM hit rate beside an exact LRU, at several DRAM capacities"),
-        ("tracegen", tracegen, "write a Mooncake-format trace of a named reuse pattern (seeded)"),
         ("index", index_scale, "master index: lookup cost and bytes per block, 1K to 10M blocks"),
-        ("route", route, "reference router on the Mooncake trace: round robin against kvpool's score, N engines"),
         ("failover", failover, "kill -9 of the leading master (etcd HA): seconds until lookups hit again"),
         ("soak", soak, "many clients for minutes: memory, fds and threads of every process must stay flat, no errors"),
-        ("ttft", ttft, "transformers engine: time to first token, prefix from each tier"),
-        ("vllm", vllm_bench, "real vLLM: time to first token, kvpool against vLLM's prefix cache and Mooncake"),
     ):
         bench_parser = benches.add_parser(name, help=help_text, parents=[common])
         module.add_arguments(bench_parser)

@@ -140,6 +140,18 @@ def test_log_level_goes_before_or_after_the_subcommand():
         assert parser.parse_args(argv).log_level == level, argv
 
 
+
+def test_bench_lists_only_an_operators_tools_and_replay_needs_their_own_trace(capsys):
+    """The lab's harnesses (vLLM, transformers TTFT, the router, trace generation) are benchmarks/*.py scripts."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    listed = re.findall(r"^    (\S+)", capsys.readouterr().out, re.MULTILINE)  # one line a bench, under BENCH
+    assert listed == ["tiers", "fragmentation", "replay", "lru-sweep", "index", "failover", "soak"]
+    for bench in ("replay", "lru-sweep"):  # no default path into the lab's data
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", bench])
+        assert "the following arguments are required: --trace" in capsys.readouterr().err
+
 def _bindable(port: int) -> bool:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         try:

@@ -320,7 +320,7 @@ def test_a_master_whose_events_port_is_taken_refuses_to_start_and_says_which(tmp
 
 def test_vllms_own_decoder_reads_kvpools_batches(publisher):
     """The format check that matters: vllm.distributed.kv_events.KVEventBatch decodes what kvpool sends."""
-    from kvpool.bench.vllm_runtime import vllm_python
+    from vllm_runtime import vllm_python
 
     python = vllm_python()
     assert python is not None, "no vLLM here: run `bash tests/vllm_env.sh` (tests/run.sh does)"

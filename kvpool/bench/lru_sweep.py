@@ -126,7 +126,8 @@ def render(rows: Sequence[SweepRow], *, trace: str, requests: int, lookups: int,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", default=rp.DEFAULT_TRACE, help="Mooncake-format JSONL trace (default: %(default)s)")
+    parser.add_argument("--trace", required=True, metavar="FILE", help="your Mooncake-format JSONL trace, as "
+                        "replay's --trace")
     parser.add_argument("--dram-blocks", type=parse_block_counts, default=parse_block_counts(DEFAULT_DRAM_BLOCKS),
                         metavar="N,N,...", help="DRAM capacities in blocks, k = 1000 (default: "
                         f"{DEFAULT_DRAM_BLOCKS})")
