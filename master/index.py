@@ -85,7 +85,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvpool.core import Tier
+from kvpool.core import NO_TIER, Tier
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master.keytable import KeyTable, Rows, last_wins
 from kvpool.worker_ids import scoped_id, split_scoped_id
@@ -98,7 +98,6 @@ _NODE_MASK = np.uint32(MAX_NODES - 1)
 _NONE = np.uint32(0xFFFF_FFFF)  # loc2: the row has one location
 _MORE = np.uint32(0xFFFF_FFFE)  # loc2: three or more locations, listed in _more[key]
 _TIERS = tuple(Tier)  # Tier by value, without an enum lookup per block
-ABSENT = 255  # BlockIndex.best_tiers: no location holds the key
 assert [int(t) for t in _TIERS] == list(range(len(_TIERS))) and len(_TIERS) <= 3  # packed tiers stay below _MORE
 
 U64 = npt.NDArray[np.uint64]
@@ -270,13 +269,13 @@ class BlockIndex:
         return RunArrays((best >> _NODE_BITS).astype(np.uint8), best & _NODE_MASK, sizes, checksums)
 
     def best_tiers(self, packed: bytes) -> npt.NDArray[np.uint8]:
-        """Per packed key, the tier a lookup would serve it from (its best location's), or :data:`ABSENT`."""
+        """Per packed key, the tier a lookup would serve it from (its best location's), or :data:`NO_TIER`."""
         words = _words(packed)
         with self._lock:
             t = self._table
             rows = t.find(words[:, 0], words[:, 1])
             best = t.rec["loc1"][np.maximum(rows, 0)]
-        return np.where(rows >= 0, best >> _NODE_BITS, ABSENT).astype(np.uint8)
+        return np.where(rows >= 0, best >> _NODE_BITS, NO_TIER).astype(np.uint8)
 
     def holds(self, k0: U64, k1: U64) -> npt.NDArray[np.bool_]:
         """Per key (first 16 bytes as two words), whether any node holds it."""
