@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from kvpool.buffers import byte_view
+from kvpool.buffers import BufferLike, byte_view
 
 # dtype name -> bytes per element. Names follow torch (torch.bfloat16 -> "bfloat16").
 DTYPE_BYTES: dict[str, int] = {
@@ -38,6 +38,23 @@ DTYPE_BYTES: dict[str, int] = {
 }
 _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
 KV_ORDERS = ("layer_kv", "kv_layer", "latent")
+
+
+@runtime_checkable
+class TensorLike(Protocol):
+    """What :func:`check_block` reads of a tensor (torch's, on any device; torch is never imported here)."""
+
+    @property
+    def dtype(self) -> Any: ...
+
+    def is_contiguous(self) -> bool: ...
+
+    def numel(self) -> int: ...
+
+    def element_size(self) -> int: ...
+
+
+Block = int | BufferLike | TensorLike  # what check_block takes: a byte count, a buffer or a tensor
 
 
 def canonical_dtype(name: str) -> str:
@@ -113,7 +130,7 @@ class KVLayout:
             f":B{self.block_size}:{self.kv_order}"
         )
 
-    def check_block(self, block: object, *, what: str = "buffer") -> None:
+    def check_block(self, block: Block, *, what: str = "buffer") -> None:
         """ValueError unless ``block`` is exactly one block of this layout (:func:`check_block`)."""
         check_block(block, self.block_bytes, self.dtype, what=what, layout=self.fingerprint())
 
@@ -133,7 +150,7 @@ class KVLayout:
         return cls(**data)
 
 
-def check_block(block: object, block_bytes: int, dtype: str | None = None, *, what: str = "buffer",
+def check_block(block: Block, block_bytes: int, dtype: str | None = None, *, what: str = "buffer",
                 layout: str = "") -> None:
     """ValueError unless ``block`` is exactly one block of ``block_bytes`` bytes (the module's one gate).
 
@@ -149,14 +166,17 @@ def check_block(block: object, block_bytes: int, dtype: str | None = None, *, wh
     size it is (a fingerprint; empty: none). Checks only: no copy, no view kept.
     """
     whose = f"one block of {layout}" if layout else "one block"
-    if isinstance(block, int) and not isinstance(block, bool):
+    if isinstance(block, bool):
+        raise ValueError(f"{what} is {block!r}, not a block")
+    if isinstance(block, int):
         nbytes = block
     else:
-        if dtype is not None and getattr(block, "dtype", None) is not None:
-            name = str(block.dtype).removeprefix("torch.")  # type: ignore[attr-defined]
+        found = getattr(block, "dtype", None)
+        if dtype is not None and found is not None:
+            name = str(found).removeprefix("torch.")
             if name not in ("uint8", dtype):
                 raise ValueError(f"{what} dtype {name} does not match layout dtype {dtype}")
-        if hasattr(block, "is_contiguous") and hasattr(block, "element_size"):
+        if isinstance(block, TensorLike):
             if not block.is_contiguous():
                 raise ValueError(f"{what} must be contiguous")
             nbytes = block.numel() * block.element_size()
