@@ -18,9 +18,9 @@ from kvpool.client.faults import Faults, error_kind
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
-from kvpool.core import NodeRef
+from kvpool.core import NO_TIER, NodeRef
 from kvpool.keys import BlockKey, pack_keys
-from kvpool.rpc import MISS, flags_from_bytes
+from kvpool.rpc import flags_from_bytes
 from kvpool.v1 import node_pb2
 
 
@@ -45,7 +45,7 @@ class GrpcPath:
             data = np.frombuffer(reply.data, dtype=np.uint8)
             offset = 0
             for j, i in enumerate(run):
-                if j >= len(reply.tiers) or reply.tiers[j] == MISS:
+                if j >= len(reply.tiers) or reply.tiers[j] == NO_TIER:
                     self.faults.lost("block_gone", blocks.keys[i].hex()[:16])
                     continue
                 size = reply.sizes[j]

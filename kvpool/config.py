@@ -634,7 +634,10 @@ class ClientConfig:
     etcd_key: str = etcd_opt("etcd_key")
     etcd_user: str = etcd_opt("etcd_user")
     etcd_password_file: str = etcd_opt("etcd_password_file")
-    strict: bool = opt(False, "tests: raise pool faults instead of counting them as misses")
+    strict: bool = opt(False, "raise a pool fault (PoolFault) on the call that met it, instead of only counting it "
+                              "and answering a miss: for a caller that must tell a fault from a miss (the vLLM "
+                              "connector's scheduler sets it on its own client, to pause lookups during an outage); "
+                              "off for an engine's data path, where a fault must cost only a recompute")
     metrics_port: int = opt(0, "HTTP /metrics port; 0: no endpoint (the registry is still available)",
                             check=port_check("0: none"))
 

@@ -56,10 +56,10 @@ import numpy as np
 from kvpool import __version__
 from kvpool.auth import ROLE_CLIENT, caller, caller_keys, caller_tenant
 from kvpool.config import MasterConfig
-from kvpool.core import NodeRef, Tier, TierStats
+from kvpool.core import NO_TIER, NodeRef, Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.master.engine_names import EngineNames
-from kvpool.master.index import ABSENT, BlockIndex, HbmIndex
+from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
 from kvpool.master.stats import MasterMetrics
 from kvpool.placement import TOO_LARGE, Candidate, NoPoolNodes, place
@@ -400,7 +400,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         tiers = self._index.best_tiers(packed)
         runs = self._hbm.held_runs([scoped_id(tenant, w) for w in workers], unpack_keys(packed)) if workers else []
         # One pass for every worker: where the pool's run from position h ends, and its DRAM/SSD blocks so far.
-        absent = np.flatnonzero(tiers == ABSENT)
+        absent = np.flatnonzero(tiers == NO_TIER)
         dram = np.concatenate(([0], np.cumsum(tiers == Tier.DRAM)))
         ssd = np.concatenate(([0], np.cumsum(tiers == Tier.SSD)))
 

@@ -33,11 +33,11 @@ from support import wait_until
 
 from kvpool.checksum import block_checksum
 from kvpool.config import MasterConfig, NodeConfig
+from kvpool.core import NO_TIER
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master import MasterServer
 from kvpool.master.server import max_message_bytes as master_max_message_bytes
 from kvpool.node.daemon import PoolNode
-from kvpool.rpc import MISS
 from kvpool.v1 import common_pb2, master_pb2, node_pb2
 
 # -- the pool under test -------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ class Pool:
         code, got = self.call(self.node_channel, "/kvpool.v1.Node/Get", node_pb2.GetRequest(keys=b"".join(KNOWN_KEYS)),
                               node_pb2.GetResponse)
         assert code == OK, got
-        assert MISS not in got.tiers, f"a known block is gone from the node: tiers {list(got.tiers)}"
+        assert NO_TIER not in got.tiers, f"a known block is gone from the node: tiers {list(got.tiers)}"
         assert list(got.sizes) == KNOWN_SIZES and list(got.checksums) == KNOWN_SUMS
         assert got.data == b"".join(KNOWN_DATA), "known blocks changed on the node"
         self.node.link.flush()  # changes (demotions, promotions) the link has not sent yet

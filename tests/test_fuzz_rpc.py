@@ -36,7 +36,6 @@ from fuzz_support import (
     LEASE_TIMEOUT_S,
     MASTER_CONFIG,
     MASTER_MAX_MESSAGE,
-    MISS,
     NODE_MAX_MESSAGE,
     OK,
     REAL_NODE_ID,
@@ -68,6 +67,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvpool.checksum import block_checksum
+from kvpool.core import NO_TIER
 from kvpool.master.servicer import MAX_BLOCK_TOKENS, MAX_REF_CHARS, MAX_REPORTED_LOOKUPS
 from kvpool.v1 import common_pb2, master_pb2, node_pb2
 from kvpool.worker_ids import worker_id_problem
@@ -465,10 +465,10 @@ def test_get(pool, data):
         for k, tier, size, checksum in zip(keys_of(packed), reply.tiers, reply.sizes, reply.checksums):
             block = reply.data[offset : offset + size]
             offset += size
-            assert (tier == MISS) == (size == 0)
+            assert (tier == NO_TIER) == (size == 0)
             if k in KNOWN:
-                assert tier != MISS and block == KNOWN[k][2] and checksum == KNOWN[k][1]
-            elif tier != MISS:
+                assert tier != NO_TIER and block == KNOWN[k][2] and checksum == KNOWN[k][1]
+            elif tier != NO_TIER:
                 assert block_checksum(block) == checksum
     pool.count("Node.Get")
 

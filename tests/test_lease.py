@@ -12,10 +12,10 @@ from support import free_port, wait_until
 
 from kvpool.checksum import block_checksum, copy_with_checksum
 from kvpool.config import NodeConfig
-from kvpool.core import Tier
+from kvpool.core import NO_TIER, Tier
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.node.daemon import PoolNode
-from kvpool.rpc import MISS, channel_options
+from kvpool.rpc import channel_options
 from kvpool.tiers.arena import SharedArena
 from kvpool.tiers.dram import DramStore
 from kvpool.v1 import node_pb2, node_pb2_grpc
@@ -320,7 +320,7 @@ def test_node_refuses_a_commit_whose_bytes_do_not_match(node, stub):
     done = stub.Commit(node_pb2.CommitRequest(lease=reply.lease, keys=pack_keys([key(1)]), slots=list(reply.slots),
                                               checksums=[checksum ^ 0xFF]), timeout=10)
     assert list(done.stored) == [0]
-    assert list(stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys([key(1)])), timeout=10).tiers) == [MISS]
+    assert list(stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys([key(1)])), timeout=10).tiers) == [NO_TIER]
     assert node.store.dram.leased_slots == 0
     assert node.errors.errors.labels("commit_refused")._value.get() == 1
 
@@ -337,7 +337,7 @@ def test_an_abandoned_lease_is_reaped_after_its_deadline_and_a_late_commit_store
                                               slots=list(reply.slots), checksums=[0] * NODE_SLOTS), timeout=10)
     assert list(late.stored) == [0] * NODE_SLOTS
     tiers = stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys([key(i) for i in ids + [50, 53]])), timeout=10).tiers
-    assert list(tiers) == [MISS] * NODE_SLOTS + [Tier.DRAM, Tier.DRAM]
+    assert list(tiers) == [NO_TIER] * NODE_SLOTS + [Tier.DRAM, Tier.DRAM]
 
 
 def test_bad_reserve_and_commit_requests_are_invalid_argument(stub):

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from models import check_index
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.config import MasterConfig
@@ -161,7 +162,7 @@ def start_master() -> Iterator[Callable[..., MasterServer]]:
 
     yield start
     for server in started:
-        server.index.check_invariants()
+        check_index(server.index)
         server.stop(grace=0)
         assert server.wait(timeout=5)
 
@@ -299,7 +300,7 @@ def test_index_stays_consistent_under_concurrent_reports_and_drops():
     for t in threads:
         t.join()
     assert not errors
-    index.check_invariants()
+    check_index(index)
     assert all(hit.node % 2 == 0 for hit in index.leading_run([k for k in keys if index.exists([k])[0]]))
 
 

@@ -31,12 +31,12 @@ from kvpool.checksum import block_checksum
 from kvpool.client.bulk import BulkClient, BulkFailed, BulkUnavailable
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
-from kvpool.core import Tier
+from kvpool.core import NO_TIER, Tier
 from kvpool.framing import ConnectionPool, recv_exact
 from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys, pack_keys
 from kvpool.master import MasterServer
 from kvpool.node.daemon import PoolNode
-from kvpool.rpc import MISS, make_channel
+from kvpool.rpc import make_channel
 from kvpool.tiers.arena import shm_path
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
 from kvpool.wire import Method
@@ -313,8 +313,8 @@ def test_two_tenants_with_identical_prompts_never_see_or_change_each_others_bloc
         channel, stub = node_stub(node, TOKEN_B)
         with channel:
             got = stub.Get(node_pb2.GetRequest(keys=pack_keys(ks)), timeout=5)
-            assert got.tiers == bytes([MISS]) * 4 and got.data == b""
-            assert stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys(ks)), timeout=5).tiers == bytes([MISS]) * 4
+            assert got.tiers == bytes([NO_TIER]) * 4 and got.data == b""
+            assert stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys(ks)), timeout=5).tiers == bytes([NO_TIER]) * 4
             # B writes and removes "the same" keys: its own blocks, never A's.
             assert b.store(ks, vb) == [True] * 4
             assert b.flush()  # its Commits answered (a same-host put returns before), so the node holds them

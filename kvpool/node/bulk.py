@@ -46,12 +46,11 @@ from typing import Any
 import numpy as np
 
 from kvpool.auth import Authority
-from kvpool.core import Tier
+from kvpool.core import NO_TIER, Tier
 from kvpool.framing import IOV_MAX, TcpListener
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.metrics import ErrorMetrics
 from kvpool.node.core import NodeCore
-from kvpool.rpc import MISS
 from kvpool.v1 import node_pb2
 from kvpool.wire import (
     MAX_GET_BYTES,
@@ -147,7 +146,7 @@ class BulkServer:
         stream.serving()
         sizes = np.zeros(count, dtype=np.uint64)
         sums = np.zeros(count, dtype=np.uint64)
-        tiers = np.full(count, MISS, dtype=np.uint8)
+        tiers = np.full(count, NO_TIER, dtype=np.uint8)
         valid = np.zeros(count, dtype=np.uint8)
         slots = np.zeros(count, dtype=np.int64)
         gens = np.zeros(count, dtype=np.uint64)
@@ -160,7 +159,7 @@ class BulkServer:
         stream.begin_reply(node_pb2.BulkGetReply(tiers=tiers.tobytes(), sizes=sizes.tolist(), checksums=sums.tolist()),
                            total, trailer_bytes)
         pending: list[Any] = []  # buffers gathered for the next sendmsg
-        hits = np.flatnonzero(tiers != MISS)
+        hits = np.flatnonzero(tiers != NO_TIER)
         ssd = np.flatnonzero(tiers == _SSD).tolist()
         loaded: dict[int, np.ndarray] = {}  # SSD key index -> scratch with its bytes
         next_ssd = 0
