@@ -5,9 +5,9 @@ Commit) and :mod:`kvpool.node.bulk` (the wire's bulk GET and PUT) translate
 their requests and call this; NodeCore is all they see of the node: they
 import nothing from :mod:`kvpool.tiers` and never reach a store or the arena
 (``tests/test_boundaries.py`` holds them to it). Each method is one step of a
-request; steps every transport takes together are one method (the end of a
-zero-copy read, :meth:`NodeCore.end_read`; a request's own lease,
-:meth:`NodeCore.request_lease`).
+request, and steps a request always takes together are one method (the end
+of a zero-copy read, :meth:`NodeCore.end_read`; the wire PUT's own lease,
+:meth:`NodeCore.request_lease` and :meth:`NodeCore.commit_request`).
 
 Invariants:
 - Keys: every key a request names is the caller's (:func:`kvpool.auth.caller`);
@@ -38,7 +38,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -146,7 +145,7 @@ class NodeCore:
                 if meta is not None:
                     sizes[i], sums[i], tiers[i] = meta.size, meta.checksum, Tier.SSD
 
-    def block_bytes(self, slot: int, length: int) -> Any:
+    def block_bytes(self, slot: int, length: int) -> np.ndarray:
         """The first ``length`` bytes of DRAM row ``slot``'s extent: the one place node code touches arena memory.
 
         A view, not a copy: valid to read only while :meth:`end_read` would
@@ -232,16 +231,22 @@ class NodeCore:
         idx = list(leased.slots)
         if not idx:
             return {}
-        ok = self.commit(leased.lease, [keys[i] for i in idx], [leased.slots[i][0] for i in idx],
-                         [checksums[i] for i in idx])
+        ok = self._store.commit(leased.lease, [keys[i] for i in idx], [leased.slots[i][0] for i in idx],
+                                [checksums[i] for i in idx])
         leased.lease = 0  # ended: nothing left to release
         self.count("checksum", ok.count(False))
         return dict(zip(idx, ok))
 
     def commit(self, lease: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int], *,
                owner: object = None, keep: bool = False) -> list[bool]:
-        """Publish the lease's slots whose bytes match their checksums (see NodeStore.commit)."""
-        return self._store.commit(lease, keys, slots, checksums, owner=owner, keep=keep)
+        """Publish a same-host writer's leased slots whose bytes match their checksums (see NodeStore.commit).
+
+        A slot not stored (its bytes do not match, the lease lapsed or is not ``owner``'s) is counted as
+        ``commit_refused``.
+        """
+        stored = self._store.commit(lease, keys, slots, checksums, owner=owner, keep=keep)
+        self.count("commit_refused", stored.count(False))
+        return stored
 
     def lease_ahead(self, sizes: Sequence[int], timeout_s: float | None, *, owner: object = None) -> Leased:
         """Slots for ``owner``'s next put, keys not known yet (none for a tenant under a quota: its charge is per

@@ -218,7 +218,6 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         stored = self.core.commit(request.lease, keys, slots, sums, owner=caller(), keep=request.keep_lease)
         if any(stored):
             self.core.trim(keys)
-        self.core.count("commit_refused", stored.count(False))
         reply = node_pb2.CommitResponse(stored=flag_bytes(stored))
         if ahead:
             leased = self.core.lease_ahead(ahead, self.lease_timeout_s, owner=caller())
