@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from kvpool.keys import opaque_key, pack_keys
 from kvpool.node.core import NodeCore
 from kvpool.tiers.dram import DramStore
 from kvpool.tiers.node_store import NodeStore
+from kvpool.tiers.ssd import SsdStore
 
 SLOT = 64 << 10
 
@@ -61,6 +64,19 @@ def test_keys_and_sizes_are_refused_before_anything_changes(core):
     with pytest.raises(ValueError, match="fits neither"):
         core.check_sizes([SLOT + 1])  # no SSD tier here
     core.check_sizes([1, SLOT])
+
+
+def test_the_core_names_the_arena_and_the_largest_block_its_transports_may_offer(core, arena_name, tmp_path):
+    """What Locate, Reserve and Info reply with comes from the core (the transports never see the store)."""
+    assert core.arena_name == arena_name and core.dram_max_block_bytes == SLOT
+    ssd = SsdStore(str(tmp_path / "ssd"), capacity_bytes=16 << 20)
+    with_ssd = NodeStore(DramStore.create(arena_name + "-ssd", 4 * SLOT, SLOT), ssd)
+    try:
+        NodeCore(with_ssd, max_keys_per_call=8).check_sizes([SLOT + 1])  # SSD takes it
+        with pytest.raises(ValueError, match=f"fits neither DRAM .* nor SSD store {re.escape(str(ssd.path))}"):
+            NodeCore(with_ssd, max_keys_per_call=8).check_sizes([64 << 20])
+    finally:
+        with_ssd.close()
 
 
 def test_a_reservation_leases_slots_for_new_blocks_only_and_commit_checks_their_bytes(core, store):
