@@ -161,7 +161,7 @@ class NodeStore:
             if n == 0:
                 raise ValueError(f"block {i} is empty (a block of 0 bytes)")
             if not self.fits_dram(n) and (self.ssd is None or not self.ssd.fits(n)):
-                where = "no SSD tier" if self.ssd is None else f"SSD store {self.ssd.path}"
+                where = "an SSD tier (the node has none)" if self.ssd is None else f"SSD store {self.ssd.path}"
                 raise ValueError(f"a {n}-byte block fits neither DRAM (at most {self.dram.max_block_bytes} B) "
                                  f"nor {where}")
 
