@@ -47,7 +47,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class HbmStore:
-    """A :class:`~kvpool.tiers.base.TierStore` of torch tensors, backed by a device tensor pool."""
+    """The HBM tier (the calls of :mod:`kvpool.tiers.base`) of torch tensors, backed by a device tensor pool."""
 
     tier = Tier.HBM
 
@@ -95,7 +95,7 @@ class HbmStore:
         if self._on_change is not None and (added or removed):
             self._on_change(added, removed)
 
-    # -- TierStore ----------------------------------------------------------------------
+    # -- the tier calls (kvpool.tiers.base) ----------------------------------------------------------------------
 
     def put(self, keys: Sequence[BlockKey], tensors: Sequence[torch.Tensor]) -> list[bool]:
         """Store blocks; True if the key is now here. A present key only refreshes recency (no copy).

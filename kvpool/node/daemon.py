@@ -293,7 +293,7 @@ class PoolNode:
             self._reaper = threading.Thread(target=self._reap_loop, name="kvpool-lease-reaper", daemon=True)
             self._reaper.start()
             # page faults on first touch are costly: map the whole arena now, off the data path
-            self._populate = threading.Thread(target=self.store.dram.arena.populate, args=(self._stop_sync,),
+            self._populate = threading.Thread(target=self.store.populate_dram, args=(self._stop_sync,),
                                               name="kvpool-arena-populate", daemon=True)
             self._populate.start()
         except BaseException:
