@@ -241,4 +241,5 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             node=self.node_ref,
             tiers=[tier_usage(s) for s in self.store.stats()],
             dram_max_block_bytes=self.store.dram.max_block_bytes,
+            max_keys_per_call=self.core.max_keys_per_call,
         )
