@@ -152,7 +152,7 @@ def test_no_config_can_hold_a_bad_value(cls, name):
 )
 def test_rules_between_fields(values, message):
     with pytest.raises(ValueError, match=message):
-        NodeConfig(**values)
+        NodeConfig.of(**values)
 
 
 def test_values_from_files_env_and_flags_are_checked(tmp_path):
@@ -169,7 +169,7 @@ def test_values_from_files_env_and_flags_are_checked(tmp_path):
         load_config(None, env={"KVPOOL_NODE_LEASE_TIMEOUT_S": "inf"})
     with pytest.raises(ValueError, match="node.max_message_bytes"):
         load_config(None, env={}, overrides={"node": {"max_message_bytes": "0"}})
-    assert NodeConfig(ssd_dir="", ssd_enabled=False).ssd_dir == ""  # no SSD tier: no directory needed
+    assert NodeConfig.of(ssd_dir="", ssd_enabled=False).ssd_dir == ""  # no SSD tier: no directory needed
 
 
 def test_metrics_ports_follow_their_port():
@@ -180,8 +180,8 @@ def test_metrics_ports_follow_their_port():
     assert (moved.master.call_port, moved.node.data_port) == (-1, -1)  # port + 2, derived by the servers
     explicit = load_config(None, env={}, overrides={"node": {"port": 7710, "metrics_port": 9000}})
     assert explicit.node.metrics_port == 9000
-    assert NodeConfig(port=0).metrics_port == -1 and MasterConfig(port=0).metrics_port == -1  # any free port
-    assert NodeConfig(port=7710, metrics_port=0).metrics_port == 0  # none
+    assert NodeConfig.of(port=0).metrics_port == -1 and MasterConfig.of(port=0).metrics_port == -1  # any free port
+    assert NodeConfig.of(port=7710, metrics_port=0).metrics_port == 0  # none
 
 
 def test_a_clients_worker_id_is_one_the_master_takes():

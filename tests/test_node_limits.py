@@ -36,8 +36,8 @@ def block(i: int) -> np.ndarray:
 @pytest.fixture
 def small_calls_node(tmp_path, arena_name):
     """A master and a node (in this process) whose operator set max_keys_per_call to LIMIT."""
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
-    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
+    cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
                      dram_bytes=16 << 20, max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"),
                      max_keys_per_call=LIMIT)
     try:
