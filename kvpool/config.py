@@ -885,13 +885,26 @@ def make_section(section: str, values: Mapping[str, Any]) -> Any:
     if unknown:
         raise ValueError(f"unknown {section} setting(s): {', '.join(unknown)}; known: {', '.join(table)}")
     nested: dict[str, Any] = {}
-    for name, value in values.items():
-        s = table[name]
-        level = nested
-        for part in s.path[:-1]:
-            level = level.setdefault(part, {})
-        level[s.path[-1]] = _coerce(f"{section}.{s.where}", s.field, value)
-    return _build(cls, nested, section, {})
+    try:
+        for name, value in values.items():
+            s = table[name]
+            level = nested
+            for part in s.path[:-1]:
+                level = level.setdefault(part, {})
+            level[s.path[-1]] = _coerce(f"{section}.{s.where}", s.field, value)
+        return _build(cls, nested, section, {})
+    except ValueError as exc:
+        raise ValueError(_name_the_setting(section, str(exc))) from None
+
+
+def _name_the_setting(section: str, text: str) -> str:
+    """``text`` with the flag/variable name of the nested setting it starts with added: ``config
+    node.tiers.dram.bytes (dram_bytes): ...``, so whoever set ``--dram-bytes`` finds it."""
+    found = re.match(rf"config {section}\.([\w.]+)", text)
+    if found is None:
+        return text
+    named = next((s.name for s in settings(section).values() if s.where == found.group(1) and s.name != s.where), "")
+    return f"{text[:found.end()]} ({named}){text[found.end():]}" if named else text
 
 
 def _json_settings(section: str, cls: type, data: Mapping[str, Any], path: tuple[str, ...],

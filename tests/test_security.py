@@ -345,7 +345,7 @@ def test_the_same_host_path_serves_an_authenticated_client_from_the_arena_with_i
             assert a.get_into(list(a.lookup(ks)), outs) == [True] * 3
             assert all(np.array_equal(o, v) for o, v in zip(outs, vs))
             assert node.store.dram.stats().hits == hits  # copied from the arena by the client, not sent by the node
-        assert a.shared_path.tenant_mask() == Authority.load(node.config.auth_file).mask("a")
+        assert a.shared_path.tenant_mask() == Authority.load(node.config.server.auth_file).mask("a")
         stored = mask_keys(pack_keys(ks), a.shared_path.tenant_mask())
         assert node.store.dram.contains([stored[i * 32 : (i + 1) * 32] for i in range(3)]) == [True] * 3
 
@@ -353,7 +353,7 @@ def test_the_same_host_path_serves_an_authenticated_client_from_the_arena_with_i
 def test_the_arena_is_created_0600_or_exactly_the_group_mode_asked_for(tmp_path, arena_name, auth_file):
     with cluster(tmp_path, arena_name) as (_, node):
         assert stat.S_IMODE(os.stat(shm_path(arena_name)).st_mode) == 0o600
-        assert node.config.arena_mode == "0600"
+        assert node.config.tiers.dram.arena_mode == "0600"
     old = os.umask(0o077)  # a strict umask must not take the group's access away
     try:
         node = PoolNode(NodeConfig.of(master=f"127.0.0.1:{free_port()}", port=0, metrics_port=0, data_port=0,
@@ -654,12 +654,12 @@ def test_kvpool_serve_shares_the_security_settings_between_its_master_and_node(a
     from kvpool.serve import master_config_for, node_config_for
 
     config = PoolConfig(master=MasterConfig.of(auth_file=auth_file, tls_cert=certs["server.pem"],
-                                            tls_key=certs["server.key"]),
+                                               tls_key=certs["server.key"]),
                         node=NodeConfig.of(tls_ca=certs["ca.pem"]))
     node = node_config_for(config, 7777)
-    assert (node.master, node.auth_file, node.token) == ("127.0.0.1:7777", auth_file, NODE_TOKEN)
-    assert (node.tls_cert, node.tls_key) == (certs["server.pem"], certs["server.key"])
+    assert (node.master, node.server.auth_file, node.token) == ("127.0.0.1:7777", auth_file, NODE_TOKEN)
+    assert (node.tls.cert, node.tls.key) == (certs["server.pem"], certs["server.key"])
     master = master_config_for(PoolConfig(node=NodeConfig.of(auth_file=auth_file)))
-    assert master.auth_file == auth_file
+    assert master.server.auth_file == auth_file
     with pytest.raises(ValueError, match="tls_ca"):  # the node could not verify its own master
         node_config_for(PoolConfig(master=config.master), 7777)
