@@ -1,20 +1,29 @@
 """One typed, frozen config per component, read from one JSON file, the environment and flags.
 
 Precedence, highest first: command-line flags, environment variables
-``KVPOOL_<SECTION>_<FIELD>`` (e.g. ``KVPOOL_NODE_DRAM_BYTES=8G``), the JSON
+``KVPOOL_<SECTION>_<NAME>`` (e.g. ``KVPOOL_NODE_DRAM_BYTES=8G``), the JSON
 file (sections ``"master"``, ``"node"``, ``"client"``; engines pass its path,
 like MindIE's ``configPath``), then the defaults below. The environment is read
 once, by :func:`load_config`; constructors never look at it.
 
+Master and node share nested sections (:class:`ServerConfig` as ``server``,
+:class:`TlsConfig` as ``tls``; the master's :class:`EventsConfig` as
+``events``, the node's :class:`TiersConfig` as ``tiers`` with ``dram`` and
+``ssd``). The JSON file nests the same way; flags and variables keep one flat
+name per setting (``tiers.dram.bytes`` is ``dram_bytes``: :func:`settings`).
+An old flat key in a file is refused with its new place, never ignored.
+
 Sizes may be written ``"4G"``, ``"512M"``, ``"64K"`` or as plain byte counts.
 Unknown sections or fields and badly typed values are a ValueError naming them.
 
-Invariant: a config object that exists is valid. Each dataclass checks every
-field (type, finite, in range) and the rules between fields in
-``__post_init__``, before any caller can create a file, segment or socket from
-it; a bad value is a ValueError naming the field, the value and what is allowed.
+Invariant: a config object that exists is valid. Each dataclass (each section
+too) checks every field (type, finite, in range) and the rules between fields
+in ``__post_init__``, before any caller can create a file, segment or socket
+from it; a bad value is a ValueError naming the field, the value and what is
+allowed (built through :func:`make_section`, the field's whole place and its
+flat name: ``config node.tiers.dram.bytes (dram_bytes): ...``).
 
-Derived ports: ``metrics_port = -1`` (the default) becomes ``port + 1`` at
+Derived ports: ``server.metrics_port = -1`` (the default) becomes ``port + 1`` at
 construction (it stays -1, any free port, when ``port`` is 0), so moving
 ``port`` moves the metrics port. ``dataclasses.replace`` keeps a resolved
 value: pass ``metrics_port=-1`` again along with a new ``port`` to re-derive.
@@ -40,7 +49,7 @@ from kvpool.worker_ids import MAX_WORKER_ID_CHARS, worker_id_problem
 
 DEFAULT_MASTER_PORT = 7600
 DEFAULT_NODE_PORT = 7610
-DERIVED_PORT = -1  # metrics_port, call_port, data_port: follow ``port`` (see the module docstring)
+_DERIVED_PORT = -1  # metrics_port, call_port, data_port: follow ``port`` (see the module docstring)
 _MIN_DRAM_BYTES = 4 << 10
 _GIB = 1 << 30
 _SSD_BYTES_PER_INDEX_KEY = 64 << 10  # the arena's inventory has room for one SSD key per this much SSD
@@ -48,8 +57,8 @@ _MIN_SSD_INDEX_KEYS = 1024
 _MAX_SSD_INDEX_KEYS = 1 << 20  # derived room stops here (80 MiB of /dev/shm)
 _SIZE_SUFFIX = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_UNITS = ((1 << 40, "TiB"), (1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
-MAX_SIZE = 1 << 50  # 1024 TiB: larger than any real memory or disk, a typo rather than a size
-MAX_SECONDS = 365 * 86400.0  # longer than this is a typo (and would overflow thread waits)
+_MAX_SIZE = 1 << 50  # 1024 TiB: larger than any real memory or disk, a typo rather than a size
+_MAX_SECONDS = 365 * 86400.0  # longer than this is a typo (and would overflow thread waits)
 SIZE_SYNTAX = "bytes or with K, M, G, T (KiB, MiB, GiB, TiB), e.g. 512M"
 # The reply spin saves a blocked thread's wake-up (~100-300 us on a VM) and costs a core while it polls: a reply
 # slower than 2 ms would save at most ~15% of its wait by spinning, and each call would burn up to the whole spin.
@@ -140,19 +149,19 @@ def in_range(low: int, high: int, meaning: str = "") -> Check:
 
 
 def size_check(low: int, meaning: str = "") -> Check:
-    """A byte size in [``low``, MAX_SIZE]; ``meaning`` says what 0 means where ``low`` is 0."""
+    """A byte size in [``low``, _MAX_SIZE]; ``meaning`` says what 0 means where ``low`` is 0."""
     def check(v: int) -> str | None:
-        if low <= v <= MAX_SIZE:
+        if low <= v <= _MAX_SIZE:
             return None
         if low == 0:
-            return f"must be 0 ({meaning}) or a size up to {format_size(MAX_SIZE)}"
-        return f"must be a size of {format_size(low)} to {format_size(MAX_SIZE)}"
+            return f"must be 0 ({meaning}) or a size up to {format_size(_MAX_SIZE)}"
+        return f"must be a size of {format_size(low)} to {format_size(_MAX_SIZE)}"
     return check
 
 
 def seconds_check(v: float) -> str | None:
-    """A duration: finite, > 0 and at most MAX_SECONDS."""
-    return None if 0 < v <= MAX_SECONDS else f"must be a number of seconds > 0 and at most {MAX_SECONDS:.0f} (a year)"
+    """A duration: finite, > 0 and at most _MAX_SECONDS."""
+    return None if 0 < v <= _MAX_SECONDS else f"must be a number of seconds > 0 and at most {_MAX_SECONDS:.0f} (a year)"
 
 
 def fraction_check(v: float) -> str | None:
@@ -362,7 +371,7 @@ def _check_values(config: Any, section: str) -> None:
 
 def _derive_metrics_port(config: Any, section: str) -> None:
     """``metrics_port = -1`` becomes ``port + 1`` (stays -1, any free port, when ``port`` is 0)."""
-    if config.metrics_port == DERIVED_PORT and 0 < config.port <= 65535:  # a bad port is reported as such
+    if config.metrics_port == _DERIVED_PORT and 0 < config.port <= 65535:  # a bad port is reported as such
         if config.port + 1 > 65535:
             raise ValueError(f"config {section}.metrics_port: the default, port + 1, is no port for port "
                              f"{config.port}; set metrics_port")
@@ -415,7 +424,7 @@ class ServerConfig:
     _LABEL = "server"
     host: str = opt("127.0.0.1", "address to listen on (0.0.0.0: all interfaces)", check=host_check)
     port: int = opt(0, "gRPC port; 0: any free port", check=port_check("0: any free port"))
-    metrics_port: int = opt(DERIVED_PORT, _METRICS_PORT_HELP, check=port_check("0: none", "-1: port + 1"),
+    metrics_port: int = opt(_DERIVED_PORT, _METRICS_PORT_HELP, check=port_check("0: none", "-1: port + 1"),
                             default_text="{port} + 1")
     max_keys_per_call: int = opt(65536, "largest key batch one call (gRPC, fast call or bulk) may carry; clients "
                                         "read it from Info and split larger batches", check=at_least(1))
@@ -533,6 +542,8 @@ class SsdConfig:
                                 "instead of refusing to start")
     sync: bool = opt(False, "fsync every SSD commit; off: a power loss may lose recent entries, as a cache may "
                             "(docs/architecture.md)")
+    sync_interval_s: float = opt(30.0, "with ssd_sync off: fsync the SSD tier this often (a power loss loses at most "
+                                       "this much; each sync also checks data.mdb is intact)", check=seconds_check)
 
     def __post_init__(self) -> None:
         _check_section(self)
@@ -564,7 +575,7 @@ class MasterConfig:
     server: ServerConfig = section(ServerConfig, port=DEFAULT_MASTER_PORT)
     tls: TlsConfig = section(TlsConfig, "tls_")
     events: EventsConfig = section(EventsConfig, "kv_events_")
-    call_port: int = opt(DERIVED_PORT, "TCP port of the fast-call listener (Lookup, PlaceBlocks, ... as framed TCP); "
+    call_port: int = opt(_DERIVED_PORT, "TCP port of the fast-call listener (Lookup, PlaceBlocks, ... as framed TCP); "
                                        "0: any free port; -1: {port} + 2, or any free port if that is taken or "
                                        "{port} is 0",
                          check=port_check("0: any free port", "-1: port + 2"), default_text="{port} + 2")
@@ -621,7 +632,7 @@ class NodeConfig:
     server: ServerConfig = section(ServerConfig, port=DEFAULT_NODE_PORT)
     tls: TlsConfig = section(TlsConfig, "tls_")
     tiers: TiersConfig = section(TiersConfig)
-    data_port: int = opt(DERIVED_PORT, "bulk TCP port for remote reads and writes; 0: any free port; -1: {port} + 2, "
+    data_port: int = opt(_DERIVED_PORT, "bulk TCP port for remote reads and writes; 0: any free port; -1: {port} + 2, "
                                        "or any free port if that is taken or {port} is 0",
                          check=port_check("0: any free port", "-1: port + 2"), default_text="{port} + 2")
     advertise: str = opt("", "host:port clients dial; empty: host:port (this machine's name if host is 0.0.0.0)",
@@ -746,13 +757,13 @@ class PoolConfig:
 
 
 _SECTIONS: dict[str, type] = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}
-FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+_FLAG_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def parse_flag(word: str) -> bool:
     """An on/off setting written as text (``KVPOOL_*`` variables, config files): 1/true/yes/on or 0/false/no/off,
     any case; ValueError otherwise."""
-    flag = FLAG_WORDS.get(word.strip().lower())
+    flag = _FLAG_WORDS.get(word.strip().lower())
     if flag is None:
         raise ValueError("expected true or false")
     return flag

@@ -128,7 +128,7 @@ BAD_VALUES = {
     NodeConfig: {
         "master": "no-port", "host": "two words", "port": -1, "metrics_port": 70000, "data_port": -5,
         "advertise": "host", "node_id": 7, "arena": "../etc", "dram_bytes": -1, "max_block_bytes": 0,
-        "dram_slots": -1, "ssd_dir": 3, "ssd_index_keys": -1,
+        "dram_slots": -1, "ssd_dir": 3, "ssd_index_keys": -1, "ssd_sync_interval_s": 0.0,
         "ssd_bytes": -1, "ssd_enabled": "false", "ssd_optional": 1, "ssd_sync": "no", "high_watermark": 2.0,
         "low_watermark": 0.0, "write_through": None, "demote_queue_bytes": -1, "max_message_bytes": 0,
         "max_keys_per_call": 0, "max_connections": -1, "max_concurrent_rpcs": -1, "auth_file": None, "token": 5,

@@ -38,7 +38,7 @@ no arena in /dev/shm, no thread, no bound port):
 Once running, a ``data.mdb`` damaged under the node costs SSD misses, never
 the process (:mod:`kvpool.tiers.ssd`): every SSD transaction looks first, and
 so does the periodic SSD sync (``ssd_sync`` off, the default), so even an
-idle node notices within ``SSD_SYNC_INTERVAL_S`` and the master's index drops
+idle node notices within ``tiers.ssd.sync_interval_s`` and the master's index drops
 the lost blocks.
 """
 
@@ -77,7 +77,6 @@ from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-SSD_SYNC_INTERVAL_S = 30.0  # fsync period when ssd_sync is off (a power loss loses at most this much)
 _NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
 
 
@@ -320,7 +319,7 @@ class PoolNode:
 
     def _sync_loop(self) -> None:
         assert self.store.ssd is not None, "node: SSD sync loop without an SSD tier"
-        while not self._stop_sync.wait(SSD_SYNC_INTERVAL_S):
+        while not self._stop_sync.wait(self.config.tiers.ssd.sync_interval_s):
             try:
                 self.store.ssd.sync_now()
             except Exception:  # a failed fsync is logged; the cache keeps serving
