@@ -873,7 +873,8 @@ def _build(cls: type, given: Mapping[str, Any], component: str, defaults: Mappin
         return cls(**values)
     except ValueError as exc:
         text = str(exc)
-        if cls._LABEL != component and text.startswith("config ") and not text.startswith(f"config {component}."):
+        nested = cls not in _SECTIONS.values()
+        if nested and text.startswith("config ") and not text.startswith(f"config {component}."):
             raise ValueError(f"config {component}.{text[len('config '):]}") from None
         raise
 
@@ -941,7 +942,7 @@ def _json_settings(section: str, cls: type, data: Mapping[str, Any], path: tuple
                 raise ValueError(f"config {where}: must be an object (a section)")
             _json_settings(section, sub, value, (*path, key), out)
         else:
-            out[by_path[(*path, key)].name] = value
+            out[by_path[path + (key,)].name] = value
 
 
 def read_json_object(path: str, what: str) -> dict[str, Any]:

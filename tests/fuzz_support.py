@@ -49,9 +49,9 @@ DRAM_SLOTS = 32
 NODE_MAX_MESSAGE = 4 << 20
 LEASE_TIMEOUT_S = 0.5
 MASTER_CONFIG = MasterConfig.of(host="127.0.0.1", port=0, metrics_port=0, call_port=0,
-                             node_timeout_s=30.0,  # generous: 2 busy cores must not starve heartbeats
-                             max_workers_per_tenant=1 << 20)  # every fuzzed worker id is one: never refused as new
-MASTER_MAX_KEYS = MASTER_CONFIG.max_keys_per_call
+                                node_timeout_s=30.0,  # generous: 2 busy cores must not starve heartbeats
+                                max_workers_per_tenant=1 << 20)  # every fuzzed worker id is one: never refused as new
+MASTER_MAX_KEYS = MASTER_CONFIG.server.max_keys_per_call
 NODE_MAX_KEYS = NodeConfig().server.max_keys_per_call
 MASTER_MAX_MESSAGE = master_max_message_bytes(MASTER_CONFIG)
 # 1 B .. a whole slot in DRAM, and one block larger than a slot (it lives on SSD only).
