@@ -379,12 +379,12 @@ def _derive_metrics_port(config: Any, section: str) -> None:
 
 
 def _check_distinct_ports(config: Any, section: str, names: tuple[str, ...]) -> None:
-    """The fixed ports one server binds (``port`` or ``server.port`` and any of ``names`` > 0) all differ."""
+    """The fixed ports one server binds (its ``port`` or ``server`` section's ports, and any of ``names`` > 0) all
+    differ."""
     server = getattr(config, "server", config)
-    ports = {"port": server.port, **{name: getattr(config, name) for name in names}}
-    if server is not config:
-        ports = {"server.port": server.port, "server.metrics_port": server.metrics_port, **ports}
-        del ports["port"]
+    ports = {"port": server.port} if server is config else {
+        "server.port": server.port, "server.metrics_port": server.metrics_port}
+    ports.update({name: getattr(config, name) for name in names})
     seen: dict[int, str] = {}
     for name, port in ports.items():
         if port > 0:
