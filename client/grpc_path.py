@@ -35,7 +35,7 @@ class GrpcPath:
     def get(self, node: NodeRef, idxs: list[int], blocks: PoolRun, dsts: list[np.ndarray],
             ok: list[bool], deadline: float) -> list[int]:
         sizes = blocks.sizes.tolist()
-        for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES):
+        for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES, self.nodes.max_keys(node.address, call_timeout(deadline))):
             request = node_pb2.GetRequest(keys=pack_keys([blocks.keys[i] for i in run]))
             try:
                 reply = self.nodes.stub(node.address).Get(request, timeout=call_timeout(deadline))
@@ -63,7 +63,7 @@ class GrpcPath:
 
     def put(self, node: NodeRef, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
             sizes: list[int], result: list[bool], deadline: float) -> list[int]:
-        for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES):
+        for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES, self.nodes.max_keys(node.address, call_timeout(deadline))):
             request = node_pb2.PutRequest(
                 keys=pack_keys([keys[i] for i in run]),
                 sizes=[sizes[i] for i in run],

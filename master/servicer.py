@@ -122,8 +122,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if len(packed) % KEY_BYTES:
             raise ValueError(f"packed {what}: {len(packed)} bytes is not a multiple of {KEY_BYTES}")
         n = len(packed) // KEY_BYTES
-        if n > self._config.max_keys_per_call:
-            raise ValueError(f"too many keys in {what}: {n} > max_keys_per_call {self._config.max_keys_per_call}")
+        most = self._config.server.max_keys_per_call
+        if n > most:
+            raise ValueError(f"too many keys in {what}: {n} > max_keys_per_call {most}")
         return n
 
     def _keys(self, packed: bytes, what: str = "keys") -> list[BlockKey]:
@@ -148,7 +149,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         :data:`MAX_BLOCK_TOKENS` tokens a block. Clients report about a second's lookups at a time.
         """
         r = request
-        hbm_most, pool_most = self._config.max_hbm_keys_per_worker, self._config.max_keys_per_call
+        hbm_most, pool_most = self._config.max_hbm_keys_per_worker, self._config.server.max_keys_per_call
         self._check_block_tokens("ReportHbm", r.block_tokens)
         _per_lookup("hbm_only_lookups", r.hbm_only_lookups, ("hbm_only_blocks", r.hbm_only_blocks, hbm_most))
         _per_lookup("local_lookups", r.local_lookups, ("local_hbm_blocks", r.local_hbm_blocks, hbm_most),

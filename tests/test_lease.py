@@ -266,7 +266,7 @@ NODE_SLOTS = 4
 
 @pytest.fixture
 def node(tmp_path, arena_name):
-    cfg = NodeConfig(master=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, metrics_port=0, data_port=0,
+    cfg = NodeConfig.of(master=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, metrics_port=0, data_port=0,
                      arena=arena_name, dram_bytes=NODE_SLOTS * NODE_SLOT, max_block_bytes=NODE_SLOT,
                      high_watermark=1.0, low_watermark=1.0, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"),
                      lease_timeout_s=0.3)
@@ -367,8 +367,8 @@ def test_client_store_on_the_same_host_goes_through_the_arena(tmp_path, arena_na
     from kvpool.config import ClientConfig, MasterConfig
     from kvpool.master.server import MasterServer
 
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
-    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
+    cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
                      dram_bytes=16 << 20, max_block_bytes=1 << 20, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 << 20)
     try:
         with PoolNode(cfg) as n:
@@ -405,8 +405,8 @@ def test_a_restarted_node_gets_its_new_arena_mapped_by_the_client(tmp_path, aren
     from kvpool.config import ClientConfig, MasterConfig
     from kvpool.master.server import MasterServer
 
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
-    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
+    cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
                      dram_bytes=8 << 20, max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
     try:
         with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
@@ -435,8 +435,8 @@ def test_the_arena_key_index_saves_every_reader_the_locate_call_and_follows_a_mo
     from kvpool.config import ClientConfig, MasterConfig
     from kvpool.master.server import MasterServer
 
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
-    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
+    cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
                      dram_bytes=8 << 20, max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
     try:
         with PoolNode(cfg) as n, PoolClient(ClientConfig(master=master.address, strict=True)) as writer, \
@@ -478,8 +478,8 @@ def test_a_slot_reused_while_the_client_copies_is_a_miss_not_other_bytes(tmp_pat
     from kvpool.config import ClientConfig, MasterConfig
     from kvpool.master.server import MasterServer
 
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
-    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
+    cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
                      dram_bytes=8 << 20, max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
     try:
         with PoolNode(cfg) as n, PoolClient(ClientConfig(master=master.address)) as pool:

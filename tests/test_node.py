@@ -49,7 +49,7 @@ def config(tmp_path: Path, arena: str, **over) -> NodeConfig:
         ssd_dir=str(tmp_path / "ssd"), ssd_bytes=4 << 20, max_message_bytes=16 << 20,
     )
     values.update(over)
-    return NodeConfig(**values)
+    return NodeConfig.of(**values)
 
 
 class Client:
@@ -335,7 +335,7 @@ def start_master(port: int = 0):
     from kvpool.config import MasterConfig
     from kvpool.master.server import MasterServer
 
-    return MasterServer(MasterConfig(port=port, metrics_port=0)).start()
+    return MasterServer(MasterConfig.of(port=port, metrics_port=0)).start()
 
 
 def lookup(master_address: str, ids: list[int]) -> master_pb2.LookupResponse:
@@ -443,7 +443,7 @@ def test_a_report_stuck_in_a_slow_store_call_does_not_delay_heartbeats(arena_nam
     from kvpool.tiers.dram import DramStore
 
     stuck_s = 2.5  # more than twice node_timeout_s
-    master = MasterServer(MasterConfig(port=0, metrics_port=0, node_timeout_s=1.0, heartbeat_interval_s=0.2)).start()
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0, node_timeout_s=1.0, heartbeat_interval_s=0.2)).start()
     dram = DramStore.create(arena_name, 32 * 1024, 1024)
     slow, returned = threading.Event(), threading.Event()
 

@@ -54,8 +54,9 @@ def pool(tmp_path_factory):
     }))
     config = tmp / "kvpool.json"
     config.write_text(json.dumps({
-        "master": {"auth_file": str(auth)},
-        "node": {"auth_file": str(auth), "token": NODE_TOKEN, "ssd_enabled": False, "lease_timeout_s": 60.0},
+        "master": {"server": {"auth_file": str(auth)}},
+        "node": {"server": {"auth_file": str(auth)}, "token": NODE_TOKEN,
+                 "tiers": {"ssd": {"enabled": False}, "dram": {"lease_timeout_s": 60.0}}},
     }))
     procs = PoolProcesses(tmp, **{"dram-bytes": str(SLOTS * SLOT), "max-block-bytes": str(SLOT), "config": str(config)})
     try:

@@ -267,10 +267,10 @@ class EmbeddedPool:
         from kvpool.node.daemon import PoolNode
 
         self.node = None
-        self.master = MasterServer(MasterConfig(host="127.0.0.1", port=0, metrics_port=0)).start()
+        self.master = MasterServer(MasterConfig.of(host="127.0.0.1", port=0, metrics_port=0)).start()
         try:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvpool-replay-", dir=ssd_parent)
-            node_config = NodeConfig(
+            node_config = NodeConfig.of(
                 master=self.master.address, host="127.0.0.1", port=0, metrics_port=0,
                 arena=f"kvpool-replay-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                 dram_bytes=config.dram_bytes,

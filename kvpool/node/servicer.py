@@ -236,4 +236,5 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             node=self.node_ref,
             tiers=[tier_usage(s) for s in self.core.stats()],
             dram_max_block_bytes=self.core.dram_max_block_bytes,
+            max_keys_per_call=self.core.max_keys_per_call,
         )
