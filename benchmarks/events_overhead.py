@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import numpy as np
 import zmq
+from local_pool import LocalPool
 
-from kvpool.bench.ttft import LocalPool
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig
 from kvpool.core import Tier

@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=100_000)
     parser.add_argument("--calls", type=int, default=1000)
     args = parser.parse_args()
-    server = MasterServer(MasterConfig(host="127.0.0.1", port=0, metrics_port=0, node_timeout_s=1e6,
+    server = MasterServer(MasterConfig.of(host="127.0.0.1", port=0, metrics_port=0, node_timeout_s=1e6,
                                        worker_timeout_s=1e6)).start()
     try:
         number = server.membership.register(NodeRef("bench-node", "bench-node.invalid:1"), [], 4096).number

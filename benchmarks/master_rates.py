@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     keys = rng.integers(0, 256, (args.blocks, 32), dtype=np.uint8)
-    with MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0, node_timeout_s=3600)) as master:
+    with MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0, node_timeout_s=3600)) as master:
         servicer = master.servicer
         incs = []
         for i in range(2):

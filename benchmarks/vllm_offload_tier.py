@@ -3,7 +3,7 @@
     bash tests/vllm_env.sh                                     # once: build/vllm-venv
     .venv/bin/python benchmarks/vllm_offload_tier.py [--prompts 3] [--keep]     # ~3 min here
 
-Model, prompts and engine as ``kvpool bench vllm`` (kvpool/bench/vllm.py): Qwen2-0.5B's shape with vLLM's dummy
+Model, prompts and engine as ``benchmarks/vllm_ttft.py``: Qwen2-0.5B's shape with vLLM's dummy
 weights, ``--prompt-tokens`` (2,048) random token ids, ``max_tokens=1``, blocks of 32 tokens (one block across
 all layers: 768 KiB in float32), OpenMP on cores 0-1, in-process engine core, TTFT vLLM's own
 (``first_token_latency``); one ``kvpool serve`` this script starts. Five vLLM processes, one after another, each
@@ -69,11 +69,12 @@ def _trace_tier() -> None:
     read into the CPU tier's rows. Totals in seconds go to ``_TRACE``, read per request like the counters."""
     import functools
 
-    from kvpool.bench import vllm as bench_vllm
+    import vllm_ttft
+
     from kvpool.client.pool import PoolClient
     from kvpool.engines.vllm.offload_jobs import TierJobs
 
-    timed = functools.partial(bench_vllm.timed, _TRACE)
+    timed = functools.partial(vllm_ttft.timed, _TRACE)
 
     PoolClient.lookup = timed("lookup", PoolClient.lookup)  # type: ignore[method-assign]
     PoolClient.get_into = timed("read", PoolClient.get_into)  # type: ignore[method-assign]
@@ -85,8 +86,7 @@ def driver(spec_path: str) -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
-
-    from kvpool.bench.vllm import _counters
+    from vllm_ttft import counters
 
     spec = json.loads(Path(spec_path).read_text())
     prompts = json.loads(Path(spec["prompts"]).read_text())
@@ -103,9 +103,9 @@ def driver(spec_path: str) -> int:
             if not llm.reset_prefix_cache():
                 raise RuntimeError("vLLM did not reset its prefix cache")
             continue
-        before = dict(_counters(), **{f"trace:{k}": v for k, v in _TRACE.items()})
+        before = dict(counters(), **{f"trace:{k}": v for k, v in _TRACE.items()})
         out = llm.generate([TokensPrompt(prompt_token_ids=prompts[index])], params, use_tqdm=False)[0]
-        after = dict(_counters(), **{f"trace:{k}": v for k, v in _TRACE.items()})
+        after = dict(counters(), **{f"trace:{k}": v for k, v in _TRACE.items()})
         if out.metrics is None or not out.metrics.first_token_latency:
             raise RuntimeError("vLLM returned no request metrics (disable_log_stats must be False)")
         grown = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
@@ -114,7 +114,7 @@ def driver(spec_path: str) -> int:
     Path(spec["result"]).write_text(json.dumps(results))
     llm.llm_engine.engine_core.shutdown()  # the tier's queued stores finish (or time out) here
     sys.stderr.flush()
-    os._exit(0)  # as kvpool bench vllm: no interpreter teardown
+    os._exit(0)  # as vllm_ttft.py's driver: no interpreter teardown
 
 
 # -- this side --------------------------------------------------------------------------------------------
@@ -196,10 +196,9 @@ def main() -> int:
         return driver(args.driver)
 
     import numpy as np
-
-    from kvpool.bench.ttft import LocalPool
-    from kvpool.bench.vllm import DTYPE_BYTES, MODEL, cpu_dtype
-    from kvpool.bench.vllm_runtime import MODELS, save_model, vllm_env, vllm_python
+    from local_pool import LocalPool
+    from vllm_runtime import MODELS, save_model, vllm_env, vllm_python
+    from vllm_ttft import DTYPE_BYTES, MODEL, cpu_dtype
 
     python = vllm_python()
     if python is None:

@@ -10,7 +10,7 @@ Every request is due by the node's deadline (:mod:`.datapath`): each
 connect, receive or send stalls at most what is left of it, and no request
 starts after it.
 
-A GET asks for at most ``GET_CHUNK_BYTES`` of blocks (and ``MAX_KEYS`` keys)
+A GET asks for at most ``GET_CHUNK_BYTES`` of blocks (and the node's most keys per call)
 at a time, well under what a node serves in one GET
 (:data:`kvpool.wire.MAX_GET_BYTES`, more if its ``max_request_bytes``
 is larger; a larger block goes alone). A PUT sends at most
@@ -28,7 +28,7 @@ import numpy as np
 
 from kvpool.checksum import block_checksum
 from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
-from kvpool.client.datapath import LEASE_CHUNK_BYTES, MAX_KEYS, call_timeout, chunks
+from kvpool.client.datapath import LEASE_CHUNK_BYTES, call_timeout, chunks
 from kvpool.client.faults import Faults
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
@@ -77,7 +77,8 @@ class BulkPath:
             return idxs
         done = 0
         sizes = run.sizes[idxs].tolist()
-        for positions in chunks(range(len(idxs)), sizes, GET_CHUNK_BYTES, MAX_KEYS):
+        max_keys = self.nodes.max_keys(node.address, call_timeout(deadline))
+        for positions in chunks(range(len(idxs)), sizes, GET_CHUNK_BYTES, max_keys):
             if time.monotonic() >= deadline:
                 return idxs[done:]
             part = [idxs[p] for p in positions]
@@ -106,7 +107,7 @@ class BulkPath:
         if data_address is None:
             return idxs
         done = 0
-        for run in chunks(idxs, sizes, LEASE_CHUNK_BYTES):
+        for run in chunks(idxs, sizes, LEASE_CHUNK_BYTES, self.nodes.max_keys(node.address, call_timeout(deadline))):
             if time.monotonic() >= deadline:
                 return idxs[done:]
             sums = [block_checksum(arrays[i]) for i in run]

@@ -32,7 +32,6 @@ from kvpool.client.lookup import PoolRun
 from kvpool.core import NodeRef
 from kvpool.keys import BlockKey
 
-MAX_KEYS = 65536  # keys per node call (the node's limit)
 GRPC_CHUNK_BYTES = 32 << 20  # bytes per gRPC Get/Put call
 LEASE_CHUNK_BYTES = 256 << 20  # bytes per bulk PUT or Reserve/Commit lease (a lease must finish in time)
 
@@ -53,10 +52,11 @@ def call_timeout(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
-def chunks(indexes: Sequence[int], sizes: Sequence[int], limit: int, max_keys: int = MAX_KEYS) -> Iterator[list[int]]:
+def chunks(indexes: Sequence[int], sizes: Sequence[int], limit: int, max_keys: int) -> Iterator[list[int]]:
     """Split ``indexes`` into runs of at most ``max_keys`` whose sizes add up to at most ``limit``.
 
-    Each run holds at least one index.
+    Each run holds at least one index. ``max_keys`` is the node's limit
+    (:meth:`NodeDirectory.max_keys <kvpool.client.nodes.NodeDirectory.max_keys>`).
     """
     run: list[int] = []
     total = 0

@@ -2,9 +2,13 @@
 
 Every pool failure (timeout, dead node, block gone or reused, checksum
 mismatch, master down) is a miss counted in ``kvpool_errors_total{kind}``:
-never an exception on the engine's path. ``strict=True`` (tests) raises
-:class:`PoolFault` instead. Caller misuse (wrong sizes, malformed keys) is a
-ValueError either way, and is not counted here.
+never an exception on the engine's path. With ``ClientConfig.strict`` the
+call that lost blocks raises :class:`PoolFault` instead (still counted): an
+API setting for a caller that must tell a fault from a miss. The vLLM
+connector's scheduler side sets it on its own client (a fault pauses its
+lookups, :mod:`kvpool.engines.vllm.scheduler`); tests set it to see faults.
+Caller misuse (wrong sizes, malformed keys) is a ValueError either way, and
+is not counted here.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class PoolFault(RuntimeError):
-    """A pool failure, raised only in strict mode (otherwise it is a counted miss); ``kind`` as counted."""
+    """A pool failure, raised only with ``ClientConfig.strict`` (otherwise a counted miss); ``kind`` as counted."""
 
     def __init__(self, kind: str, detail: object = ""):
         super().__init__(f"{kind}: {detail}")

@@ -18,9 +18,9 @@ from kvpool.client.faults import Faults, error_kind
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
-from kvpool.core import NodeRef
+from kvpool.core import NO_TIER, NodeRef
 from kvpool.keys import BlockKey, pack_keys
-from kvpool.rpc import MISS, flags_from_bytes
+from kvpool.rpc import flags_from_bytes
 from kvpool.v1 import node_pb2
 
 
@@ -35,7 +35,7 @@ class GrpcPath:
     def get(self, node: NodeRef, idxs: list[int], blocks: PoolRun, dsts: list[np.ndarray],
             ok: list[bool], deadline: float) -> list[int]:
         sizes = blocks.sizes.tolist()
-        for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES):
+        for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES, self.nodes.max_keys(node.address, call_timeout(deadline))):
             request = node_pb2.GetRequest(keys=pack_keys([blocks.keys[i] for i in run]))
             try:
                 reply = self.nodes.stub(node.address).Get(request, timeout=call_timeout(deadline))
@@ -45,7 +45,7 @@ class GrpcPath:
             data = np.frombuffer(reply.data, dtype=np.uint8)
             offset = 0
             for j, i in enumerate(run):
-                if j >= len(reply.tiers) or reply.tiers[j] == MISS:
+                if j >= len(reply.tiers) or reply.tiers[j] == NO_TIER:
                     self.faults.lost("block_gone", blocks.keys[i].hex()[:16])
                     continue
                 size = reply.sizes[j]
@@ -63,7 +63,7 @@ class GrpcPath:
 
     def put(self, node: NodeRef, idxs: list[int], keys: list[BlockKey], arrays: list[np.ndarray],
             sizes: list[int], result: list[bool], deadline: float) -> list[int]:
-        for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES):
+        for run in chunks(idxs, sizes, GRPC_CHUNK_BYTES, self.nodes.max_keys(node.address, call_timeout(deadline))):
             request = node_pb2.PutRequest(
                 keys=pack_keys([keys[i] for i in run]),
                 sizes=[sizes[i] for i in run],

@@ -10,9 +10,10 @@ Invariants:
   and ``get_into`` hits move a key to the most-recently-used end;
   ``contains`` never changes recency.
 - No dtype conversion, ever: caller tensors must be contiguous, exactly
-  ``block_bytes`` long and of the layout's dtype (or ``uint8``); their bytes
-  are copied through a ``uint8`` view. Anything else is a ValueError raised
-  before anything changes.
+  ``block_bytes`` long and of the layout's dtype (or ``uint8``)
+  (:meth:`KVLayout.check_block <kvpool.layout.KVLayout.check_block>`); their
+  bytes are copied through a ``uint8`` view. Anything else is a ValueError
+  raised before anything changes.
 - ``on_change(added, removed)`` runs after each put / remove / eviction batch
   that changed the key set, outside the lock, so a worker can report its HBM
   contents to the master in batches.
@@ -46,7 +47,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class HbmStore:
-    """A :class:`~kvpool.tiers.base.TierStore` of torch tensors, backed by a device tensor pool."""
+    """The HBM tier (the calls of :mod:`kvpool.tiers.base`) of torch tensors, backed by a device tensor pool."""
 
     tier = Tier.HBM
 
@@ -76,16 +77,7 @@ class HbmStore:
     def _check_tensor(self, tensor: object) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-        if not tensor.is_contiguous():
-            raise ValueError("tensor must be contiguous")
-        name = str(tensor.dtype).removeprefix("torch.")
-        if name not in ("uint8", self.layout.dtype):
-            raise ValueError(f"tensor dtype {name} does not match layout dtype {self.layout.dtype}")
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes != self.layout.block_bytes:
-            raise ValueError(
-                f"tensor is {nbytes} bytes; one block of {self.layout.fingerprint()} is {self.layout.block_bytes}"
-            )
+        self.layout.check_block(tensor, what="tensor")
         return tensor
 
     def _check(self, keys: Sequence[object], tensors: Sequence[object]) -> tuple[list[BlockKey], list[torch.Tensor]]:
@@ -103,7 +95,7 @@ class HbmStore:
         if self._on_change is not None and (added or removed):
             self._on_change(added, removed)
 
-    # -- TierStore ----------------------------------------------------------------------
+    # -- the tier calls (kvpool.tiers.base) ----------------------------------------------------------------------
 
     def put(self, keys: Sequence[BlockKey], tensors: Sequence[torch.Tensor]) -> list[bool]:
         """Store blocks; True if the key is now here. A present key only refreshes recency (no copy).

@@ -112,6 +112,7 @@ class KVCacheClient:
         keys = check_keys(keys)
         if len(keys) != len(outs):
             raise ValueError(f"{len(keys)} keys but {len(outs)} outputs")
+        self._check_blocks(outs, "output")
         result = result if result is not None else self.lookup(keys)
         loaded = 0
         if result.hbm_blocks:
@@ -142,14 +143,18 @@ class KVCacheClient:
         keys = check_keys(keys)
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        self._check_blocks(values, "block")
         sources = [write_source(v) for v in values]
-        if self.layout is not None:
-            for src in sources:
-                if src.size != self.layout.block_bytes:
-                    raise ValueError(f"block is {src.size} bytes; the layout's blocks are {self.layout.block_bytes}")
         if self.hbm is not None:
             self.hbm.put(keys, [as_tensor(v) for v in values])
         return self.pool.put(keys, sources, engine_hashes)
+
+    def _check_blocks(self, blocks: Sequence[Any], what: str) -> None:
+        """ValueError (nothing done yet) unless each of ``blocks`` is one block of the layout (without one: any
+        size)."""
+        if self.layout is not None:
+            for i, block in enumerate(blocks):
+                self.layout.check_block(block, what=f"{what} {i}")
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key: in this worker's HBM or in the pool."""

@@ -33,10 +33,9 @@ from kvpool.auth import mask_keys
 from kvpool.client.cluster import ClusterView
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
-from kvpool.core import NodeRef
+from kvpool.core import NO_TIER, NodeRef
 from kvpool.keys import BlockKey
 from kvpool.master_client import TenantMask
-from kvpool.rpc import MISS
 from kvpool.tiers.arena import KEY_DTYPE, InventoryState, SharedArena
 
 __all__ = ["Holdings", "LocalIndex"]
@@ -44,7 +43,7 @@ __all__ = ["Holdings", "LocalIndex"]
 
 @dataclass(frozen=True, slots=True)
 class Holdings:
-    """Per key (in request order): tier (``MISS``: nowhere), node index into ``nodes``, size and checksum."""
+    """Per key (in request order): tier (``NO_TIER``: nowhere), node index into ``nodes``, size and checksum."""
 
     tiers: np.ndarray  # uint8
     node_indexes: np.ndarray  # int64
@@ -98,13 +97,13 @@ class LocalIndex:
         if len(arenas) == 1:  # one node: its answer as it is
             found, size, checksum = arenas[0][1].inventory_meta(stored)
             return Holdings(found, np.zeros(n, dtype=np.int64), size, checksum, [arenas[0][0]])
-        tiers = np.full(n, MISS, dtype=np.uint8)
+        tiers = np.full(n, NO_TIER, dtype=np.uint8)
         node_indexes = np.zeros(n, dtype=np.int64)
         sizes = np.zeros(n, dtype=np.uint64)
         sums = np.zeros(n, dtype=np.uint64)
         for k, (_, arena) in enumerate(arenas):
             found, size, checksum = arena.inventory_meta(stored)
-            better = found < tiers  # DRAM (1) before SSD (2) before MISS (255); the first node among equals
+            better = found < tiers  # DRAM (1) before SSD (2) before NO_TIER (255); the first node among equals
             tiers[better], node_indexes[better], sizes[better], sums[better] = \
                 found[better], k, size[better], checksum[better]
         return Holdings(tiers, node_indexes, sizes, sums, [ref for ref, _ in arenas])
@@ -114,7 +113,7 @@ class LocalIndex:
         held = self.holdings(keys)
         if held is None:
             return None
-        misses = np.flatnonzero(held.tiers == MISS)
+        misses = np.flatnonzero(held.tiers == NO_TIER)
         run = int(misses[0]) if misses.size else len(keys)
         return PoolRun(keys[:run], held.tiers[:run].tobytes(), held.node_indexes[:run], held.nodes,
                        held.sizes[:run], held.checksums[:run])
@@ -122,4 +121,4 @@ class LocalIndex:
     def exists(self, keys: Sequence[BlockKey]) -> list[bool] | None:
         """Per key whether this host's nodes hold it; None: ask the master."""
         held = self.holdings(keys)
-        return None if held is None else (held.tiers != MISS).tolist()
+        return None if held is None else (held.tiers != NO_TIER).tolist()

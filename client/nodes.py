@@ -4,13 +4,16 @@
   Commit over fast calls on the node's bulk listener, the rest over gRPC.
 - The node's bulk listener address: from its ``NodeRef`` (lookup and
   placement replies carry it) or from the node's ``Info`` once. A listener
-  that could not be reached is not tried for ``BULK_RETRY_S``.
+  that could not be reached is not tried for ``_BULK_RETRY_S``.
+- The node's limits: the most keys one call to it may carry, from its
+  ``Info`` once (operators may lower ``max_keys_per_call``); every data path
+  splits a node's batch into calls of at most that many keys.
 - The node's shared-memory arena, mapped when the node is on this host (its
   ``host_id`` equals ours) and shared memory is allowed; remapped when the
   node restarted (``/dev/shm/<arena>`` is another file). A mapping that
   failed (e.g. it raced a node's restart and found a segment still being
   made) is tried again after a back-off that doubles from
-  ``MAP_RETRY_MIN_S`` to ``MAP_RETRY_MAX_S``, and at once when the segment
+  ``_MAP_RETRY_MIN_S`` to ``_MAP_RETRY_MAX_S``, and at once when the segment
   is another file; until then the network paths serve. Pages are not
   faulted in ahead: the node populated the segment, so a first read of a
   slot costs a minor fault per page (~0.07 ms a MiB here), while mapping a
@@ -44,10 +47,11 @@ from kvpool.wire import NODE_CALLS
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 << 20
-BULK_RETRY_S = 5.0  # a node whose bulk listener could not be reached is sent gRPC calls this long
-MAP_RETRY_MIN_S = 0.1  # first wait before mapping an arena again after a failed attempt
-RECHECK_S = 0.1  # a mapped arena is checked against /dev/shm (a restarted node's new segment) this often
-MAP_RETRY_MAX_S = 5.0  # the longest such wait
+_UNSTATED_MAX_KEYS = 65536  # keys per call to a node whose Info does not say (its limit before Info carried it)
+_BULK_RETRY_S = 5.0  # a node whose bulk listener could not be reached is sent gRPC calls this long
+_MAP_RETRY_MIN_S = 0.1  # first wait before mapping an arena again after a failed attempt
+_RECHECK_S = 0.1  # a mapped arena is checked against /dev/shm (a restarted node's new segment) this often
+_MAP_RETRY_MAX_S = 5.0  # the longest such wait
 _NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"]
 
 
@@ -65,6 +69,7 @@ class NodeDirectory:
         self._unmapped: dict[str, _FailedMap] = {}  # arena name -> the last failed attempt to map it
         self._checked: dict[str, float] = {}  # arena name -> until when the mapping counts as current
         self._data_addresses: dict[str, str] = {}  # node gRPC address -> bulk address ("": none)
+        self._max_keys: dict[str, int] = {}  # node gRPC address -> most keys per call, as its Info said
         self._bulk_down: dict[str, float] = {}  # node gRPC address -> monotonic time to try bulk again
         self._closing = threading.Event()
 
@@ -103,30 +108,51 @@ class NodeDirectory:
                 return None
             known = self._data_addresses.get(address)
         if known is None:
-            wait = self.config.lookup_timeout_s if timeout is None else min(timeout, self.config.lookup_timeout_s)
-            try:
-                info = self.stub(address).Info(node_pb2.InfoRequest(), timeout=wait)
-            except grpc.RpcError as exc:
-                log.debug("no Info from node %s (%s); using gRPC", address, error_kind(exc))
+            info = self._info(address, timeout)
+            if info is None:
                 self.bulk_unreachable(address)
                 return None
             known = info.node.data_address
-            with self._lock:
-                self._data_addresses[address] = known
         return known or None
+
+    def max_keys(self, address: str, timeout: float | None = None) -> int:
+        """The most keys one call to the node at gRPC ``address`` may carry (>= 1).
+
+        Asked of the node's ``Info`` once (within ``lookup_timeout_s`` and ``timeout``); while it cannot be
+        asked, _UNSTATED_MAX_KEYS (a call over the node's limit then fails, and its blocks are misses)."""
+        with self._lock:
+            known = self._max_keys.get(address)
+        if known is None:
+            info = self._info(address, timeout)
+            known = self._max_keys.get(address, _UNSTATED_MAX_KEYS) if info is not None else _UNSTATED_MAX_KEYS
+        return known
+
+    def _info(self, address: str, timeout: float | None) -> node_pb2.InfoResponse | None:
+        """The node's ``Info`` (remembering its bulk address and key limit), or None if it did not answer."""
+        wait = self.config.lookup_timeout_s if timeout is None else min(timeout, self.config.lookup_timeout_s)
+        try:
+            info = self.stub(address).Info(node_pb2.InfoRequest(), timeout=wait)
+        except grpc.RpcError as exc:
+            log.debug("no Info from node %s (%s); using gRPC", address, error_kind(exc))
+            return None
+        with self._lock:
+            self._data_addresses[address] = info.node.data_address
+            self._max_keys[address] = info.max_keys_per_call or _UNSTATED_MAX_KEYS
+        return info
 
     def bulk_unreachable(self, address: str) -> None:
         """The node's bulk listener failed to connect: use gRPC for a while, and ask its address again after."""
         with self._lock:
-            self._bulk_down[address] = time.monotonic() + BULK_RETRY_S
+            self._bulk_down[address] = time.monotonic() + _BULK_RETRY_S
             self._data_addresses.pop(address, None)  # the node may have restarted elsewhere
+            self._max_keys.pop(address, None)  # and with other limits
 
     # -- shared memory --------------------------------------------------------------------
 
     def arena(self, node: NodeRef, *, recheck: bool = False) -> SharedArena | None:
         """The node's arena mapped here, or None if it is on another host or cannot be mapped now.
 
-        A mapping is checked against ``/dev/shm`` at most every RECHECK_S (a
+        A mapping is checked against ``/dev/shm`` at most every _RECHECK_S (a
         restarted node's new segment under the same name), or now with
         ``recheck`` (writers: a slot of the old segment is not the new node's).
         """
@@ -139,7 +165,7 @@ class NodeDirectory:
                 if not recheck and now < self._checked.get(node.arena, 0.0):
                     return cached
                 if cached.is_current():
-                    self._checked[node.arena] = now + RECHECK_S
+                    self._checked[node.arena] = now + _RECHECK_S
                     return cached
                 del self._arenas[node.arena]  # the node restarted; not closed: another thread may still copy
             failed = self._unmapped.get(node.arena)
@@ -184,7 +210,7 @@ class _FailedMap:
     @classmethod
     def after(cls, previous: _FailedMap | None, name: str) -> _FailedMap:
         """The record of a new failure: the back-off doubles from the previous one (bounded)."""
-        backoff = MAP_RETRY_MIN_S if previous is None else min(previous.backoff_s * 2, MAP_RETRY_MAX_S)
+        backoff = _MAP_RETRY_MIN_S if previous is None else min(previous.backoff_s * 2, _MAP_RETRY_MAX_S)
         return cls(time.monotonic() + backoff, backoff, name, arena_file_id(name))
 
     def due(self) -> bool:

@@ -3,8 +3,9 @@
 Reads: which slot (arena row: one block's extent) holds a block comes from
 the node's key index in the arena (:meth:`SharedArena.index_find`, no round
 trip) or, for the rest (SSD blocks, or a key the index has no room for),
-from one ``Locate`` call (which also promotes SSD blocks into DRAM). A slot is read only if its
-row (even gen, key, length, checksum) names exactly the block asked for, and
+from ``Locate`` (calls of at most the node's keys per call; it also
+promotes SSD blocks into DRAM). A slot is read only if its row (even gen,
+key, length, checksum) names exactly the block asked for, and
 a copy counts only if its checksum matches and the gen did not move
 meanwhile (the arena's seqlock, :meth:`SharedArena.check_slots`): a stale
 index entry costs a Locate, never wrong bytes. The slots about to be read are
@@ -50,7 +51,7 @@ from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
 from kvpool.core import NodeRef
 from kvpool.framing import ConnectionPool
-from kvpool.keys import BlockKey, pack_keys
+from kvpool.keys import KEY_BYTES, BlockKey, pack_keys
 from kvpool.master_client import TenantMask
 from kvpool.tiers.arena import KEY_DTYPE, SharedArena
 from kvpool.v1 import node_pb2
@@ -122,17 +123,25 @@ class SharedMemoryPath:
         return [i for i in idxs if not ok[i]]
 
     def locate(self, node: NodeRef, arena: SharedArena, packed: bytes, n: int, deadline: float) -> np.ndarray | None:
-        """Per key the node's slot for it (-1: not in DRAM), promoting SSD blocks; None if the call failed."""
-        request = node_pb2.LocateRequest(keys=packed, promote=True)
-        try:
-            reply = self.nodes.stub(node.address).Locate(request, timeout=call_timeout(deadline))
-        except grpc.RpcError as exc:
-            self.faults.counted(error_kind(exc), n)
-            return None
-        if reply.arena != arena.name or not len(reply.slots) == len(reply.slot_gens) == n:
-            return None
-        slots = np.array(reply.slots, dtype=np.int64)
-        return np.where(np.array(reply.slot_gens, dtype=np.uint64) != 0, slots, -1)
+        """Per key the node's slot for it (-1: not in DRAM, or its call failed), promoting SSD blocks, in calls of
+        at most the node's keys per call; None if every call failed."""
+        max_keys = self.nodes.max_keys(node.address, call_timeout(deadline))
+        slots = np.full(n, -1, dtype=np.int64)
+        answered = False
+        for lo in range(0, n, max_keys):
+            hi = min(n, lo + max_keys)
+            request = node_pb2.LocateRequest(keys=packed[lo * KEY_BYTES : hi * KEY_BYTES], promote=True)
+            try:
+                reply = self.nodes.stub(node.address).Locate(request, timeout=call_timeout(deadline))
+            except grpc.RpcError as exc:
+                self.faults.counted(error_kind(exc), hi - lo)
+                continue
+            if reply.arena != arena.name or not len(reply.slots) == len(reply.slot_gens) == hi - lo:
+                continue
+            found = np.array(reply.slots, dtype=np.int64)
+            slots[lo:hi] = np.where(np.array(reply.slot_gens, dtype=np.uint64) != 0, found, -1)
+            answered = True
+        return slots if answered else None
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -143,7 +152,7 @@ class SharedMemoryPath:
             return idxs
         stub = self.nodes.stub(node.address)
         left: list[int] = []
-        for run in chunks(idxs, sizes, LEASE_CHUNK_BYTES):
+        for run in chunks(idxs, sizes, LEASE_CHUNK_BYTES, self.nodes.max_keys(node.address, call_timeout(deadline))):
             if time.monotonic() >= deadline:
                 left += run
                 continue
@@ -199,7 +208,8 @@ class SharedMemoryPath:
         keep = stock is not None and stock.lease == lease and stock.left() > 0  # the rest for the next puts
         if stock is not None and keep:
             self._stock.put_back(node.address, stock)
-        ahead = ahead_sizes(run_sizes.tolist()) if self._wants_stock(node.address, n) else []
+        wants = self._wants_stock(node.address, n)
+        ahead = ahead_sizes(run_sizes.tolist(), self.nodes.max_keys(node.address)) if wants else []
         commit = node_pb2.CommitRequest(lease=lease, keys=pack_keys([keys[run[j]] for j in mine]),
                                         slots=slots[mine].tolist(), checksums=sums, next_sizes=ahead,
                                         keep_lease=keep)
@@ -356,12 +366,12 @@ class SharedMemoryPath:
                           error_kind(exc))
 
 
-def ahead_sizes(run_sizes: Sequence[int]) -> list[int]:
-    """The slots to lease ahead after a put of ``run_sizes``: those sizes again and again, up to STOCK_BYTES and
-    STOCK_SLOTS (one block at least)."""
+def ahead_sizes(run_sizes: Sequence[int], max_keys: int) -> list[int]:
+    """The slots to lease ahead after a put of ``run_sizes``: those sizes again and again, up to STOCK_BYTES,
+    STOCK_SLOTS and the node's ``max_keys`` per call (one block at least)."""
     out: list[int] = []
     total = 0
-    for n in islice(cycle(run_sizes), STOCK_SLOTS):
+    for n in islice(cycle(run_sizes), min(STOCK_SLOTS, max_keys)):
         if out and total + n > STOCK_BYTES:
             break
         out.append(n)

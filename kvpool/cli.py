@@ -23,43 +23,43 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool import __version__
-from kvpool.config import SIZE_SYNTAX, ClientConfig, MasterConfig, NodeConfig, PoolConfig, format_size, load_config
+from kvpool.config import SIZE_SYNTAX, PoolConfig, Setting, format_size, load_config, settings
 
-_SECTIONS = {"master": MasterConfig, "node": NodeConfig, "client": ClientConfig}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _ETCD_FILES = ("etcd_ca", "etcd_cert", "etcd_key")  # PEM file settings (etcd_password_file ends in _file)
 
 
-def _metavar(f: dataclasses.Field) -> str:
+def _metavar(s: Setting) -> str:
+    f, name = s.field, s.name
     if f.metadata.get("size"):
         return "SIZE"
-    if f.name == "port" or f.name.endswith("_port"):
+    if name == "port" or name.endswith("_port"):
         return "PORT"
-    if f.name.endswith("_s"):
+    if name.endswith("_s"):
         return "SECONDS"
-    if f.name.endswith("_watermark"):
+    if name.endswith("_watermark"):
         return "FRACTION"
-    if f.name in ("master", "advertise"):
+    if name in ("master", "advertise"):
         return "HOST:PORT"
-    if f.name.endswith(("_file", "_dir")) or f.name.startswith("tls_") or f.name in _ETCD_FILES:
+    if name.endswith(("_file", "_dir")) or name.startswith("tls_") or name in _ETCD_FILES:
         return "PATH"
     if f.type in ("int", int):
         return "N"
-    return f.name.upper()
+    return name.upper()
 
 
-def _shown_default(f: dataclasses.Field, port_flag: str) -> str:
-    """The one default ``--help`` states for field ``f``."""
+def _shown_default(s: Setting, port_flag: str) -> str:
+    """The one default ``--help`` states for setting ``s``."""
+    f, value = s.field, s.default
     text = f.metadata.get("default_text", "")
     if text:
         return text.replace("{port}", port_flag)
-    value = f.default
     if isinstance(value, bool):
         return "on" if value else "off"
     if f.metadata.get("size") and isinstance(value, int):
         return format_size(value)
     if isinstance(value, float):
-        return f"{value:g} s" if f.name.endswith("_s") else f"{value:g}"
+        return f"{value:g} s" if s.name.endswith("_s") else f"{value:g}"
     if value is None or value == "":
         return "empty"
     return str(value)
@@ -67,29 +67,31 @@ def _shown_default(f: dataclasses.Field, port_flag: str) -> str:
 
 def _add_section_flags(parser: argparse.ArgumentParser, section: str, prefix: str = "",
                        skip: Sequence[str] = ()) -> None:
-    """One flag per field of ``section`` (``--<prefix><field>``; ``--x/--no-x`` for on/off fields).
+    """One flag per setting of ``section`` (``--<prefix><name>``; ``--x/--no-x`` for on/off settings).
 
-    Each help line states the field's one default and its KVPOOL_<SECTION>_<FIELD>
-    variable; the value is left None unless given, so flags override only what they set.
+    Each help line states the setting's one default, its place in the JSON file and its
+    KVPOOL_<SECTION>_<NAME> variable; the value is left None unless given, so flags override only what they set.
     """
     group = parser.add_argument_group(
         f"{section} settings",
-        f"Each flag is also the field of JSON section \"{section}\" and the variable shown (KVPOOL_{section.upper()}_"
-        f"<FIELD>, on/off as true/false). SIZE: {SIZE_SYNTAX}.")
+        f"Each flag is also a field of JSON section \"{section}\" (nested: the place shown) and the variable "
+        f"shown (KVPOOL_{section.upper()}_<NAME>, on/off as true/false). SIZE: {SIZE_SYNTAX}.")
     port_flag = f"--{prefix}port"
-    for f in dataclasses.fields(_SECTIONS[section]):
-        if f.name in skip:
+    for s in settings(section).values():
+        if s.name in skip:
             continue
-        flag = "--" + prefix + (f.metadata.get("flag") or f.name.replace("_", "-"))
-        env = f"KVPOOL_{section.upper()}_{f.name.upper()}"
+        f = s.field
+        flag = "--" + prefix + (f.metadata.get("flag") or s.name.replace("_", "-"))
+        env = f"KVPOOL_{section.upper()}_{s.name.upper()}"
+        place = f"JSON {section}.{s.where}; " if len(s.path) > 1 else ""
         help_text = f.metadata.get("help", "").replace("{port}", port_flag)
         extra = "K, M, G or T suffix, e.g. 512M; " if f.metadata.get("size") else ""
-        full = f"{help_text} (default: {_shown_default(f, port_flag)}; {extra}env {env})".replace("%", "%%")
+        full = f"{help_text} (default: {_shown_default(s, port_flag)}; {extra}{place}env {env})".replace("%", "%%")
         if f.type in ("bool", bool):
-            group.add_argument(flag, dest=f"{section}.{f.name}", default=None, action=argparse.BooleanOptionalAction,
+            group.add_argument(flag, dest=f"{section}.{s.name}", default=None, action=argparse.BooleanOptionalAction,
                                help=full)
         else:
-            group.add_argument(flag, dest=f"{section}.{f.name}", default=None, metavar=_metavar(f), help=full)
+            group.add_argument(flag, dest=f"{section}.{s.name}", default=None, metavar=_metavar(s), help=full)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -233,23 +235,19 @@ def build_parser() -> argparse.ArgumentParser:
                           demo.run)
     demo.add_arguments(demo_parser)
 
+    # an operator's tools for their own pool and traces; the lab's harnesses (engines, peers) are benchmarks/*.py
     bench = commands.add_parser("bench", help="measure the pool against this machine's limits", parents=[common])
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
-    from kvpool.bench import failover, fragmentation, index_scale, lru_sweep, replay, route, soak, tiers, tracegen, ttft
-    from kvpool.bench import vllm as vllm_bench
+    from kvpool.bench import failover, fragmentation, index_scale, lru_sweep, replay, soak, tiers
 
     for name, module, help_text in (
         ("tiers", tiers, "DRAM and SSD put/get GB/s next to memcpy"),
         ("fragmentation", fragmentation, "DRAM under mixed block sizes: the usable fraction of its capacity"),
         ("replay", replay, "replay a Mooncake trace against a pool: hit ratio per tier"),
         ("lru-sweep", lru_sweep, "HBM + DRAM hit rate beside an exact LRU, at several DRAM capacities"),
-        ("tracegen", tracegen, "write a Mooncake-format trace of a named reuse pattern (seeded)"),
         ("index", index_scale, "master index: lookup cost and bytes per block, 1K to 10M blocks"),
-        ("route", route, "reference router on the Mooncake trace: round robin against kvpool's score, N engines"),
         ("failover", failover, "kill -9 of the leading master (etcd HA): seconds until lookups hit again"),
         ("soak", soak, "many clients for minutes: memory, fds and threads of every process must stay flat, no errors"),
-        ("ttft", ttft, "transformers engine: time to first token, prefix from each tier"),
-        ("vllm", vllm_bench, "real vLLM: time to first token, kvpool against vLLM's prefix cache and Mooncake"),
     ):
         bench_parser = benches.add_parser(name, help=help_text, parents=[common])
         module.add_arguments(bench_parser)

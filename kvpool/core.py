@@ -24,6 +24,12 @@ class Tier(enum.IntEnum):
         return self.name.lower()
 
 
+NO_TIER = 255
+"""The tier byte of a block no tier holds: where a per-block tier travels as one byte (the wire's ``tiers``
+fields, an arena's inventory, the master's and a client's tier columns), "held nowhere" is this value. It
+sorts after every :class:`Tier`, so the lowest byte is the best copy."""
+
+
 @dataclass(slots=True)
 class TierStats:
     """Counters and gauges of one tier store (a snapshot; plain numbers)."""

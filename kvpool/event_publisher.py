@@ -72,24 +72,24 @@ class EventLimits:
     """Bounds on what the event ports may hold: MasterConfig's ``kv_events_*`` settings (docs/routing.md),
     whose defaults these are."""
 
-    buffer_batches: int = _DEFAULTS.kv_events_buffer  # kept for replay, over all tenants
-    buffer_bytes: int = _DEFAULTS.kv_events_buffer_bytes
-    max_queue: int = _DEFAULTS.kv_events_max_queue  # batches waiting to be sent
-    subscriber_bytes: int = _DEFAULTS.kv_events_subscriber_bytes  # queued to one subscriber, MAX_BATCH_BYTES each
-    max_connections: int = _DEFAULTS.kv_events_max_connections  # on each port
-    max_connections_per_peer: int = _DEFAULTS.kv_events_max_connections_per_peer
-    max_replays: int = _DEFAULTS.kv_events_max_replays  # served at once
-    max_replays_per_peer: int = _DEFAULTS.kv_events_max_replays_per_peer
+    buffer_batches: int = _DEFAULTS.events.buffer  # kept for replay, over all tenants
+    buffer_bytes: int = _DEFAULTS.events.buffer_bytes
+    max_queue: int = _DEFAULTS.events.max_queue  # batches waiting to be sent
+    subscriber_bytes: int = _DEFAULTS.events.subscriber_bytes  # queued to one subscriber, MAX_BATCH_BYTES each
+    max_connections: int = _DEFAULTS.events.max_connections  # on each port
+    max_connections_per_peer: int = _DEFAULTS.events.max_connections_per_peer
+    max_replays: int = _DEFAULTS.events.max_replays  # served at once
+    max_replays_per_peer: int = _DEFAULTS.events.max_replays_per_peer
 
     @classmethod
     def of(cls, config: MasterConfig, max_connections: int | None = None) -> EventLimits:
         """The limits a master's config sets (``max_connections``: fewer connections than it says)."""
-        return cls(buffer_batches=config.kv_events_buffer, buffer_bytes=config.kv_events_buffer_bytes,
-                   max_queue=config.kv_events_max_queue, subscriber_bytes=config.kv_events_subscriber_bytes,
-                   max_connections=min(config.kv_events_max_connections, max_connections or (1 << 30)),
-                   max_connections_per_peer=config.kv_events_max_connections_per_peer,
-                   max_replays=config.kv_events_max_replays,
-                   max_replays_per_peer=config.kv_events_max_replays_per_peer)
+        return cls(buffer_batches=config.events.buffer, buffer_bytes=config.events.buffer_bytes,
+                   max_queue=config.events.max_queue, subscriber_bytes=config.events.subscriber_bytes,
+                   max_connections=min(config.events.max_connections, max_connections or (1 << 30)),
+                   max_connections_per_peer=config.events.max_connections_per_peer,
+                   max_replays=config.events.max_replays,
+                   max_replays_per_peer=config.events.max_replays_per_peer)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

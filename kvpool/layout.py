@@ -9,17 +9,20 @@ follow each other in the block's bytes:
 - ``kv_layer``: all layers' K, then all layers' V
 - ``latent``:  one piece per layer (DeepSeek MLA)
 
-Invariant: a buffer is accepted only if its byte length is exactly
-:attr:`KVLayout.block_bytes` and, when it carries a dtype, that dtype is the
-layout's (or raw bytes). Anything else is a ValueError: never a silent copy or
-cast.
+Invariant: :func:`check_block` is the one gate for "is this one block?",
+called by every part that takes blocks from an engine (the HBM tier, the
+client's get and put, the engine adapters). It accepts a buffer, a tensor or
+a byte count only if its byte length is exactly :attr:`KVLayout.block_bytes`,
+a tensor only if contiguous, and anything carrying a dtype only if that dtype
+is the layout's (or raw bytes). Anything else is a ValueError naming what was
+wrong: never a silent copy or cast.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from kvpool.buffers import BufferLike, byte_view
 
@@ -35,6 +38,23 @@ DTYPE_BYTES: dict[str, int] = {
 }
 _DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
 KV_ORDERS = ("layer_kv", "kv_layer", "latent")
+
+
+@runtime_checkable
+class TensorLike(Protocol):
+    """What :func:`check_block` reads of a tensor (torch's, on any device; torch is never imported here)."""
+
+    @property
+    def dtype(self) -> Any: ...
+
+    def is_contiguous(self) -> bool: ...
+
+    def numel(self) -> int: ...
+
+    def element_size(self) -> int: ...
+
+
+Block = int | BufferLike | TensorLike  # what check_block takes: a byte count, a buffer or a tensor
 
 
 def canonical_dtype(name: str) -> str:
@@ -110,19 +130,9 @@ class KVLayout:
             f":B{self.block_size}:{self.kv_order}"
         )
 
-    def check_block(self, buf: BufferLike, *, writable: bool = False) -> memoryview:
-        """Return a byte view of ``buf`` if it is exactly one block of this layout, else ValueError."""
-        dtype = getattr(buf, "dtype", None)
-        if dtype is not None:
-            name = str(dtype).removeprefix("torch.")
-            if name not in ("uint8", self.dtype):
-                raise ValueError(f"buffer dtype {name} does not match layout dtype {self.dtype}")
-        view = byte_view(buf, writable=writable)
-        if view.nbytes != self.block_bytes:
-            raise ValueError(
-                f"buffer is {view.nbytes} bytes; one block of {self.fingerprint()} is {self.block_bytes}"
-            )
-        return view
+    def check_block(self, block: Block, *, what: str = "buffer") -> None:
+        """ValueError unless ``block`` is exactly one block of this layout (:func:`check_block`)."""
+        check_block(block, self.block_bytes, self.dtype, what=what, layout=self.fingerprint())
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,3 +148,39 @@ class KVLayout:
         if missing:
             raise ValueError(f"KV layout is missing: {', '.join(sorted(missing))}")
         return cls(**data)
+
+
+def check_block(block: Block, block_bytes: int, dtype: str | None = None, *, what: str = "buffer",
+                layout: str = "") -> None:
+    """ValueError unless ``block`` is exactly one block of ``block_bytes`` bytes (the module's one gate).
+
+    ``block`` is one of:
+
+    - a tensor (anything with ``is_contiguous``, ``numel`` and ``element_size``: torch, on any device): it must be
+      contiguous;
+    - a buffer (the buffer protocol: numpy, bytes, memoryview): it must be C-contiguous;
+    - an ``int``: the byte count of a block an engine names by pieces (addresses and sizes).
+
+    With ``dtype`` (a layout's :func:`canonical_dtype`), a ``block`` carrying a dtype must carry that one or
+    ``uint8`` (raw bytes). ``what`` names the block in the message (``"page 3"``); ``layout`` names whose block
+    size it is (a fingerprint; empty: none). Checks only: no copy, no view kept.
+    """
+    whose = f"one block of {layout}" if layout else "one block"
+    if isinstance(block, bool):
+        raise ValueError(f"{what} is {block!r}, not a block")
+    if isinstance(block, int):
+        nbytes = block
+    else:
+        found = getattr(block, "dtype", None)
+        if dtype is not None and found is not None:
+            name = str(found).removeprefix("torch.")
+            if name not in ("uint8", dtype):
+                raise ValueError(f"{what} dtype {name} does not match layout dtype {dtype}")
+        if isinstance(block, TensorLike):
+            if not block.is_contiguous():
+                raise ValueError(f"{what} must be contiguous")
+            nbytes = block.numel() * block.element_size()
+        else:
+            nbytes = byte_view(block).nbytes
+    if nbytes != block_bytes:
+        raise ValueError(f"{what} is {nbytes} bytes; {whose} is {block_bytes}")

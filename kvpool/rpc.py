@@ -25,13 +25,11 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvpool.auth import AuthInterceptor, Authority, BearerInterceptor
-from kvpool.core import Tier, TierStats
+from kvpool.core import NO_TIER, Tier, TierStats
 from kvpool.tls import channel_credentials, check_pair, server_credentials
 from kvpool.v1 import common_pb2
 
 log = logging.getLogger(__name__)
-
-MISS = 255  # the tier byte of a block no tier holds
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -212,16 +210,8 @@ def make_channel(address: str, *, max_message_bytes: int, token: str = "", tls_c
 
 
 def tier_bytes(tiers: Sequence[Tier | None]) -> bytes:
-    """One byte per block: the tier value, or MISS."""
-    return bytes(MISS if t is None else int(t) for t in tiers)
-
-
-def tiers_from_bytes(data: bytes) -> list[Tier | None]:
-    """Inverse of :func:`tier_bytes`; ValueError for a byte that is no tier."""
-    try:
-        return [None if b == MISS else Tier(b) for b in data]
-    except ValueError:
-        raise ValueError("tier bytes hold a value that is no tier") from None
+    """One byte per block: the tier value, or NO_TIER."""
+    return bytes(NO_TIER if t is None else int(t) for t in tiers)
 
 
 def flag_bytes(flags: Sequence[bool] | np.ndarray) -> bytes:

@@ -43,11 +43,13 @@ def check_ports(master: MasterConfig, node: NodeConfig) -> None:
     master's is moved by :func:`master_config_for`, the node's falls back itself.
     Run before anything starts, so a clash changes nothing.
     """
-    if master.host != node.host and master.host not in _WILDCARD_HOSTS and node.host not in _WILDCARD_HOSTS:
+    ms, ns = master.server, node.server
+    if ms.host != ns.host and ms.host not in _WILDCARD_HOSTS and ns.host not in _WILDCARD_HOSTS:
         return
-    fixed = [("master.port", master.port), ("master.metrics_port", master.metrics_port),
+    fixed = [("master.server.port", ms.port), ("master.server.metrics_port", ms.metrics_port),
              ("master.call_port", master.call_port),
-             ("node.port", node.port), ("node.metrics_port", node.metrics_port), ("node.data_port", node.data_port)]
+             ("node.server.port", ns.port), ("node.server.metrics_port", ns.metrics_port),
+             ("node.data_port", node.data_port)]
     seen: dict[int, str] = {}
     for name, port in fixed:
         if port <= 0:
@@ -61,30 +63,31 @@ def check_ports(master: MasterConfig, node: NodeConfig) -> None:
 def node_config_for(config: PoolConfig, master_port: int) -> NodeConfig:
     """The node's config: dialing the master just started, with the security settings both share."""
     master, node = config.master, config.node
-    auth_file = node.auth_file or master.auth_file
+    auth_file = node.server.auth_file or master.server.auth_file
     token = node.token
     if auth_file and not token:
         authority = load_authority(auth_file)  # not None: auth_file is set
         token = (authority.node_token() if authority is not None else None) or ""
         if not token:
             raise ValueError(f"auth file {auth_file} has no node_tokens for the node")
-    cert, key = (node.tls_cert, node.tls_key) if node.tls_cert else (master.tls_cert, master.tls_key)
-    if master.tls_cert and not node.tls_ca:
+    tls = node.tls if node.tls.cert else master.tls
+    if master.tls.cert and not node.tls_ca:
         raise ValueError("with TLS, set tls_ca (the CA that signed the master's certificate)")
-    return dataclasses.replace(node, master=f"{_dial_host(master.host)}:{master_port}", auth_file=auth_file,
-                               token=token, tls_cert=cert, tls_key=key)
+    return dataclasses.replace(node, master=f"{_dial_host(master.server.host)}:{master_port}",
+                               server=dataclasses.replace(node.server, auth_file=auth_file), token=token, tls=tls)
 
 
 def master_config_for(config: PoolConfig) -> MasterConfig:
     """The master's config, with the auth file and TLS files the node was given if it has none."""
     master, node = config.master, config.node
-    cert, key = (master.tls_cert, master.tls_key) if master.tls_cert else (node.tls_cert, node.tls_key)
+    tls = master.tls if master.tls.cert else node.tls
     call_port = master.call_port
-    taken = {node.port, node.metrics_port, node.data_port, node.port + 2 if node.data_port < 0 else 0} - {0, -1}
-    if call_port < 0 and master.port and master.port + 2 in taken:  # the default would take a node's port
+    ns = node.server
+    taken = {ns.port, ns.metrics_port, node.data_port, ns.port + 2 if node.data_port < 0 else 0} - {0, -1}
+    if call_port < 0 and master.server.port and master.server.port + 2 in taken:  # the default would take a node's
         call_port = 0
-    return dataclasses.replace(master, auth_file=master.auth_file or node.auth_file, tls_cert=cert, tls_key=key,
-                               call_port=call_port)
+    server = dataclasses.replace(master.server, auth_file=master.server.auth_file or node.server.auth_file)
+    return dataclasses.replace(master, server=server, tls=tls, call_port=call_port)
 
 
 def dram_summary(arena: SharedArena) -> str:

@@ -31,7 +31,6 @@ verifies on every read (a mismatch is a miss too).
   those of the rows whose ``loc2`` is ``_MORE``. Two copies is
   common (write-through and promotions keep a block in DRAM and SSD) and costs
   no Python object; three or more (copies on several nodes) is rare.
-- ``_copies`` counts the locations over all rows.
 - Rows only name *open* node numbers. Membership opens a number when a node
   registers and closes it by :meth:`BlockIndex.drop_node`; numbers are never
   reused, so a report still in flight for a dropped node is refused (its add
@@ -85,7 +84,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvpool.core import Tier
+from kvpool.core import NO_TIER, Tier
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master.keytable import KeyTable, Rows, last_wins
 from kvpool.worker_ids import scoped_id, split_scoped_id
@@ -98,7 +97,6 @@ _NODE_MASK = np.uint32(MAX_NODES - 1)
 _NONE = np.uint32(0xFFFF_FFFF)  # loc2: the row has one location
 _MORE = np.uint32(0xFFFF_FFFE)  # loc2: three or more locations, listed in _more[key]
 _TIERS = tuple(Tier)  # Tier by value, without an enum lookup per block
-ABSENT = 255  # BlockIndex.best_tiers: no location holds the key
 assert [int(t) for t in _TIERS] == list(range(len(_TIERS))) and len(_TIERS) <= 3  # packed tiers stay below _MORE
 
 U64 = npt.NDArray[np.uint64]
@@ -132,15 +130,6 @@ class RunArrays(NamedTuple):
 _new_hit = functools.partial(tuple.__new__, Hit)  # Hit from one (tier, node, size, checksum) tuple, in C
 
 
-@dataclass(frozen=True, slots=True)
-class IndexCounts:
-    """A snapshot of the index's size."""
-
-    blocks: int  # distinct keys
-    copies: int  # (key, node, tier) locations
-    nodes: int  # open node numbers
-
-
 class TierChange(NamedTuple):
     """Keys whose first copy in ``tier`` appeared (``stored``) or whose last copy there went, as the table
     keys them: their first 16 bytes, two native-order uint64 words each; with ``tags``, each key's last 4
@@ -170,7 +159,6 @@ class BlockIndex:
         self._table = KeyTable({**payload, "tag": np.uint32} if tags else payload, min_capacity)
         self._more: dict[tuple[int, int], list[int]] = {}  # (k0, k1) -> 3+ sorted locations
         self._open: set[int] = set()
-        self._copies = 0
 
     # -- node numbers -----------------------------------------------------------------
 
@@ -270,13 +258,13 @@ class BlockIndex:
         return RunArrays((best >> _NODE_BITS).astype(np.uint8), best & _NODE_MASK, sizes, checksums)
 
     def best_tiers(self, packed: bytes) -> npt.NDArray[np.uint8]:
-        """Per packed key, the tier a lookup would serve it from (its best location's), or :data:`ABSENT`."""
+        """Per packed key, the tier a lookup would serve it from (its best location's), or :data:`NO_TIER`."""
         words = _words(packed)
         with self._lock:
             t = self._table
             rows = t.find(words[:, 0], words[:, 1])
             best = t.rec["loc1"][np.maximum(rows, 0)]
-        return np.where(rows >= 0, best >> _NODE_BITS, ABSENT).astype(np.uint8)
+        return np.where(rows >= 0, best >> _NODE_BITS, NO_TIER).astype(np.uint8)
 
     def holds(self, k0: U64, k1: U64) -> npt.NDArray[np.bool_]:
         """Per key (first 16 bytes as two words), whether any node holds it."""
@@ -294,43 +282,10 @@ class BlockIndex:
             rows = self._table.find(words[:, 0], words[:, 1])
         return rows >= 0
 
-    def counts(self) -> IndexCounts:
-        with self._lock:
-            return IndexCounts(blocks=self._table.live, copies=self._copies, nodes=len(self._open))
-
     def __len__(self) -> int:
         """Distinct indexed keys."""
         with self._lock:
             return self._table.live
-
-    def nbytes(self) -> int:
-        """Bytes held by the table's columns (the multi-location dict not counted)."""
-        with self._lock:
-            return self._table.nbytes()
-
-    def check_invariants(self) -> None:
-        """Assert the invariants of the module docstring (tests; O(index size))."""
-        with self._lock:
-            t = self._table
-            t.check()
-            live = t.live_rows()
-            loc1, loc2 = t.rec["loc1"][live], t.rec["loc2"][live]
-            assert (loc1 >> _NODE_BITS < len(_TIERS)).all(), "BlockIndex: a row without a best location"
-            two = loc2 < _MORE
-            assert (loc1[two] < loc2[two]).all(), "BlockIndex: two locations not distinct and best-first"
-            listed = live[loc2 == _MORE]
-            listed_keys = set(zip(t.k0[listed].tolist(), t.k1[listed].tolist()))
-            assert listed_keys == set(self._more), "BlockIndex: _MORE rows and _more disagree"
-            copies = live.size + int(np.count_nonzero(two))
-            held = set(np.unique(loc1 & _NODE_MASK).tolist()) | set(np.unique(loc2[two] & _NODE_MASK).tolist())
-            for row, (key, locs) in zip(self._rows_of(self._more).tolist(), self._more.items()):
-                assert len(locs) >= 3, f"BlockIndex: key {key} listed in _more with {len(locs)} locations"
-                assert all(a < b for a, b in zip(locs, locs[1:])), "BlockIndex: unsorted or duplicate locations"
-                assert locs[0] == t.rec["loc1"][row] and locs[-1] >> _NODE_BITS < len(_TIERS), "BlockIndex: bad _more"
-                copies += len(locs) - 1
-                held.update(loc & int(_NODE_MASK) for loc in locs)
-            assert held <= self._open, f"BlockIndex: entries on closed node numbers {sorted(held - self._open)}"
-            assert copies == self._copies, f"BlockIndex: {copies} locations but the counter says {self._copies}"
 
     # -- internals (caller holds the lock) --------------------------------------------
 
@@ -362,13 +317,11 @@ class BlockIndex:
             one = ~held & (second == _NONE)
             loc1[old[one]] = np.minimum(first[one], want)
             loc2[old[one]] = np.maximum(first[one], want)
-            self._copies += int(np.count_nonzero(one))
             for row in old[~held & (second != _NONE)].tolist():  # two or more already: rare
                 locs = self._more.get(t.key(row)) or [int(loc1[row]), int(loc2[row])]
                 if loc not in locs:
                     bisect.insort(locs, loc)
                     self._set_locations(row, locs)
-                    self._copies += 1
         fresh = int(np.count_nonzero(new))
         if fresh:
             columns: dict[str, npt.NDArray[np.generic]] = {
@@ -380,7 +333,6 @@ class BlockIndex:
             if self._tags:
                 columns["tag"] = tag[new]
             placed = t.insert(q0[new], q1[new], columns)
-            self._copies += placed
             return fresh - placed
         return 0
 
@@ -409,7 +361,6 @@ class BlockIndex:
         listed = self._rows_of(key for key, locs in self._more.items() if any(match_one(loc) for loc in locs))
         if keep is not None:
             listed = listed[~keep[listed]]
-        self._copies -= removed
         return removed + self._strip(listed, match)
 
     def _strip(self, rows: Rows, match: _Match) -> int:
@@ -444,7 +395,6 @@ class BlockIndex:
         if before is not None:  # deleted rows keep their keys until the next insert or compact
             self._note_changes(t.k0[touched], t.k1[touched], self._row_tags(touched), before,
                                self._tier_masks(touched))
-        self._copies -= removed
         return removed
 
     def _set_locations(self, row: int, locs: list[int]) -> None:
@@ -704,10 +654,6 @@ class HbmIndex:
         """HBM block copies over all workers."""
         with self._lock:
             return self._total
-
-    def workers(self) -> int:
-        with self._lock:
-            return sum(len(t.workers) for t in self._tenants.values())
 
     def _count(self, tenant: _TenantHbm, change: int) -> None:
         """Keys a tenant's workers gained (or lost, negative); lock held."""

@@ -87,7 +87,7 @@ def max_message_bytes(config: MasterConfig) -> int:
     Per key at most: 32 added + 10 size varint + 8 checksum + 32 removed bytes; round up to 128.
     """
     assert KEY_BYTES + 10 + 8 + KEY_BYTES <= 128
-    return max(4 << 20, config.max_keys_per_call * 128 + (1 << 20))
+    return max(4 << 20, config.server.max_keys_per_call * 128 + (1 << 20))
 
 
 class MasterServer:
@@ -96,13 +96,13 @@ class MasterServer:
     def __init__(self, config: MasterConfig):
         if config.node_timeout_s <= 0 or config.worker_timeout_s <= 0:
             raise ValueError("master node_timeout_s and worker_timeout_s must be positive")
-        if config.max_keys_per_call < 1:
+        if config.server.max_keys_per_call < 1:
             raise ValueError("master max_keys_per_call must be positive")
-        if config.max_connections < 1:
+        if config.server.max_connections < 1:
             raise ValueError("master max_connections must be positive")
-        self.authority = load_authority(config.auth_file)
-        self._tls = server_context(config.tls_cert, config.tls_key) \
-            if check_pair(config.tls_cert, config.tls_key, "master") else None
+        self.authority = load_authority(config.server.auth_file)
+        self._tls = server_context(config.tls.cert, config.tls.key) \
+            if check_pair(config.tls.cert, config.tls.key, "master") else None
         self._etcd: EtcdClient | None = None
         if config.etcd:  # etcd must let this master campaign, or it does not start (nothing is bound yet)
             self._etcd = EtcdClient(parse_endpoints(config.etcd), timeout_s=min(2.0, config.leader_ttl_s / 3),
@@ -116,7 +116,7 @@ class MasterServer:
         self.registry = CollectorRegistry()
         self.errors = ErrorMetrics(self.registry)
         self.events: MasterEventFeed | None = None  # with kv_events_endpoint, once started
-        on = bool(config.kv_events_endpoint)
+        on = bool(config.events.endpoint)
         tenants = self.authority.tenants if self.authority is not None else [""]
         self.names = EngineNames(tenants=tenants or [""]) if on else None  # engines' block hashes, for events only
         self.index = BlockIndex(on_change=self._pool_changed if on else None, tags=on and self.authority is not None)
@@ -149,7 +149,7 @@ class MasterServer:
 
     @property
     def address(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return f"{self.config.server.host}:{self.port}"
 
     def start(self) -> MasterServer:
         with self._lifecycle:
@@ -163,20 +163,21 @@ class MasterServer:
 
             raise_fd_limit()  # before any listener: the master keeps descriptors for all of them
             self._server, self.port, self._health = make_server(
-                f"{self.config.host}:{self.config.port}", [add_master],
+                f"{self.config.server.host}:{self.config.server.port}", [add_master],
                 max_message_bytes=max_message_bytes(self.config), authority=self.authority,
-                on_refused=self.errors.count, tls_cert=self.config.tls_cert, tls_key=self.config.tls_key,
-                max_concurrent_rpcs=self.config.max_concurrent_rpcs, name="master gRPC server",
+                on_refused=self.errors.count, tls_cert=self.config.tls.cert, tls_key=self.config.tls.key,
+                max_concurrent_rpcs=self.config.server.max_concurrent_rpcs, name="master gRPC server",
             )
             try:
-                if self.config.kv_events_endpoint:
+                if self.config.events.endpoint:
                     self.events = self._event_feed()
                     servicer.events_server_key = self.events.publisher.server_key
                 self._calls = self._call_listener()
                 servicer.call_port = self._calls.port
-                if self.config.metrics_port != 0:
-                    port = 0 if self.config.metrics_port == EPHEMERAL_METRICS_PORT else self.config.metrics_port
-                    self._metrics_server = MetricsServer(self.registry, port, host=self.config.host, name="master")
+                server = self.config.server
+                if server.metrics_port != 0:
+                    port = 0 if server.metrics_port == EPHEMERAL_METRICS_PORT else server.metrics_port
+                    self._metrics_server = MetricsServer(self.registry, port, host=server.host, name="master")
                     self.metrics_port = self._metrics_server.port
                 self._server.start()
                 self._calls.start()
@@ -208,20 +209,20 @@ class MasterServer:
         c = self.config
         spare = resource.getrlimit(resource.RLIMIT_NOFILE)[0] - len(os.listdir("/proc/self/fd"))
         per_port = max(1, spare // 4)
-        if per_port < c.kv_events_max_connections:
+        if per_port < c.events.max_connections:
             log.warning("KV events: %d connections per event port at most (a quarter of the %d file descriptors "
                         "this process has left; kv_events_max_connections is %d): raise `ulimit -n`", per_port,
-                        spare, c.kv_events_max_connections)
+                        spare, c.events.max_connections)
         limits = EventLimits.of(c, max_connections=per_port)
         access = EventAccess.from_authority(self.authority) if self.authority is not None else None
-        publisher = EventPublisher(c.kv_events_endpoint, c.kv_events_replay_endpoint or None, topic=c.kv_events_topic,
+        publisher = EventPublisher(c.events.endpoint, c.events.replay_endpoint or None, topic=c.events.topic,
                                    limits=limits, access=access, registry=self.registry)
         tenants = Tenants.of(self.authority) if self.authority is not None else None
-        return MasterEventFeed(publisher, c.kv_events_topic, self.names, tenants)
+        return MasterEventFeed(publisher, c.events.topic, self.names, tenants)
 
     def advertised_address(self) -> str:
         """The gRPC ``host:port`` nodes and clients dial this master at (what it puts in etcd when it leads)."""
-        host = self.config.advertise_host or self.config.host
+        host = self.config.advertise_host or self.config.server.host
         if host in ("", "0.0.0.0", "::", "[::]"):
             host = socket.gethostname()
         return f"{host}:{self.port}"
@@ -275,13 +276,13 @@ class MasterServer:
         """The wire listener for fast calls (:mod:`kvpool.wire`) over the same servicer as gRPC."""
         port = self.config.call_port
         if port < 0:
-            port = self.port + 2 if self.config.port else 0
+            port = self.port + 2 if self.config.server.port else 0
         limit = max_message_bytes(self.config)
         routes = unary_routes(self.servicer, master_pb2.DESCRIPTOR.services_by_name["Master"], MASTER_CALLS,
-                              max_body_bytes=limit, max_keys=self.config.max_keys_per_call)
+                              max_body_bytes=limit, max_keys=self.config.server.max_keys_per_call)
         handler = WireHandler(routes, max_frame_bytes=limit, authority=self.authority, errors=self.errors)
-        return TcpListener("master-calls", self.config.host, port, handler.serve,
-                           fallback_port=self.config.call_port < 0, max_connections=self.config.max_connections,
+        return TcpListener("master-calls", self.config.server.host, port, handler.serve,
+                           fallback_port=self.config.call_port < 0, max_connections=self.config.server.max_connections,
                            refusal=refusal_frame, tls=self._tls, errors=self.errors)
 
     def _sweep(self) -> None:

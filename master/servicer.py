@@ -56,10 +56,10 @@ import numpy as np
 from kvpool import __version__
 from kvpool.auth import ROLE_CLIENT, caller, caller_keys, caller_tenant
 from kvpool.config import MasterConfig
-from kvpool.core import NodeRef, Tier, TierStats
+from kvpool.core import NO_TIER, NodeRef, Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.master.engine_names import EngineNames
-from kvpool.master.index import ABSENT, BlockIndex, HbmIndex
+from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
 from kvpool.master.stats import MasterMetrics
 from kvpool.placement import TOO_LARGE, Candidate, NoPoolNodes, place
@@ -122,8 +122,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if len(packed) % KEY_BYTES:
             raise ValueError(f"packed {what}: {len(packed)} bytes is not a multiple of {KEY_BYTES}")
         n = len(packed) // KEY_BYTES
-        if n > self._config.max_keys_per_call:
-            raise ValueError(f"too many keys in {what}: {n} > max_keys_per_call {self._config.max_keys_per_call}")
+        most = self._config.server.max_keys_per_call
+        if n > most:
+            raise ValueError(f"too many keys in {what}: {n} > max_keys_per_call {most}")
         return n
 
     def _keys(self, packed: bytes, what: str = "keys") -> list[BlockKey]:
@@ -148,7 +149,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         tokens a block. Clients report about a second's lookups at a time.
         """
         r = request
-        hbm_most, pool_most = self._config.max_hbm_keys_per_worker, self._config.max_keys_per_call
+        hbm_most, pool_most = self._config.max_hbm_keys_per_worker, self._config.server.max_keys_per_call
         self._check_block_tokens("ReportLookups", r.block_tokens)
         if r.lookups > MAX_REPORTED_LOOKUPS:
             raise ValueError(f"ReportLookups: lookups {r.lookups} > {MAX_REPORTED_LOOKUPS} in one report")
@@ -408,7 +409,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         tiers = self._index.best_tiers(packed)
         runs = self._hbm.held_runs([scoped_id(tenant, w) for w in workers], unpack_keys(packed)) if workers else []
         # One pass for every worker: where the pool's run from position h ends, and its DRAM/SSD blocks so far.
-        absent = np.flatnonzero(tiers == ABSENT)
+        absent = np.flatnonzero(tiers == NO_TIER)
         dram = np.concatenate(([0], np.cumsum(tiers == Tier.DRAM)))
         ssd = np.concatenate(([0], np.cumsum(tiers == Tier.SSD)))
 

@@ -33,11 +33,11 @@ from support import wait_until
 
 from kvpool.checksum import block_checksum
 from kvpool.config import MasterConfig, NodeConfig
+from kvpool.core import NO_TIER
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master import MasterServer
 from kvpool.master.server import max_message_bytes as master_max_message_bytes
 from kvpool.node.daemon import PoolNode
-from kvpool.rpc import MISS
 from kvpool.v1 import common_pb2, master_pb2, node_pb2
 
 # -- the pool under test -------------------------------------------------------------------------------
@@ -48,11 +48,11 @@ SLOT = 16 << 10
 DRAM_SLOTS = 32
 NODE_MAX_MESSAGE = 4 << 20
 LEASE_TIMEOUT_S = 0.5
-MASTER_CONFIG = MasterConfig(host="127.0.0.1", port=0, metrics_port=0, call_port=0,
-                             node_timeout_s=30.0,  # generous: 2 busy cores must not starve heartbeats
-                             max_workers_per_tenant=1 << 20)  # every fuzzed worker id is one: never refused as new
-MASTER_MAX_KEYS = MASTER_CONFIG.max_keys_per_call
-NODE_MAX_KEYS = NodeConfig().max_keys_per_call
+MASTER_CONFIG = MasterConfig.of(host="127.0.0.1", port=0, metrics_port=0, call_port=0,
+                                node_timeout_s=30.0,  # generous: 2 busy cores must not starve heartbeats
+                                max_workers_per_tenant=1 << 20)  # every fuzzed worker id is one: never refused as new
+MASTER_MAX_KEYS = MASTER_CONFIG.server.max_keys_per_call
+NODE_MAX_KEYS = NodeConfig().server.max_keys_per_call
 MASTER_MAX_MESSAGE = master_max_message_bytes(MASTER_CONFIG)
 # 1 B .. a whole slot in DRAM, and one block larger than a slot (it lives on SSD only).
 KNOWN_SIZES = [1, 100, 4096, SLOT - 1, SLOT, 40 << 10]
@@ -125,7 +125,7 @@ class Pool:
         self.channels: list[grpc.Channel] = []
         try:
             self.arena = f"kvpool-fuzz-{uuid.uuid4().hex[:8]}"
-            self.node = PoolNode(NodeConfig(
+            self.node = PoolNode(NodeConfig.of(
                 master=self.master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
                 node_id=REAL_NODE_ID, arena=self.arena, dram_bytes=DRAM_SLOTS * SLOT, max_block_bytes=SLOT,
                 ssd_dir=str(tmp / "ssd"), ssd_bytes=256 << 20, max_message_bytes=NODE_MAX_MESSAGE,
@@ -211,7 +211,7 @@ class Pool:
         code, got = self.call(self.node_channel, "/kvpool.v1.Node/Get", node_pb2.GetRequest(keys=b"".join(KNOWN_KEYS)),
                               node_pb2.GetResponse)
         assert code == OK, got
-        assert MISS not in got.tiers, f"a known block is gone from the node: tiers {list(got.tiers)}"
+        assert NO_TIER not in got.tiers, f"a known block is gone from the node: tiers {list(got.tiers)}"
         assert list(got.sizes) == KNOWN_SIZES and list(got.checksums) == KNOWN_SUMS
         assert got.data == b"".join(KNOWN_DATA), "known blocks changed on the node"
         self.node.link.flush()  # changes (demotions, promotions) the link has not sent yet

@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 
 from kvpool.checksum import block_checksum
-from kvpool.core import Tier
+from kvpool.core import NO_TIER, Tier
 from kvpool.keys import BlockKey
-from kvpool.rpc import MISS
 from kvpool.tiers.arena import KEY_DTYPE, InventoryState, SharedArena
 from kvpool.tiers.dram import DramStore
 from kvpool.tiers.keytable import SCALAR_QUERIES, WAYS, BucketTable, table_buckets, table_bytes
@@ -46,7 +45,7 @@ def packed(keys: list[BlockKey]) -> np.ndarray:
 def seen(reader: SharedArena, keys: list[BlockKey]) -> list[Tier | None]:
     """The fastest tier holding each key, as the arena alone says (what a same-host lookup computes)."""
     tiers, _, _ = reader.inventory_meta(packed(keys))
-    return [None if t == MISS else Tier(int(t)) for t in tiers]
+    return [None if t == NO_TIER else Tier(int(t)) for t in tiers]
 
 
 def held(reader: SharedArena, keys: list[BlockKey]) -> list[bool]:
@@ -349,7 +348,7 @@ def test_the_inventory_answers_like_a_dict_through_churn_with_spilled_buckets(ar
                 assert arena.inventory_put(k, *entry)
                 model[k] = entry
             tiers, sizes, sums = reader.inventory_meta(packed(pool))
-            assert [int(t) for t in tiers] == [int(model[k][0]) if k in model else MISS for k in pool]
+            assert [int(t) for t in tiers] == [int(model[k][0]) if k in model else NO_TIER for k in pool]
             assert [(int(a), int(b)) for a, b, k in zip(sizes, sums, pool) if k in model] == \
                 [model[k][1:] for k in pool if k in model]
             assert arena.inventory_count == len(model)

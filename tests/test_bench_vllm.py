@@ -1,15 +1,21 @@
-"""``kvpool bench vllm``'s plumbing without vLLM: its checks, summary and table on made-up requests.
+"""``benchmarks/vllm_ttft.py``'s plumbing without vLLM: its checks, summary and table on made-up requests.
 
-The measurement itself needs the real vLLM for minutes (docs/benchmarks.md, "kvpool bench vllm"); what is
+The measurement itself needs the real vLLM for minutes (docs/benchmarks.md, "benchmarks/vllm_ttft.py"); what is
 tested here is what turns driver results into verdicts. No timing is asserted.
 """
 
 from __future__ import annotations
 
-import pytest
+import argparse
 
-from kvpool.bench.vllm import AIMS, LAYERWISE_AIM, Request, _check, render, summarize
-from kvpool.cli import build_parser
+import pytest
+from vllm_ttft import AIMS, LAYERWISE_AIM, Request, _check, add_arguments, render, summarize  # benchmarks/
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
 
 HIT = 2016  # a 2,048-token prompt in blocks of 32: all but the last block
 BLOCKS = HIT // 32
@@ -59,13 +65,13 @@ def test_a_row_that_did_not_come_whole_from_its_tier_is_an_error():
         _check([req("mooncake_cold", 1, 9.0)], HIT, 32)
 
 
-def test_the_cli_knows_the_bench():
-    args = build_parser().parse_args(["bench", "vllm", "--prompts", "1", "--no-mooncake"])
+def test_the_harness_takes_its_flags():
+    args = parse("--prompts", "1", "--no-mooncake")
     assert (args.prompts, args.mooncake, args.install, args.dtype) == (1, False, True, "auto")
 
 
 def test_the_1p1d_rows_pair_the_decode_from_the_hand_off_with_the_decode_instances_own_hit():
-    from kvpool.bench.vllm_pd import _check_handoff
+    from vllm_pd import _check_handoff
 
     handed = {"vllm:kvpool_hit_blocks_dram": BLOCKS, "vllm:kvpool_loaded_blocks": BLOCKS}
     run = run_of(2) + [req("pd_cold", 7, 18.0, 0), req("pd_decode", 7, 0.56, metrics=handed),
@@ -83,7 +89,7 @@ def test_the_1p1d_rows_pair_the_decode_from_the_hand_off_with_the_decode_instanc
     with pytest.raises(RuntimeError, match="found 60 blocks in DRAM, loaded 60 with 3 errors and 0 time-outs"):
         _check_handoff({"counters": {"vllm:kvpool_hit_blocks_dram": 60, "vllm:kvpool_loaded_blocks": 60,
                                      "vllm:kvpool_load_errors": 3}}, 2048, 32, 7)
-    assert build_parser().parse_args(["bench", "vllm", "--no-pd"]).pd is False
+    assert parse("--no-pd").pd is False
 
 
 def test_the_layerwise_aim_is_on_what_each_load_adds_to_the_same_processs_own_hit_and_itl_rows_are_medians():

@@ -49,7 +49,7 @@ def test_readme_says_what_its_python_example_needs_before_it():
 
 def test_a_block_no_node_takes_is_refused_counted_and_shown_by_status(procs, tmp_path):
     config = tmp_path / "dram-only.json"
-    config.write_text(json.dumps({"node": {"ssd_enabled": False}}))
+    config.write_text(json.dumps({"node": {"tiers": {"ssd": {"enabled": False}}}}))
     procs.node_flags.update({"max-block-bytes": "1M", "dram-bytes": "8M", "config": str(config)})
     procs.serve()
     small = [opaque_key(f"fits-{i}") for i in range(3)]

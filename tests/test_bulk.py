@@ -45,7 +45,7 @@ def node_config(tmp_path, arena: str, **over) -> NodeConfig:
         dram_bytes=6 * SLOT, max_block_bytes=SLOT, high_watermark=1.0, low_watermark=1.0, ssd_dir=str(tmp_path / "ssd"),
         ssd_bytes=128 * MIB)
     values.update(over)
-    return NodeConfig(**values)
+    return NodeConfig.of(**values)
 
 
 @pytest.fixture
@@ -349,7 +349,7 @@ def cluster(tmp_path, arena_name):
     from kvpool.config import MasterConfig
     from kvpool.master.server import MasterServer
 
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
     try:
         n = PoolNode(node_config(tmp_path, arena_name, master=master.address, dram_bytes=16 * SLOT)).start()
         try:

@@ -33,7 +33,7 @@ def keys(n: int) -> list[BlockKey]:
 
 @pytest.fixture
 def master():
-    with MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0)) as server:
+    with MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0)) as server:
         with grpc.insecure_channel(server.address) as channel:
             stub = master_pb2_grpc.MasterStub(channel)
             node = common_pb2.NodeRef(node_id="n1", address="n1.test:1", host_id="h1", arena="a1")
@@ -175,7 +175,7 @@ def test_an_unreachable_listener_falls_back_to_grpc(master, pool):
 
 
 def test_a_stopped_master_is_an_rpc_error_not_a_hang(pool):
-    server = MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0)).start()
+    server = MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0)).start()
     fast = DirectMaster(server.address, pool=pool, timeout_s=1.0, max_message_bytes=MESSAGE_BYTES)
     try:
         fast.exists(master_pb2.ExistsRequest(keys=pack_keys(keys(1))), 1.0)

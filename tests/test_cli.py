@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import re
 import socket
@@ -24,7 +23,7 @@ from support import (
 )
 
 from kvpool.cli import _overrides, build_parser, main
-from kvpool.config import NodeConfig, load_config
+from kvpool.config import load_config, settings
 from kvpool.status import human_bytes
 from kvpool.tiers.arena import shm_path
 
@@ -48,11 +47,11 @@ def _master_flags(prefix: str = "") -> list[str]:
 @pytest.mark.parametrize(
     "args,field",
     [
-        (["node", "--high-watermark", "2"], "node.high_watermark"),
-        (["node", "--low-watermark", "0.9", "--high-watermark", "0.5"], "node.low_watermark"),
-        (["node", "--lease-timeout-s", "inf"], "node.lease_timeout_s"),
+        (["node", "--high-watermark", "2"], "node.tiers.dram.high_watermark (high_watermark)"),
+        (["node", "--low-watermark", "0.9", "--high-watermark", "0.5"], "node.tiers.dram.low_watermark"),
+        (["node", "--lease-timeout-s", "inf"], "node.tiers.dram.lease_timeout_s (lease_timeout_s)"),
         (["node", "--max-message-bytes", "0"], "node.max_message_bytes"),
-        (["serve", "--max-block-bytes", "0"], "node.max_block_bytes"),
+        (["serve", "--max-block-bytes", "0"], "node.tiers.dram.max_block_bytes (max_block_bytes)"),
         (["serve", "--master-node-timeout-s", "nan"], "master.node_timeout_s"),
         (["master", "--node-timeout-s", "nan"], "master.node_timeout_s"),
     ],
@@ -102,7 +101,8 @@ def test_help_shows_sizes_with_units_one_default_and_the_env_variable(capsys, mo
     assert "--ssd-enabled" not in " ".join(node.values())
     assert "(default: --port + 1;" in node["--metrics-port"]
     flags = [f for f in node if f not in ("-h", "--log-level", "--config")]
-    assert len(flags) == len(dataclasses.fields(NodeConfig))
+    assert len(flags) == len(settings("node"))  # one flag per setting, nested ones included
+    assert "JSON node.tiers.dram.bytes;" in node["--dram-bytes"]  # where a config file puts it
     for flag in flags:
         entry = node[flag]
         assert entry.count("default") == 1, entry  # one default, stated once: never "(default: ...) (default: ...)"
@@ -118,10 +118,11 @@ def test_on_off_settings_are_flag_pairs():
     args = parser.parse_args(["node", "--no-ssd", "--write-through", "--no-ssd-sync"])
     assert _overrides(args) == {"node": {"ssd_enabled": False, "write_through": True, "ssd_sync": False}}
     node = load_config(None, env={}, overrides=_overrides(args)).node
-    assert node.ssd_enabled is False and node.write_through is True
+    assert node.tiers.ssd.enabled is False and node.tiers.write_through is True
     assert _overrides(parser.parse_args(["serve", "--ssd"])) == {"node": {"ssd_enabled": True}}
     assert _overrides(parser.parse_args(["node"])) == {}  # unset flags leave file and env values alone
-    assert load_config(None, env={"KVPOOL_NODE_SSD_ENABLED": "false"}).node.ssd_enabled is False  # env: field name
+    env = {"KVPOOL_NODE_SSD_ENABLED": "false"}
+    assert load_config(None, env=env).node.tiers.ssd.enabled is False  # env: the flat name
     with pytest.raises(SystemExit):
         parser.parse_args(["node", "--ssd-enabled", "false"])
 
@@ -139,6 +140,18 @@ def test_log_level_goes_before_or_after_the_subcommand():
     ]:
         assert parser.parse_args(argv).log_level == level, argv
 
+
+
+def test_bench_lists_only_an_operators_tools_and_replay_needs_their_own_trace(capsys):
+    """The lab's harnesses (vLLM, transformers TTFT, the router, trace generation) are benchmarks/*.py scripts."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--help"])
+    listed = re.findall(r"^    (\S+)", capsys.readouterr().out, re.MULTILINE)  # one line a bench, under BENCH
+    assert listed == ["tiers", "fragmentation", "replay", "lru-sweep", "index", "failover", "soak"]
+    for bench in ("replay", "lru-sweep"):  # no default path into the lab's data
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", bench])
+        assert "the following arguments are required: --trace" in capsys.readouterr().err
 
 def _bindable(port: int) -> bool:
     with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
@@ -210,7 +223,8 @@ def test_serve_refuses_a_port_its_master_and_node_would_share(tmp_path):
                     "--ssd-dir", str(tmp_path / "ssd"), cwd=tmp_path)
         assert done.returncode == 2, done.stderr[-2000:]
         lines = done.stderr.strip().splitlines()
-        assert len(lines) == 1 and "master.metrics_port" in lines[0] and "node.port" in lines[0], done.stderr
+        assert len(lines) == 1 and "master.server.metrics_port" in lines[0], done.stderr
+        assert "node.server.port" in lines[0], done.stderr
         assert not os.path.exists(shm_path(arena)) and not (tmp_path / "ssd").exists()
     finally:
         with contextlib.suppress(FileNotFoundError):

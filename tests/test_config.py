@@ -2,24 +2,38 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
 import pytest
 
-from kvpool.config import ClientConfig, MasterConfig, NodeConfig, load_config, parse_size
+from kvpool.config import ClientConfig, MasterConfig, NodeConfig, load_config, parse_size, settings
 
 
 def test_precedence_is_flags_then_env_then_file_then_defaults(tmp_path):
     path = tmp_path / "kvpool.json"
-    path.write_text(json.dumps({"node": {"dram_bytes": "1G", "port": 9100}, "master": {"node_timeout_s": 5}}))
+    path.write_text(json.dumps({"node": {"tiers": {"dram": {"bytes": "1G"}}, "server": {"port": 9100}},
+                                "master": {"node_timeout_s": 5}}))
     env = {"KVPOOL_NODE_PORT": "9200", "KVPOOL_MASTER_HOST": "0.0.0.0", "UNRELATED": "x"}
     cfg = load_config(path, env=env, overrides={"node": {"port": 9300, "ssd_dir": None}})
-    assert cfg.node.dram_bytes == 1 << 30
-    assert cfg.node.port == 9300  # flag beats env beats file
-    assert cfg.master.host == "0.0.0.0" and cfg.master.node_timeout_s == 5.0
-    assert cfg.node.ssd_dir == "./kvpool-data"  # a flag left unset (None) changes nothing
+    assert cfg.node.tiers.dram.bytes == 1 << 30
+    assert cfg.node.server.port == 9300  # flag beats env beats file
+    assert cfg.master.server.host == "0.0.0.0" and cfg.master.node_timeout_s == 5.0
+    assert cfg.node.tiers.ssd.dir == "./kvpool-data"  # a flag left unset (None) changes nothing
+
+
+def test_an_old_flat_key_in_a_file_says_its_new_place(tmp_path):
+    """Config files nest (server, tls, events, tiers); a key of the old flat shape is refused, naming where it goes
+    now, instead of being ignored. Flags and variables keep the flat names."""
+    path = tmp_path / "old.json"
+    for old, place in (({"node": {"dram_bytes": "1G"}}, "node.tiers.dram.bytes"),
+                       ({"node": {"port": 7700}}, "node.server.port"),
+                       ({"master": {"kv_events_endpoint": "tcp://127.0.0.1:7605"}}, "master.events.endpoint"),
+                       ({"node": {"server": {"tls_cert": "c.pem"}}}, "node.tls.cert")):
+        path.write_text(json.dumps(old))
+        with pytest.raises(ValueError, match=rf"place in a config file is {place} now"):
+            load_config(path, env={})
+    assert load_config(None, env={"KVPOOL_NODE_DRAM_BYTES": "1G"}).node.tiers.dram.bytes == 1 << 30
 
 
 def test_client_layout_comes_from_json(tmp_path):
@@ -35,9 +49,10 @@ def test_client_layout_comes_from_json(tmp_path):
     "data,message",
     [
         ({"nodes": {}}, "unknown config section"),
-        ({"node": {"dram_byte": 1}}, "unknown node config field"),
-        ({"node": {"port": "eighty"}}, "node.port"),
-        ({"node": {"dram_bytes": "lots"}}, "node.dram_bytes"),
+        ({"node": {"dram_byte": 1}}, "unknown config field node.dram_byte"),
+        ({"node": {"server": {"port": "eighty"}}}, "node.server.port"),
+        ({"node": {"tiers": {"dram": {"bytes": "lots"}}}}, "node.tiers.dram.bytes"),
+        ({"node": {"tiers": {"dram": 4}}}, "node.tiers.dram: must be an object"),
         ({"client": {"strict": "maybe"}}, "client.strict"),
         ({"client": {"layout": {"dtype": "float13"}}}, "client.layout"),
         ([1, 2], "JSON object"),
@@ -57,7 +72,7 @@ def test_unreadable_or_invalid_files_are_clear_errors(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_config(bad, env={})
-    with pytest.raises(ValueError, match="unknown node config field"):
+    with pytest.raises(ValueError, match="unknown node setting"):
         load_config(None, env={"KVPOOL_NODE_DRAMBYTES": "1G"})
 
 
@@ -113,7 +128,7 @@ BAD_VALUES = {
     NodeConfig: {
         "master": "no-port", "host": "two words", "port": -1, "metrics_port": 70000, "data_port": -5,
         "advertise": "host", "node_id": 7, "arena": "../etc", "dram_bytes": -1, "max_block_bytes": 0,
-        "dram_slots": -1, "ssd_dir": 3, "ssd_index_keys": -1,
+        "dram_slots": -1, "ssd_dir": 3, "ssd_index_keys": -1, "ssd_sync_interval_s": 0.0,
         "ssd_bytes": -1, "ssd_enabled": "false", "ssd_optional": 1, "ssd_sync": "no", "high_watermark": 2.0,
         "low_watermark": 0.0, "write_through": None, "demote_queue_bytes": -1, "max_message_bytes": 0,
         "max_keys_per_call": 0, "max_connections": -1, "max_concurrent_rpcs": -1, "auth_file": None, "token": 5,
@@ -129,59 +144,66 @@ BAD_VALUES = {
 }
 
 
-@pytest.mark.parametrize("cls,name", [(cls, f.name) for cls in BAD_VALUES for f in dataclasses.fields(cls)],
+_COMPONENTS = {MasterConfig: "master", NodeConfig: "node", ClientConfig: "client"}
+
+
+@pytest.mark.parametrize("cls,name", [(cls, name) for cls in BAD_VALUES for name in settings(_COMPONENTS[cls])],
                          ids=lambda x: x if isinstance(x, str) else x.__name__)
 def test_no_config_can_hold_a_bad_value(cls, name):
     assert name in BAD_VALUES[cls], f"{cls.__name__}.{name}: add a value it must refuse to BAD_VALUES"
     value = BAD_VALUES[cls][name]
+    setting = settings(_COMPONENTS[cls])[name]
+    section = cls
+    for part in setting.path[:-1]:  # the section that holds the setting checks it, constructed alone
+        section = type(getattr(section(), part))
     # the message names the field, says what is allowed and shows the value
-    with pytest.raises(ValueError, match=rf"\.{name}\b.*\(got "):
-        cls(**{name: value})
+    with pytest.raises(ValueError, match=rf"\b{setting.where}\b.*\(got "):
+        section(**{setting.path[-1]: value})
 
 
 @pytest.mark.parametrize(
     "values,message",
     [
-        ({"low_watermark": 0.9, "high_watermark": 0.5}, "low_watermark: must be <= high_watermark"),
-        ({"dram_bytes": 1 << 10}, "dram_bytes: 1 KiB is below the least DRAM tier"),
-        ({"port": 7700, "metrics_port": 7700}, "metrics_port: 7700 is also node.port"),
-        ({"port": 7700, "data_port": 7701}, "data_port: 7701 is also node.metrics_port"),  # metrics: port + 1
-        ({"tls_cert": "cert.pem"}, "set both or neither"),
-        ({"ssd_dir": ""}, "ssd_dir: must not be empty"),
+        ({"low_watermark": 0.9, "high_watermark": 0.5}, "node.tiers.dram.low_watermark .low_watermark.: must be <="),
+        ({"dram_bytes": 1 << 10}, "node.tiers.dram.bytes .dram_bytes.: 1 KiB is below the least DRAM tier"),
+        ({"port": 7700, "metrics_port": 7700}, "node.server.metrics_port .metrics_port.: 7700 is also server.port"),
+        ({"port": 7700, "data_port": 7701}, "data_port: 7701 is also node.server.metrics_port"),  # port + 1
+        ({"tls_cert": "cert.pem"}, "node.tls.cert .tls_cert. and tls.key: set both or neither"),
+        ({"ssd_dir": ""}, "node.tiers.ssd.dir .ssd_dir.: must not be empty"),
     ],
 )
 def test_rules_between_fields(values, message):
     with pytest.raises(ValueError, match=message):
-        NodeConfig(**values)
+        NodeConfig.of(**values)
 
 
 def test_values_from_files_env_and_flags_are_checked(tmp_path):
     path = tmp_path / "kvpool.json"
-    path.write_text(json.dumps({"node": {"max_block_bytes": 0}}))
-    with pytest.raises(ValueError, match="node.max_block_bytes"):
+    path.write_text(json.dumps({"node": {"tiers": {"dram": {"max_block_bytes": 0}}}}))
+    with pytest.raises(ValueError, match="node.tiers.dram.max_block_bytes"):
         load_config(path, env={})
     path.write_text(json.dumps({"node": {"slot_bytes": "2M"}}))  # an earlier version's field: said what replaced it
     with pytest.raises(ValueError, match="node.slot_bytes is gone: .*max_block_bytes"):
         load_config(path, env={})
     with pytest.raises(ValueError, match="master.node_timeout_s"):
         load_config(None, env={"KVPOOL_MASTER_NODE_TIMEOUT_S": "nan"})
-    with pytest.raises(ValueError, match="node.lease_timeout_s"):
+    with pytest.raises(ValueError, match="node.tiers.dram.lease_timeout_s"):
         load_config(None, env={"KVPOOL_NODE_LEASE_TIMEOUT_S": "inf"})
     with pytest.raises(ValueError, match="node.max_message_bytes"):
         load_config(None, env={}, overrides={"node": {"max_message_bytes": "0"}})
-    assert NodeConfig(ssd_dir="", ssd_enabled=False).ssd_dir == ""  # no SSD tier: no directory needed
+    assert NodeConfig.of(ssd_dir="", ssd_enabled=False).tiers.ssd.dir == ""  # no SSD tier: no directory needed
 
 
 def test_metrics_ports_follow_their_port():
     defaults = load_config(None, env={})
-    assert (defaults.master.metrics_port, defaults.node.metrics_port) == (7601, 7611)
+    assert (defaults.master.server.metrics_port, defaults.node.server.metrics_port) == (7601, 7611)
     moved = load_config(None, env={"KVPOOL_MASTER_PORT": "7700"}, overrides={"node": {"port": 7710}})
-    assert (moved.master.metrics_port, moved.node.metrics_port) == (7701, 7711)
+    assert (moved.master.server.metrics_port, moved.node.server.metrics_port) == (7701, 7711)
     assert (moved.master.call_port, moved.node.data_port) == (-1, -1)  # port + 2, derived by the servers
     explicit = load_config(None, env={}, overrides={"node": {"port": 7710, "metrics_port": 9000}})
-    assert explicit.node.metrics_port == 9000
-    assert NodeConfig(port=0).metrics_port == -1 and MasterConfig(port=0).metrics_port == -1  # any free port
-    assert NodeConfig(port=7710, metrics_port=0).metrics_port == 0  # none
+    assert explicit.node.server.metrics_port == 9000
+    assert NodeConfig.of(port=0).server.metrics_port == -1 and MasterConfig.of(port=0).server.metrics_port == -1
+    assert NodeConfig.of(port=7710, metrics_port=0).server.metrics_port == 0  # none
 
 
 def test_a_clients_worker_id_is_one_the_master_takes():

@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 from driver_support import kvpool_dirs, kvpool_frames, run_driver
 from support import PoolProcesses, free_port, metric, scrape, wait_until
-
-from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python
+from vllm_runtime import save_model, vllm_env, vllm_python
 
 BLOCK = 32
 DRIVER = Path(__file__).resolve().parent / "vllm_driver.py"

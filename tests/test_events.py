@@ -306,7 +306,7 @@ def test_a_master_whose_events_port_is_taken_refuses_to_start_and_says_which(tmp
 
     holder = EventPublisher(f"tcp://127.0.0.1:{free_port()}", registry=CollectorRegistry())
     try:
-        server = MasterServer(MasterConfig(host="127.0.0.1", port=0, metrics_port=0,
+        server = MasterServer(MasterConfig.of(host="127.0.0.1", port=0, metrics_port=0,
                                            kv_events_endpoint=holder.endpoint))
         with pytest.raises(ValueError, match=f"KV events: cannot bind {holder.endpoint}"):
             server.start()
@@ -320,7 +320,7 @@ def test_a_master_whose_events_port_is_taken_refuses_to_start_and_says_which(tmp
 
 def test_vllms_own_decoder_reads_kvpools_batches(publisher):
     """The format check that matters: vllm.distributed.kv_events.KVEventBatch decodes what kvpool sends."""
-    from kvpool.bench.vllm_runtime import vllm_python
+    from vllm_runtime import vllm_python
 
     python = vllm_python()
     assert python is not None, "no vLLM here: run `bash tests/vllm_env.sh` (tests/run.sh does)"

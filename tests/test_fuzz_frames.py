@@ -54,7 +54,7 @@ from hypothesis import strategies as st
 
 from kvpool import wire
 from kvpool.checksum import block_checksum
-from kvpool.rpc import MISS
+from kvpool.core import NO_TIER
 from kvpool.v1 import common_pb2, master_pb2, node_pb2
 from kvpool.wire import FRAME, MAGIC, VERSION, Method
 
@@ -330,9 +330,9 @@ def check_get_reply(reply, r: Reader, head: wire.Head, request: bytes) -> None:
     keys_list = [keys[32 * j : 32 * j + 32] for j in range(n)] if len(keys) == 32 * n else [b""] * n
     for k, size, checksum, tier, block, ok in zip(keys_list, reply.sizes, reply.checksums, reply.tiers, blocks,
                                                   valid):
-        assert (tier == MISS) == (size == 0) and (tier == MISS) <= (not ok)
+        assert (tier == NO_TIER) == (size == 0) and (tier == NO_TIER) <= (not ok)
         if k in KNOWN:
-            assert tier != MISS and (size, checksum) == KNOWN[k][:2]
+            assert tier != NO_TIER and (size, checksum) == KNOWN[k][:2]
         if ok:  # bytes the node vouches for are the block's (a known one: exactly)
             assert block_checksum(block) == checksum
             assert k not in KNOWN or block == KNOWN[k][2]

@@ -36,7 +36,6 @@ from fuzz_support import (
     LEASE_TIMEOUT_S,
     MASTER_CONFIG,
     MASTER_MAX_MESSAGE,
-    MISS,
     NODE_MAX_MESSAGE,
     OK,
     REAL_NODE_ID,
@@ -68,6 +67,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvpool.checksum import block_checksum
+from kvpool.core import NO_TIER
 from kvpool.master.servicer import MAX_BLOCK_TOKENS, MAX_REF_CHARS, MAX_REPORTED_LOOKUPS
 from kvpool.v1 import common_pb2, master_pb2, node_pb2
 from kvpool.worker_ids import worker_id_problem
@@ -275,7 +275,7 @@ def read_keys() -> st.SearchStrategy:
 
 
 HBM_MOST = MASTER_CONFIG.max_hbm_keys_per_worker
-POOL_MOST = MASTER_CONFIG.max_keys_per_call
+POOL_MOST = MASTER_CONFIG.server.max_keys_per_call
 small_u32 = weighted((2, st.integers(0, 1000)), (1, u32))  # counts clients send, and any others
 small_u64 = weighted((2, st.integers(0, 1000)), (1, u64))
 
@@ -478,10 +478,10 @@ def test_get(pool, data):
         for k, tier, size, checksum in zip(keys_of(packed), reply.tiers, reply.sizes, reply.checksums):
             block = reply.data[offset : offset + size]
             offset += size
-            assert (tier == MISS) == (size == 0)
+            assert (tier == NO_TIER) == (size == 0)
             if k in KNOWN:
-                assert tier != MISS and block == KNOWN[k][2] and checksum == KNOWN[k][1]
-            elif tier != MISS:
+                assert tier != NO_TIER and block == KNOWN[k][2] and checksum == KNOWN[k][1]
+            elif tier != NO_TIER:
                 assert block_checksum(block) == checksum
     pool.count("Node.Get")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -181,6 +182,22 @@ def test_bad_input_raises_and_changes_nothing(case: str) -> None:
     outs = [empty(BF16), empty(BF16)]
     assert store.get_into([key(0), key(1)], outs) == [True, True]
     assert [raw(o) for o in outs] == [raw(block(BF16, 0)), raw(block(BF16, 1))]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("wrong_size", f"tensor is {BF16.block_bytes - 2} bytes; one block of {BF16.fingerprint()} is {BF16.block_bytes}"),
+    ("wrong_dtype", "tensor dtype float32 does not match layout dtype bfloat16"),
+    ("non_contiguous", "tensor must be contiguous"),
+])
+def test_a_wrong_block_is_refused_by_the_layouts_check(case: str, message: str) -> None:
+    """HbmStore's gate is KVLayout.check_block: its message, for puts and for outputs alike."""
+    store = HbmStore(BF16, capacity_blocks=2)
+    keys, values = BAD_INPUTS[case]()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        store.put(keys, values)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        store.get_into(keys, values)
+    assert store.keys() == []
 
 
 def test_bad_out_leaves_other_outs_untouched() -> None:

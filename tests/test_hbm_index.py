@@ -44,7 +44,7 @@ def test_one_tenants_reports_never_touch_another_tenants_worker_of_the_same_name
     index.report(b, make_keys(2, "b"), held)  # and B's removal of A's keys
     assert index.held_runs([a, b], held) == [8, 0]
     assert index.worker_ids("a") == ["gpu-0"] and index.worker_ids("b") == ["gpu-0"] and index.worker_ids("") == []
-    assert index.blocks() == 10 and index.workers() == 2
+    assert index.blocks() == 10
     assert sink.calls == [(a, set(held), set()), (b, set(make_keys(2, "b")), set())]  # nothing was A's loss
     assert index.drop_worker(b) == 2 and index.held_runs([a], held) == [8]
 

@@ -1,7 +1,8 @@
 """BlockIndex and its KeyTable: growth, deletes, multi-location keys, full syncs, node drops, memory per block.
 
 Every test checks the index against a plain-Python reference model (:class:`Reference`), and its
-invariants with ``check_invariants``. ``tests/test_master.py`` covers the index through the gRPC service.
+invariants with :func:`models.check_index`. ``tests/test_master.py`` covers the index through the gRPC
+service.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from models import check_index, index_nbytes
 
 from kvpool.core import Tier
 from kvpool.keys import BlockKey
@@ -79,12 +81,11 @@ class Reference:
 
 def assert_agrees(index: BlockIndex, ref: Reference, keys: list[BlockKey]) -> None:
     """Index and reference agree on every key in ``keys``, on counts, and the invariants hold."""
-    index.check_invariants()
+    copies = check_index(index)
     assert index.exists(keys) == [key in ref.entries for key in keys]
     present = [key for key in keys if key in ref.entries]
     assert index.leading_run(present) == [ref.hit(key) for key in present]
-    counts = index.counts()
-    assert (counts.blocks, counts.copies, len(index)) == (len(ref.entries), ref.copies(), len(ref.entries))
+    assert (copies, len(index)) == (ref.copies(), len(ref.entries))
 
 
 def sizes_for(keys: list[BlockKey], salt: int = 0) -> tuple[list[int], list[int]]:
@@ -110,13 +111,13 @@ def opened(*nodes: int) -> BlockIndex:
 def test_growth_with_deletes_and_reinserts_matches_the_reference():
     index, ref = opened(0, 1), Reference()
     keys = make_keys(6000, "grow")
-    start_bytes = index.nbytes()
+    start_bytes = index_nbytes(index)
     for lo in range(0, 4000, 500):  # grows from 64 slots, many times
         node = lo // 500 % 2
         sizes, sums = sizes_for(keys[lo : lo + 500])
         assert index.add(node, DRAM, keys[lo : lo + 500], sizes, sums)
         ref.add(node, DRAM, keys[lo : lo + 500], sizes, sums)
-    assert index.nbytes() > 50 * start_bytes
+    assert index_nbytes(index) > 50 * start_bytes
     assert_agrees(index, ref, keys)
 
     gone = keys[0:4000:2]  # delete half, through both nodes (each holds only its own batches)
@@ -142,11 +143,11 @@ def test_shrinks_after_most_keys_go_and_stays_correct():
     ref.add(0, DRAM, keys[:19000], sizes[:19000], sums[:19000])
     index.add(1, SSD, keys[19000:], sizes[19000:], sums[19000:])
     ref.add(1, SSD, keys[19000:], sizes[19000:], sums[19000:])
-    full = index.nbytes()
+    full = index_nbytes(index)
 
     assert index.drop_node(0) == ref.drop(0) == 19000
 
-    assert index.nbytes() < full / 4  # 1,000 keys left in a table sized for 19,000: compacted
+    assert index_nbytes(index) < full / 4  # 1,000 keys left in a table sized for 19,000: compacted
     assert_agrees(index, ref, keys)
 
 
@@ -195,7 +196,7 @@ def test_a_key_on_many_locations_is_served_best_first_and_falls_back():
     assert index.add(3, SSD, k[1:], sizes[1:], sums[1:])
     ref.add(3, SSD, k[1:], sizes[1:], sums[1:])
     assert index.leading_run(k[:1]) == [Hit(DRAM, 5, sizes[0], sums[0])]
-    assert index.counts().copies == 7
+    assert check_index(index) == 7
     assert_agrees(index, ref, k)
 
     steps = [
@@ -210,8 +211,7 @@ def test_a_key_on_many_locations_is_served_best_first_and_falls_back():
         assert_agrees(index, ref, k)
     assert index.exists(k) == [True, False, False]
     assert index.remove(5, SSD, k[:1])
-    assert len(index) == 0 and index.counts().copies == 0
-    index.check_invariants()
+    assert len(index) == 0 and check_index(index) == 0
 
 
 def test_latest_report_sets_size_and_checksum_and_the_last_repeat_wins():
@@ -221,8 +221,7 @@ def test_latest_report_sets_size_and_checksum_and_the_last_repeat_wins():
     assert index.leading_run(k) == [Hit(DRAM, 0, 30, 3), Hit(DRAM, 0, 20, 2)]
     assert index.add(1, SSD, k[1:], [21], [22])  # a copy elsewhere: one size and checksum per key
     assert index.leading_run(k) == [Hit(DRAM, 0, 30, 3), Hit(DRAM, 0, 21, 22)]
-    assert index.counts().copies == 3
-    index.check_invariants()
+    assert check_index(index) == 3
 
 
 def test_full_sync_removes_stale_keys_of_that_node_tier_only():
@@ -320,7 +319,7 @@ def test_keys_sharing_a_first_word_are_told_apart_by_the_second():
     assert [hit.size for hit in index.leading_run(keys[:10])] == list(range(10))
     assert index.remove(0, DRAM, keys[3:5])
     assert index.exists(keys[:10]) == [True] * 3 + [False] * 2 + [True] * 5
-    index.check_invariants()
+    check_index(index)
 
 
 def test_keys_equal_in_their_first_16_bytes_are_one_entry():
@@ -340,9 +339,8 @@ def test_a_flood_of_keys_on_one_home_is_refused_not_grown_for(caplog):
     held = sum(index.exists(keys))
     assert held == keytable.H  # one neighbourhood's worth; the rest are misses
     assert "not indexed" in caplog.text
-    assert index.nbytes() < 1 << 20  # the table did not double itself trying
-    assert index.counts().copies == held
-    index.check_invariants()
+    assert index_nbytes(index) < 1 << 20  # the table did not double itself trying
+    assert check_index(index) == held
 
 
 def test_bad_input_raises_before_anything_changes():
@@ -359,7 +357,7 @@ def test_bad_input_raises_before_anything_changes():
     with pytest.raises(ValueError, match="node number"):
         index.open_node(1 << 30)
     assert len(index) == 0
-    index.check_invariants()
+    check_index(index)
 
 
 # -- scale -------------------------------------------------------------------------------
@@ -396,7 +394,7 @@ def test_drop_node_of_100k_blocks_is_one_vectorised_scan():
     assert time.perf_counter() - start < 1.0  # ~10 ms here; a per-key Python loop would take far longer
     assert len(index) == 100000
     assert index.leading_run(keys[49999:50001]) == [Hit(DRAM, 0, 1, 2), Hit(DRAM, 0, 1, 2)]
-    index.check_invariants()
+    check_index(index)
 
 
 def test_leading_run_arrays_agree_with_leading_run():

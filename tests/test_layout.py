@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool.layout import KVLayout
+from kvpool.layout import KVLayout, check_block
 
 
 def test_qwen2_7b_like_block_is_7_mib_and_tiny_qwen2_is_1_mib():
@@ -36,16 +36,45 @@ def test_fingerprint_names_every_field():
 def test_check_block_accepts_exact_buffers_only():
     layout = KVLayout("float32", 2, 2, 4, 4)
     good = np.zeros(layout.block_bytes // 4, np.float32)
-    assert layout.check_block(good).nbytes == layout.block_bytes
-    assert layout.check_block(good.view(np.uint8)).nbytes == layout.block_bytes
-    with pytest.raises(ValueError, match="bytes"):
+    layout.check_block(good)
+    layout.check_block(good.view(np.uint8))
+    layout.check_block(bytes(layout.block_bytes))
+    with pytest.raises(ValueError, match=f"buffer is {layout.block_bytes - 4} bytes; one block of "
+                                         f"{layout.fingerprint()} is {layout.block_bytes}"):
         layout.check_block(np.zeros(layout.block_bytes // 4 - 1, np.float32))
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match="buffer dtype float16 does not match layout dtype float32"):
         layout.check_block(np.zeros(layout.block_bytes // 2, np.float16))
     with pytest.raises(ValueError, match="contiguous"):
         layout.check_block(np.zeros((layout.block_bytes // 2,), np.float32)[::2])
-    with pytest.raises(ValueError, match="read-only"):
-        layout.check_block(bytes(layout.block_bytes), writable=True)
+    with pytest.raises(ValueError, match="expected a buffer"):
+        layout.check_block("not a block")
+
+
+def test_check_block_accepts_exact_tensors_only():
+    """Tensors (any device: only their shape, dtype and strides are read) get the same gate as buffers."""
+    import torch
+    layout = KVLayout("bfloat16", 2, 2, 4, 4)
+    layout.check_block(torch.zeros(layout.block_bytes // 2, dtype=torch.bfloat16))
+    layout.check_block(torch.zeros(2, layout.block_bytes // 4, dtype=torch.bfloat16))
+    layout.check_block(torch.zeros(layout.block_bytes, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=f"block 3 is {layout.block_bytes - 2} bytes"):
+        layout.check_block(torch.zeros(layout.block_bytes // 2 - 1, dtype=torch.bfloat16), what="block 3")
+    with pytest.raises(ValueError, match="tensor dtype float16 does not match layout dtype bfloat16"):
+        layout.check_block(torch.zeros(layout.block_bytes // 2, dtype=torch.float16), what="tensor")
+    with pytest.raises(ValueError, match="tensor must be contiguous"):
+        layout.check_block(torch.zeros(layout.block_bytes // 4, 2, dtype=torch.bfloat16).t(), what="tensor")
+
+
+def test_check_block_of_a_byte_count_and_without_a_layout():
+    """Engines that name a block by pieces check their sum; a block size without a layout (SGLang's measured
+    page) goes through the same function, without a dtype."""
+    layout = KVLayout("float16", 2, 2, 4, 4)
+    layout.check_block(layout.block_bytes)
+    with pytest.raises(ValueError, match=f"key 0: its pieces is 10 bytes; one block of {layout.fingerprint()}"):
+        layout.check_block(10, what="key 0: its pieces")
+    check_block(np.zeros(64, np.float32), 256)  # no dtype: any dtype of the right size
+    with pytest.raises(ValueError, match="page 1 is 128 bytes; one block is 256"):
+        check_block(np.zeros(32, np.float32), 256, what="page 1")
 
 
 @pytest.mark.parametrize(

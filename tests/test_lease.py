@@ -12,10 +12,10 @@ from support import free_port, wait_until
 
 from kvpool.checksum import block_checksum, copy_with_checksum
 from kvpool.config import NodeConfig
-from kvpool.core import Tier
+from kvpool.core import NO_TIER, Tier
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.node.daemon import PoolNode
-from kvpool.rpc import MISS, channel_options
+from kvpool.rpc import channel_options
 from kvpool.tiers.arena import SharedArena
 from kvpool.tiers.dram import DramStore
 from kvpool.v1 import node_pb2, node_pb2_grpc
@@ -266,7 +266,7 @@ NODE_SLOTS = 4
 
 @pytest.fixture
 def node(tmp_path, arena_name):
-    cfg = NodeConfig(master=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, metrics_port=0, data_port=0,
+    cfg = NodeConfig.of(master=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, metrics_port=0, data_port=0,
                      arena=arena_name, dram_bytes=NODE_SLOTS * NODE_SLOT, max_block_bytes=NODE_SLOT,
                      high_watermark=1.0, low_watermark=1.0, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"),
                      lease_timeout_s=0.3)
@@ -320,7 +320,7 @@ def test_node_refuses_a_commit_whose_bytes_do_not_match(node, stub):
     done = stub.Commit(node_pb2.CommitRequest(lease=reply.lease, keys=pack_keys([key(1)]), slots=list(reply.slots),
                                               checksums=[checksum ^ 0xFF]), timeout=10)
     assert list(done.stored) == [0]
-    assert list(stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys([key(1)])), timeout=10).tiers) == [MISS]
+    assert list(stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys([key(1)])), timeout=10).tiers) == [NO_TIER]
     assert node.store.dram.leased_slots == 0
     assert node.errors.errors.labels("commit_refused")._value.get() == 1
 
@@ -337,7 +337,7 @@ def test_an_abandoned_lease_is_reaped_after_its_deadline_and_a_late_commit_store
                                               slots=list(reply.slots), checksums=[0] * NODE_SLOTS), timeout=10)
     assert list(late.stored) == [0] * NODE_SLOTS
     tiers = stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys([key(i) for i in ids + [50, 53]])), timeout=10).tiers
-    assert list(tiers) == [MISS] * NODE_SLOTS + [Tier.DRAM, Tier.DRAM]
+    assert list(tiers) == [NO_TIER] * NODE_SLOTS + [Tier.DRAM, Tier.DRAM]
 
 
 def test_bad_reserve_and_commit_requests_are_invalid_argument(stub):
@@ -367,8 +367,8 @@ def test_client_store_on_the_same_host_goes_through_the_arena(tmp_path, arena_na
     from kvpool.config import ClientConfig, MasterConfig
     from kvpool.master.server import MasterServer
 
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
-    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
+    cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
                      dram_bytes=16 << 20, max_block_bytes=1 << 20, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 << 20)
     try:
         with PoolNode(cfg) as n:
@@ -405,8 +405,8 @@ def test_a_restarted_node_gets_its_new_arena_mapped_by_the_client(tmp_path, aren
     from kvpool.config import ClientConfig, MasterConfig
     from kvpool.master.server import MasterServer
 
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
-    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
+    cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
                      dram_bytes=8 << 20, max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
     try:
         with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
@@ -435,8 +435,8 @@ def test_the_arena_key_index_saves_every_reader_the_locate_call_and_follows_a_mo
     from kvpool.config import ClientConfig, MasterConfig
     from kvpool.master.server import MasterServer
 
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
-    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
+    cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
                      dram_bytes=8 << 20, max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
     try:
         with PoolNode(cfg) as n, PoolClient(ClientConfig(master=master.address, strict=True)) as writer, \
@@ -478,8 +478,8 @@ def test_a_slot_reused_while_the_client_copies_is_a_miss_not_other_bytes(tmp_pat
     from kvpool.config import ClientConfig, MasterConfig
     from kvpool.master.server import MasterServer
 
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
-    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
+    cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
                      dram_bytes=8 << 20, max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
     try:
         with PoolNode(cfg) as n, PoolClient(ClientConfig(master=master.address)) as pool:

@@ -201,7 +201,7 @@ def refusing_listener(frame: bytes):
 def test_a_refused_fast_call_falls_back_to_grpc(hello):
     """Issue 11.1: FastStub fell back to gRPC only when it could not connect; a full listener's
     RESOURCE_EXHAUSTED reached the caller as the call's error."""
-    with MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0)) as master:
+    with MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0)) as master:
         with grpc.insecure_channel(master.address) as channel, refusing_listener(refusal_frame("full")) as full:
             stub = master_pb2_grpc.MasterStub(channel)
             calls = ConnectionPool(2.0, hello=auth_hello(TOKEN) if hello else None)
@@ -218,7 +218,7 @@ def test_a_full_listener_never_cuts_a_request_and_refuses_with_a_grpc_fallback()
     """Issue 11.1: with every slot mid-request the newcomer is refused (nothing is cut to make room), and the
     refused call is answered over gRPC."""
     entered, release = threading.Event(), threading.Event()
-    with MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0, max_connections=1)) as master:
+    with MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0, max_connections=1)) as master:
         real = master.servicer.Exists
 
         def slow_exists(request, context):
@@ -255,7 +255,7 @@ def test_a_full_listener_never_cuts_a_request_and_refuses_with_a_grpc_fallback()
 def test_a_full_listener_closes_its_longest_idle_connection_for_a_newcomer():
     """Issue 11.1: a full listener refused newcomers while its slots sat idle; now it closes the one idle
     longest, and the client whose pooled connection that was retries on a fresh one."""
-    with MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0, max_connections=2)) as master:
+    with MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0, max_connections=2)) as master:
         with grpc.insecure_channel(master.address) as channel:
             stub = master_pb2_grpc.MasterStub(channel)
             address = f"127.0.0.1:{master.servicer.call_port}"
@@ -283,7 +283,7 @@ def test_a_full_listener_closes_its_longest_idle_connection_for_a_newcomer():
 def test_a_client_whose_pooled_connections_were_all_closed_retries_on_a_fresh_one():
     """Issue 11.1: a full listener now closes idle connections, maybe several of one client's; the pool's one
     retry took the next pooled (also closed) connection and the call failed instead of using a fresh one."""
-    with MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0)) as master:
+    with MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0)) as master:
         with grpc.insecure_channel(master.address) as channel:
             stub = master_pb2_grpc.MasterStub(channel)
             address = f"127.0.0.1:{master.servicer.call_port}"
@@ -349,7 +349,7 @@ def short_deadline(monkeypatch):
 def test_a_trickling_bulk_put_gives_its_slots_back_at_the_request_deadline(tmp_path, arena_name, short_deadline):
     """Issue 11.2: a bulk PUT sending a byte every few seconds held its reserved slots for ever (the I/O
     timeout applied per receive, not per request)."""
-    config = NodeConfig(master=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, metrics_port=0, data_port=0,
+    config = NodeConfig.of(master=f"127.0.0.1:{free_port()}", host="127.0.0.1", port=0, metrics_port=0, data_port=0,
                         arena=arena_name, dram_bytes=8 * MIB, max_block_bytes=MIB, ssd_enabled=False)
     with PoolNode(config) as node:
         stop = threading.Event()
@@ -371,8 +371,8 @@ def test_a_trickling_bulk_put_gives_its_slots_back_at_the_request_deadline(tmp_p
 
 def test_a_trickling_fast_call_frame_is_cut_at_the_request_deadline(tmp_path, arena_name, short_deadline):
     """Issue 11.2: the same for fast-call frames, on the master's call port and a node's bulk port."""
-    with MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0)) as master:
-        config = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
+    with MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0)) as master:
+        config = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
                             arena=arena_name, dram_bytes=4 * MIB, max_block_bytes=MIB, ssd_enabled=False)
         with PoolNode(config) as node:
             stop = threading.Event()
@@ -457,8 +457,8 @@ def test_a_bulk_get_larger_than_a_node_serves_at_once_is_split_by_the_client(tmp
     from kvpool.client import bulk_path
 
     monkeypatch.setattr(bulk_path, "GET_CHUNK_BYTES", 3 * MIB, raising=False)  # (new in issue 11)
-    with MasterServer(MasterConfig(port=0, metrics_port=0)) as master:
-        config = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
+    with MasterServer(MasterConfig.of(port=0, metrics_port=0)) as master:
+        config = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
                             arena=arena_name, dram_bytes=16 * MIB, max_block_bytes=MIB, ssd_enabled=False)
         with PoolNode(config) as node:
             wait_until(lambda: node.link.registered)

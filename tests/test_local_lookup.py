@@ -30,11 +30,11 @@ def block(i: int) -> np.ndarray:
 @pytest.fixture
 def cluster(tmp_path, arena_name):
     """A master and two same-host nodes with small DRAM (blocks move to SSD) and an SSD tier each."""
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
     nodes = []
     try:
         for i in range(2):
-            cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
+            cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
                              arena=f"{arena_name}-{i}", node_id=f"n{i}", dram_bytes=8 * BLOCK, max_block_bytes=BLOCK,
                              ssd_dir=str(tmp_path / f"ssd{i}"), ssd_bytes=64 << 20)
             nodes.append(PoolNode(cfg).start())
@@ -128,10 +128,10 @@ def test_a_lookup_the_arenas_cannot_answer_whole_asks_the_master(cluster, monkey
 def test_a_node_restarted_under_its_arena_name_is_never_named_by_a_stale_view(tmp_path, arena_name):
     """The view still names the node's old address when its new segment appears under the same arena name: the
     answer must come from the master (the new address), never the old address with the new arena's blocks."""
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
 
     def node() -> PoolNode:
-        cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
+        cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
                          arena=arena_name, node_id="n0", dram_bytes=8 * BLOCK, max_block_bytes=BLOCK,
                          write_through=True, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 << 20)
         return PoolNode(cfg).start()

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from models import check_index
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.config import MasterConfig
@@ -155,13 +156,13 @@ def start_master() -> Iterator[Callable[..., MasterServer]]:
     def start(**overrides: object) -> MasterServer:
         settings: dict[str, Any] = dict(host="127.0.0.1", port=0, metrics_port=-1)
         settings.update(overrides)
-        server = MasterServer(MasterConfig(**settings)).start()
+        server = MasterServer(MasterConfig.of(**settings)).start()
         started.append(server)
         return server
 
     yield start
     for server in started:
-        server.index.check_invariants()
+        check_index(server.index)
         server.stop(grace=0)
         assert server.wait(timeout=5)
 
@@ -299,7 +300,7 @@ def test_index_stays_consistent_under_concurrent_reports_and_drops():
     for t in threads:
         t.join()
     assert not errors
-    index.check_invariants()
+    check_index(index)
     assert all(hit.node % 2 == 0 for hit in index.leading_run([k for k in keys if index.exists([k])[0]]))
 
 
@@ -659,7 +660,7 @@ def test_run_master_logs_its_address_and_stops_on_sigterm(tmp_path):
         "import logging; logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
         "from kvpool.config import MasterConfig\n"
         "from kvpool.master import run_master\n"
-        "run_master(MasterConfig(host='127.0.0.1', port=0, metrics_port=-1))\n"
+        "run_master(MasterConfig.of(host='127.0.0.1', port=0, metrics_port=-1))\n"
         "print('clean exit', flush=True)\n"
     )
     log_path = tmp_path / "master.log"
@@ -682,6 +683,6 @@ def test_run_master_logs_its_address_and_stops_on_sigterm(tmp_path):
 
 
 def test_a_master_without_etcd_always_leads():
-    with MasterServer(MasterConfig(port=0, metrics_port=0)) as master:
+    with MasterServer(MasterConfig.of(port=0, metrics_port=0)) as master:
         assert master.registry.get_sample_value("kvpool_master_leader") == 1
         assert master.election is None

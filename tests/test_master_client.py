@@ -43,10 +43,10 @@ def test_a_client_asks_the_master_info_once_for_its_fast_calls_and_its_tenant_ma
     auth = tmp_path / "auth.json"
     auth.write_text(json.dumps({"secret": secrets.token_hex(32), "node_tokens": [NODE_TOKEN],
                                 "clients": {CLIENT_TOKEN: {"tenant": "a"}}}))
-    master = MasterServer(MasterConfig(host="127.0.0.1", port=0, metrics_port=0, call_port=0,
+    master = MasterServer(MasterConfig.of(host="127.0.0.1", port=0, metrics_port=0, call_port=0,
                                        auth_file=str(auth))).start()
     try:
-        node = PoolNode(NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
+        node = PoolNode(NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
                                    arena=arena_name, dram_bytes=16 * BLOCK, max_block_bytes=BLOCK,
                                    ssd_enabled=False, auth_file=str(auth), token=NODE_TOKEN)).start()
         try:
@@ -75,7 +75,7 @@ def test_a_client_asks_the_master_info_once_for_its_fast_calls_and_its_tenant_ma
 
 @pytest.mark.parametrize("wait", [True, False])
 def test_a_closed_connection_refuses_calls_as_unavailable_at_once(wait):
-    with MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0)) as server:
+    with MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0)) as server:
         pool = PoolClient(ClientConfig(master=server.address, lookup_timeout_s=2.0))
         pool.master.close()
         errors: list[grpc.RpcError] = []

@@ -38,7 +38,7 @@ def new_cluster() -> str:
 
 
 def start_masters(etcd: EtcdServer, cluster: str, n: int) -> list[MasterServer]:
-    return [MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0, etcd=etcd.endpoint, cluster=cluster,
+    return [MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0, etcd=etcd.endpoint, cluster=cluster,
                                       leader_ttl_s=TTL_S)).start() for _ in range(n)]
 
 
@@ -140,7 +140,7 @@ def test_a_newly_elected_masters_event_stream_clears_then_carries_its_own_index(
     from kvpool.events import AllBlocksCleared, BlockStored, KVEventBatch, key_hash
 
     cluster = new_cluster()
-    masters = [MasterServer(MasterConfig(port=0, metrics_port=0, call_port=0, etcd=etcd.endpoint, cluster=cluster,
+    masters = [MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0, etcd=etcd.endpoint, cluster=cluster,
                                          leader_ttl_s=TTL_S, kv_events_endpoint="tcp://127.0.0.1:0",
                                          kv_events_replay_endpoint="tcp://127.0.0.1:0")).start() for _ in range(2)]
     decode = msgspec.msgpack.Decoder(type=KVEventBatch)

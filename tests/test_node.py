@@ -20,11 +20,11 @@ from support import free_port, wait_until
 
 from kvpool.checksum import block_checksum
 from kvpool.config import NodeConfig
-from kvpool.core import BlockMeta, Tier
+from kvpool.core import NO_TIER, BlockMeta, Tier
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.node.daemon import PoolNode
 from kvpool.node.master_link import MasterLink
-from kvpool.rpc import MISS, channel_options
+from kvpool.rpc import channel_options
 from kvpool.tiers.arena import SharedArena, SlotRef, shm_path
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
 
@@ -49,7 +49,7 @@ def config(tmp_path: Path, arena: str, **over) -> NodeConfig:
         ssd_dir=str(tmp_path / "ssd"), ssd_bytes=4 << 20, max_message_bytes=16 << 20,
     )
     values.update(over)
-    return NodeConfig(**values)
+    return NodeConfig.of(**values)
 
 
 class Client:
@@ -118,7 +118,7 @@ def test_put_then_get_is_byte_exact_for_several_sizes_in_one_batch(client):
     assert client.put(list(range(len(sizes))), blocks) == [1] * len(sizes)
     order = [3, 99, 0, 5, 1, 4, 2]  # shuffled, with a key nobody stored
     reply = client.get(order)
-    assert list(reply.tiers) == [MISS if i == 99 else Tier.DRAM for i in order]
+    assert list(reply.tiers) == [NO_TIER if i == 99 else Tier.DRAM for i in order]
     assert list(reply.sizes) == [0 if i == 99 else sizes[i] for i in order]
     assert list(reply.checksums) == [0 if i == 99 else block_checksum(blocks[i]) for i in order]
     assert reply.data == b"".join(blocks[i] for i in order if i != 99)
@@ -126,11 +126,11 @@ def test_put_then_get_is_byte_exact_for_several_sizes_in_one_batch(client):
 
 def test_exists_and_remove(client):
     client.put([1, 2], [block(1), block(2)])
-    assert client.tiers([1, 2, 3]) == [Tier.DRAM, Tier.DRAM, MISS]
+    assert client.tiers([1, 2, 3]) == [Tier.DRAM, Tier.DRAM, NO_TIER]
     reply = client.node.Remove(node_pb2.RemoveRequest(keys=pack_keys([key(1), key(3), key(1)])), timeout=10)
     assert reply.removed == 1
-    assert client.tiers([1, 2]) == [MISS, Tier.DRAM]
-    assert list(client.get([1]).tiers) == [MISS]
+    assert client.tiers([1, 2]) == [NO_TIER, Tier.DRAM]
+    assert list(client.get([1]).tiers) == [NO_TIER]
 
 
 def test_locate_then_read_the_arena_directly(node, client):
@@ -218,7 +218,7 @@ def test_a_checksum_mismatch_refuses_that_block_only(node, client):
     blocks = [block(1), block(2)]
     sums = [block_checksum(blocks[0]), block_checksum(blocks[1]) ^ 1]
     assert client.put([1, 2], blocks, checksums=sums) == [1, 0]
-    assert client.tiers([1, 2]) == [Tier.DRAM, MISS]
+    assert client.tiers([1, 2]) == [Tier.DRAM, NO_TIER]
     assert sample(scrape(node), "kvpool_errors_total", kind="checksum") == 1
 
 
@@ -245,7 +245,7 @@ def test_bad_put_is_invalid_argument_and_stores_nothing(node, client, case):
         client.node.Put(BAD_PUTS[case](), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details()
-    assert client.tiers([1, 2, 9]) == [MISS, MISS, Tier.DRAM]
+    assert client.tiers([1, 2, 9]) == [NO_TIER, NO_TIER, Tier.DRAM]
     after = [(t.tier, t.blocks, t.used_bytes) for t in client.node.Info(node_pb2.InfoRequest(), timeout=10).tiers]
     assert after == usage
     assert sample(scrape(node), "kvpool_errors_total", kind="invalid_argument") == 1
@@ -307,7 +307,7 @@ def test_stop_unlinks_the_arena_and_a_stale_one_is_replaced(tmp_path, arena_name
     with PoolNode(config(tmp_path, arena_name, dram_bytes=SLOT)) as again:
         c = Client(again.address)
         try:
-            assert c.tiers([1]) == [MISS]
+            assert c.tiers([1]) == [NO_TIER]
         finally:
             c.close()
 
@@ -321,7 +321,7 @@ def test_ssd_keeps_demoted_blocks_across_a_node_restart(tmp_path, arena_name):
         c = Client(n.address)
         try:
             reply = c.get([0, 1, 5])
-            assert list(reply.tiers) == [Tier.SSD, Tier.SSD, MISS] and reply.data == block(0) + block(1)
+            assert list(reply.tiers) == [Tier.SSD, Tier.SSD, NO_TIER] and reply.data == block(0) + block(1)
         finally:
             c.close()
 
@@ -335,7 +335,7 @@ def start_master(port: int = 0):
     from kvpool.config import MasterConfig
     from kvpool.master.server import MasterServer
 
-    return MasterServer(MasterConfig(port=port, metrics_port=0)).start()
+    return MasterServer(MasterConfig.of(port=port, metrics_port=0)).start()
 
 
 def lookup(master_address: str, ids: list[int]) -> master_pb2.LookupResponse:
@@ -443,7 +443,7 @@ def test_a_report_stuck_in_a_slow_store_call_does_not_delay_heartbeats(arena_nam
     from kvpool.tiers.dram import DramStore
 
     stuck_s = 2.5  # more than twice node_timeout_s
-    master = MasterServer(MasterConfig(port=0, metrics_port=0, node_timeout_s=1.0, heartbeat_interval_s=0.2)).start()
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0, node_timeout_s=1.0, heartbeat_interval_s=0.2)).start()
     dram = DramStore.create(arena_name, 32 * 1024, 1024)
     slow, returned = threading.Event(), threading.Event()
 
@@ -505,7 +505,7 @@ def test_get_closes_the_gap_of_a_block_evicted_between_size_lookup_and_copy(aren
     store.get_into = evicting_get_into
     try:
         reply = servicer.Get(node_pb2.GetRequest(keys=pack_keys([key(0), key(1), key(2)])), None)
-        assert list(reply.tiers) == [Tier.DRAM, MISS, Tier.DRAM]
+        assert list(reply.tiers) == [Tier.DRAM, NO_TIER, Tier.DRAM]
         assert list(reply.sizes) == [1000, 0, 3000]
         assert list(reply.checksums) == [block_checksum(blocks[0]), 0, block_checksum(blocks[2])]
         assert reply.data == blocks[0] + blocks[2]

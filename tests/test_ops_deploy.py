@@ -89,19 +89,20 @@ def test_k8s_config_and_manifests_agree(tmp_path):
     volumes = {v["name"]: v for v in node["spec"]["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in node_c["volumeMounts"]}
     shm = volumes[mounts["/dev/shm"]]["emptyDir"]
-    assert shm["medium"] == "Memory" and _bytes(shm["sizeLimit"]) >= config.node.dram_bytes
+    assert shm["medium"] == "Memory" and _bytes(shm["sizeLimit"]) >= config.node.tiers.dram.bytes
     assert _bytes(node_c["resources"]["limits"]["memory"]) >= _bytes(shm["sizeLimit"]) + (512 << 20)
     # The SSD directory is on the hostPath volume: it outlives the pod.
-    ssd_mount = next(p for p in mounts if config.node.ssd_dir.startswith(p.rstrip("/") + "/"))
+    ssd_mount = next(p for p in mounts if config.node.tiers.ssd.dir.startswith(p.rstrip("/") + "/"))
     assert "hostPath" in volumes[mounts[ssd_mount]]
     # Ports, Prometheus annotations and Services follow the config.
     node_ports = {p["name"]: p["containerPort"] for p in node_c["ports"]}
     master_ports = {p["name"]: p["containerPort"] for p in master_c["ports"]}
-    assert node_ports == {"grpc": config.node.port, "metrics": config.node.metrics_port, "data": config.node.data_port}
-    assert (master_ports["grpc"], master_ports["metrics"]) == (config.master.port, config.master.metrics_port)
-    assert int(node["metadata"]["annotations"]["prometheus.io/port"]) == config.node.metrics_port
-    assert int(master["metadata"]["annotations"]["prometheus.io/port"]) == config.master.metrics_port
-    assert config.node.master == config.client.master == f"kvpool-master.kvpool.svc.cluster.local:{config.master.port}"
+    ns, ms = config.node.server, config.master.server
+    assert node_ports == {"grpc": ns.port, "metrics": ns.metrics_port, "data": config.node.data_port}
+    assert (master_ports["grpc"], master_ports["metrics"]) == (ms.port, ms.metrics_port)
+    assert int(node["metadata"]["annotations"]["prometheus.io/port"]) == config.node.server.metrics_port
+    assert int(master["metadata"]["annotations"]["prometheus.io/port"]) == config.master.server.metrics_port
+    assert config.node.master == config.client.master == f"kvpool-master.kvpool.svc.cluster.local:{ms.port}"
     assert _one("Service", "kvpool-node")["spec"]["clusterIP"] == "None"  # one DNS record per node pod
     for name, tmpl in (("kvpool-master", master), ("kvpool-node", node)):
         assert _one("Service", name)["spec"]["selector"].items() <= tmpl["metadata"]["labels"].items()
@@ -154,11 +155,11 @@ def test_ha_config_and_manifests_agree(tmp_path):
     assert load_config(None, env={advertise["name"]: "10.1.2.3"}).master.advertise_host == "10.1.2.3"
     # A standby's gRPC health is NOT_SERVING by design: a gRPC probe would keep it unready or restart it.
     ports = {p["name"]: p["containerPort"] for p in master_c["ports"]}
-    assert (ports["grpc"], ports["metrics"]) == (config.master.port, config.master.metrics_port)
+    assert (ports["grpc"], ports["metrics"]) == (config.master.server.port, config.master.server.metrics_port)
     for probe in ("readinessProbe", "livenessProbe"):
         assert set(master_c[probe]) & {"grpc", "httpGet", "exec"} == set(), probe
-        assert master_c[probe]["tcpSocket"]["port"] == config.master.port
-    assert int(tmpl["metadata"]["annotations"]["prometheus.io/port"]) == config.master.metrics_port
+        assert master_c[probe]["tcpSocket"]["port"] == config.master.server.port
+    assert int(tmpl["metadata"]["annotations"]["prometheus.io/port"]) == config.master.server.metrics_port
     # Headless, with standbys listed: Prometheus scrapes every master under job kvpool-master.
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert sts["spec"]["serviceName"] == service["metadata"]["name"]
@@ -173,9 +174,9 @@ def test_prometheus_kubernetes_config_scrapes_the_services_on_the_metrics_ports(
     scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-kubernetes.yml").read_text())["scrape_configs"]
     jobs = {job["job_name"]: job["dns_sd_configs"][0] for job in scrape}
     assert jobs["kvpool-master"]["names"] == ["kvpool-master.kvpool.svc.cluster.local"]
-    assert jobs["kvpool-master"]["port"] == config.master.metrics_port
+    assert jobs["kvpool-master"]["port"] == config.master.server.metrics_port
     assert jobs["kvpool-node"]["names"] == ["kvpool-node.kvpool.svc.cluster.local"]
-    assert jobs["kvpool-node"]["port"] == config.node.metrics_port
+    assert jobs["kvpool-node"]["port"] == config.node.server.metrics_port
 
 
 class _CaseKeepingParser(configparser.ConfigParser):
@@ -209,7 +210,7 @@ def test_systemd_units_restart_are_hardened_and_run_kvpool_with_the_config(name)
 
 def test_systemd_example_config_and_environment_load():
     config = load_config(SYSTEMD / "kvpool.json", env={})
-    assert config.node.ssd_dir.startswith("/var/lib/kvpool/")  # the node unit's StateDirectory
+    assert config.node.tiers.ssd.dir.startswith("/var/lib/kvpool/")  # the node unit's StateDirectory
     env = dict(line.split("=", 1) for line in (SYSTEMD / "node.env").read_text().splitlines()
                if line and not line.startswith("#"))
     assert load_config(SYSTEMD / "kvpool.json", env=env).node.resolved_advertise() == env["KVPOOL_NODE_ADVERTISE"]

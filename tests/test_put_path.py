@@ -113,8 +113,8 @@ def test_keep_does_not_hold_a_lease_under_a_quota_charge(dram):
 
 @pytest.fixture
 def pool_node(tmp_path, arena_name):
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
-    cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
+    cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
                      dram_bytes=16 << 20, max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / "ssd"))
     try:
         with PoolNode(cfg) as n:
@@ -213,11 +213,11 @@ def test_a_put_of_other_sizes_extends_the_stock_lease_and_commits_once(pool_node
 
 
 def test_the_client_places_as_the_master_would(tmp_path, arena_name):
-    master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0)).start()
     nodes = []
     try:
         for i in range(3):
-            cfg = NodeConfig(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
+            cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0,
                              arena=f"{arena_name}-{i}", node_id=f"n{i}", dram_bytes=(8 + 4 * i) << 20,
                              max_block_bytes=1 << 20, ssd_enabled=False, ssd_dir=str(tmp_path / f"ssd{i}"))
             nodes.append(PoolNode(cfg).start())

@@ -26,9 +26,10 @@ def write_trace(path, requests: list[list[int]]) -> str:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
+    """``kvpool bench replay``'s flags; ``--trace`` (required) is a placeholder unless ``argv`` names one."""
     parser = argparse.ArgumentParser()
     rp.add_arguments(parser)
-    return parser.parse_args(argv)
+    return parser.parse_args(["--trace", "trace.jsonl", *argv])
 
 
 def keys_of(requests: list[list[int]], tenant: str = "") -> list[list[BlockKey]]:

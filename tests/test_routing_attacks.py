@@ -48,7 +48,7 @@ def start_master(tmp, **settings: object) -> PoolProcesses:
         "clients": {TOKEN_A: {"tenant": "a"}, TOKEN_B: {"tenant": "b"}},
     }))
     config = tmp / "kvpool.json"
-    config.write_text(json.dumps({"master": {"auth_file": str(auth), **settings}}))
+    config.write_text(json.dumps({"master": {"server": {"auth_file": str(auth)}, **settings}}))
     procs = PoolProcesses(tmp)
     procs.start_master(config=str(config))
     return procs

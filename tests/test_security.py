@@ -31,12 +31,12 @@ from kvpool.checksum import block_checksum
 from kvpool.client.bulk import BulkClient, BulkFailed, BulkUnavailable
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
-from kvpool.core import Tier
+from kvpool.core import NO_TIER, Tier
 from kvpool.framing import ConnectionPool, recv_exact
 from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys, pack_keys
 from kvpool.master import MasterServer
 from kvpool.node.daemon import PoolNode
-from kvpool.rpc import MISS, make_channel
+from kvpool.rpc import make_channel
 from kvpool.tiers.arena import shm_path
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
 from kvpool.wire import Method
@@ -71,7 +71,7 @@ def blocks(n: int, size: int = MIB, seed: int = 0) -> list[np.ndarray]:
 @contextlib.contextmanager
 def cluster(tmp_path, arena: str, *, master_over: dict | None = None, **node_over):
     """An in-process master and one node registered with it."""
-    master = MasterServer(MasterConfig(host="127.0.0.1", port=0, metrics_port=0, call_port=0,
+    master = MasterServer(MasterConfig.of(host="127.0.0.1", port=0, metrics_port=0, call_port=0,
                                        **(master_over or {}))).start()
     try:
         values: dict[str, Any] = dict(
@@ -79,7 +79,7 @@ def cluster(tmp_path, arena: str, *, master_over: dict | None = None, **node_ove
             dram_bytes=16 * MIB, max_block_bytes=MIB, ssd_dir=str(tmp_path / "ssd"), ssd_bytes=64 * MIB,
         )
         values.update(node_over)
-        node = PoolNode(NodeConfig(**values)).start()
+        node = PoolNode(NodeConfig.of(**values)).start()
         try:
             wait_until(lambda: master.membership.live_nodes() and node.link.registered, timeout=20)
             yield master, node
@@ -313,8 +313,8 @@ def test_two_tenants_with_identical_prompts_never_see_or_change_each_others_bloc
         channel, stub = node_stub(node, TOKEN_B)
         with channel:
             got = stub.Get(node_pb2.GetRequest(keys=pack_keys(ks)), timeout=5)
-            assert got.tiers == bytes([MISS]) * 4 and got.data == b""
-            assert stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys(ks)), timeout=5).tiers == bytes([MISS]) * 4
+            assert got.tiers == bytes([NO_TIER]) * 4 and got.data == b""
+            assert stub.Exists(node_pb2.NodeExistsRequest(keys=pack_keys(ks)), timeout=5).tiers == bytes([NO_TIER]) * 4
             # B writes and removes "the same" keys: its own blocks, never A's.
             assert b.store(ks, vb) == [True] * 4
             assert b.flush()  # its Commits answered (a same-host put returns before), so the node holds them
@@ -345,7 +345,7 @@ def test_the_same_host_path_serves_an_authenticated_client_from_the_arena_with_i
             assert a.get_into(list(a.lookup(ks)), outs) == [True] * 3
             assert all(np.array_equal(o, v) for o, v in zip(outs, vs))
             assert node.store.dram.stats().hits == hits  # copied from the arena by the client, not sent by the node
-        assert a.shared_path.tenant_mask() == Authority.load(node.config.auth_file).mask("a")
+        assert a.shared_path.tenant_mask() == Authority.load(node.config.server.auth_file).mask("a")
         stored = mask_keys(pack_keys(ks), a.shared_path.tenant_mask())
         assert node.store.dram.contains([stored[i * 32 : (i + 1) * 32] for i in range(3)]) == [True] * 3
 
@@ -353,10 +353,10 @@ def test_the_same_host_path_serves_an_authenticated_client_from_the_arena_with_i
 def test_the_arena_is_created_0600_or_exactly_the_group_mode_asked_for(tmp_path, arena_name, auth_file):
     with cluster(tmp_path, arena_name) as (_, node):
         assert stat.S_IMODE(os.stat(shm_path(arena_name)).st_mode) == 0o600
-        assert node.config.arena_mode == "0600"
+        assert node.config.tiers.dram.arena_mode == "0600"
     old = os.umask(0o077)  # a strict umask must not take the group's access away
     try:
-        node = PoolNode(NodeConfig(master=f"127.0.0.1:{free_port()}", port=0, metrics_port=0, data_port=0,
+        node = PoolNode(NodeConfig.of(master=f"127.0.0.1:{free_port()}", port=0, metrics_port=0, data_port=0,
                                    arena=arena_name, dram_bytes=4 * MIB, max_block_bytes=MIB, ssd_enabled=False,
                                    arena_mode="0660"))
         try:
@@ -367,7 +367,7 @@ def test_the_arena_is_created_0600_or_exactly_the_group_mode_asked_for(tmp_path,
         os.umask(old)
     for mode in ("0666", "0604", "0400", "rw"):
         with pytest.raises(ValueError, match="arena_mode"):
-            PoolNode(NodeConfig(port=0, metrics_port=0, data_port=0, arena=arena_name, dram_bytes=4 * MIB,
+            PoolNode(NodeConfig.of(port=0, metrics_port=0, data_port=0, arena=arena_name, dram_bytes=4 * MIB,
                                 max_block_bytes=MIB, ssd_enabled=False, arena_mode=mode))
         assert not os.path.exists(shm_path(arena_name))  # refused before anything was created
 
@@ -611,9 +611,9 @@ def test_a_bad_auth_file_is_a_clear_error_before_anything_starts(tmp_path, arena
         path = tmp_path / "auth.json"
         path.write_text(text)
         with pytest.raises(ValueError, match="auth"):
-            MasterServer(MasterConfig(port=0, metrics_port=0, auth_file=str(path)))
+            MasterServer(MasterConfig.of(port=0, metrics_port=0, auth_file=str(path)))
         with pytest.raises(ValueError, match="auth"):
-            PoolNode(NodeConfig(port=0, metrics_port=0, arena=arena_name, dram_bytes=4 * MIB, max_block_bytes=MIB,
+            PoolNode(NodeConfig.of(port=0, metrics_port=0, arena=arena_name, dram_bytes=4 * MIB, max_block_bytes=MIB,
                                 ssd_enabled=False, auth_file=str(path)))
         assert not os.path.exists(shm_path(arena_name)), why
 
@@ -653,13 +653,13 @@ def test_kvpool_serve_shares_the_security_settings_between_its_master_and_node(a
     from kvpool.config import PoolConfig
     from kvpool.serve import master_config_for, node_config_for
 
-    config = PoolConfig(master=MasterConfig(auth_file=auth_file, tls_cert=certs["server.pem"],
-                                            tls_key=certs["server.key"]),
-                        node=NodeConfig(tls_ca=certs["ca.pem"]))
+    config = PoolConfig(master=MasterConfig.of(auth_file=auth_file, tls_cert=certs["server.pem"],
+                                               tls_key=certs["server.key"]),
+                        node=NodeConfig.of(tls_ca=certs["ca.pem"]))
     node = node_config_for(config, 7777)
-    assert (node.master, node.auth_file, node.token) == ("127.0.0.1:7777", auth_file, NODE_TOKEN)
-    assert (node.tls_cert, node.tls_key) == (certs["server.pem"], certs["server.key"])
-    master = master_config_for(PoolConfig(node=NodeConfig(auth_file=auth_file)))
-    assert master.auth_file == auth_file
+    assert (node.master, node.server.auth_file, node.token) == ("127.0.0.1:7777", auth_file, NODE_TOKEN)
+    assert (node.tls.cert, node.tls.key) == (certs["server.pem"], certs["server.key"])
+    master = master_config_for(PoolConfig(node=NodeConfig.of(auth_file=auth_file)))
+    assert master.server.auth_file == auth_file
     with pytest.raises(ValueError, match="tls_ca"):  # the node could not verify its own master
         node_config_for(PoolConfig(master=config.master), 7777)

@@ -237,7 +237,7 @@ def test_status_says_clearly_when_the_master_is_unreachable(procs):
 def test_bad_flags_are_refused_with_a_clear_message(tmp_path):
     done = subprocess.run([sys.executable, "-m", "kvpool.cli", "serve", "--dram-bytes", "lots"],
                           capture_output=True, text=True, timeout=30, cwd=tmp_path)
-    assert done.returncode == 2 and "node.dram_bytes" in done.stderr
+    assert done.returncode == 2 and "node.tiers.dram.bytes (dram_bytes)" in done.stderr
     assert not (tmp_path / "kvpool-data").exists()
 
 

@@ -20,9 +20,9 @@ import pytest
 from support import PoolProcesses, metric, scrape
 
 from kvpool.checksum import copy_with_checksum
-from kvpool.core import Tier
+from kvpool.core import NO_TIER, Tier
 from kvpool.keys import BlockKey, opaque_key, pack_keys
-from kvpool.rpc import MISS, make_channel
+from kvpool.rpc import make_channel
 from kvpool.tiers.arena import SharedArena
 from kvpool.v1 import node_pb2, node_pb2_grpc
 
@@ -54,8 +54,9 @@ def pool(tmp_path_factory):
     }))
     config = tmp / "kvpool.json"
     config.write_text(json.dumps({
-        "master": {"auth_file": str(auth)},
-        "node": {"auth_file": str(auth), "token": NODE_TOKEN, "ssd_enabled": False, "lease_timeout_s": 60.0},
+        "master": {"server": {"auth_file": str(auth)}},
+        "node": {"server": {"auth_file": str(auth)}, "token": NODE_TOKEN,
+                 "tiers": {"ssd": {"enabled": False}, "dram": {"lease_timeout_s": 60.0}}},
     }))
     procs = PoolProcesses(tmp, **{"dram-bytes": str(SLOTS * SLOT), "max-block-bytes": str(SLOT), "config": str(config)})
     try:
@@ -146,11 +147,11 @@ def test_a_tenant_committing_another_tenants_lease_id_stores_nothing_and_leaves_
         assert b.commit(reply_a.lease, mine, slots_a, sums_a) == [0, 0]
         assert b.commit(reply_a.lease, ["b-lease-0"], slots_a[:1], sums_a[:1]) == [0]
         assert b.commit(reply_a.lease, [], [], []) == []
-        assert b.tiers(mine) == [MISS, MISS] and a.tiers(mine) == [MISS, MISS]  # nothing stored for anyone
+        assert b.tiers(mine) == [NO_TIER, NO_TIER] and a.tiers(mine) == [NO_TIER, NO_TIER]  # nothing stored for anyone
         # A's own commit still stores A's blocks, byte for byte.
         assert a.commit(reply_a.lease, mine, slots_a, sums_a) == [1, 1]
         assert a.readable(mine)
-        assert b.tiers(mine) == [MISS, MISS]
+        assert b.tiers(mine) == [NO_TIER, NO_TIER]
         assert leased_slots(pool) == 1
     finally:
         b.commit(reply_b.lease, [], [], [])  # ends B's lease

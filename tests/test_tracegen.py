@@ -1,4 +1,4 @@
-"""`kvpool bench tracegen` and `kvpool bench lru-sweep`: seeded traces with the reuse they claim, and a sweep whose
+"""`benchmarks/tracegen.py` and `kvpool bench lru-sweep`: seeded traces with the reuse they claim, and a sweep whose
 LRU column is the exact LRU."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import json
 from collections import defaultdict
 
 import pytest
+import tracegen as tg  # benchmarks/, on pytest's pythonpath
 
 from kvpool import cli
 from kvpool.bench import lru_sweep as ls
 from kvpool.bench import replay as rp
 from kvpool.bench import trace as tr
-from kvpool.bench import tracegen as tg
 from kvpool.keys import KeyNamespace
 
 N = 400  # requests per generated trace: enough for each pattern's statistics, well under a second
@@ -22,11 +22,11 @@ BB = 4 << 10
 
 def gen_file(tmp_path, pattern: str, requests: int = N, seed: int = 0, *knobs: str) -> str:
     out = str(tmp_path / f"{pattern}-{seed}.jsonl")
-    argv = ["bench", "tracegen", "--pattern", pattern, "--requests", str(requests), "--seed", str(seed),
+    argv = ["--pattern", pattern, "--requests", str(requests), "--seed", str(seed),
             "--out", out]
     for k in knobs:
         argv += ["--set", k]
-    assert cli.main(argv) == 0
+    assert tg.main(argv) == 0
     return out
 
 
@@ -165,7 +165,7 @@ def test_unknown_pattern_and_bad_counts_are_refused(capsys) -> None:
     with pytest.raises(ValueError, match="do not fit pattern 'one-off'"):
         tg.generate("one-off", 10, knobs=tg.MultiTurnKnobs())
     with pytest.raises(SystemExit):
-        cli.main(["bench", "tracegen", "--pattern", "nope", "--out", "/dev/null"])
+        tg.main(["--pattern", "nope", "--out", "/dev/null"])
     assert "invalid choice" in capsys.readouterr().err
 
 

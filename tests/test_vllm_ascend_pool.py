@@ -36,7 +36,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def python() -> str:
-    from kvpool.bench.vllm_runtime import vllm_python
+    from vllm_runtime import vllm_python
 
     found = vllm_python()
     assert found is not None, "no vLLM here: run `bash tests/vllm_env.sh` (tests/run.sh does)"
@@ -55,7 +55,7 @@ def procs(tmp_path: Path):
 
 def drive(python: str, tmp: Path, spec: dict[str, Any], on_pause: Any = None) -> dict[str, Any]:
     """Run the driver with ``spec``; its reports merged into one dict. ``on_pause(name)`` runs at each pause."""
-    from kvpool.bench.vllm_runtime import vllm_env
+    from vllm_runtime import vllm_env
 
     path = tmp / f"spec-{spec['role']}.json"
     path.write_text(json.dumps(spec))

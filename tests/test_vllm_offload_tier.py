@@ -30,8 +30,8 @@ from driver_support import run_driver
 from fault.faultkit import kill_9, stopped
 from support import PoolProcesses, wait_until
 from test_engine_vllm import drive, prompt, req
+from vllm_runtime import save_model, vllm_env, vllm_python
 
-from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig
 from kvpool.engines.vllm.offload_jobs import (

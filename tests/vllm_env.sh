@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The real vLLM for kvpool's vLLM tests and `kvpool bench vllm`: `bash tests/vllm_env.sh` makes
+# The real vLLM for kvpool's vLLM tests and `benchmarks/vllm_ttft.py`: `bash tests/vllm_env.sh` makes
 # build/vllm-venv (once; a second run only re-installs kvpool into it, editable). The venv has its own
 # packages, none of the caller's, so it works alike from a system Python and from inside a virtualenv.
 #

@@ -106,7 +106,7 @@ def bench_size(n: int, calls: int, width: int, batch: int, seed: int) -> Row:
     """Fill a fresh master's index with ``n`` blocks and measure it; the server is stopped before returning."""
     rng = np.random.default_rng([seed, n])
     sample = _split(rng.bytes(KEY_BYTES * min(n, SAMPLE_KEYS)))
-    config = MasterConfig(host="127.0.0.1", port=0, metrics_port=0, node_timeout_s=_LONG_S, worker_timeout_s=_LONG_S)
+    config = MasterConfig.of(host="127.0.0.1", port=0, metrics_port=0, node_timeout_s=_LONG_S, worker_timeout_s=_LONG_S)
     server = MasterServer(config).start()
     try:
         membership, index = server.membership, server.index

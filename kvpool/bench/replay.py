@@ -80,7 +80,6 @@ from kvpool.keys import BlockKey, KeyNamespace, leading_hits
 from kvpool.layout import KVLayout
 from kvpool.metrics import error_counts
 
-DEFAULT_TRACE = "../shared/data/mooncake_synthetic_trace.jsonl"
 DEFAULT_BLOCK_BYTES = 16 << 10
 DEFAULT_HBM = "1000b"
 DEFAULT_DRAM = "4000b"
@@ -268,10 +267,10 @@ class EmbeddedPool:
         from kvpool.node.daemon import PoolNode
 
         self.node = None
-        self.master = MasterServer(MasterConfig(host="127.0.0.1", port=0, metrics_port=0)).start()
+        self.master = MasterServer(MasterConfig.of(host="127.0.0.1", port=0, metrics_port=0)).start()
         try:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvpool-replay-", dir=ssd_parent)
-            node_config = NodeConfig(
+            node_config = NodeConfig.of(
                 master=self.master.address, host="127.0.0.1", port=0, metrics_port=0,
                 arena=f"kvpool-replay-{os.getpid()}-{uuid.uuid4().hex[:8]}",
                 dram_bytes=config.dram_bytes,
@@ -530,8 +529,9 @@ def _capacity_arg(text: str) -> Capacity:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", default=DEFAULT_TRACE,
-                        help="Mooncake-format JSONL trace (default: %(default)s)")
+    parser.add_argument("--trace", required=True, metavar="FILE",
+                        help="your Mooncake-format JSONL trace (one request a line: timestamp, input_length, "
+                        "output_length, hash_ids)")
     parser.add_argument("--limit", type=int, default=None, metavar="N", help="replay only the first N requests")
     parser.add_argument("--block-bytes", type=parse_bytes, default=DEFAULT_BLOCK_BYTES, metavar="SIZE",
                         help="payload of one 512-token block, a multiple of 1 KiB (default: 16K)")

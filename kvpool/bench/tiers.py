@@ -20,7 +20,6 @@ import numpy as np
 
 from kvpool.buffers import aligned_empty
 from kvpool.keys import BlockKey
-from kvpool.tiers.base import TierStore
 from kvpool.tiers.dram import DramStore
 from kvpool.tiers.ssd import SsdStore
 
@@ -70,7 +69,7 @@ def bench_size(size: int, total: int, rounds: int, batch: int, ssd_dir: str) -> 
 
     memcpy_gbps = _best_gbps(nbytes, rounds, memcpy)
 
-    def put_get(store: TierStore[np.ndarray], name: str) -> tuple[float, float]:
+    def put_get(store: DramStore | SsdStore, name: str) -> tuple[float, float]:
         """(put, get) GB/s of one tier store over the working set, bytes checked."""
 
         def put() -> None:

@@ -65,6 +65,7 @@ from kvpool.engines.regions import RegisteredMemory
 from kvpool.engines.session import EngineSession
 from kvpool.engines.staging import DEFAULT_STAGING_BYTES
 from kvpool.keys import BlockKey, leading_hits
+from kvpool.layout import check_block
 
 log = logging.getLogger(__name__)
 _LEADING_HEX = re.compile(r"[0-9a-fA-F]+")  # an SGLang page key starts with its page hash in hex
@@ -142,10 +143,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):
                 log.warning("kvpool HiCache storage: %s pages of %s not served: %r", order, fmt, exc)
                 continue
             layout = self.session.client.layout if self.session.client is not None else None
-            if layout is not None and nbytes != layout.block_bytes:
-                raise ValueError(f"an SGLang page is {nbytes} bytes ({fmt}, {order}); the kvpool config's layout "
-                                 f"{layout.fingerprint()} has {layout.block_bytes}: drop the layout (pages are "
-                                 "raw blocks) or fix it")
+            if layout is not None:
+                try:
+                    layout.check_block(nbytes, what=f"an SGLang page ({fmt}, {order})")
+                except ValueError as exc:
+                    raise ValueError(f"{exc} (the kvpool config's layout): drop the layout (pages are raw blocks) "
+                                     "or fix it") from None
             self.page_bytes[order] = nbytes
             self._scopes[order] = f"sglang|{self._model()}|{self.rank_scope}|{fmt}:{nbytes}B:{order}"
 
@@ -291,8 +294,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         if len(pieces) < len(found):
             return self.session.refuse(call, "a page lies outside the registered host pool", None)
         pages = [pieces[i * per_page : (i + 1) * per_page] for i in range(n)]
-        if any(sum(size for _, size in page) != self.page_bytes["zc"] for page in pages):
-            return self.session.refuse(call, f"a page is not {self.page_bytes['zc']} bytes", None)
+        try:
+            for i, page in enumerate(pages):
+                check_block(sum(size for _, size in page), self.page_bytes["zc"], what=f"page {i}")
+        except ValueError as exc:
+            return self.session.refuse(call, str(exc), None)
         return block_keys, pages
 
     def _flat(self, call: str, keys: object, tensors: object) -> tuple[list[BlockKey], list[Pieces]] | None:
@@ -305,9 +311,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             return self.session.refuse(call, f"need one page tensor per key ({len(block_keys)})", None)
         pages: list[Pieces] = []
         for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous() or \
-                    t.numel() * t.element_size() != nbytes:
-                return self.session.refuse(call, f"page {i} must be a contiguous CPU tensor of {nbytes} bytes", None)
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                return self.session.refuse(call, f"page {i} must be a CPU tensor", None)
+            try:
+                check_block(t, nbytes, what=f"page {i}")
+            except ValueError as exc:
+                return self.session.refuse(call, str(exc), None)
             pages.append([(t.data_ptr(), nbytes)])
         return block_keys, pages
 

@@ -31,8 +31,8 @@ Invariants:
   client reads and fills: one host staging copy at most.
 - Bad input (keys not a list of str, mismatched lengths, non-integer or
   unregistered addresses, a key whose pieces do not add up to the layout's
-  ``block_bytes`` when a layout is configured) is refused whole: logged,
-  counted in ``stats["refused"]``, nothing changed, never an exception.
+  ``block_bytes`` when a layout is configured: :meth:`kvpool.layout.KVLayout.check_block`) is refused
+  whole: logged, counted in ``stats["refused"]``, nothing changed, never an exception.
 - A pool fault is a miss (``ERR_FAILED``); misses leave the engine's memory untouched.
 - A key maps to a pool key with :func:`kvpool.keys.opaque_key` in the
   client's namespace (:mod:`.keymap`). Without a ``layout`` in the config a
@@ -233,9 +233,11 @@ class KVPoolStoreBackend:
             if len(key_pieces) < len(found):
                 return self.session.refuse(call, f"key {i}: a piece lies outside the registered buffers", refused)
             total = sum(size for _, size in key_pieces)
-            if self.layout is not None and total != self.layout.block_bytes:
-                return self.session.refuse(call, f"key {i}: pieces add up to {total} bytes; a block of "
-                                           f"{self.layout.fingerprint()} is {self.layout.block_bytes}", refused)
+            if self.layout is not None:
+                try:
+                    self.layout.check_block(total, what=f"key {i}: its pieces")
+                except ValueError as exc:
+                    return self.session.refuse(call, str(exc), refused)
             pieces.append(key_pieces)
             totals.append(total)
         return block_keys, pieces, totals

@@ -4,12 +4,12 @@ and the fast calls Locate / Reserve / Commit, on one port (``NodeRef.data_addres
 gRPC costs a copy into a ``bytes`` message at each end and tops out well
 below what a socket carries, so remote reads and writes use the wire's bulk
 methods instead (gRPC ``Get``/``Put`` stay as the fallback). The store is
-reached through :class:`kvpool.node.core.NodeCore`, as the gRPC servicer reaches it.
+reached only through :class:`kvpool.node.core.NodeCore`, as the gRPC servicer reaches it.
 
 Invariants:
 - GET sends DRAM blocks from their arena rows (gathered ``sendmsg`` of
   :meth:`NodeCore.block_bytes`: no copy in Python) and re-checks each row's
-  gen after sending (:meth:`NodeCore.intact`): a row reused mid-send is
+  gen after sending (:meth:`NodeCore.end_read`): a row reused mid-send is
   reported invalid in the trailer. The client verifies every block's checksum
   anyway, so a torn send is a miss, never wrong bytes. SSD-resident blocks
   are read (and promoted into DRAM) into a scratch buffer of at most
@@ -17,11 +17,13 @@ Invariants:
 - PUT receives each block that fits a DRAM slot straight into a slot the
   node reserved for it (``recvmsg_into``), then commits the lease: the key
   becomes visible only after its bytes match its checksum. The listener's
-  own leases last as long as their request: they are released in a
-  ``finally`` if the request fails, so a client that disconnects, or whose
-  request passes its deadline, leaves nothing behind. Blocks with no DRAM
-  slot (larger than a slot, or no room) go through scratch to the store's
-  ``put`` (SSD). PUT replies only after the master link flushed, as gRPC ``Put`` does.
+  own leases last as long as their request (:meth:`NodeCore.request_lease`):
+  a client that disconnects, or whose request passes its deadline, leaves
+  nothing behind. Blocks with no DRAM slot (larger than a slot, or no room)
+  go through scratch to :meth:`NodeCore.put` (SSD). PUT replies once the
+  blocks are stored, as gRPC ``Put`` does; it never waits for the master
+  (the master link reports in the background; ``FlushReports`` is the
+  writer's barrier).
 - Memory follows bytes that arrived (the wire allocates headers as they
   come). A GET's hits may hold at most ``MAX_GET_BYTES`` or
   ``max_request_bytes``, whichever is larger (INVALID_ARGUMENT otherwise,
@@ -46,12 +48,11 @@ from typing import Any
 import numpy as np
 
 from kvpool.auth import Authority
-from kvpool.core import Tier
+from kvpool.core import NO_TIER, Tier
 from kvpool.framing import IOV_MAX, TcpListener
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.metrics import ErrorMetrics
 from kvpool.node.core import NodeCore
-from kvpool.rpc import MISS
 from kvpool.v1 import node_pb2
 from kvpool.wire import (
     MAX_GET_BYTES,
@@ -147,7 +148,7 @@ class BulkServer:
         stream.serving()
         sizes = np.zeros(count, dtype=np.uint64)
         sums = np.zeros(count, dtype=np.uint64)
-        tiers = np.full(count, MISS, dtype=np.uint8)
+        tiers = np.full(count, NO_TIER, dtype=np.uint8)
         valid = np.zeros(count, dtype=np.uint8)
         slots = np.zeros(count, dtype=np.int64)
         gens = np.zeros(count, dtype=np.uint64)
@@ -160,12 +161,11 @@ class BulkServer:
         stream.begin_reply(node_pb2.BulkGetReply(tiers=tiers.tobytes(), sizes=sizes.tolist(), checksums=sums.tolist()),
                            total, trailer_bytes)
         pending: list[Any] = []  # buffers gathered for the next sendmsg
-        hits = np.flatnonzero(tiers != MISS)
+        hits = np.flatnonzero(tiers != NO_TIER)
         ssd = np.flatnonzero(tiers == _SSD).tolist()
         loaded: dict[int, np.ndarray] = {}  # SSD key index -> scratch with its bytes
         next_ssd = 0
-        scratch: np.ndarray | None = None  # taken from the store's pool, given back when replaced or done
-        store = core.store
+        scratch: np.ndarray | None = None  # taken from the core's pool, given back when replaced or done
         try:
             for i, tier in zip(hits.tolist(), tiers[hits].tolist()):
                 if tier == _DRAM:
@@ -179,7 +179,7 @@ class BulkServer:
                     pending.clear()
                     loaded.clear()
                     if scratch is not None:
-                        store.scratch.give(scratch)
+                        core.scratch.give(scratch)
                         scratch = None
                     next_ssd, scratch = self._load_ssd(packed, ssd, next_ssd, sizes, loaded, valid)
                 pending.append(loaded[i])
@@ -188,11 +188,9 @@ class BulkServer:
         finally:
             loaded.clear()
             if scratch is not None:
-                store.scratch.give(scratch)
+                core.scratch.give(scratch)
         sent_dram = np.flatnonzero(tiers == _DRAM)
-        intact = sent_dram[core.intact(slots[sent_dram], gens[sent_dram])]  # not reused while it was sent
-        valid[intact] = 1
-        core.record_reads(len(intact), len(sent_dram) - len(intact), int(sizes[intact].sum()))
+        valid[sent_dram[core.end_read(slots[sent_dram], gens[sent_dram], sizes[sent_dram])]] = 1
         trailer = node_pb2.BulkGetTrailer(valid=valid.tobytes()).SerializeToString()
         assert len(trailer) == trailer_bytes, "node wire: a GET trailer of another size than announced"
         stream.send([trailer])
@@ -213,7 +211,7 @@ class BulkServer:
             run.append(ssd[pos])
             total += int(sizes[ssd[pos]])
             pos += 1
-        scratch = self.core.store.scratch.take(total)
+        scratch = self.core.scratch.take(total)
         offset = 0
         for i in run:
             n = int(sizes[i])
@@ -238,23 +236,12 @@ class BulkServer:
         core.check_sizes(sizes)
         if sum(sizes) != stream.payload_left:
             raise ValueError(f"sizes sum to {sum(sizes)} bytes but the payload holds {stream.payload_left}")
-        leased = core.reserve(keys, sizes, None, charge_unfit=True)  # ours: released below
-        stored = leased.held[:]
-        committed = False
-        try:  # the reservation ends with the request: its deadline cuts the connection, and this releases it
+        with core.request_lease(keys, sizes) as leased:  # ends with the request, whatever happens to it
+            stored = leased.held[:]
             self._receive(stream, keys, sizes, sums, leased.slots, stored, leased.refused)
             stream.serving()
-            if leased.slots:
-                idx = list(leased.slots)
-                ok = core.commit(leased.lease, [keys[i] for i in idx], [leased.slots[i][0] for i in idx],
-                                 [sums[i] for i in idx])
-                committed = True
-                for i, good in zip(idx, ok):
-                    stored[i] = good
-                core.count("checksum", ok.count(False))
-        finally:
-            if not committed and leased.lease:
-                core.release(leased.lease)
+            for i, good in core.commit_request(leased, keys, sums).items():
+                stored[i] = good
         core.trim(keys)
         stream.begin_reply(node_pb2.PutResponse(stored=bytes(np.fromiter(stored, dtype=np.uint8, count=count))))
         stream.send()

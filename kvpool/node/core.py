@@ -2,7 +2,12 @@
 
 Both :mod:`kvpool.node.servicer` (gRPC, and the fast calls Locate / Reserve /
 Commit) and :mod:`kvpool.node.bulk` (the wire's bulk GET and PUT) translate
-their requests and call this; neither looks into the tiers for itself.
+their requests and call this; NodeCore is all they see of the node: they
+import nothing from :mod:`kvpool.tiers` and never reach a store or the arena
+(``tests/test_boundaries.py`` holds them to it). Each method is one step of a
+request, and steps a request always takes together are one method (the end
+of a zero-copy read, :meth:`NodeCore.end_read`; the wire PUT's own lease,
+:meth:`NodeCore.request_lease` and :meth:`NodeCore.commit_request`).
 
 Invariants:
 - Keys: every key a request names is the caller's (:func:`kvpool.auth.caller`);
@@ -14,9 +19,11 @@ Invariants:
   :meth:`NodeCore.locate` (reads: the caller reads the blocks next). A DRAM
   row is "that block" only while its gen is the one read with its metadata
   (the arena's seqlock, :class:`~kvpool.tiers.arena.SlotRef`: read between
-  two looks at the gen); :meth:`NodeCore.intact` is the look after bytes
+  two looks at the gen); :meth:`NodeCore.end_read` is the look after bytes
   were sent.
-- Every access to arena bytes from node code is :meth:`NodeCore.block_bytes`.
+- Every access to arena bytes from node code is :meth:`NodeCore.block_bytes`
+  (:meth:`NodeStore.block_bytes <kvpool.tiers.node_store.NodeStore.block_bytes>`:
+  the store hides the arena).
 - Admission: a tenant's new blocks pass its quota (:mod:`kvpool.node.quota`);
   slots leased to a writer are charged from :meth:`NodeCore.reserve` until
   the lease ends (commit, release, or the reaper).
@@ -28,16 +35,16 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from kvpool.auth import caller_keys, caller_tenant
-from kvpool.buffers import BufferLike, byte_view
+from kvpool.buffers import BufferLike, ScratchPool, byte_view
 from kvpool.checksum import block_checksum
-from kvpool.core import Tier
+from kvpool.core import Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.metrics import ErrorMetrics
 from kvpool.node.quota import Charge, QuotaLedger
@@ -52,7 +59,7 @@ AHEAD_ONE_SHARE = 16  # ...or one block of at most 1/AHEAD_ONE_SHARE of it (so a
 class Leased:
     """What :meth:`NodeCore.reserve` leased: per request index, the slot and gen of blocks that got one."""
 
-    lease: int
+    lease: int  # 0: none (nothing leased, or the lease ended)
     slots: dict[int, tuple[int, int]]  # index -> (slot, odd gen)
     held: list[bool]  # per key: the node holds it already (nothing to write)
     refused: set[int] = field(default_factory=set)  # over the tenant's quota: not to be stored
@@ -63,11 +70,28 @@ class NodeCore:
 
     def __init__(self, store: NodeStore, *, max_keys_per_call: int, errors: ErrorMetrics | None = None,
                  quota: QuotaLedger | None = None, report: Callable[[], bool] | None = None):
-        self.store = store
+        self._store = store
         self.max_keys_per_call = max_keys_per_call
         self.errors = errors
         self.quota = quota
         self.report = report  # sends pending changes to the master: True once it has them (the master link)
+        self.scratch: ScratchPool = store.scratch  # temporaries for SSD reads and no-slot puts (taken, given back)
+
+    # -- what the node is -----------------------------------------------------------------------------
+
+    @property
+    def arena_name(self) -> str:
+        """The DRAM arena same-host readers and writers attach to (Locate and Reserve replies name it)."""
+        return self._store.arena_name
+
+    @property
+    def dram_max_block_bytes(self) -> int:
+        """The largest block DRAM takes (larger ones live on SSD only)."""
+        return self._store.dram.max_block_bytes
+
+    def stats(self) -> list[TierStats]:
+        """Per tier its usage and counters, DRAM first."""
+        return self._store.stats()
 
     # -- keys and sizes -------------------------------------------------------------------------------
 
@@ -87,67 +111,63 @@ class NodeCore:
 
     def check_sizes(self, sizes: Sequence[int]) -> None:
         """ValueError for a block of 0 bytes or one no tier takes."""
-        store = self.store
-        for i, n in enumerate(sizes):
-            if n == 0:
-                raise ValueError(f"block {i} is empty (a block of 0 bytes)")
-            if not store.fits_dram(n) and (store.ssd is None or not store.ssd.fits(n)):
-                raise ValueError(f"a {n}-byte block fits neither DRAM (at most {store.dram.max_block_bytes} B) "
-                                 "nor the SSD tier")
+        self._store.check_fits(sizes)
 
     # -- lookups --------------------------------------------------------------------------------------
+
+    def where(self, keys: Sequence[BlockKey]) -> list[Tier | None]:
+        """Per key the fastest tier holding it, or None (no recency change)."""
+        return self._store.where(keys)
 
     def locate(self, keys: Sequence[BlockKey], *, promote: bool) -> list[SlotRef | None]:
         """Per key its DRAM copy for a same-host reader, stamped read (``promote``: SSD blocks brought in first,
         after the request's DRAM blocks were stamped: see NodeStore.locate)."""
-        return self.store.locate(keys, promote=promote)
+        return self._store.locate(keys, promote=promote)
 
     def sizes(self, keys: Sequence[BlockKey]) -> list[tuple[int, int] | None]:
         """Per key (size, checksum) from whichever tier holds it, or None (no recency change)."""
-        found: list[tuple[int, int] | None] = [None if r is None else (r.length, r.checksum)
-                                               for r in self.store.dram.locate(keys)]
-        missing = [i for i, f in enumerate(found) if f is None]
-        if missing and self.store.ssd is not None:
-            for i, meta in zip(missing, self.store.ssd_meta([keys[i] for i in missing])):
-                if meta is not None:
-                    found[i] = (meta.size, meta.checksum)
-        return found
+        return [None if f is None else (f[1].size, f[1].checksum) for f in self._store.where_meta(keys)]
 
     def read_refs(self, keys: Sequence[BlockKey], lo: int, sizes: np.ndarray, sums: np.ndarray, tiers: np.ndarray,
                   slots: np.ndarray, gens: np.ndarray) -> None:
         """For a read of ``keys`` (entries ``lo`` on of the arrays): each key's size, checksum, tier and, in DRAM,
         slot and gen; DRAM hits count as reads for recency. Misses are left as they are (size 0)."""
+        store = self._store
         lower: list[int] = []  # keys not in DRAM now
-        for i, ref in enumerate(self.store.dram.locate(keys, touch=True), lo):
+        for i, ref in enumerate(store.dram.locate(keys, touch=True), lo):
             if ref is None:
                 lower.append(i)
             else:
                 sizes[i], sums[i], tiers[i] = ref.length, ref.checksum, Tier.DRAM
                 slots[i], gens[i] = ref.slot, ref.gen
-        if lower and self.store.ssd is not None:
-            for i, meta in zip(lower, self.store.ssd_meta([keys[i - lo] for i in lower])):
+        if lower and store.ssd is not None:
+            for i, meta in zip(lower, store.ssd_meta([keys[i - lo] for i in lower])):
                 if meta is not None:
                     sizes[i], sums[i], tiers[i] = meta.size, meta.checksum, Tier.SSD
 
-    def block_bytes(self, slot: int, length: int) -> Any:
+    def block_bytes(self, slot: int, length: int) -> np.ndarray:
         """The first ``length`` bytes of DRAM row ``slot``'s extent: the one place node code touches arena memory.
 
-        A view, not a copy: valid to read only while :meth:`intact` says the
-        row is still the block whose (slot, gen) the caller read; written only
-        under a lease the caller holds.
+        A view, not a copy: valid to read only while :meth:`end_read` would
+        find the row still the block whose (slot, gen) the caller read;
+        written only under a lease the caller holds.
         """
-        return self.store.dram.arena.block(slot, length)
+        return self._store.block_bytes(slot, length)
 
-    def intact(self, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
-        """Per (slot, gen): whether the row is still that block (not reused since the gen was read)."""
-        return self.store.dram.arena.unchanged(slots, gens)
+    def end_read(self, slots: np.ndarray, gens: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """After DRAM rows were sent straight from the arena: which of them are still the blocks read (the
+        seqlock's second look: not reused since ``gens`` were read), as a bool mask.
 
-    def record_reads(self, hits: int, misses: int, bytes_out: int) -> None:
-        self.store.dram.record_reads(hits, misses, bytes_out)
+        The intact rows count as DRAM hits (``sizes`` bytes out), the reused ones as misses.
+        """
+        intact = self._store.unchanged(slots, gens)
+        hits = int(intact.sum())
+        self._store.dram.record_reads(hits, len(intact) - hits, int(sizes[intact].sum()))
+        return intact
 
     def load(self, keys: Sequence[BlockKey], outs: Sequence[BufferLike]) -> list[Tier | None]:
         """Read blocks from whichever tier holds them into ``outs`` (an SSD hit is promoted into DRAM)."""
-        return self.store.get_into(keys, outs)
+        return self._store.get_into(keys, outs)
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Tell the quota ledger these keys were read (its LRU)."""
@@ -175,7 +195,7 @@ class NodeCore:
         ``extend``: add the slots to that lease of ``owner``'s (see
         DramStore.reserve; a tenant with a quota has none to extend).
         """
-        store = self.store
+        store = self._store
         held = [t is not None for t in store.where(keys)]
         new = [i for i in range(len(keys)) if not held[i] and (charge_unfit or store.fits_dram(sizes[i]))]
         tenant = caller_tenant()
@@ -192,10 +212,41 @@ class NodeCore:
             held[i] = held[i] or h
         return Leased(res.lease, slots, held, refused)
 
+    @contextmanager
+    def request_lease(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> Iterator[Leased]:
+        """:meth:`reserve` for one request of the node's own (no timeout, ``charge_unfit``): the lease lasts as
+        long as the ``with`` block. Unless :meth:`commit_request` ended it, it is released on the way out, so a
+        request that fails or passes its deadline leaves no slot or charge behind."""
+        leased = self.reserve(keys, sizes, None, charge_unfit=True)
+        try:
+            yield leased
+        finally:
+            if leased.lease:
+                self._store.dram.release(leased.lease)
+
+    def commit_request(self, leased: Leased, keys: Sequence[BlockKey], checksums: Sequence[int]) -> dict[int, bool]:
+        """Publish a :meth:`request_lease`'s slots whose bytes match ``checksums`` (per request index) and end the
+        lease; per leased index whether it was stored. A mismatch (bytes torn on their way in) is counted as
+        ``checksum``."""
+        idx = list(leased.slots)
+        if not idx:
+            return {}
+        ok = self._store.commit(leased.lease, [keys[i] for i in idx], [leased.slots[i][0] for i in idx],
+                                [checksums[i] for i in idx])
+        leased.lease = 0  # ended: nothing left to release
+        self.count("checksum", ok.count(False))
+        return dict(zip(idx, ok))
+
     def commit(self, lease: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int], *,
                owner: object = None, keep: bool = False) -> list[bool]:
-        """Publish the lease's slots whose bytes match their checksums (see NodeStore.commit)."""
-        return self.store.commit(lease, keys, slots, checksums, owner=owner, keep=keep)
+        """Publish a same-host writer's leased slots whose bytes match their checksums (see NodeStore.commit).
+
+        A slot not stored (its bytes do not match, the lease lapsed or is not ``owner``'s) is counted as
+        ``commit_refused``.
+        """
+        stored = self._store.commit(lease, keys, slots, checksums, owner=owner, keep=keep)
+        self.count("commit_refused", stored.count(False))
+        return stored
 
     def lease_ahead(self, sizes: Sequence[int], timeout_s: float | None, *, owner: object = None) -> Leased:
         """Slots for ``owner``'s next put, keys not known yet (none for a tenant under a quota: its charge is per
@@ -204,20 +255,17 @@ class NodeCore:
         if self.quota is not None and tenant:
             return Leased(0, {}, [])
         fit: list[int] = []
-        data = self.store.dram.arena.data_bytes
+        data = self._store.dram_bytes
         budget = data // AHEAD_SHARE  # what one writer may hold ahead (slots held ahead are DRAM no block uses)
         for n in (int(n) for n in sizes):
-            if not n or not self.store.fits_dram(n) or (n > budget and (fit or n > data // AHEAD_ONE_SHARE)):
+            if not n or not self._store.fits_dram(n) or (n > budget and (fit or n > data // AHEAD_ONE_SHARE)):
                 break
             fit.append(n)
             budget -= n
         if not fit:
             return Leased(0, {}, [])
-        res = self.store.dram.lease_ahead(fit, timeout_s, owner=owner)
+        res = self._store.dram.lease_ahead(fit, timeout_s, owner=owner)
         return Leased(res.lease, {i: (s, g) for i, (s, g) in enumerate(zip(res.slots, res.gens)) if g}, [])
-
-    def release(self, lease: int) -> None:
-        self.store.dram.release(lease)
 
     def put(self, keys: Sequence[BlockKey], values: Sequence[BufferLike], checksums: Sequence[int] | None
             ) -> list[bool]:
@@ -232,9 +280,17 @@ class NodeCore:
         stored = [False] * len(keys)
         good = self.admit(keys, [byte_view(v).nbytes for v in values], good)
         if good:
-            for i, ok in zip(good, self.store.put([keys[i] for i in good], [values[i] for i in good])):
+            for i, ok in zip(good, self._store.put([keys[i] for i in good], [values[i] for i in good])):
                 stored[i] = ok
         return stored
+
+    def remove(self, keys: Sequence[BlockKey]) -> int:
+        """Drop keys from every tier and tell the master before returning; how many of them the node held."""
+        keys = list(dict.fromkeys(keys))
+        held = sum(t is not None for t in self._store.where(keys))
+        self._store.remove(keys)
+        self.flush_reports()  # a removed block leaves the index before Remove returns
+        return held
 
     def trim(self, keys: Sequence[BlockKey]) -> None:
         """Bring the caller's tenant back within its quota, never evicting ``keys``."""

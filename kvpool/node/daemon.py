@@ -38,7 +38,7 @@ no arena in /dev/shm, no thread, no bound port):
 Once running, a ``data.mdb`` damaged under the node costs SSD misses, never
 the process (:mod:`kvpool.tiers.ssd`): every SSD transaction looks first, and
 so does the periodic SSD sync (``ssd_sync`` off, the default), so even an
-idle node notices within ``SSD_SYNC_INTERVAL_S`` and the master's index drops
+idle node notices within ``tiers.ssd.sync_interval_s`` and the master's index drops
 the lost blocks.
 """
 
@@ -77,13 +77,12 @@ from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-SSD_SYNC_INTERVAL_S = 30.0  # fsync period when ssd_sync is off (a power loss loses at most this much)
 _NODE_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Node"].full_name
 
 
 def arena_name_for(config: NodeConfig) -> str:
     """The configured arena name; with port 0 and none configured, a name unique to this process."""
-    if config.arena or config.port:
+    if config.tiers.dram.arena or config.server.port:
         return config.resolved_arena()
     return f"kvpool-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -94,11 +93,12 @@ def create_dram(config: NodeConfig, name: str, mode: int) -> DramStore:
     A stale arena under the name (its node killed with SIGKILL) is replaced.
     """
     capacity = config.resolved_dram_bytes()
-    arena = SharedArena.create(name, capacity, config.dram_slots or default_slots(capacity), mode, replace_stale=True,
+    dram = config.tiers.dram
+    arena = SharedArena.create(name, capacity, dram.slots or default_slots(capacity), mode, replace_stale=True,
                                ssd_keys=config.resolved_ssd_index_keys())
     try:
-        return DramStore(arena, max_block_bytes=config.max_block_bytes, high_watermark=config.high_watermark,
-                         low_watermark=config.low_watermark)
+        return DramStore(arena, max_block_bytes=dram.max_block_bytes, high_watermark=dram.high_watermark,
+                         low_watermark=dram.low_watermark)
     except BaseException:
         arena.close()
         raise
@@ -124,15 +124,16 @@ def open_ssd(config: NodeConfig, errors: ErrorMetrics) -> SsdStore | None:
     ``ssd_write`` / ``ssd_file_broken`` (see :mod:`kvpool.tiers.ssd`).
     """
     try:
-        return SsdStore(config.ssd_dir, config.resolved_ssd_bytes(), sync=config.ssd_sync, on_error=errors.count)
+        ssd = config.tiers.ssd
+        return SsdStore(ssd.dir, config.resolved_ssd_bytes(), sync=ssd.sync, on_error=errors.count)
     except SsdInUse:
         raise
     except (OSError, lmdb.Error) as exc:
-        if not config.ssd_optional:
-            raise ValueError(f"the SSD directory {config.ssd_dir} cannot be used ({_why(exc)}); fix it, turn the "
+        if not config.tiers.ssd.optional:
+            raise ValueError(f"the SSD directory {config.tiers.ssd.dir} cannot be used ({_why(exc)}); fix it, turn the "
                              "SSD tier off (--no-ssd; ssd_enabled false in a config file) or let the node start "
                              "without it (--ssd-optional; ssd_optional true)") from exc
-        log.error("node: the SSD tier at %s cannot be used (%s); serving DRAM only", config.ssd_dir, _why(exc))
+        log.error("node: the SSD tier at %s cannot be used (%s); serving DRAM only", config.tiers.ssd.dir, _why(exc))
         errors.count("ssd_unavailable")
         return None
 
@@ -162,15 +163,15 @@ class PoolNode:
         self._sync_thread: threading.Thread | None = None
         self._reaper: threading.Thread | None = None
         self._populate: threading.Thread | None = None
-        if not config.lease_timeout_s > 0:
-            raise ValueError(f"node.lease_timeout_s must be > 0, got {config.lease_timeout_s}")
-        if config.max_keys_per_call < 1 or config.max_connections < 1:
+        if not config.tiers.dram.lease_timeout_s > 0:
+            raise ValueError(f"node.lease_timeout_s must be > 0, got {config.tiers.dram.lease_timeout_s}")
+        if config.server.max_keys_per_call < 1 or config.server.max_connections < 1:
             raise ValueError("node.max_keys_per_call and node.max_connections must be positive")
         # Checked before anything is created: a bad file or mode changes nothing.
-        self.authority = load_authority(config.auth_file)
+        self.authority = load_authority(config.server.auth_file)
         etcd_access = EtcdAccess.from_config(config, "node")
         arena_mode = config.resolved_arena_mode()
-        tls = server_context(config.tls_cert, config.tls_key) if check_pair(config.tls_cert, config.tls_key,
+        tls = server_context(config.tls.cert, config.tls.key) if check_pair(config.tls.cert, config.tls.key,
                                                                             "node") else None
         self.quota: QuotaLedger | None = None
 
@@ -180,12 +181,12 @@ class PoolNode:
         link: MasterLink | None = None
         server: grpc.Server | None = None
         try:
-            if config.ssd_enabled:
+            if config.tiers.ssd.enabled:
                 ssd = open_ssd(config, self.errors)
-            self.store = NodeStore(dram, ssd, write_through=config.write_through,
+            self.store = NodeStore(dram, ssd, write_through=config.tiers.write_through,
                                      on_demote=self.demotions.inc, on_promote=self.promotions.inc,
-                                     demote_queue_bytes=config.demote_queue_bytes)
-            # node_id and address are completed once the server has its port (config.port may be 0).
+                                     demote_queue_bytes=config.tiers.demote_queue_bytes)
+            # node_id and address are completed once the server has its port (config.server.port may be 0).
             self.node_ref = common_pb2.NodeRef(node_id=config.node_id, host_id=local_host_id(), arena=arena)
             stores: dict[Tier, Any] = {Tier.DRAM: dram}
             if ssd is not None:
@@ -200,25 +201,27 @@ class PoolNode:
                 self.store.ssd_listener = link.listener(Tier.SSD)  # after the store's own: the arena's inventory
             if self.authority is not None and self.authority.quotas:
                 self.quota = self._quota_ledger(self.authority.quotas)
-            self.core = NodeCore(self.store, max_keys_per_call=config.max_keys_per_call, errors=self.errors,
+            self.core = NodeCore(self.store, max_keys_per_call=config.server.max_keys_per_call, errors=self.errors,
                                  quota=self.quota, report=link.flush)
             self.servicer = NodeServicer(
                 self.core, node_ref=self.node_ref, max_message_bytes=config.max_message_bytes,
-                get_seconds=self.get_seconds, put_seconds=self.put_seconds, lease_timeout_s=config.lease_timeout_s,
+                get_seconds=self.get_seconds, put_seconds=self.put_seconds,
+                lease_timeout_s=config.tiers.dram.lease_timeout_s,
             )
             server, self.port, self.health = make_server(
-                f"{config.host}:{config.port}", [self._add_servicer], max_message_bytes=config.max_message_bytes,
-                authority=self.authority, on_refused=self.errors.count, tls_cert=config.tls_cert,
-                tls_key=config.tls_key, max_concurrent_rpcs=config.max_concurrent_rpcs, name="node gRPC server",
+                f"{config.server.host}:{config.server.port}", [self._add_servicer],
+                max_message_bytes=config.max_message_bytes,
+                authority=self.authority, on_refused=self.errors.count, tls_cert=config.tls.cert,
+                tls_key=config.tls.key, max_concurrent_rpcs=config.server.max_concurrent_rpcs, name="node gRPC server",
             )
             self.server = server
             data_port = config.data_port
             if data_port < 0:  # the default: next to the gRPC port, or anywhere if that is taken
-                data_port = self.port + 2 if config.port else 0
+                data_port = self.port + 2 if config.server.port else 0
             self.bulk = BulkServer(
-                self.core, config.host, data_port, servicer=self.servicer, errors=self.errors,
+                self.core, config.server.host, data_port, servicer=self.servicer, errors=self.errors,
                 get_seconds=self.get_seconds, put_seconds=self.put_seconds, fallback_port=config.data_port < 0,
-                max_connections=config.max_connections, authority=self.authority,
+                max_connections=config.server.max_connections, authority=self.authority,
                 max_request_bytes=config.max_message_bytes, max_message_bytes=config.max_message_bytes, tls=tls,
             )
         except BaseException:
@@ -234,8 +237,9 @@ class PoolNode:
                 dram.close()
             raise
         self.node_ref.node_id = config.node_id or f"{socket.gethostname()}:{self.port}"
-        wildcard = config.host in ("", "0.0.0.0", "::", "[::]")  # listening everywhere: advertise our name
-        self.node_ref.address = config.advertise or f"{socket.gethostname() if wildcard else config.host}:{self.port}"
+        wildcard = config.server.host in ("", "0.0.0.0", "::", "[::]")  # listening everywhere: advertise our name
+        host = socket.gethostname() if wildcard else config.server.host
+        self.node_ref.address = config.advertise or f"{host}:{self.port}"
         self.node_ref.data_address = f"{self.node_ref.address.rsplit(':', 1)[0]}:{self.bulk.port}"
         self.registry.register(TierCollector(self._tier_stats))
 
@@ -279,21 +283,21 @@ class PoolNode:
             raise RuntimeError("pool node already started")
         self._started = True
         try:
-            port = self.config.metrics_port
+            port = self.config.server.metrics_port
             if port != 0:  # first: the one port not bound yet, so a refusal leaves nothing started
-                self._metrics = MetricsServer(self.registry, 0 if port < 0 else port, host=self.config.host,
+                self._metrics = MetricsServer(self.registry, 0 if port < 0 else port, host=self.config.server.host,
                                               name="node")
                 self.metrics_port = self._metrics.port
             self.server.start()
             self.bulk.start()
             self.link.start()
-            if self.store.ssd is not None and not self.config.ssd_sync:
+            if self.store.ssd is not None and not self.config.tiers.ssd.sync:
                 self._sync_thread = threading.Thread(target=self._sync_loop, name="kvpool-ssd-sync", daemon=True)
                 self._sync_thread.start()
             self._reaper = threading.Thread(target=self._reap_loop, name="kvpool-lease-reaper", daemon=True)
             self._reaper.start()
             # page faults on first touch are costly: map the whole arena now, off the data path
-            self._populate = threading.Thread(target=self.store.dram.arena.populate, args=(self._stop_sync,),
+            self._populate = threading.Thread(target=self.store.populate_dram, args=(self._stop_sync,),
                                               name="kvpool-arena-populate", daemon=True)
             self._populate.start()
         except BaseException:
@@ -303,7 +307,7 @@ class PoolNode:
 
     def _reap_loop(self) -> None:
         """Free the slots of leases past their deadline, a few times per lease timeout."""
-        interval = min(1.0, max(0.02, self.config.lease_timeout_s / 4))
+        interval = min(1.0, max(0.02, self.config.tiers.dram.lease_timeout_s / 4))
         while not self._stop_sync.wait(interval):
             try:
                 freed = self.store.dram.expire()
@@ -315,7 +319,7 @@ class PoolNode:
 
     def _sync_loop(self) -> None:
         assert self.store.ssd is not None, "node: SSD sync loop without an SSD tier"
-        while not self._stop_sync.wait(SSD_SYNC_INTERVAL_S):
+        while not self._stop_sync.wait(self.config.tiers.ssd.sync_interval_s):
             try:
                 self.store.ssd.sync_now()
             except Exception:  # a failed fsync is logged; the cache keeps serving

@@ -2,7 +2,8 @@
 
 What a request does to the store (keys, sizes, quota, leases, the seqlock
 check) is :mod:`kvpool.node.core`'s, shared with the wire listener
-(:mod:`kvpool.node.bulk`); this module only translates.
+(:mod:`kvpool.node.bulk`); this module only translates, and sees nothing of
+the node but its :class:`~kvpool.node.core.NodeCore`.
 
 Rules every handler follows:
 - Bad input (packed keys of the wrong length, sizes that do not match the
@@ -88,7 +89,6 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         lease_timeout_s: float = 5.0,
     ):
         self.core = core
-        self.store = core.store
         self.lease_timeout_s = lease_timeout_s
         self.node_ref = node_ref  # the daemon fills in the bound address once the server listens
         self.max_keys_per_call = core.max_keys_per_call
@@ -166,16 +166,12 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
     @_counted
     def Exists(self, request: node_pb2.NodeExistsRequest, context: Any) -> node_pb2.NodeExistsResponse:
         keys = self.core.keys(request.keys)
-        return node_pb2.NodeExistsResponse(tiers=tier_bytes(self.store.where(keys)))
+        return node_pb2.NodeExistsResponse(tiers=tier_bytes(self.core.where(keys)))
 
     @_counted
     def Remove(self, request: node_pb2.RemoveRequest, context: Any) -> node_pb2.RemoveResponse:
         """Drop keys from every tier; ``removed`` counts the given keys the node held (in any tier)."""
-        keys = list(dict.fromkeys(self.core.keys(request.keys)))
-        held = sum(t is not None for t in self.store.where(keys))
-        self.store.remove(keys)
-        self.core.flush_reports()  # a removed block leaves the index before Remove returns
-        return node_pb2.RemoveResponse(removed=held)
+        return node_pb2.RemoveResponse(removed=self.core.remove(self.core.keys(request.keys)))
 
     @_counted
     def Locate(self, request: node_pb2.LocateRequest, context: Any) -> node_pb2.LocateResponse:
@@ -187,7 +183,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             gens.append(gen)
             sizes.append(size)
             sums.append(checksum)
-        return node_pb2.LocateResponse(arena=self.store.dram.arena.name, slots=slots, slot_gens=gens, sizes=sizes,
+        return node_pb2.LocateResponse(arena=self.core.arena_name, slots=slots, slot_gens=gens, sizes=sizes,
                                        checksums=sums)
 
     @_counted
@@ -205,7 +201,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         slots, gens = [0] * n, [0] * n
         for i, (slot, gen) in leased.slots.items():
             slots[i], gens[i] = slot, gen
-        return node_pb2.ReserveResponse(arena=self.store.dram.arena.name, lease=leased.lease, slots=slots,
+        return node_pb2.ReserveResponse(arena=self.core.arena_name, lease=leased.lease, slots=slots,
                                         slot_gens=gens, already_held=flag_bytes(leased.held) if leased.held else b"",
                                         lease_timeout_s=self.lease_timeout_s)
 
@@ -222,7 +218,6 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         stored = self.core.commit(request.lease, keys, slots, sums, owner=caller(), keep=request.keep_lease)
         if any(stored):
             self.core.trim(keys)
-        self.core.count("commit_refused", stored.count(False))
         reply = node_pb2.CommitResponse(stored=flag_bytes(stored))
         if ahead:
             leased = self.core.lease_ahead(ahead, self.lease_timeout_s, owner=caller())
@@ -239,6 +234,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
     def Info(self, request: node_pb2.InfoRequest, context: Any) -> node_pb2.InfoResponse:
         return node_pb2.InfoResponse(
             node=self.node_ref,
-            tiers=[tier_usage(s) for s in self.store.stats()],
-            dram_max_block_bytes=self.store.dram.max_block_bytes,
+            tiers=[tier_usage(s) for s in self.core.stats()],
+            dram_max_block_bytes=self.core.dram_max_block_bytes,
+            max_keys_per_call=self.core.max_keys_per_call,
         )

@@ -1,4 +1,4 @@
-"""The tier stores: one small batched interface (:class:`TierStore`), several tiers behind it.
+"""The tier stores: the same few batched calls in every tier (:mod:`kvpool.tiers.base`), composed by NodeStore.
 
 - :mod:`kvpool.tiers.arena`  the shared-memory slot arena (mappable by other processes)
 - :mod:`kvpool.tiers.dram`   DRAM tier: index, LRU and watermarks over an arena
@@ -8,6 +8,5 @@
 """
 
 from kvpool.core import Tier, TierStats
-from kvpool.tiers.base import TierStore
 
-__all__ = ["Tier", "TierStats", "TierStore"]
+__all__ = ["Tier", "TierStats"]

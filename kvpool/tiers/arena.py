@@ -114,6 +114,7 @@ import numpy as np
 
 from kvpool.buffers import BufferLike, as_array, as_buffer
 from kvpool.checksum import copy_with_checksum
+from kvpool.core import NO_TIER
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.tiers.keytable import BucketTable, table_buckets, table_bytes
 
@@ -137,7 +138,6 @@ SLOT_DTYPE = np.dtype(
     [("gen", "<u8"), ("length", "<u8"), ("checksum", "<u8"), ("key", f"V{KEY_BYTES}"), ("offset", "<u8")]
 )
 KEY_DTYPE = SLOT_DTYPE["key"]
-_MISS = 255  # kvpool.rpc.MISS: no tier
 MAP_AHEAD_MIN_BYTES = 64 << 10  # map_for_write maps ahead only extents at least this long
 assert SLOT_DTYPE.itemsize == 64, "arena: slot table rows must stay 64 bytes"
 
@@ -513,8 +513,8 @@ class SharedArena:
         return np.where(at >= 0, np.take(self.index.values[0], np.maximum(at, 0)).view(np.int64), -1)
 
     def inventory_meta(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per key (:data:`KEY_DTYPE`): the tier the inventory names (uint8, ``MISS`` where none), the size and
-        the checksum (uint64; meaningless where the tier is MISS) (any process).
+        """Per key (:data:`KEY_DTYPE`): the tier the inventory names (uint8, :data:`~kvpool.core.NO_TIER` where
+        none), the size and the checksum (uint64; meaningless where the tier is NO_TIER) (any process).
 
         What it answers is worth what :meth:`inventory_state` says it is; a
         read racing the owner may be wrong for that moment (see "Inventory
@@ -529,7 +529,7 @@ class SharedArena:
         entry = np.maximum(at, 0)
         values = self.inventory.values
         tiers = np.take(values[3], entry).astype(np.uint8)
-        tiers[at < 0] = _MISS
+        tiers[at < 0] = NO_TIER
         return tiers, np.take(values[1], entry), np.take(values[2], entry)
 
     def inventory_state(self) -> InventoryState:

@@ -1,4 +1,4 @@
-"""The interface every tier implements, and the failure vocabulary they share (the data vocabulary is kvpool.core).
+"""What every tier shares: the failure vocabulary, the change listener and the eviction sink.
 
 Failure vocabulary (the same in every tier):
 - caller misuse (malformed key, value of the wrong size, read-only output) is a
@@ -6,42 +6,28 @@ Failure vocabulary (the same in every tier):
 - "no room", "not here", "evicted under you", "checksum mismatch" are ``False``
   in the returned list: a miss, counted in :class:`TierStats`;
 - a broken internal invariant is an AssertionError naming the component.
+
+Every tier (:class:`~kvpool.tiers.dram.DramStore`, :class:`~kvpool.tiers.ssd.SsdStore`,
+the client's :class:`~kvpool.client.hbm.HbmStore`) answers the same few batched
+calls (``contains``, ``get_into``, ``put``, ``remove``, ``stats``, ``close``;
+single-key calls are wrappers, not extra methods; ``contains`` never changes
+recency; a False from ``get_into`` leaves that output's contents unspecified),
+but there is no ``TierStore`` protocol over them, on purpose: nothing composes
+tiers generically. :class:`~kvpool.tiers.node_store.NodeStore` is DRAM in
+front of SSD, and every one of its steps needs what only one of the two has
+(DRAM's leases, slot refs and arena inventory; SSD's metadata, fit and the
+demotion queue in front of it), so typing it against a generic tier list
+would add a layer and remove no branch. A second node tier, or tiers chosen
+by configuration, is when such an interface earns its place.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Generic, Protocol, TypeVar
 
-from kvpool.core import BlockMeta, Tier, TierStats
+from kvpool.core import BlockMeta
 from kvpool.keys import BlockKey
-
-Buf = TypeVar("Buf", contravariant=True)
-
-
-class TierStore(Protocol, Generic[Buf]):
-    """A batched key -> block store. Single-key calls are wrappers, not extra methods.
-
-    ``get_into`` copies into caller-owned buffers and returns per-key hit flags;
-    a False entry leaves that output's contents unspecified (the caller recomputes).
-    ``contains`` never changes recency: looking does not keep a block alive.
-    """
-
-    tier: Tier
-
-    def contains(self, keys: Sequence[BlockKey]) -> list[bool]: ...
-
-    def get_into(self, keys: Sequence[BlockKey], outs: Sequence[Buf]) -> list[bool]: ...
-
-    def put(self, keys: Sequence[BlockKey], values: Sequence[Buf]) -> list[bool]: ...
-
-    def remove(self, keys: Sequence[BlockKey]) -> int: ...
-
-    def stats(self) -> TierStats: ...
-
-    def close(self) -> None: ...
-
 
 # Called by a store after each batch that changed its key set, with the blocks
 # it gained (committed puts, promotions) and the keys it lost (evictions,

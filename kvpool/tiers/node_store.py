@@ -1,5 +1,12 @@
 """A pool node's two tiers together: DRAM in front, SSD behind.
 
+NodeStore holds its two tiers as what they are (a DramStore, an optional
+SsdStore), not as a list of generic tiers: every step below needs what only
+one of them has (see :mod:`kvpool.tiers.base` for why there is no tier
+protocol). It hides the DRAM arena from the node: what the transports need
+of it (the arena's name, a row's bytes, the seqlock's second look) are
+methods here, reached through :class:`kvpool.node.core.NodeCore`.
+
 Invariants:
 - Reads try DRAM, then SSD. An SSD hit is promoted back into DRAM (which may
   in turn demote DRAM's least recently used blocks).
@@ -148,6 +155,45 @@ class NodeStore:
         """Whether a block of ``nbytes`` can live in DRAM (else it lives on SSD only)."""
         return nbytes <= self.dram.max_block_bytes
 
+    def check_fits(self, sizes: Sequence[int]) -> None:
+        """ValueError for a block of 0 bytes or one no tier takes (DRAM's largest, else what SSD takes)."""
+        for i, n in enumerate(sizes):
+            if n == 0:
+                raise ValueError(f"block {i} is empty (a block of 0 bytes)")
+            if not self.fits_dram(n) and (self.ssd is None or not self.ssd.fits(n)):
+                where = "an SSD tier (the node has none)" if self.ssd is None else f"SSD store {self.ssd.path}"
+                raise ValueError(f"a {n}-byte block fits neither DRAM (at most {self.dram.max_block_bytes} B) "
+                                 f"nor {where}")
+
+    # -- the DRAM arena, for the node's transports (through NodeCore) ----------------------------------
+
+    @property
+    def arena_name(self) -> str:
+        """The shared-memory segment same-host readers and writers attach to."""
+        return self.dram.arena.name
+
+    @property
+    def dram_bytes(self) -> int:
+        """The bytes of DRAM's data region (what every block and leased slot share)."""
+        return self.dram.arena.data_bytes
+
+    def block_bytes(self, slot: int, length: int) -> np.ndarray:
+        """The first ``length`` bytes of DRAM row ``slot``'s extent, as a view (no copy).
+
+        Valid to read only while :meth:`unchanged` says the row is still the
+        block whose (slot, gen) the caller read (the seqlock: gen, bytes, gen
+        again); written only under a lease the caller holds.
+        """
+        return self.dram.arena.block(slot, length)
+
+    def unchanged(self, slots: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """Per (slot, gen): whether the DRAM row is still that block (not reused since the gen was read)."""
+        return self.dram.arena.unchanged(slots, gens)
+
+    def populate_dram(self, stop: threading.Event | None = None) -> bool:
+        """Map every page of the DRAM arena now, off the data path (see SharedArena.populate)."""
+        return self.dram.arena.populate(stop)
+
     def max_block_bytes(self) -> int:
         """The largest block this node stores at all: DRAM's largest, or the largest value SSD takes."""
         if self.ssd is None:
@@ -260,10 +306,7 @@ class NodeStore:
         if self.ssd is None:
             return self.dram.put(keys, values)
         views = [byte_view(v) for v in values]
-        for v in views:  # checked before any write: bad input changes nothing
-            if not self.fits_dram(v.nbytes) and not self.ssd.fits(v.nbytes):
-                raise ValueError(f"a {v.nbytes}-byte block fits neither DRAM (at most {self.dram.max_block_bytes} B) "
-                                 f"nor SSD store {self.ssd.path}")
+        self.check_fits([v.nbytes for v in views])  # before any write: bad input changes nothing
         small = [i for i, v in enumerate(views) if self.fits_dram(v.nbytes)]  # the rest go to SSD only
         stored = [False] * len(keys)
         for i, ok in zip(small, self.dram.put([keys[i] for i in small], [views[i] for i in small])):

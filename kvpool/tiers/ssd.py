@@ -116,7 +116,7 @@ def _parse_header(value: memoryview) -> tuple[int, int, int] | None:
 
 
 class SsdStore:
-    """A TierStore (tier SSD) over an LMDB environment in ``path``; see the module docstring."""
+    """The SSD tier over an LMDB environment in ``path``; see the module docstring."""
 
     tier = Tier.SSD
 
@@ -445,7 +445,7 @@ class SsdStore:
         if self._closed:
             raise ValueError(f"SSD store {self.path} is closed")
 
-    # ---- TierStore -----------------------------------------------------------------------
+    # ---- the tier calls (kvpool.tiers.base) -----------------------------------------------------------------------
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Which keys are stored; does not change recency."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpool.v1 import common_pb2 as kvpool_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvpool/v1/node.proto\x12\tkvpool.v1\x1a\x16kvpool/v1/common.proto\"J\n\nPutRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tchecksums\x18\x04 \x03(\x06\"\x1d\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x0c\"\x1a\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"L\n\x0bGetResponse\x12\r\n\x05tiers\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"?\n\x0c\x42ulkGetReply\x12\r\n\x05tiers\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\"\x1f\n\x0e\x42ulkGetTrailer\x12\r\n\x05valid\x18\x01 \x01(\x0c\"@\n\x0e\x42ulkPutRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\"!\n\x11NodeExistsRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"#\n\x12NodeExistsResponse\x12\r\n\x05tiers\x18\x01 \x01(\x0c\"\x1d\n\rRemoveRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"!\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\".\n\rLocateRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x0f\n\x07promote\x18\x02 \x01(\x08\"c\n\x0eLocateResponse\x12\r\n\x05\x61rena\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x03(\x04\x12\x11\n\tslot_gens\x18\x03 \x03(\x04\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x11\n\tchecksums\x18\x05 \x03(\x06\"\r\n\x0bInfoRequest\"s\n\x0cInfoResponse\x12 \n\x04node\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.NodeRef\x12#\n\x05tiers\x18\x02 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\x12\x1c\n\x14\x64ram_max_block_bytes\x18\x03 \x01(\x04\"<\n\x0eReserveRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\r\n\x05lease\x18\x03 \x01(\x04\"\x80\x01\n\x0fReserveResponse\x12\r\n\x05\x61rena\x18\x01 \x01(\t\x12\r\n\x05lease\x18\x02 \x01(\x04\x12\r\n\x05slots\x18\x03 \x03(\x04\x12\x11\n\tslot_gens\x18\x04 \x03(\x04\x12\x14\n\x0c\x61lready_held\x18\x05 \x01(\x0c\x12\x17\n\x0flease_timeout_s\x18\x06 \x01(\x01\"v\n\rCommitRequest\x12\r\n\x05lease\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\r\n\x05slots\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x06\x12\x12\n\nnext_sizes\x18\x05 \x03(\x04\x12\x12\n\nkeep_lease\x18\x06 \x01(\x08\"J\n\x0e\x43ommitResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x0c\x12(\n\x04next\x18\x02 \x01(\x0b\x32\x1a.kvpool.v1.ReserveResponse\"\x15\n\x13\x46lushReportsRequest\"\'\n\x14\x46lushReportsResponse\x12\x0f\n\x07indexed\x18\x01 \x01(\x08\x32\xc2\x04\n\x04Node\x12\x34\n\x03Put\x12\x15.kvpool.v1.PutRequest\x1a\x16.kvpool.v1.PutResponse\x12\x34\n\x03Get\x12\x15.kvpool.v1.GetRequest\x1a\x16.kvpool.v1.GetResponse\x12\x45\n\x06\x45xists\x12\x1c.kvpool.v1.NodeExistsRequest\x1a\x1d.kvpool.v1.NodeExistsResponse\x12=\n\x06Remove\x12\x18.kvpool.v1.RemoveRequest\x1a\x19.kvpool.v1.RemoveResponse\x12=\n\x06Locate\x12\x18.kvpool.v1.LocateRequest\x1a\x19.kvpool.v1.LocateResponse\x12\x37\n\x04Info\x12\x16.kvpool.v1.InfoRequest\x1a\x17.kvpool.v1.InfoResponse\x12@\n\x07Reserve\x12\x19.kvpool.v1.ReserveRequest\x1a\x1a.kvpool.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvpool.v1.CommitRequest\x1a\x19.kvpool.v1.CommitResponse\x12O\n\x0c\x46lushReports\x12\x1e.kvpool.v1.FlushReportsRequest\x1a\x1f.kvpool.v1.FlushReportsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvpool/v1/node.proto\x12\tkvpool.v1\x1a\x16kvpool/v1/common.proto\"J\n\nPutRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x11\n\tchecksums\x18\x04 \x03(\x06\"\x1d\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x0c\"\x1a\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"L\n\x0bGetResponse\x12\r\n\x05tiers\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"?\n\x0c\x42ulkGetReply\x12\r\n\x05tiers\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\"\x1f\n\x0e\x42ulkGetTrailer\x12\r\n\x05valid\x18\x01 \x01(\x0c\"@\n\x0e\x42ulkPutRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\"!\n\x11NodeExistsRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"#\n\x12NodeExistsResponse\x12\r\n\x05tiers\x18\x01 \x01(\x0c\"\x1d\n\rRemoveRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"!\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\".\n\rLocateRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x0f\n\x07promote\x18\x02 \x01(\x08\"c\n\x0eLocateResponse\x12\r\n\x05\x61rena\x18\x01 \x01(\t\x12\r\n\x05slots\x18\x02 \x03(\x04\x12\x11\n\tslot_gens\x18\x03 \x03(\x04\x12\r\n\x05sizes\x18\x04 \x03(\x04\x12\x11\n\tchecksums\x18\x05 \x03(\x06\"\r\n\x0bInfoRequest\"\x8e\x01\n\x0cInfoResponse\x12 \n\x04node\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.NodeRef\x12#\n\x05tiers\x18\x02 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\x12\x1c\n\x14\x64ram_max_block_bytes\x18\x03 \x01(\x04\x12\x19\n\x11max_keys_per_call\x18\x04 \x01(\r\"<\n\x0eReserveRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\x12\r\n\x05lease\x18\x03 \x01(\x04\"\x80\x01\n\x0fReserveResponse\x12\r\n\x05\x61rena\x18\x01 \x01(\t\x12\r\n\x05lease\x18\x02 \x01(\x04\x12\r\n\x05slots\x18\x03 \x03(\x04\x12\x11\n\tslot_gens\x18\x04 \x03(\x04\x12\x14\n\x0c\x61lready_held\x18\x05 \x01(\x0c\x12\x17\n\x0flease_timeout_s\x18\x06 \x01(\x01\"v\n\rCommitRequest\x12\r\n\x05lease\x18\x01 \x01(\x04\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\r\n\x05slots\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x06\x12\x12\n\nnext_sizes\x18\x05 \x03(\x04\x12\x12\n\nkeep_lease\x18\x06 \x01(\x08\"J\n\x0e\x43ommitResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x0c\x12(\n\x04next\x18\x02 \x01(\x0b\x32\x1a.kvpool.v1.ReserveResponse\"\x15\n\x13\x46lushReportsRequest\"\'\n\x14\x46lushReportsResponse\x12\x0f\n\x07indexed\x18\x01 \x01(\x08\x32\xc2\x04\n\x04Node\x12\x34\n\x03Put\x12\x15.kvpool.v1.PutRequest\x1a\x16.kvpool.v1.PutResponse\x12\x34\n\x03Get\x12\x15.kvpool.v1.GetRequest\x1a\x16.kvpool.v1.GetResponse\x12\x45\n\x06\x45xists\x12\x1c.kvpool.v1.NodeExistsRequest\x1a\x1d.kvpool.v1.NodeExistsResponse\x12=\n\x06Remove\x12\x18.kvpool.v1.RemoveRequest\x1a\x19.kvpool.v1.RemoveResponse\x12=\n\x06Locate\x12\x18.kvpool.v1.LocateRequest\x1a\x19.kvpool.v1.LocateResponse\x12\x37\n\x04Info\x12\x16.kvpool.v1.InfoRequest\x1a\x17.kvpool.v1.InfoResponse\x12@\n\x07Reserve\x12\x19.kvpool.v1.ReserveRequest\x1a\x1a.kvpool.v1.ReserveResponse\x12=\n\x06\x43ommit\x12\x18.kvpool.v1.CommitRequest\x1a\x19.kvpool.v1.CommitResponse\x12O\n\x0c\x46lushReports\x12\x1e.kvpool.v1.FlushReportsRequest\x1a\x1f.kvpool.v1.FlushReportsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -60,20 +60,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOCATERESPONSE']._serialized_end=721
   _globals['_INFOREQUEST']._serialized_start=723
   _globals['_INFOREQUEST']._serialized_end=736
-  _globals['_INFORESPONSE']._serialized_start=738
-  _globals['_INFORESPONSE']._serialized_end=853
-  _globals['_RESERVEREQUEST']._serialized_start=855
-  _globals['_RESERVEREQUEST']._serialized_end=915
-  _globals['_RESERVERESPONSE']._serialized_start=918
-  _globals['_RESERVERESPONSE']._serialized_end=1046
-  _globals['_COMMITREQUEST']._serialized_start=1048
-  _globals['_COMMITREQUEST']._serialized_end=1166
-  _globals['_COMMITRESPONSE']._serialized_start=1168
-  _globals['_COMMITRESPONSE']._serialized_end=1242
-  _globals['_FLUSHREPORTSREQUEST']._serialized_start=1244
-  _globals['_FLUSHREPORTSREQUEST']._serialized_end=1265
-  _globals['_FLUSHREPORTSRESPONSE']._serialized_start=1267
-  _globals['_FLUSHREPORTSRESPONSE']._serialized_end=1306
-  _globals['_NODE']._serialized_start=1309
-  _globals['_NODE']._serialized_end=1887
+  _globals['_INFORESPONSE']._serialized_start=739
+  _globals['_INFORESPONSE']._serialized_end=881
+  _globals['_RESERVEREQUEST']._serialized_start=883
+  _globals['_RESERVEREQUEST']._serialized_end=943
+  _globals['_RESERVERESPONSE']._serialized_start=946
+  _globals['_RESERVERESPONSE']._serialized_end=1074
+  _globals['_COMMITREQUEST']._serialized_start=1076
+  _globals['_COMMITREQUEST']._serialized_end=1194
+  _globals['_COMMITRESPONSE']._serialized_start=1196
+  _globals['_COMMITRESPONSE']._serialized_end=1270
+  _globals['_FLUSHREPORTSREQUEST']._serialized_start=1272
+  _globals['_FLUSHREPORTSREQUEST']._serialized_end=1293
+  _globals['_FLUSHREPORTSRESPONSE']._serialized_start=1295
+  _globals['_FLUSHREPORTSRESPONSE']._serialized_end=1334
+  _globals['_NODE']._serialized_start=1337
+  _globals['_NODE']._serialized_end=1915
 # @@protoc_insertion_point(module_scope)

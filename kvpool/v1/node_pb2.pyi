@@ -120,14 +120,16 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("node", "tiers", "dram_max_block_bytes")
+    __slots__ = ("node", "tiers", "dram_max_block_bytes", "max_keys_per_call")
     NODE_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     DRAM_MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
     node: _common_pb2.NodeRef
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
     dram_max_block_bytes: int
-    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., dram_max_block_bytes: _Optional[int] = ...) -> None: ...
+    max_keys_per_call: int
+    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., dram_max_block_bytes: _Optional[int] = ..., max_keys_per_call: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("keys", "sizes", "lease")

@@ -37,8 +37,9 @@ import numpy as np
 from support import PoolProcesses, metric, scrape, wait_serving, wait_until
 
 from kvpool.client.kvclient import KVCacheClient
+from kvpool.core import NO_TIER
 from kvpool.keys import BlockKey, opaque_key, pack_keys
-from kvpool.rpc import MISS, flags_from_bytes
+from kvpool.rpc import flags_from_bytes
 from kvpool.v1 import master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
 
 KIB = 1 << 10
@@ -330,7 +331,7 @@ class Child:
 
 
 def node_tiers(address: str, keys: Sequence[BlockKey], timeout: float = 5.0) -> list[int]:
-    """The node's own answer (its ``Exists``): per key the tier holding it, or ``MISS``."""
+    """The node's own answer (its ``Exists``): per key the tier holding it, or ``NO_TIER``."""
     with grpc.insecure_channel(address) as channel:
         reply = node_pb2_grpc.NodeStub(channel).Exists(node_pb2.NodeExistsRequest(keys=pack_keys(keys)),
                                                        timeout=timeout)
@@ -338,7 +339,7 @@ def node_tiers(address: str, keys: Sequence[BlockKey], timeout: float = 5.0) -> 
 
 
 def node_holds(address: str, keys: Sequence[BlockKey]) -> list[bool]:
-    return [t != MISS for t in node_tiers(address, keys)]
+    return [t != NO_TIER for t in node_tiers(address, keys)]
 
 
 def master_exists(procs: PoolProcesses, keys: Sequence[BlockKey], timeout: float = 5.0) -> list[bool]:

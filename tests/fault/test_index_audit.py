@@ -16,9 +16,8 @@ from fault.faultkit import KIB, content, keys_of, master_exists, node_tiers, sta
 from support import wait_until
 
 from kvpool.client.pool import PoolClient
-from kvpool.core import Tier
+from kvpool.core import NO_TIER, Tier
 from kvpool.keys import BlockKey, pack_keys
-from kvpool.rpc import MISS
 from kvpool.v1 import master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
 
 BLOCK = 64 * KIB
@@ -37,7 +36,7 @@ def master_tiers(master: str, keys: list[BlockKey]) -> list[int]:
         stub = master_pb2_grpc.MasterStub(channel)
         for key in keys:
             reply = stub.Lookup(master_pb2.LookupRequest(keys=key, worker_id="audit"), timeout=5)
-            out.append(reply.tiers[0] if reply.tiers else MISS)
+            out.append(reply.tiers[0] if reply.tiers else NO_TIER)
     return out
 
 
@@ -59,14 +58,14 @@ def test_a_remove_of_a_block_queued_for_demotion_leaves_the_index(procs, client_
     assert evicted, "test: nothing was evicted"
     remove(procs.node_address("n1"), evicted)  # within the demotion queue's 1 s delay: cancelled, not written
     wait_demoted(procs, "n1")
-    assert not any(t != MISS for t in node_tiers(procs.node_address("n1"), evicted))
+    assert not any(t != NO_TIER for t in node_tiers(procs.node_address("n1"), evicted))
     try:
         wait_until(lambda: not any(master_exists(procs, evicted)), timeout=10)
     except TimeoutError:
         raise AssertionError("the master still indexes removed blocks that were waiting for demotion") from None
     with PoolClient(client_config()) as pool:  # and a writer can store them again
         assert all(pool.store(evicted, [content(k, BLOCK) for k in evicted]))
-    assert all(t != MISS for t in node_tiers(procs.node_address("n1"), evicted))
+    assert all(t != NO_TIER for t in node_tiers(procs.node_address("n1"), evicted))
 
 
 def test_the_index_equals_the_node_after_a_random_mix(procs, client_config):

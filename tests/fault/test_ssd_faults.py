@@ -51,7 +51,8 @@ from kvpool.tiers.arena import shm_path
 BLOCK = 64 * KIB
 DRAM_SLOTS = 4
 # The node flags that make an unusable SSD tier "DRAM only" instead of a refusal: the one place that
-# spells the flag (NodeConfig.ssd_optional; support.PoolProcesses turns "true" into the --ssd-optional switch).
+# spells the flag (node.tiers.ssd.optional, flag ssd_optional; support.PoolProcesses turns "true" into the
+# --ssd-optional switch).
 SSD_OPTIONAL = {"ssd-optional": "true"}
 
 

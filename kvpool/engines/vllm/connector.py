@@ -248,10 +248,8 @@ class KVPoolConnector(KVConnectorBase_V1):
 
         try:
             layers = block_layers(kv_caches, self._num_blocks)
-            expected = self._key_space().layout.block_bytes
-            got = layers[0].piece_bytes * len(layers)
-            if got != expected:
-                raise ValueError(f"vLLM's KV caches hold {got} bytes a block, the model's layout says {expected}")
+            self._key_space().layout.check_block(layers[0].piece_bytes * len(layers),
+                                                 what="a block of vLLM's KV caches")
         except ValueError as exc:
             log.error("kvpool connector: %s; this worker neither loads nor saves", exc)
             return

@@ -1,4 +1,4 @@
-"""The peer side of ``kvpool bench vllm``: Mooncake Store behind vLLM's in-tree ``MooncakeStoreConnector``.
+"""The peer side of ``benchmarks/vllm_ttft.py``: Mooncake Store behind vLLM's in-tree ``MooncakeStoreConnector``.
 
 Mooncake is the peer's package, never a kvpool dependency: :func:`ensure_mooncake`
 installs ``mooncake-transfer-engine-non-cuda`` (:data:`MOONCAKE_PACKAGE`) into
@@ -65,7 +65,7 @@ def _apt_install(packages: list[str]) -> None:
     sudo = [] if os.geteuid() == 0 else ["sudo"]
     if sudo and shutil.which("sudo") is None:
         raise RuntimeError(f"Mooncake's binaries need {' '.join(packages)}: run as root, or install them by hand")
-    print(f"bench vllm: installing {' '.join(packages)} (shared libraries Mooncake's binaries link)",
+    print(f"vllm_ttft: installing {' '.join(packages)} (shared libraries Mooncake's binaries link)",
           file=sys.stderr, flush=True)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     subprocess.run([*sudo, "apt-get", "update", "-qq"], check=True, stdout=subprocess.DEVNULL, env=env)
@@ -87,7 +87,7 @@ def ensure_mooncake(python: str, *, install: bool = True) -> str:
         if not install:
             raise RuntimeError(f"Mooncake is not installed in {python}'s environment; run without --no-install "
                                f"(installs {MOONCAKE_PACKAGE} there) or with --no-mooncake")
-        print(f"bench vllm: installing {MOONCAKE_PACKAGE} into {Path(python).parent.parent} (the peer's package, "
+        print(f"vllm_ttft: installing {MOONCAKE_PACKAGE} into {Path(python).parent.parent} (the peer's package, "
               "for the Mooncake rows only; not a kvpool dependency)", file=sys.stderr, flush=True)
         subprocess.run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", MOONCAKE_PACKAGE],
                        check=True)

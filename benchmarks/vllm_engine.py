@@ -1,12 +1,12 @@
 """One real vLLM engine in a child process, driven request by request over JSON lines (no HTTP server).
 
 Prefill/decode disaggregation needs two vLLM instances alive at once and a
-proxy between them; ``kvpool bench vllm``'s 1P1D row and
+proxy between them; ``benchmarks/vllm_ttft.py``'s 1P1D row and
 ``tests/test_engine_vllm_pd.py`` run each instance as one of these
 processes and play the proxy themselves (:mod:`kvpool.engines.vllm.pd_proxy`
 says what goes to each instance).
 
-The child (``<vllm python> -m kvpool.bench.vllm_engine SPEC.json``,
+The child (``<vllm python> benchmarks/vllm_engine.py SPEC.json``,
 :func:`engine_main`) builds ``vllm.LLM`` from the spec, with the
 ``KVPoolConnector`` in the spec's ``kv_role`` or no connector, and serves
 one request at a time through vLLM's own engine (``LLMEngine.add_request``
@@ -71,14 +71,13 @@ def _build(spec: dict[str, Any]) -> Any:
 def _generate(llm: Any, cmd: dict[str, Any]) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from kvpool.bench.vllm import _counters
+    from vllm_ttft import counters
 
     extra = {"kv_transfer_params": cmd["kv_transfer_params"]} if cmd.get("kv_transfer_params") else None
     params = SamplingParams(max_tokens=cmd.get("max_tokens", 1), temperature=0.0, detokenize=False,
                             logprobs=0 if cmd.get("logprobs") else None, extra_args=extra)
     engine = llm.llm_engine
-    before = _counters()
+    before = counters()
     start = time.perf_counter()
     engine.add_request(cmd["id"], TokensPrompt(prompt_token_ids=cmd["prompt"]), params)
     first, out = True, None
@@ -90,7 +89,7 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> None:
             _say(event="first_step", id=cmd["id"])
             first = False
     wall = time.perf_counter() - start
-    after = _counters()
+    after = counters()
     completion = out.outputs[0]
     tokens = list(completion.token_ids)
     logprobs = [float(completion.logprobs[i][t].logprob) for i, t in enumerate(tokens)] if completion.logprobs else []
@@ -159,9 +158,9 @@ def engine_main(spec_path: str) -> int:
         elif cmd["op"] == "drain":
             _say(event="drained", ok=_drain(llm, float(cmd.get("timeout_s", 60))))
         elif cmd["op"] == "counters":
-            from kvpool.bench.vllm import _counters
+            from vllm_ttft import counters
 
-            _say(event="counters", counters=_counters())
+            _say(event="counters", counters=counters())
         elif cmd["op"] == "quit":
             break
     llm.llm_engine.engine_core.shutdown()
@@ -183,7 +182,7 @@ class EngineProcess:
         self.log_path = work / f"{name}.log"
         self._log = open(self.log_path, "w")
         self._events: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.proc = subprocess.Popen([python, "-m", "kvpool.bench.vllm_engine", str(spec_path)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([python, str(Path(__file__).resolve()), str(spec_path)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=work)
         assert self.proc.stdout is not None
         self._reader = threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True)

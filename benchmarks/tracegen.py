@@ -1,4 +1,10 @@
-"""``kvpool bench tracegen``: Mooncake-format request traces with named reuse patterns, seeded and deterministic.
+"""Mooncake-format request traces with named reuse patterns, seeded and deterministic: the lab's test data.
+
+    python benchmarks/tracegen.py --pattern mixed --requests 4000 --out mixed.jsonl
+
+What ``kvpool bench replay`` and ``kvpool bench lru-sweep`` are checked against when no real trace shows
+a pattern (an operator replays their own trace instead).
+
 
 Each line is ``{"timestamp", "input_length", "output_length", "hash_ids"}`` as
 in the shipped trace (``load_trace`` reads it): one hash id per 512-token block
@@ -24,7 +30,7 @@ default knobs 4,000 requests touch 60k (system-prompt, multi-turn) to 130k
 (one-off) distinct blocks of 512 tokens, so an exact LRU's hit rate keeps
 moving from 1k to 50k blocks of capacity and a 50k cache still evicts.
 Knobs are set as ``--set NAME=VALUE`` (``--set system-prompt.prompts=50`` for a
-sub-pattern of ``mixed``); ``kvpool bench tracegen --pattern P --knobs`` lists them.
+sub-pattern of ``mixed``); ``python benchmarks/tracegen.py --pattern P --knobs`` lists them.
 """
 
 from __future__ import annotations
@@ -350,6 +356,21 @@ def run(args: argparse.Namespace) -> int:
             write_trace(requests, f)
         blocks = sum(len(r.hash_ids) for r in requests)
         distinct = len({h for r in requests for h in r.hash_ids})
-        print(f"kvpool bench tracegen: {len(requests)} {args.pattern} requests, {blocks} block lookups, "
+        print(f"tracegen: {len(requests)} {args.pattern} requests, {blocks} block lookups, "
               f"{distinct} distinct blocks -> {args.out}", file=sys.stderr)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/tracegen.py", description=(__doc__ or "").splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as exc:
+        print(f"tracegen: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

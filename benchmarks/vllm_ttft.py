@@ -1,7 +1,11 @@
-"""``kvpool bench vllm``: time to first token in the real vLLM, kvpool against vLLM's prefix cache and Mooncake.
+"""Time to first token in the real vLLM: kvpool against vLLM's prefix cache and Mooncake.
+
+    bash tests/vllm_env.sh                                     # once: build/vllm-venv
+    .venv/bin/python benchmarks/vllm_ttft.py [--prompts N] [--only PHASES] [--no-mooncake] [--no-pd] [--json]
+
 
 One run, one model: Qwen2-0.5B's shape (24 layers, 2 KV heads of 64) with
-vLLM's dummy weights (:func:`kvpool.bench.vllm_runtime.save_model`), prompts
+vLLM's dummy weights (:func:`vllm_runtime.save_model`), prompts
 of ``--prompt-tokens`` (2,048) random token ids, ``max_tokens=1``, blocks of
 ``--block-size`` (32) tokens (a block across all layers: 384 KiB in bf16).
 Each vLLM process is a child of the vLLM Python (:func:`vllm_python`), in
@@ -27,18 +31,18 @@ ones (prompt ``W``, which the process filling a store stores too). Then
   ``own_after_layerwise``) and ``async`` (``kvpool_async``,
   ``own_after_async``);
 - ``kvpool ITL sync`` and ``kvpool ITL async``: fresh processes driven step
-  by step (:mod:`kvpool.bench.vllm_itl`): ``--running`` (4) requests decode
+  by step (:mod:`vllm_itl`): ``--running`` (4) requests decode
   while each ``Pi`` arrives; the running requests' inter-token latency
   while its load runs, against steps with no load in the same process,
   and its TTFT;
 - ``mooncake fill`` / ``mooncake hit`` (vLLM's in-tree
   ``MooncakeStoreConnector``, ``mooncake_master`` and a separate
-  ``mooncake_client`` store process, :mod:`kvpool.bench.vllm_peers`): the same
+  ``mooncake_client`` store process, :mod:`vllm_peers`): the same
   as kvpool's fill and DRAM phases (``mooncake_cold``, ``mooncake``,
   ``own_after_mooncake``);
 - ``kvpool 1P1D`` (unless ``--no-pd``): prefill/decode disaggregation through
   the pool, a prefill and a decode vLLM process alive at once
-  (:mod:`kvpool.bench.vllm_pd`): each of ``--prompts`` prompts of its own to
+  (:mod:`vllm_pd`): each of ``--prompts`` prompts of its own to
   the prefill instance for one token (``pd_cold``), then to the decode
   instance with the ``kv_transfer_params`` it returned (``pd_decode``: the
   decode TTFT from the hand-off), then again to the decode instance
@@ -66,7 +70,9 @@ the SSD phase's reads were SSD reads (the node's ``kvpool_promotions_total``
 and the master's SSD hit counter grew by the blocks read). A failed check is
 an error, not a number.
 
-The vLLM side runs this module with ``--driver SPEC`` (:func:`driver_main`).
+The vLLM side runs this script with ``--driver SPEC`` (:func:`driver_main`). The modules beside it
+(``vllm_runtime``, ``vllm_itl``, ``vllm_pd``, ``vllm_engine``, ``vllm_peers``, ``local_pool``) are imported
+from this folder, as a script's siblings.
 """
 
 from __future__ import annotations
@@ -86,8 +92,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench import vllm_itl
-from kvpool.bench.vllm_runtime import MODELS, save_model, vllm_env, vllm_python
+import vllm_itl
+from vllm_runtime import MODELS, save_model, vllm_env, vllm_python
 
 MODEL = "qwen2-0.5b"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -135,7 +141,7 @@ class Request:
 # -- the vLLM side -----------------------------------------------------------------------------------
 
 
-def _counters() -> dict[str, float]:
+def counters() -> dict[str, float]:
     """vLLM's counters this benchmark reads (connector and prefix-cache), summed over engines and labels.
 
     Read from the Prometheus registry itself: ``LLM.get_metrics()`` rounds counters to integers, which turns
@@ -211,19 +217,18 @@ def driver_main(spec_path: str) -> int:
               kv_transfer_config=kv)
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     results = []
-    if spec.get("itl"):  # the batch rows (kvpool.bench.vllm_itl): warm up alone, then the scenario
-        from kvpool.bench import vllm_itl
+    if spec.get("itl"):  # the batch rows (vllm_itl): warm up alone, then the scenario
 
         itl = spec["itl"]
         llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)
-        records = vllm_itl.drive(llm, prompts, itl["running"], itl["hits"], itl["settle"], _counters)
+        records = vllm_itl.drive(llm, prompts, itl["running"], itl["hits"], itl["settle"], counters)
         Path(spec["result"] + ".itl").write_text(json.dumps(records))
     for case, index in spec["requests"]:
-        before = dict(_counters(), **{f"trace:{k}": v for k, v in _TRACE.items()})
+        before = dict(counters(), **{f"trace:{k}": v for k, v in _TRACE.items()})
         start = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=prompts[index])], params, use_tqdm=False)[0]
         wall = time.perf_counter() - start
-        after = dict(_counters(), **{f"trace:{k}": v for k, v in _TRACE.items()})
+        after = dict(counters(), **{f"trace:{k}": v for k, v in _TRACE.items()})
         m = out.metrics
         if m is None or not m.first_token_latency:
             raise RuntimeError("vLLM returned no request metrics (disable_log_stats must be False)")
@@ -237,7 +242,7 @@ def driver_main(spec_path: str) -> int:
     # the garbage collection of its context wait forever.
     start = time.perf_counter()
     llm.llm_engine.engine_core.shutdown()
-    print(f"bench vllm driver: engine shut down in {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"vllm_ttft driver: engine shut down in {time.perf_counter() - start:.1f} s", flush=True)
     sys.stderr.flush()
     os._exit(0)
 
@@ -298,7 +303,7 @@ class _Runner:
         spec_path.write_text(json.dumps(spec))
         log_path = self.work / f"{slug}.log"
         env = dict(self.env, **(extra_env or {}))
-        argv = [self.python, "-m", "kvpool.bench.vllm", "--driver", str(spec_path)]
+        argv = [self.python, str(Path(__file__).resolve()), "--driver", str(spec_path)]
         if self.args.profile and connector == "kvpool":
             spy = shutil.which("py-spy")
             if spy is None:
@@ -314,10 +319,10 @@ class _Runner:
                 done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.work,
                                       timeout=PHASE_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                raise RuntimeError(f"bench vllm: {name} ran past {PHASE_TIMEOUT_S:.0f} s; log {log_path}") from None
+                raise RuntimeError(f"vllm_ttft: {name} ran past {PHASE_TIMEOUT_S:.0f} s; log {log_path}") from None
         if done.returncode != 0:
             tail = log_path.read_bytes()[-4000:].decode(errors="replace")
-            raise RuntimeError(f"bench vllm: {name} exited with {done.returncode}:\n{tail}")
+            raise RuntimeError(f"vllm_ttft: {name} exited with {done.returncode}:\n{tail}")
         self.progress(f"{name}: done in {time.monotonic() - start:.0f} s")
         return [Request(**r) for r in json.loads((self.work / f"{slug}.result.json").read_text())]
 
@@ -331,7 +336,7 @@ def _check(requests: list[Request], expect_hit: int, block_size: int) -> None:
         cold = r.case.endswith("cold") or r.case == "cold"
         want = 0 if cold else expect_hit
         if r.cached != want:
-            raise RuntimeError(f"bench vllm: {r.case} of prompt {r.prompt} had {r.cached} tokens cached, not {want}")
+            raise RuntimeError(f"vllm_ttft: {r.case} of prompt {r.prompt} had {r.cached} tokens cached, not {want}")
         blocks = expect_hit // block_size
         if r.case in (*DRAM_CASES, "kvpool_ssd", "itl_sync", "itl_async"):
             tier = "ssd" if r.case == "kvpool_ssd" else "dram"
@@ -340,7 +345,7 @@ def _check(requests: list[Request], expect_hit: int, block_size: int) -> None:
             got = (m.get(f"vllm:kvpool_hit_blocks_{tier}", 0), m.get(f"vllm:kvpool_hit_blocks_{other}", 0),
                    m.get("vllm:kvpool_loaded_blocks", 0), m.get("vllm:kvpool_load_errors", 0))
             if got != (blocks, 0, blocks, 0):
-                raise RuntimeError(f"bench vllm: {r.case} of prompt {r.prompt}: the connector found {got[0]:.0f} "
+                raise RuntimeError(f"vllm_ttft: {r.case} of prompt {r.prompt}: the connector found {got[0]:.0f} "
                                    f"blocks in {tier} and {got[1]:.0f} in {other}, loaded {got[2]:.0f} with "
                                    f"{got[3]:.0f} errors; expected all {blocks} from {tier}")
 
@@ -362,11 +367,11 @@ def _push_out_of_dram(master: str, slots: int, block_bytes: int, metrics_port: i
             keys = [opaque_key(f"bench-vllm-filler-{i}") for i in range(first, min(slots, first + batch))]
             pool.put(keys, [junk] * len(keys))
             if not pool.flush(120):
-                raise RuntimeError("bench vllm: filler writes did not finish")
+                raise RuntimeError("vllm_ttft: filler writes did not finish")
     deadline = time.monotonic() + 300
     while _node_counter(metrics_port, "kvpool_demotion_queue_bytes") > 0:
         if time.monotonic() > deadline:
-            raise RuntimeError("bench vllm: the node did not finish demoting to SSD")
+            raise RuntimeError("vllm_ttft: the node did not finish demoting to SSD")
         time.sleep(0.1)
 
 
@@ -382,8 +387,7 @@ def cpu_dtype() -> str:
 def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """Every phase of the module docstring, in its order; the requests, the checks' evidence and the setup."""
     import numpy as np
-
-    from kvpool.bench.ttft import LocalPool
+    from local_pool import LocalPool
 
     python = vllm_python()
     if python is None:
@@ -406,7 +410,7 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
         raise ValueError("--running and --settle must be at least 1")
     versions = {}
     if "mooncake" in only:
-        from kvpool.bench.vllm_peers import ensure_mooncake
+        from vllm_peers import ensure_mooncake
 
         versions["mooncake_check"] = ensure_mooncake(python, install=args.install)
     shape = MODELS[MODEL]
@@ -465,7 +469,7 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
                 requests += done
                 evidence[f"master after {name}"] = _master_counts(pool.address)
             if "pd" in only:
-                from kvpool.bench.vllm_pd import pd_phase
+                from vllm_pd import pd_phase
 
                 done = pd_phase(runner, str(config), range(args.prompts + 1, 2 * (args.prompts + 1)))
                 _check(done, expect_hit, args.block_size)
@@ -479,12 +483,12 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
                 records = json.loads((work / f"{name.replace(' ', '-')}.result.json.itl").read_text())
                 for r in records:
                     if r["cached"] != expect_hit or r["loaded_blocks"] != expect_hit // args.block_size:
-                        raise RuntimeError(f"bench vllm: {name}: hit {r['prompt']} had {r['cached']} tokens cached "
+                        raise RuntimeError(f"vllm_ttft: {name}: hit {r['prompt']} had {r['cached']} tokens cached "
                                            f"and {r['loaded_blocks']:.0f} blocks loaded, not {expect_hit} and "
                                            f"{expect_hit // args.block_size}")
                 itl[mode] = records
             if "mooncake" in only:
-                from kvpool.bench.vllm_peers import MooncakeStore
+                from vllm_peers import MooncakeStore
 
                 with MooncakeStore(python) as store:
                     phases: list[tuple[str, str, str | None]] = [("mooncake fill", "mooncake_cold", None),
@@ -494,7 +498,7 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
                         _check(done, expect_hit, args.block_size)
                         requests += done
                     if not store.alive():
-                        raise RuntimeError(f"bench vllm: a Mooncake process died:\n{store.log_tail()}")
+                        raise RuntimeError(f"vllm_ttft: a Mooncake process died:\n{store.log_tail()}")
             if "ssd" not in only:
                 return {"setup": setup, "requests": requests, "evidence": evidence, "itl": itl}
             progress(f"kvpool SSD: {dram_slots} filler blocks push every prompt block out of DRAM")
@@ -513,7 +517,7 @@ def measure(args: argparse.Namespace, progress: Callable[[str], None] = lambda s
                              "node promotions in kvpool SSD": promoted, "blocks read in kvpool SSD": read,
                              "kvpool status after kvpool SSD": _status_text(pool.address)})
             if promoted < read or ssd_hits < read:
-                raise RuntimeError(f"bench vllm: the SSD phase read {read} blocks but the node promoted {promoted:.0f}"
+                raise RuntimeError(f"vllm_ttft: the SSD phase read {read} blocks but the node promoted {promoted:.0f}"
                                    f" from SSD and the master counted {ssd_hits} SSD hits")
     finally:
         if args.keep:
@@ -534,7 +538,7 @@ def summarize(requests: list[Request], itl: dict[str, list[dict[str, Any]]] | No
     """Medians per case; the aims' ratios of medians; per hit case, over its prompts, the median ratio to and
     the median difference from the ``own`` hit of the same prompt served right after it in the same process
     (``paired``, ``overhead_s``), and the layer-wise aim on those differences; the ITL phases' medians per
-    load mode (:func:`kvpool.bench.vllm_itl.summarize`); the kvpool connector's parts (medians, seconds:
+    load mode (:func:`vllm_itl.summarize`); the kvpool connector's parts (medians, seconds:
     ``lookup`` the scheduler's pool lookup, ``read`` the pool read into staging, ``scatter`` the copies into
     vLLM's blocks, ``load`` the connector's own load time, read plus scatter plus its bookkeeping)."""
     by_case: dict[str, list[Request]] = {}
@@ -656,7 +660,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = measure(args, progress=lambda s: print(f"bench vllm: {s}", file=sys.stderr, flush=True))
+    report = measure(args, progress=lambda s: print(f"vllm_ttft: {s}", file=sys.stderr, flush=True))
     report["summary"] = summarize(report["requests"], report.get("itl"))
     if args.json:
         out = dict(report, requests=[asdict(r) for r in report["requests"]])
@@ -672,14 +676,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvpool.bench.vllm``: the same as ``kvpool bench vllm``."""
-    parser = argparse.ArgumentParser(prog="kvpool bench vllm", description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/vllm_ttft.py", description=(__doc__ or "").splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         return run(args)
     except ValueError as exc:
-        print(f"kvpool bench vllm: {exc}", file=sys.stderr)
+        print(f"vllm_ttft: {exc}", file=sys.stderr)
         return 2
 
 

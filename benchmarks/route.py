@@ -1,4 +1,11 @@
-"""``kvpool bench route``: a reference router on the Mooncake trace, round robin against kvpool's score.
+"""A reference router on the Mooncake trace, round robin against kvpool's score: an engine lab.
+
+    python benchmarks/route.py [--trace FILE] [--workers N] [--json]
+
+The defaults (``--trace``, ``--start``, ``--requests``) are the lab's shipped trace and its late,
+reuse-heavy window; the engines are a random-weight transformers model. The routing itself is the
+product's (:mod:`kvpool.routing`); this measures it.
+
 
 N engine workers (:class:`~kvpool.engines.transformers_engine.PrefixCachedEngine`, one seeded random Qwen2
 shared by all, each with its own :class:`~kvpool.client.kvclient.KVCacheClient`: its own HBM tier, one shared
@@ -38,9 +45,10 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.progress import Progress
-from kvpool.bench.replay import DEFAULT_TRACE, EmbeddedPool, TierConfig
+from kvpool.bench.replay import EmbeddedPool, TierConfig
 from kvpool.bench.trace import Request, load_trace, unbounded_bound
 
+LAB_TRACE = "../shared/data/mooncake_synthetic_trace.jsonl"  # the lab's shipped trace, from the repository
 POLICIES = ("round-robin", "score")
 
 
@@ -142,7 +150,7 @@ def replay_policy(policy: str, config: str, requests: Sequence[Request], args: a
                 routed_s = time.perf_counter() - started  # on the request's path: part of its TTFT
                 out = engines[worker].generate(tokens, max_new_tokens=1)
                 if not clients[worker].flush(timeout=30):
-                    raise RuntimeError(f"bench route: worker w{worker} did not flush within 30 s")
+                    raise RuntimeError(f"route: worker w{worker} did not flush within 30 s")
                 result.requests += 1
                 result.per_worker[worker] += 1
                 result.looked_up += len(request.hash_ids)
@@ -182,7 +190,7 @@ def render(results: Sequence[PolicyResult], bound: float, *, window: str, worker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake-format JSONL trace (default: %(default)s)")
+    parser.add_argument("--trace", default=LAB_TRACE, help="Mooncake-format JSONL trace (default: %(default)s)")
     parser.add_argument("--start", type=int, default=3400, metavar="N",
                         help="first request of the window (default: %(default)s: the trace's late, reuse-heavy part)")
     parser.add_argument("--requests", type=int, default=593, metavar="N", help="requests replayed (default: to the "
@@ -243,13 +251,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvpool bench route", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="benchmarks/route.py", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
         return run(args)
     except ValueError as exc:
-        print(f"kvpool bench route: {exc}", file=sys.stderr)
+        print(f"route: {exc}", file=sys.stderr)
         return 2
 
 
