@@ -70,6 +70,7 @@ __all__ = ["PoolClient", "PoolFault"]
 log = logging.getLogger(__name__)
 
 _TIER_BYTES = frozenset(int(t) for t in Tier)
+_UNSTATED_MAX_KEYS = 65536  # a master that states no max_keys_per_call (one from before the field) takes this
 _MAX_PENDING_NAMES = 1 << 20  # engine names waiting for their puts; past this they are dropped (hints only)
 _NAMES_RETRY_S = 60.0  # after a master kept no names (no KV events there), how long before sending them again
 PRESENT = -2  # a placement's answer for a block the pool holds already (PlaceBlocks only)
@@ -142,6 +143,7 @@ class PoolClient:
             self.lookup_stats.count(hbm_prefix_blocks, local.tiers, hbm_prefix_blocks + len(keys), block_tokens)
             self._lookup_seconds.observe(time.perf_counter() - start)
             return local
+        keys = keys[: self._master_max_keys()]  # a leading run no longer than one call names: the rest a miss
         request = master_pb2.LookupRequest(
             keys=b"".join(keys), worker_id=self.worker_id, hbm_prefix_blocks=hbm_prefix_blocks,
             block_tokens=block_tokens,
@@ -175,12 +177,22 @@ class PoolClient:
         local = self.local.exists(keys)
         if local is not None:
             return local
-        try:
-            reply = self.master.exists(master_pb2.ExistsRequest(keys=packed), call_timeout(deadline))
-        except grpc.RpcError as exc:
-            self.faults.lost(error_kind(exc), exc, len(keys))
-            return [False] * len(keys)
-        return flags_from_bytes(reply.present)
+        most = self._master_max_keys()
+        present: list[bool] = []
+        for start in range(0, len(keys), most):  # in calls the master takes
+            try:
+                reply = self.master.exists(master_pb2.ExistsRequest(keys=packed[start * 32 : (start + most) * 32]),
+                                           call_timeout(deadline))
+            except grpc.RpcError as exc:
+                self.faults.lost(error_kind(exc), exc, len(keys) - start)
+                return present + [False] * (len(keys) - start)
+            present += flags_from_bytes(reply.present)
+        return present
+
+    def _master_max_keys(self) -> int:
+        """The most keys one master call may name: the master's ``max_keys_per_call``, from its ``Info``."""
+        info = self.master.info()
+        return info.max_keys_per_call if info is not None and info.max_keys_per_call else _UNSTATED_MAX_KEYS
 
     def report_hbm(self, added: Sequence[BlockKey], removed: Sequence[BlockKey], *, wait: bool = True,
                    timeout: float | None = None) -> None:
@@ -457,7 +469,21 @@ class PoolClient:
         return self._ask_placement(keys, sizes)
 
     def _ask_placement(self, keys: list[BlockKey], sizes: list[int]) -> Placement | None:
-        """The master's PlaceBlocks (see :meth:`_place`)."""
+        """The master's PlaceBlocks (see :meth:`_place`), in calls of at most the keys the master takes."""
+        most = self._master_max_keys()
+        if len(keys) <= most:
+            return self._ask_placement_once(keys, sizes)
+        chosen: list[int] = []
+        nodes: list[NodeRef] = []
+        for start in range(0, len(keys), most):
+            part = self._ask_placement_once(keys[start : start + most], sizes[start : start + most])
+            if part is None:
+                return None
+            chosen += [n + len(nodes) if n >= 0 else n for n in part.node_indexes]  # PRESENT, TOO_LARGE: < 0
+            nodes += part.nodes
+        return Placement(chosen, nodes)
+
+    def _ask_placement_once(self, keys: list[BlockKey], sizes: list[int]) -> Placement | None:
         try:
             placed = self.master.place_blocks(master_pb2.PlaceBlocksRequest(keys=pack_keys(keys), sizes=sizes),
                                                self.config.lookup_timeout_s)

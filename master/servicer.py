@@ -222,6 +222,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             incarnation=info.incarnation,
             heartbeat_interval_s=self._config.heartbeat_interval_s,
             node_timeout_s=self._config.node_timeout_s,
+            max_keys_per_call=self._config.server.max_keys_per_call,
         )
 
     def Heartbeat(self, request: master_pb2.HeartbeatRequest, context: Any) -> master_pb2.HeartbeatResponse:
@@ -451,7 +452,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                              tenant_mask=who.mask if who is not None else b"",
                                              standby=not self.leading(), leader_address=self.leader_address(),
                                              cluster=self.cluster,
-                                             kv_events_server_key=self.events_server_key if client else "")
+                                             kv_events_server_key=self.events_server_key if client else "",
+                                             max_keys_per_call=self._config.server.max_keys_per_call)
 
     def ClusterStatus(self, request: master_pb2.ClusterStatusRequest, context: Any) -> master_pb2.ClusterStatusResponse:
         self._lead(context)

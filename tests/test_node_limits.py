@@ -1,5 +1,6 @@
-"""A node's limits reach its clients through its ``Info``: an operator who lowers ``max_keys_per_call`` on a node
-does not break the clients writing to it and reading from it (issue 28)."""
+"""A server's limits reach its callers: an operator who lowers ``max_keys_per_call`` on a node does not break the
+clients writing to it and reading from it (they read the limit from its ``Info``), nor on a master its nodes'
+reports (the registration reply says it) or its clients' calls (its ``Info``) (issue 28)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,27 @@ def test_the_grpc_path_splits_a_batch_by_the_nodes_key_limit(small_calls_node):
         assert ok == [True] * BLOCKS and all(np.array_equal(o, b) for o, b in zip(outs, blocks))
     assert calls(n, "put") == 3 and calls(n, "get") == 3  # ceil(10 / 4) each way
     assert "invalid_argument" not in error_counts(n.registry)
+
+
+def test_a_master_with_a_lowered_key_limit_gets_its_nodes_reports_and_its_clients_calls_in_parts(tmp_path,
+                                                                                               arena_name):
+    master = MasterServer(MasterConfig.of(port=0, metrics_port=0, max_keys_per_call=LIMIT)).start()
+    cfg = NodeConfig.of(master=master.address, host="127.0.0.1", port=0, metrics_port=0, data_port=0, arena=arena_name,
+                        dram_bytes=16 << 20, max_block_bytes=1 << 20, ssd_enabled=False,
+                        ssd_dir=str(tmp_path / "ssd"))
+    keys, blocks = [key(i) for i in range(BLOCKS)], [block(i) for i in range(BLOCKS)]
+    try:
+        with PoolNode(cfg) as n:
+            wait_until(lambda: n.link.registered)
+            with PoolClient(ClientConfig(master=master.address, strict=True, shared_memory=False)) as pool:
+                assert pool.store(keys, blocks) == [True] * BLOCKS
+                assert pool.flush()  # every node report confirmed: none was refused for its size
+                assert pool.exists(keys) == [True] * BLOCKS  # all reported to the master; asked in three calls
+                run = pool.lookup(keys)
+                assert len(run) == LIMIT  # one call's worth of leading run; the rest is a miss, not an error
+                outs = [np.zeros(SIZE, np.uint8) for _ in range(LIMIT)]
+                assert pool.get_into(run, outs) == [True] * LIMIT
+                assert all(np.array_equal(o, b) for o, b in zip(outs, blocks))
+            assert "invalid_argument" not in error_counts(master.registry)
+    finally:
+        master.stop()

@@ -5,7 +5,8 @@ link's job is to keep the master's picture of this node whole:
 
 - Register (NodeRef, tier usage, slot size), then report everything held with
   ``ReportBlocks(full_sync=True)`` per tier (chunks of at most ``chunk_keys``
-  keys: the first chunk replaces, later ones add). Only then is the link
+  keys, fewer if the master's registration reply says it takes fewer in one
+  call: the first chunk replaces, later ones add). Only then is the link
   ``registered``.
 - A background thread sends queued inventory changes promptly
   (``COALESCE_S`` after the first change, so a burst of puts is one report:
@@ -65,6 +66,7 @@ from kvpool.wire import auth_hello
 log = logging.getLogger(__name__)
 
 CHUNK_KEYS = 50_000
+_UNSTATED_MAX_KEYS = 65536  # a master that states no max_keys_per_call (one from before the field) takes this
 COALESCE_S = 0.002  # after a change wakes the thread, it waits this long for more before reporting
 RETRY_S = 0.25  # a failed heartbeat is tried again this soon (not a whole interval later)
 # Reconnect quickly after a master restart (gRPC's default backoff grows to minutes).
@@ -118,7 +120,8 @@ class MasterLink:
         self._max_block_bytes = max_block_bytes  # 0: dram_max_block_bytes (no SSD)
         self._timeout = rpc_timeout_s
         self._retry_cap = retry_cap_s
-        self._chunk = chunk_keys
+        self._chunk_most = chunk_keys
+        self._chunk = chunk_keys  # the keys one report names: chunk_keys, or less if the master takes less
         # token: a node token for the master (auth on); tls_ca: the master speaks TLS
         self._calls = ConnectionPool(rpc_timeout_s, tls=client_context(tls_ca) if tls_ca else None,
                                      hello=auth_hello(token) if token else None)
@@ -277,6 +280,8 @@ class MasterLink:
                     self._interval = reply.heartbeat_interval_s
                 if reply.node_timeout_s > 0:
                     self._node_timeout = reply.node_timeout_s
+                # a report names at most what this master takes in one call (an operator may lower it)
+                self._chunk = min(self._chunk_most, reply.max_keys_per_call or _UNSTATED_MAX_KEYS)
                 self._failing_since = None
                 with self._pending_lock:  # the snapshots below cover everything changed so far
                     self._incarnation = reply.incarnation

@@ -20,14 +20,16 @@ class RegisterNodeRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., dram_max_block_bytes: _Optional[int] = ..., max_block_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
-    __slots__ = ("incarnation", "heartbeat_interval_s", "node_timeout_s")
+    __slots__ = ("incarnation", "heartbeat_interval_s", "node_timeout_s", "max_keys_per_call")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     NODE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
     incarnation: int
     heartbeat_interval_s: float
     node_timeout_s: float
-    def __init__(self, incarnation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., node_timeout_s: _Optional[float] = ...) -> None: ...
+    max_keys_per_call: int
+    def __init__(self, incarnation: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., node_timeout_s: _Optional[float] = ..., max_keys_per_call: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "incarnation", "tiers")
@@ -282,7 +284,7 @@ class MasterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MasterInfoResponse(_message.Message):
-    __slots__ = ("call_port", "version", "tenant_mask", "standby", "leader_address", "cluster", "kv_events_server_key")
+    __slots__ = ("call_port", "version", "tenant_mask", "standby", "leader_address", "cluster", "kv_events_server_key", "max_keys_per_call")
     CALL_PORT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENANT_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +292,7 @@ class MasterInfoResponse(_message.Message):
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_SERVER_KEY_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
     call_port: int
     version: str
     tenant_mask: bytes
@@ -297,4 +300,5 @@ class MasterInfoResponse(_message.Message):
     leader_address: str
     cluster: str
     kv_events_server_key: str
-    def __init__(self, call_port: _Optional[int] = ..., version: _Optional[str] = ..., tenant_mask: _Optional[bytes] = ..., standby: _Optional[bool] = ..., leader_address: _Optional[str] = ..., cluster: _Optional[str] = ..., kv_events_server_key: _Optional[str] = ...) -> None: ...
+    max_keys_per_call: int
+    def __init__(self, call_port: _Optional[int] = ..., version: _Optional[str] = ..., tenant_mask: _Optional[bytes] = ..., standby: _Optional[bool] = ..., leader_address: _Optional[str] = ..., cluster: _Optional[str] = ..., kv_events_server_key: _Optional[str] = ..., max_keys_per_call: _Optional[int] = ...) -> None: ...
