@@ -54,7 +54,7 @@ def test_keys_and_sizes_are_refused_before_anything_changes(core):
     core.check_sizes([1, SLOT])
 
 
-def test_a_reservation_leases_slots_for_new_blocks_only_and_commit_checks_their_bytes(core):
+def test_a_reservation_leases_slots_for_new_blocks_only_and_commit_checks_the_slot_not_the_bytes(core):
     held, new, big = opaque_key("held"), opaque_key("new"), opaque_key("big")
     v = block(9, 2000)
     assert core.put([held], [v], None) == [True]
@@ -63,7 +63,7 @@ def test_a_reservation_leases_slots_for_new_blocks_only_and_commit_checks_their_
     slot, gen = leased.slots[1]
     assert gen % 2 == 1 and core.store.dram.leased_slots == 1
     core.block_bytes(slot, 2000)[:] = v
-    assert core.commit(leased.lease, [new], [slot], [block_checksum(v) ^ 1]) == [False]  # bytes do not match
+    assert core.commit(leased.lease, [held], [slot], [block_checksum(v)]) == [False]  # not the slot of that key
     assert core.store.where([new]) == [None] and core.store.dram.leased_slots == 0
     leased = core.reserve([new], [2000], None)
     slot, _ = leased.slots[0]
