@@ -187,7 +187,7 @@ def test_a_put_whose_stock_lapsed_is_a_counted_lost_write_and_the_next_put_gets_
         assert np.array_equal(outs[1], block(2))
 
 
-def test_a_put_of_other_sizes_extends_the_stock_lease_and_commits_once(pool_node, monkeypatch):
+def test_a_put_of_other_sizes_takes_what_the_stock_has_and_reserves_the_rest(pool_node, monkeypatch):
     master, n = pool_node
     with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
         assert pool.store([key(0)], [block(0)]) == [True]
@@ -196,7 +196,7 @@ def test_a_put_of_other_sizes_extends_the_stock_lease_and_commits_once(pool_node
         calls = CallLog(monkeypatch, n)
         values = [block(1), block(2, 3 * SLOT)]  # one size in stock, one not
         assert pool.store([key(1), key(2)], values) == [True, True]
-        assert calls.names == ["Reserve", "Commit"]  # Reserve adds the other size to the stock's lease
+        assert calls.names == ["Reserve", "Commit", "Commit"]  # a lease for the other size; one Commit per lease
         assert pool.flush()
         assert n.store.dram.leased_slots == pool.shared_path.stocked_slots() == stocked - 1  # the rest kept
         outs = [np.empty_like(v) for v in values]
