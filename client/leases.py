@@ -81,6 +81,15 @@ class LeasedSlot:
                                          np.array([self.gen], dtype=np.uint64))[0])
 
 
+@dataclass(frozen=True, slots=True)
+class FilledSlot:
+    """A leased slot the block's bytes are in, and their checksum (taken as they were copied in): all its
+    ``Commit`` needs."""
+
+    slot: LeasedSlot
+    checksum: int
+
+
 @dataclass
 class Stock:
     """Slots one node leased to this client ahead of its next puts (keys not known yet), until ``use_by``."""

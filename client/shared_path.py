@@ -183,15 +183,14 @@ class SharedMemoryPath:
         if short:
             reserved = self._reserve(node, arena, [run[j] for j in short], keys, sizes, deadline)
             for j, got in zip(short, reserved):
-                if got is True:  # the node holds the key already
-                    result[run[j]] = True
-                else:
+                if isinstance(got, LeasedSlot):
                     slots[j] = got
-        mine = [j for j, s in enumerate(slots) if s is not None]
-        sums = [copy_with_checksum(slots[j].view(), arrays[run[j]]) for j in mine]  # type: ignore[union-attr]
-        stored = self.commit([keys[run[j]] for j in mine], [slots[j] for j in mine], sums,  # type: ignore[misc]
-                             deadline)
-        for j, ok in zip(mine, stored):
+                elif got:  # the node holds the key already
+                    result[run[j]] = True
+        mine = [(j, s) for j, s in enumerate(slots) if s is not None]
+        sums = [copy_with_checksum(s.view(), arrays[run[j]]) for j, s in mine]
+        stored = self.commit([keys[run[j]] for j, _ in mine], [s for _, s in mine], sums, deadline)
+        for (j, _), ok in zip(mine, stored):
             result[run[j]] = ok
         return [run[j] for j, s in enumerate(slots) if s is None and not result[run[j]]]
 

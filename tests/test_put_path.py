@@ -204,6 +204,61 @@ def test_a_put_of_other_sizes_takes_what_the_stock_has_and_reserves_the_rest(poo
         assert all(np.array_equal(o, v) for o, v in zip(outs, values))
 
 
+def test_a_two_step_put_fills_leased_slots_once_and_the_writer_only_commits_them(pool_node, monkeypatch):
+    """prepare_put hands out slots leased ahead (no call), the engine gathers its pieces straight into them,
+    complete_put queues handles: the writer's only call is the Commit, and the blocks read back intact."""
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+        assert pool.put([key(0)], [block(0)]) == [True] and pool.flush()  # warm-up: the view, the first stock
+        calls = CallLog(monkeypatch, n)
+        values = [block(i) for i in range(1, 4)]
+        prepared = pool.prepare_put([key(i) for i in range(1, 4)], [SLOT] * 3)
+        assert calls.names == [] and prepared.in_slots == 3  # slots from the stock, no round trip
+        for i, v in enumerate(values):
+            halves = v.reshape(2, -1)
+            prepared.fill(i, [halves[0], halves[1][::-1][::-1]])  # pieces of any strides, in order
+        assert n.store.dram.locate([key(1)]) == [None]  # filled, not published
+        assert pool.complete_put(prepared) == [True] * 3 and pool.flush()
+        assert calls.names == ["Commit", "FlushReports"]
+        outs = [np.empty(SLOT, dtype=np.uint8) for _ in values]
+        assert pool.get_into(pool.lookup([key(i) for i in range(1, 4)]), outs) == [True] * 3
+        assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+
+
+def test_put_copies_once_so_the_caller_may_reuse_its_buffer_and_scratch_blocks_still_arrive(pool_node):
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+        buf = block(5).copy()
+        assert pool.put([key(5)], [buf]) == [True]  # no stock yet: host scratch, stored by the writer
+        buf[:] = 0  # the engine reuses its buffer at once
+        assert pool.flush()
+        stocked = pool.shared_path.stocked_slots()
+        assert stocked > 0
+        buf[:] = block(6)
+        assert pool.put([key(6)], [buf]) == [True]  # into a leased slot now
+        buf[:] = 0
+        assert pool.flush() and pool.shared_path.stocked_slots() == stocked - 1
+        outs = [np.empty(SLOT, dtype=np.uint8) for _ in range(2)]
+        assert pool.get_into(pool.lookup([key(5), key(6)]), outs) == [True, True]
+        assert np.array_equal(outs[0], block(5)) and np.array_equal(outs[1], block(6))
+
+
+def test_prepare_and_complete_refuse_bad_input(pool_node):
+    master, _ = pool_node
+    with PoolClient(ClientConfig(master=master.address)) as pool:
+        with pytest.raises(ValueError, match="empty"):
+            pool.prepare_put([key(1)], [0])
+        with pytest.raises(ValueError, match="sizes"):
+            pool.prepare_put([key(1)], [SLOT, SLOT])
+        prepared = pool.prepare_put([key(1), key(2)], [SLOT, SLOT])
+        with pytest.raises(ValueError, match="bytes"):
+            prepared.fill(0, [block(1)[:10]])
+        prepared.fill(0, [block(1)])
+        with pytest.raises(ValueError, match="never filled"):
+            pool.complete_put(prepared)
+        assert pool.flush() and pool.lookup([key(1)]).keys == []  # nothing was queued
+
+
 def test_the_client_places_as_the_master_would(tmp_path, arena_name):
     master = MasterServer(MasterConfig(port=0, metrics_port=0)).start()
     nodes = []
