@@ -52,6 +52,19 @@ def write_source(obj: Any) -> np.ndarray:
     return (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
 
 
+_SAME_SIZE_INTS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def host_array(tensor: Any) -> np.ndarray:
+    """A host tensor's memory as numpy (no copy): its shape and strides, as integers of its element size (numpy
+    has no bfloat16; only the bytes matter to the pool). ValueError for a device tensor."""
+    import torch
+
+    if tensor.device.type != "cpu":
+        raise ValueError(f"a tensor on {tensor.device} has no host memory to view")
+    return tensor.detach().view(getattr(torch, _SAME_SIZE_INTS[tensor.element_size()])).numpy()
+
+
 def as_tensor(obj: Any) -> Any:
     """A torch view of a buffer or tensor (for the HBM tier), sharing memory where it can."""
     if is_tensor(obj):
