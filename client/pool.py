@@ -295,18 +295,22 @@ class PoolClient:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} buffers")
         arrays = [as_array(v) for v in values]
-        prepared = self.prepare_put(keys, [int(a.size) for a in arrays])
+        prepared = self.prepare_put(keys, [int(a.size) for a in arrays], reserve=False)  # never waits
         for i, a in enumerate(arrays):
             prepared.fill(i, (a,))
         return self.complete_put(prepared, engine_hashes)
 
-    def prepare_put(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> PreparedPut:
+    def prepare_put(self, keys: Sequence[BlockKey], sizes: Sequence[int], *, reserve: bool = True) -> PreparedPut:
         """Step one of a put: a target for each block to be written into once (see :mod:`kvpool.client.prepared`).
 
-        Never waits on the pool: a block gets a slot only from what a same-host
-        node leased to this client ahead (placed by the cluster view this
-        client already has), else host scratch. Fill every block, then
-        :meth:`complete_put`. A batch dropped instead publishes nothing.
+        A block placed on a same-host node gets a slot of the stock that node
+        leased to this client ahead (no round trip); with ``reserve``, the
+        blocks the stock lacks get slots of one ``Reserve`` per node (a local
+        call, bounded by ``lookup_timeout_s`` like a lookup: the copy it saves
+        costs more than the call from a few hundred KiB up); the rest (other
+        hosts, no room, no view of the cluster yet without ``reserve``) get
+        host scratch. Fill every block, then :meth:`complete_put`; a batch
+        dropped instead publishes nothing (its slots lapse with their lease).
         """
         keys = check_keys(keys)
         sizes = [int(n) for n in sizes]
@@ -316,15 +320,22 @@ class PoolClient:
             if n <= 0:
                 raise ValueError(f"block {i} is empty")
         slots: list[LeasedSlot | None] = [None] * len(keys)
-        placement = self.cluster.place(keys, sizes) if self.shared_path.stocked_slots() else None
-        if placement is not None:
-            by_node: dict[int, list[int]] = defaultdict(list)
-            for i, n in enumerate(placement.node_indexes):
-                if n >= 0:
-                    by_node[n].append(i)
-            for n, idxs in by_node.items():
-                for i, slot in zip(idxs, self.shared_path.lease(placement.nodes[n], [sizes[i] for i in idxs])):
-                    slots[i] = slot
+        placement = self.cluster.place(keys, sizes) if reserve or self.shared_path.stocked_slots() else None
+        if placement is None:
+            return PreparedPut(keys, sizes, slots)
+        by_node: dict[int, list[int]] = defaultdict(list)
+        for i, n in enumerate(placement.node_indexes):
+            if n >= 0:
+                by_node[n].append(i)
+        deadline = time.monotonic() + self.config.lookup_timeout_s
+        for n, idxs in by_node.items():
+            node = placement.nodes[n]
+            for i, slot in zip(idxs, self.shared_path.lease(node, [sizes[i] for i in idxs])):
+                slots[i] = slot
+            short = [i for i in idxs if slots[i] is None]
+            if reserve and short:
+                for i, got in zip(short, self.shared_path.reserve(node, keys, sizes, short, deadline)):
+                    slots[i] = got if isinstance(got, LeasedSlot) else None  # held already: written as scratch
         return PreparedPut(keys, sizes, slots)
 
     def complete_put(self, prepared: PreparedPut, engine_hashes: Sequence[int] | None = None) -> list[bool]:
@@ -442,7 +453,7 @@ class PoolClient:
         by the fastest path it offers (see the module docstring). On the
         same-host path ``store`` returns once the bytes are in the node's
         slots and the ``Commit`` is sent (:mod:`kvpool.client.commit_pipe`):
-        the node verifies and publishes them meanwhile, this client's next
+        the node publishes them meanwhile, this client's next
         ``lookup``, ``exists``, ``get_into`` or ``flush`` first waits for that,
         and a block the node then refuses is a lost write (counted; in strict
         mode raised by the next call). The nodes report new blocks to the

@@ -14,11 +14,14 @@ Blocks whose slot was reused meanwhile are handed to the next path.
 The checks run over the whole batch at once; only the copy-and-hash is per
 block.
 
-Writes: ``Reserve`` slots under a lease, copy the caller's bytes into them
-while checksumming (:func:`~kvpool.checksum.copy_with_checksum`),
-``Commit`` (the node verifies every block before publishing it). Blocks that
-got no slot (too large, no room) are handed to the next path; a writer that
-dies mid-put leaves slots the node reclaims when the lease lapses.
+Writes: slots from the lease-ahead stock (:mod:`kvpool.client.leases`, no
+round trip), ``Reserve`` for the rest; the caller's bytes are copied into
+them while checksumming (:func:`~kvpool.checksum.copy_with_checksum`, or the
+engine's own gather: :mod:`kvpool.client.prepared`); one ``Commit`` per lease
+(:meth:`SharedMemoryPath.commit`), piped where it can be. The node publishes
+without hashing again: every reader verifies. Blocks that got no slot (too
+large, no room) are handed to the next path; a writer that dies mid-put
+leaves slots the node reclaims when the lease lapses.
 
 Tenants (auth on): arena rows hold *stored* keys, so reads compare rows with
 this client's keys under its tenant mask (:class:`TenantMask`, from the
@@ -181,7 +184,7 @@ class SharedMemoryPath:
         slots = self._stock.lease(node.address, arena, [sizes[i] for i in run])
         short = [j for j, s in enumerate(slots) if s is None]
         if short:
-            reserved = self._reserve(node, arena, [run[j] for j in short], keys, sizes, deadline)
+            reserved = self.reserve(node, keys, sizes, [run[j] for j in short], deadline)
             for j, got in zip(short, reserved):
                 if isinstance(got, LeasedSlot):
                     slots[j] = got
@@ -343,12 +346,16 @@ class SharedMemoryPath:
         self.faults.raise_later()
         return ok
 
-    def _reserve(self, node: NodeRef, arena: SharedArena, run: list[int], keys: list[BlockKey], sizes: list[int],
-                 deadline: float) -> list[LeasedSlot | bool | None]:
-        """Per block of ``run`` a slot of a new lease (``Reserve``), True if the node holds the key already, None
-        if it got no slot (no room, too large, or the call failed)."""
-        request = node_pb2.ReserveRequest(keys=pack_keys([keys[i] for i in run]), sizes=[sizes[i] for i in run])
+    def reserve(self, node: NodeRef, keys: Sequence[BlockKey], sizes: Sequence[int], run: Sequence[int],
+                deadline: float) -> list[LeasedSlot | bool | None]:
+        """Per block of ``run`` (indexes into ``keys`` and ``sizes``) a slot of a new lease (one ``Reserve``),
+        True if the node holds the key already, None if it got no slot (not on this host, no room, too large, or
+        the call failed). The lease ends at the slots' :meth:`commit`."""
+        arena = self.nodes.arena(node)
         out: list[LeasedSlot | bool | None] = [None] * len(run)
+        if arena is None:
+            return out
+        request = node_pb2.ReserveRequest(keys=pack_keys([keys[i] for i in run]), sizes=[sizes[i] for i in run])
         try:
             reply = self.nodes.stub(node.address).Reserve(request, timeout=call_timeout(deadline))
         except grpc.RpcError as exc:

@@ -225,6 +225,24 @@ def test_a_two_step_put_fills_leased_slots_once_and_the_writer_only_commits_them
         assert all(np.array_equal(o, v) for o, v in zip(outs, values))
 
 
+def test_a_two_step_put_reserves_what_the_stock_lacks_and_put_never_does(pool_node, monkeypatch):
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+        pool.cluster.refresh()
+        calls = CallLog(monkeypatch, n)
+        scratch = pool.prepare_put([key(1)], [SLOT], reserve=False)  # no stock yet, and no call allowed
+        assert calls.names == [] and scratch.in_slots == 0
+        prepared = pool.prepare_put([key(i) for i in range(2, 6)], [SLOT] * 4)
+        assert calls.names == ["Reserve"] and prepared.in_slots == 4  # one Reserve for the blocks, then filled
+        for i in range(4):
+            prepared.fill(i, [block(i + 2)])
+        assert pool.complete_put(prepared) == [True] * 4 and pool.flush()
+        assert calls.names[1:] == ["Commit", "FlushReports"]
+        outs = [np.empty(SLOT, dtype=np.uint8) for _ in range(4)]
+        assert pool.get_into(pool.lookup([key(i) for i in range(2, 6)]), outs) == [True] * 4
+        assert all(np.array_equal(o, block(i + 2)) for i, o in enumerate(outs))
+
+
 def test_put_copies_once_so_the_caller_may_reuse_its_buffer_and_scratch_blocks_still_arrive(pool_node):
     master, n = pool_node
     with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:

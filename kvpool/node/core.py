@@ -194,7 +194,7 @@ class NodeCore:
 
     def commit(self, lease: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int], *,
                owner: object = None, keep: bool = False) -> list[bool]:
-        """Publish the lease's slots whose bytes match their checksums (see NodeStore.commit)."""
+        """Publish the lease's slots with their writer's checksums, not hashed again (see DramStore.commit)."""
         return self.store.commit(lease, keys, slots, checksums, owner=owner, keep=keep)
 
     def lease_ahead(self, sizes: Sequence[int], timeout_s: float | None, *, owner: object = None) -> Leased:

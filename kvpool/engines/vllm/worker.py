@@ -26,8 +26,9 @@ that lay them out the same way.
   Device caches: one indexed gather per layer into staging, then
   :meth:`PoolClient.put` (one copy more). Either way the forward never waits
   on the network; a full queue drops blocks (counted).
-- Staging buffers (:class:`Staging`) are reused and grow to the largest batch
-  seen; each thread that copies has its own.
+- Staging buffers (:class:`~kvpool.engines.staging.LayeredStaging`) are
+  reused and grow to the largest batch seen; each thread that copies has
+  its own.
 - Stats may be counted from several threads (the async loader's, the layer
   thread's): :meth:`PoolWorker.count` takes a lock.
 """
@@ -45,6 +46,7 @@ import torch
 
 from kvpool.client.lookup import BlockLocation
 from kvpool.client.pool import PoolClient
+from kvpool.engines.staging import LayeredStaging
 from kvpool.engines.vllm.keys import shard_key
 from kvpool.engines.vllm.scheduler import LoadJob, SaveJob
 from kvpool.keys import leading_hits
@@ -115,20 +117,6 @@ def block_layers(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[La
     return layers
 
 
-class Staging:
-    """A reusable host buffer of blocks as ``[n, layers, piece]`` bytes (grows as needed; one thread's)."""
-
-    def __init__(self, layers: int, piece_bytes: int):
-        self.layers, self.piece_bytes = layers, piece_bytes
-        self._buffer = torch.empty(0, dtype=torch.uint8)
-
-    def blocks(self, n: int) -> torch.Tensor:
-        need = n * self.layers * self.piece_bytes
-        if self._buffer.numel() < need:
-            self._buffer = torch.empty(need, dtype=torch.uint8)
-        return self._buffer[:need].view(n, self.layers, self.piece_bytes)
-
-
 class PoolWorker:
     """Loads and saves of one vLLM worker (see the module docstring). :meth:`load` and :meth:`save` are called
     from vLLM's model-runner thread; :meth:`fetch`, :meth:`scatter` and :meth:`gather` from any thread with
@@ -148,9 +136,9 @@ class PoolWorker:
         self._lock = threading.Lock()
         self.stats = TransferStats()
 
-    def staging(self) -> Staging:
+    def staging(self) -> LayeredStaging:
         """A new staging buffer for this worker's blocks (one per copying thread)."""
-        return Staging(len(self.layers), self.piece_bytes)
+        return LayeredStaging(len(self.layers), self.piece_bytes)
 
     # -- loads ---------------------------------------------------------------------------------
 
