@@ -49,17 +49,18 @@ def gather_with_checksum(dst: np.ndarray, pieces: Sequence[np.ndarray]) -> int:
         raise ValueError(f"pieces hold {total} bytes, the block {dst.size}")
     h = xxhash.xxh3_64()
     at = 0
-    for piece in pieces:
+    for piece in pieces:  # the per-piece work stays small: an engine block is often dozens of 16 KiB pieces
         n = piece.nbytes
-        if piece.flags.c_contiguous:
+        out = dst[at : at + n]
+        if n > _CHUNK and piece.flags.c_contiguous:
             flat = piece.reshape(-1).view(np.uint8)
             for start in range(0, n, _CHUNK):
-                chunk = dst[at + start : at + min(n, start + _CHUNK)]
+                chunk = out[start : start + _CHUNK]
                 np.copyto(chunk, flat[start : start + _CHUNK])
-                h.update(as_buffer(chunk))
+                h.update(chunk)
         else:
-            out = dst[at : at + n]
-            np.copyto(out.view(piece.dtype).reshape(piece.shape), piece)
-            h.update(as_buffer(out))
+            np.copyto(out if piece.ndim == 1 and piece.dtype == np.uint8 else
+                      out.view(piece.dtype).reshape(piece.shape), piece)
+            h.update(out)
         at += n
     return h.intdigest()
