@@ -359,7 +359,13 @@ class PoolClient:
         payloads: list[Payload] = [
             FilledSlot(slot, checksum) if slot is not None and checksum is not None else target
             for slot, checksum, target in zip(prepared.slots, prepared.checksums, prepared.targets)]
-        accepted = self._writer.submit(keys, payloads)
+        # The filled slots side by side: items of no bytes are never split across the writer's batches, so one
+        # lease's slots reach one Commit (a Reserve's lease ends at its Commit).
+        order = sorted(range(len(keys)), key=lambda i: not isinstance(payloads[i], FilledSlot))
+        taken = self._writer.submit([keys[i] for i in order], [payloads[i] for i in order])
+        accepted = [False] * len(keys)
+        for i, ok in zip(order, taken):
+            accepted[i] = ok
         dropped = accepted.count(False)
         if dropped:
             self.faults.counted("queue_full", dropped)

@@ -11,8 +11,9 @@ Invariants:
   would take what is waiting past ``capacity_bytes`` is refused (False) and
   counted by the caller; a filled slot costs no queue bytes (its bytes are
   in the node's arena, bounded by what the node leased ahead).
-- One background thread drains the queue in batches of at most
-  ``batch_bytes`` and hands each batch to ``sink``; a sink exception is
+- One background thread drains the queue in order, in batches of at most
+  ``batch_bytes`` (items of no bytes submitted side by side are never split
+  across two batches) and hands each batch to ``sink``; a sink exception is
   logged and the batch dropped (a pool fault is a lost cache entry, not an error).
 - ``flush`` returns once everything submitted before it has been handed to
   the sink (or the timeout passes).

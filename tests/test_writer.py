@@ -74,6 +74,26 @@ def test_filled_slots_are_queued_as_handles_that_cost_no_queue_bytes(arena_name)
         arena.close()
 
 
+def test_filled_slots_submitted_side_by_side_reach_the_sink_in_one_batch(arena_name):
+    arena = SharedArena.create(arena_name, 8192, 4)
+    batches: list[list] = []
+    queue = WriteBehindQueue(lambda keys, payloads: batches.append(list(payloads)), capacity_bytes=1 << 20,
+                             batch_bytes=100)
+    try:
+        slot = LeasedSlot("node", arena, lease=5, slot=1, gen=3, offset=4096, size=4096)
+        handles = [FilledSlot(slot, checksum=i) for i in range(3)]
+        big, small = np.ones(150, np.uint8), np.ones(60, np.uint8)
+        queue.submit([key(i) for i in range(6)], [big, *handles, small, small])
+        assert queue.flush(timeout=30)
+        flat = [p for b in batches for p in b]
+        assert len(flat) == 6 and flat[0] is big
+        assert any(all(any(p is h for p in b) for h in handles) for b in batches)  # never split across two Commits
+        assert all(sum(p.nbytes for p in b if isinstance(p, np.ndarray)) <= 150 for b in batches)
+    finally:
+        queue.close()
+        arena.close()
+
+
 class HandleSink:
     """Records exactly what the queue hands over, once the gate opens."""
 
