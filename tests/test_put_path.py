@@ -243,6 +243,24 @@ def test_a_two_step_put_reserves_what_the_stock_lacks_and_put_never_does(pool_no
         assert all(np.array_equal(o, block(i + 2)) for i, o in enumerate(outs))
 
 
+def test_bytes_scribbled_into_a_committed_slot_are_a_miss_on_every_read_path(pool_node):
+    """The node publishes a commit without hashing it again: what keeps a bad writer (one scribbling through its
+    writable mapping of the arena, before or after its Commit) from making anyone read wrong bytes is that every
+    reader hashes what it copied, same host and network alike."""
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address)) as writer:
+        assert writer.put([key(1), key(2)], [block(1), block(2)]) == [True, True] and writer.flush()
+        ref = n.store.dram.locate([key(1)])[0]
+        assert ref is not None
+        n.store.dram.arena.data[ref.offset + 100] ^= 0xFF  # the writer's bug, after its Commit
+    for shared_memory in (True, False):
+        with PoolClient(ClientConfig(master=master.address, shared_memory=shared_memory)) as reader:
+            outs = [np.zeros(SLOT, dtype=np.uint8) for _ in range(2)]
+            run = reader.lookup([key(1), key(2)])
+            assert len(run) == 2 and reader.get_into(run, outs) == [False, True]
+            assert np.array_equal(outs[1], block(2))
+
+
 def test_put_copies_once_so_the_caller_may_reuse_its_buffer_and_scratch_blocks_still_arrive(pool_node):
     master, n = pool_node
     with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
