@@ -57,10 +57,10 @@ def gather_with_checksum(dst: np.ndarray, pieces: Sequence[np.ndarray]) -> int:
             for start in range(0, n, _CHUNK):
                 chunk = out[start : start + _CHUNK]
                 np.copyto(chunk, flat[start : start + _CHUNK])
-                h.update(chunk)
+                h.update(as_buffer(chunk))
         else:
             np.copyto(out if piece.ndim == 1 and piece.dtype == np.uint8 else
                       out.view(piece.dtype).reshape(piece.shape), piece)
-            h.update(out)
+            h.update(as_buffer(out))
         at += n
     return h.intdigest()
