@@ -99,14 +99,6 @@ class Stock:
     free: dict[int, list[tuple[int, int]]]  # block size -> (slot, gen) leased for blocks of exactly that size
     use_by: float  # time.monotonic() after which the lease may lapse under us: not used
 
-    def assign(self, want: Sequence[int], slots: np.ndarray, gens: np.ndarray) -> None:
-        """Give each wanted size a slot of exactly that size while there are any (gens 0: none left); the slots
-        given leave the stock."""
-        for j, size in enumerate(want):
-            pool = self.free.get(size)
-            if pool:
-                slots[j], gens[j] = pool.pop()
-
     def left(self) -> int:
         return sum(len(pool) for pool in self.free.values())
 
@@ -159,30 +151,34 @@ class StockShelf:
     def lease(self, address: str, arena: SharedArena, sizes: Sequence[int]) -> list[LeasedSlot | None]:
         """Per size a slot of the node's stock (None: none left of that size, or the node took it back); the
         slots given leave the shelf. No round trip."""
-        n = len(sizes)
-        out: list[LeasedSlot | None] = [None] * n
-        want = np.asarray(sizes, dtype=np.int64)
-        slots, gens, leases = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.int64)
-        while True:
-            short = np.flatnonzero(gens == 0)
-            if not short.size:
-                break
+        out: list[LeasedSlot | None] = [None] * len(sizes)
+        pending = list(range(len(sizes)))
+        got: list[tuple[int, int, int, int]] = []  # (block, lease, slot, gen)
+        while pending:
             stock = self.take(address, arena)
             if stock is None:
                 break
-            got_slots, got_gens = np.zeros(short.size, dtype=np.int64), np.zeros(short.size, dtype=np.uint64)
-            stock.assign(want[short].tolist(), got_slots, got_gens)
-            slots[short], gens[short] = got_slots, got_gens
-            leases[short[got_gens != 0]] = stock.lease
+            rest = []
+            for j in pending:
+                pool = stock.free.get(sizes[j])
+                if pool:
+                    slot, gen = pool.pop()
+                    got.append((j, stock.lease, slot, gen))
+                else:
+                    rest.append(j)
+            pending = rest
             if stock.left():
                 self.put_back(address, stock)
                 break  # its slots are of other sizes: an older stock is not looked past
-        usable = (gens != 0) & arena.unchanged(slots, gens)
-        offsets = arena.table["offset"][np.where(usable, slots, 0)].astype(np.int64)  # set before the turn began
-        usable &= offsets <= arena.data_bytes - want
-        for j in np.flatnonzero(usable).tolist():
-            out[j] = LeasedSlot(address, arena, int(leases[j]), int(slots[j]), int(gens[j]), int(offsets[j]),
-                                int(want[j]))
+        if not got:
+            return out
+        slots = np.fromiter((g[2] for g in got), dtype=np.int64, count=len(got))
+        gens = np.fromiter((g[3] for g in got), dtype=np.uint64, count=len(got))
+        usable = arena.unchanged(slots, gens)  # still our turn on the slot (the node may have reclaimed it)
+        offsets = arena.table["offset"][np.where(usable, slots, 0)].tolist()  # set before the turn began
+        for (j, lease, slot, gen), ok, offset in zip(got, usable.tolist(), offsets):
+            if ok and offset <= arena.data_bytes - sizes[j]:
+                out[j] = LeasedSlot(address, arena, lease, slot, gen, offset, int(sizes[j]))
         return out
 
     def slots_at(self, address: str) -> int:
