@@ -8,7 +8,9 @@ Invariants:
   leading blocks are now loaded; a block that fails ends the run (the engine
   recomputes from there). Pool blocks it loads are kept in HBM too.
 - ``put`` stores in HBM at once and queues the pool write (write-behind): the
-  engine never waits on the pool. ``flush`` waits for the queue.
+  engine never waits on the pool. ``flush`` waits for the queue. An engine
+  that can write its blocks itself uses ``prepare_put`` / ``complete_put``
+  instead: it writes each block once, into a slot the pool leased ahead.
 - Lookups answered by HBM alone make no master call; their counts reach the
   master within ~1 s, or at ``flush`` (:mod:`kvpool.client.lookup_stats`),
   so its cluster-wide hit rates include them.
@@ -26,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from kvpool.client.lookup import EMPTY_RUN, LookupResult
 from kvpool.client.pool import PoolClient
+from kvpool.client.prepared import PreparedPut
 from kvpool.client.tensors import as_tensor, read_target, write_source
 from kvpool.config import ClientConfig, load_config
 from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys, check_keys, leading_hits
@@ -155,6 +158,20 @@ class KVCacheClient:
         if self.layout is not None:
             for i, block in enumerate(blocks):
                 self.layout.check_block(block, what=f"{what} {i}")
+
+    def prepare_put(self, keys: Sequence[BlockKey]) -> PreparedPut:
+        """Step one of a put in two steps (:mod:`kvpool.client.prepared`): one target of the layout's block size
+        per key, a slot leased ahead where the pool has one; fill each, then :meth:`complete_put`."""
+        if self.layout is None:
+            raise ValueError("a two-step put needs client.layout (the block size)")
+        keys = check_keys(keys)
+        return self.pool.prepare_put(keys, [self.layout.block_bytes] * len(keys))
+
+    def complete_put(self, prepared: PreparedPut, engine_hashes: Sequence[int] | None = None) -> list[bool]:
+        """Step two: keep the filled blocks in HBM now and queue them for the pool (as :meth:`put` does)."""
+        if self.hbm is not None and not prepared.unfilled():
+            self.hbm.put(prepared.keys, [as_tensor(t) for t in prepared.targets])
+        return self.pool.complete_put(prepared, engine_hashes)
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Per key: in this worker's HBM or in the pool."""

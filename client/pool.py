@@ -40,18 +40,20 @@ import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter
 
-from kvpool.buffers import BufferLike, as_array, byte_view
+from kvpool.buffers import BufferLike, as_array
 from kvpool.client.bulk_path import BulkPath
 from kvpool.client.cluster import ClusterView, Placement
 from kvpool.client.datapath import DataPath, call_timeout
 from kvpool.client.faults import Faults, PoolFault, error_kind
 from kvpool.client.grpc_path import GrpcPath
+from kvpool.client.leases import FilledSlot, LeasedSlot
 from kvpool.client.local_index import LocalIndex
 from kvpool.client.lookup import EMPTY_RUN, BlockLocation, PoolRun
 from kvpool.client.lookup_stats import LookupCounts, LookupStats
 from kvpool.client.nodes import MAX_MESSAGE_BYTES, NodeDirectory
+from kvpool.client.prepared import PreparedPut
 from kvpool.client.shared_path import SharedMemoryPath
-from kvpool.client.writer import WriteBehindQueue
+from kvpool.client.writer import Payload, WriteBehindQueue
 from kvpool.config import ClientConfig
 from kvpool.core import NodeRef, Tier
 from kvpool.etcd import EtcdAccess
@@ -276,18 +278,71 @@ class PoolClient:
             engine_hashes: Sequence[int] | None = None) -> list[bool]:
         """Queue blocks for the pool (copied now, written in the background); per block, accepted.
 
-        ``engine_hashes``: the engine's own 64-bit hash of each block (0: none), for the master's KV events;
-        the writer sends them to the master before it writes the blocks (``Master.NameBlocks``).
+        The one copy goes straight into a slot a same-host node leased to this
+        client ahead, where it has one (:meth:`prepare_put`), else into host
+        scratch the write-behind queue owns. ``engine_hashes``: the engine's
+        own 64-bit hash of each block (0: none), for the master's KV events;
+        the writer sends them to the master before it writes the blocks
+        (``Master.NameBlocks``).
         """
         keys = check_keys(keys)
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} buffers")
+        arrays = [as_array(v) for v in values]
+        prepared = self.prepare_put(keys, [int(a.size) for a in arrays], reserve=False)  # never waits
+        for i, a in enumerate(arrays):
+            prepared.fill(i, (a,))
+        return self.complete_put(prepared, engine_hashes)
+
+    def prepare_put(self, keys: Sequence[BlockKey], sizes: Sequence[int], *, reserve: bool = True) -> PreparedPut:
+        """Step one of a put: a target for each block to be written into once (see :mod:`kvpool.client.prepared`).
+
+        A block placed on a same-host node gets a slot of the stock that node
+        leased to this client ahead (no round trip); with ``reserve``, the
+        blocks the stock lacks get slots of one ``Reserve`` per node (a local
+        call, bounded by ``lookup_timeout_s`` like a lookup: the copy it saves
+        costs more than the call from a few hundred KiB up); the rest (other
+        hosts, no room, no view of the cluster yet without ``reserve``) get
+        host scratch. Fill every block, then :meth:`complete_put`; a batch
+        dropped instead publishes nothing (its slots lapse with their lease).
+        """
+        keys = check_keys(keys)
+        sizes = [int(n) for n in sizes]
+        if len(keys) != len(sizes):
+            raise ValueError(f"{len(keys)} keys but {len(sizes)} sizes")
+        for i, n in enumerate(sizes):
+            if n <= 0:
+                raise ValueError(f"block {i} is empty")
+        slots: list[LeasedSlot | None] = [None] * len(keys)
+        placement = self.cluster.place(keys, sizes) if reserve or self.shared_path.stocked_slots() else None
+        if placement is None:
+            return PreparedPut(keys, sizes, slots)
+        by_node: dict[int, list[int]] = defaultdict(list)
+        for i, n in enumerate(placement.node_indexes):
+            if n >= 0:
+                by_node[n].append(i)
+        deadline = time.monotonic() + self.config.lookup_timeout_s
+        for n, idxs in by_node.items():
+            node = placement.nodes[n]
+            for i, slot in zip(idxs, self.shared_path.lease(node, [sizes[i] for i in idxs])):
+                slots[i] = slot
+            short = [i for i in idxs if slots[i] is None]
+            if reserve and short:
+                for i, got in zip(short, self.shared_path.reserve(node, keys, sizes, short, deadline)):
+                    slots[i] = got if isinstance(got, LeasedSlot) else None  # held already: written as scratch
+        return PreparedPut(keys, sizes, slots)
+
+    def complete_put(self, prepared: PreparedPut, engine_hashes: Sequence[int] | None = None) -> list[bool]:
+        """Step two: queue the filled batch for the pool (write-behind; the batch is the queue's from now on);
+        per block, accepted (a full queue drops scratch blocks, counted; slot blocks cost it nothing).
+        ``engine_hashes`` as in :meth:`put`. ValueError if a block was neither filled nor sealed."""
+        keys = prepared.keys
+        unfilled = prepared.unfilled()
+        if unfilled:
+            raise ValueError(f"block {unfilled[0]} of the prepared put was never filled")
         if engine_hashes is not None and (len(engine_hashes) != len(keys) or
                                           not all(0 <= int(h) < 1 << 64 for h in engine_hashes)):
             raise ValueError("engine_hashes: one integer in [0, 2**64) per key")
-        for i, v in enumerate(values):
-            if byte_view(v).nbytes == 0:
-                raise ValueError(f"block {i} is empty")
         if engine_hashes is not None and time.monotonic() < self._names_unwanted_until:
             engine_hashes = None
         if engine_hashes is not None:
@@ -295,7 +350,16 @@ class PoolClient:
                 if len(self._names) > _MAX_PENDING_NAMES:  # the writer has fallen far behind: names are hints
                     self._names.clear()
                 self._names.update((k, int(h)) for k, h in zip(keys, engine_hashes) if h)
-        accepted = self._writer.submit(keys, values)
+        payloads: list[Payload] = [
+            FilledSlot(slot, checksum) if slot is not None and checksum is not None else target
+            for slot, checksum, target in zip(prepared.slots, prepared.checksums, prepared.targets)]
+        # The filled slots side by side: items of no bytes are never split across the writer's batches, so one
+        # lease's slots reach one Commit (a Reserve's lease ends at its Commit).
+        order = sorted(range(len(keys)), key=lambda i: not isinstance(payloads[i], FilledSlot))
+        taken = self._writer.submit([keys[i] for i in order], [payloads[i] for i in order])
+        accepted = [False] * len(keys)
+        for i, ok in zip(order, taken):
+            accepted[i] = ok
         dropped = accepted.count(False)
         if dropped:
             self.faults.counted("queue_full", dropped)
@@ -344,9 +408,9 @@ class PoolClient:
                 ok = False
         return ok
 
-    def _put_now(self, keys: list[BlockKey], arrays: list[np.ndarray]) -> None:
+    def _put_now(self, keys: list[BlockKey], payloads: list[Payload]) -> None:
         """The write-behind sink: the blocks' engine names to the master first (so the master knows them
-        before any node reports the blocks), then the blocks."""
+        before any node reports the blocks), then the blocks: filled slots committed, the rest stored."""
         if self._names:
             with self._written_lock:
                 named = [(k, h) for k in keys if (h := self._names.pop(k, 0))]
@@ -360,7 +424,26 @@ class PoolClient:
                 else:
                     if reply.named == 0:  # a master without KV events: stop sending names for a while
                         self._names_unwanted_until = time.monotonic() + _NAMES_RETRY_S
-        self.store(keys, arrays)
+        filled = [j for j, p in enumerate(payloads) if isinstance(p, FilledSlot)]
+        if filled:
+            self._commit_filled([keys[j] for j in filled], [payloads[j] for j in filled])  # type: ignore[misc]
+        if len(filled) < len(keys):
+            rest = [j for j, p in enumerate(payloads) if not isinstance(p, FilledSlot)]
+            self.store([keys[j] for j in rest], [payloads[j] for j in rest])  # type: ignore[misc]
+
+    def _commit_filled(self, keys: list[BlockKey], filled: list[FilledSlot]) -> None:
+        """Publish blocks already in same-host nodes' leased slots (one ``Commit`` per lease)."""
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for j, f in enumerate(filled):
+            by_node[f.slot.address].append(j)
+        with self._written_lock:
+            self._written.update(by_node)
+        for js in by_node.values():
+            deadline = time.monotonic() + self.config.io_timeout_s
+            stored = self.shared_path.commit([keys[j] for j in js], [filled[j].slot for j in js],
+                                             [filled[j].checksum for j in js], deadline)
+            self._moved["put"][0].inc(sum(stored))
+        self._read_your_writes(set(by_node))
 
     def store(self, keys: Sequence[BlockKey], values: Sequence[BufferLike]) -> list[bool]:
         """Write blocks to the pool now; per block, whether the pool took it.
@@ -370,7 +453,7 @@ class PoolClient:
         by the fastest path it offers (see the module docstring). On the
         same-host path ``store`` returns once the bytes are in the node's
         slots and the ``Commit`` is sent (:mod:`kvpool.client.commit_pipe`):
-        the node verifies and publishes them meanwhile, this client's next
+        the node publishes them meanwhile, this client's next
         ``lookup``, ``exists``, ``get_into`` or ``flush`` first waits for that,
         and a block the node then refuses is a lost write (counted; in strict
         mode raised by the next call). The nodes report new blocks to the
@@ -437,11 +520,18 @@ class PoolClient:
             finally:
                 if idxs:  # no path took them: the node may be gone, so may the view that chose it
                     self.cluster.invalidate()
-        if by_node and not self.local.answers():  # read-your-writes: this client's lookups ask the master
-            deadline = time.monotonic() + self.config.io_timeout_s  # one wait for both
-            self.shared_path.settle(self.config.io_timeout_s)
-            self._flush_reports({nodes[n].address for n in by_node}, call_timeout(deadline))
+        if by_node:
+            self._read_your_writes({nodes[n].address for n in by_node})
         return [result[first[k]] for k in keys]
+
+    def _read_your_writes(self, addresses: set[str]) -> None:
+        """When this client's lookups ask the master (not every node is on this host), wait for the commits
+        just sent and the nodes' reports of them, so its next lookup finds what it wrote."""
+        if self.local.answers():
+            return
+        deadline = time.monotonic() + self.config.io_timeout_s  # one wait for both
+        self.shared_path.settle(self.config.io_timeout_s)
+        self._flush_reports(addresses, call_timeout(deadline))
 
     def _place(self, keys: list[BlockKey], sizes: list[int]) -> Placement | None:
         """Where each new block goes: from the cluster view (no round trip), else the master's PlaceBlocks.

@@ -15,11 +15,14 @@ Blocks whose slot was reused meanwhile are handed to the next path.
 The checks run over the whole batch at once; only the copy-and-hash is per
 block.
 
-Writes: ``Reserve`` slots under a lease, copy the caller's bytes into them
-while checksumming (:func:`~kvpool.checksum.copy_with_checksum`),
-``Commit`` (the node verifies every block before publishing it). Blocks that
-got no slot (too large, no room) are handed to the next path; a writer that
-dies mid-put leaves slots the node reclaims when the lease lapses.
+Writes: slots from the lease-ahead stock (:mod:`kvpool.client.leases`, no
+round trip), ``Reserve`` for the rest; the caller's bytes are copied into
+them while checksumming (:func:`~kvpool.checksum.copy_with_checksum`, or the
+engine's own gather: :mod:`kvpool.client.prepared`); one ``Commit`` per lease
+(:meth:`SharedMemoryPath.commit`), piped where it can be. The node publishes
+without hashing again: every reader verifies. Blocks that got no slot (too
+large, no room) are handed to the next path; a writer that dies mid-put
+leaves slots the node reclaims when the lease lapses.
 
 Tenants (auth on): arena rows hold *stored* keys, so reads compare rows with
 this client's keys under its tenant mask (:class:`~kvpool.master_client.TenantMask`,
@@ -31,12 +34,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from functools import partial
-from itertools import cycle, islice
-from typing import Any
 
 import grpc
 import numpy as np
@@ -46,6 +45,7 @@ from kvpool.checksum import copy_with_checksum
 from kvpool.client.commit_pipe import CommitPipe
 from kvpool.client.datapath import LEASE_CHUNK_BYTES, call_timeout, chunks
 from kvpool.client.faults import Faults, error_kind
+from kvpool.client.leases import LeasedSlot, StockShelf, ahead_sizes
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
@@ -57,13 +57,6 @@ from kvpool.tiers.arena import KEY_DTYPE, SharedArena
 from kvpool.v1 import node_pb2
 
 log = logging.getLogger(__name__)
-
-STOCK_BYTES = 1 << 20  # slots leased ahead per stock: a put's sizes again and again, up to this many bytes (one
-# block at least); a stock serves several puts (each Commit keeps the lease's other slots), and the next is leased
-# before it runs out
-STOCK_SLOTS = 256  # most slots one stock leases ahead
-STOCK_USE_SHARE = 0.5  # a stock is used only within this share of its lease's timeout (it must not lapse mid-put)
-
 
 class SharedMemoryPath:
     """The :class:`~kvpool.client.datapath.DataPath` through a same-host node's arena (see module docstring)."""
@@ -150,96 +143,100 @@ class SharedMemoryPath:
         arena = self.nodes.arena(node, recheck=True)
         if arena is None:
             return idxs
-        stub = self.nodes.stub(node.address)
         left: list[int] = []
         for run in chunks(idxs, sizes, LEASE_CHUNK_BYTES, self.nodes.max_keys(node.address, call_timeout(deadline))):
             if time.monotonic() >= deadline:
                 left += run
                 continue
-            left += self._put_run(node, arena, stub, run, keys, arrays, sizes, result, deadline)
+            left += self._put_run(node, arena, run, keys, arrays, sizes, result, deadline)
         return left
 
-    def _put_run(self, node: NodeRef, arena: SharedArena, stub: Any, run: list[int], keys: list[BlockKey],
+    def _put_run(self, node: NodeRef, arena: SharedArena, run: list[int], keys: list[BlockKey],
                  arrays: list[np.ndarray], sizes: list[int], result: list[bool], deadline: float) -> list[int]:
-        """One lease's worth: slots from the stock (leased ahead), Reserve for the rest, copy, one Commit (sent
-        without waiting where the node's :class:`CommitPipe` takes it)."""
-        run_sizes = np.array([sizes[i] for i in run], dtype=np.int64)
-        n = len(run)
-        slots, gens = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.uint64)
-        held = np.zeros(n, dtype=bool)
-        pipe = self._pipe(node.address)
-        stock = self._take_stock(node.address, arena, pipe, deadline)
-        lease = 0
-        if stock is not None:
-            lease = stock.lease
-            stock.assign(run_sizes.tolist(), slots, gens)
-        short = np.flatnonzero(gens == 0)
-        if short.size:
-            reply = self._reserve(node, stub, arena, [run[j] for j in short.tolist()], keys, sizes, lease, deadline)
-            if reply is None and lease:  # the stock's lease lapsed or was refused: a fresh one for the whole run
-                stock = None
-                lease, slots[:], gens[:] = 0, 0, 0
-                short = np.arange(n)
-                reply = self._reserve(node, stub, arena, run, keys, sizes, 0, deadline)
-            if reply is None:
-                if not lease:
-                    return run
-            else:
-                lease = reply.lease or lease
-                slots[short] = np.asarray(reply.slots, dtype=np.int64)
-                gens[short] = np.asarray(reply.slot_gens, dtype=np.uint64)
-                held[short] = np.frombuffer(reply.already_held, dtype=np.uint8) != 0
-        usable = (gens != 0) & arena.unchanged(slots, gens)  # still our turn on the slot
-        offsets = arena.table["offset"][np.where(usable, slots, 0)].astype(np.int64)  # set before the turn began
-        usable &= offsets <= arena.data_bytes - run_sizes
-        mine: list[int] = []
-        sums: list[int] = []
-        data = arena.data
-        for j in np.flatnonzero(usable).tolist():
-            i, at = run[j], int(offsets[j])
-            arena.map_for_write(at, sizes[i])  # one call instead of a page fault per 4 KiB on first touch
-            sums.append(copy_with_checksum(data[at : at + sizes[i]], arrays[i]))
-            mine.append(j)
-        for j in np.flatnonzero(held).tolist():
-            result[run[j]] = True
-        left = [run[j] for j in np.flatnonzero(~usable & ~held).tolist()]
-        if not lease:
-            return left
-        keep = stock is not None and stock.lease == lease and stock.left() > 0  # the rest for the next puts
-        if stock is not None and keep:
-            self._stock.put_back(node.address, stock)
-        wants = self._wants_stock(node.address, n)
-        ahead = ahead_sizes(run_sizes.tolist(), self.nodes.max_keys(node.address)) if wants else []
-        commit = node_pb2.CommitRequest(lease=lease, keys=pack_keys([keys[run[j]] for j in mine]),
-                                        slots=slots[mine].tolist(), checksums=sums, next_sizes=ahead,
-                                        keep_lease=keep)
-        if pipe is not None:
-            if ahead:
-                self._asking_more(node.address, +1)
-            if pipe.send(commit, partial(self._committed, node.address, arena, commit), deadline):
-                for j in mine:  # in the node's slots, the Commit on its way: a refusal is a lost write, counted later
+        """One lease's worth: slots from the stock (leased ahead), ``Reserve`` for the rest, copy-and-hash into
+        them, commit (:meth:`commit`); the blocks that got no slot are handed back."""
+        self._await_stock(node.address, deadline)
+        slots = self._stock.lease(node.address, arena, [sizes[i] for i in run])
+        short = [j for j, s in enumerate(slots) if s is None]
+        if short:
+            reserved = self.reserve(node, keys, sizes, [run[j] for j in short], deadline)
+            for j, got in zip(short, reserved):
+                if isinstance(got, LeasedSlot):
+                    slots[j] = got
+                elif got:  # the node holds the key already
                     result[run[j]] = True
-                return left
-            if ahead:
-                self._asking_more(node.address, -1)
+        mine = [(j, s) for j, s in enumerate(slots) if s is not None]
+        sums = [copy_with_checksum(s.view(), arrays[run[j]]) for j, s in mine]
+        stored = self.commit([keys[run[j]] for j, _ in mine], [s for _, s in mine], sums, deadline)
+        for (j, _), ok in zip(mine, stored):
+            result[run[j]] = ok
+        return [run[j] for j, s in enumerate(slots) if s is None and not result[run[j]]]
+
+    def lease(self, node: NodeRef, sizes: Sequence[int]) -> list[LeasedSlot | None]:
+        """Per block size a slot of the node's arena leased ahead to this client, to fill and then
+        :meth:`commit` (None: none in stock now, or the node is not on this host). No round trip."""
+        arena = self.nodes.arena(node)
+        if arena is None:
+            return [None] * len(sizes)
+        return self._stock.lease(node.address, arena, sizes)
+
+    def commit(self, keys: Sequence[BlockKey], slots: Sequence[LeasedSlot], checksums: Sequence[int],
+               deadline: float) -> list[bool]:
+        """Publish filled slots (one node's) under ``keys``: one ``Commit`` per lease, sent without waiting
+        where the node's :class:`CommitPipe` takes it (True then means "on its way": a refusal is a lost write,
+        counted later); per block, whether it is stored or on its way. A lease leased ahead keeps its other
+        slots for later puts; the last ``Commit`` asks for the next stock when the shelf runs low."""
+        out = [False] * len(keys)
+        if not keys:
+            return out
+        address, arena = slots[0].address, slots[0].arena
+        by_lease: dict[int, list[int]] = {}
+        for j, slot in enumerate(slots):
+            by_lease.setdefault(slot.lease, []).append(j)
+        for n, (lease, js) in enumerate(by_lease.items()):
+            if time.monotonic() >= deadline:
+                self.faults.lost("timeout", f"{len(js)} blocks for {address} past the deadline", len(js))
+                continue
+            sizes = [slots[j].size for j in js]
+            last = n == len(by_lease) - 1
+            wants = last and self._wants_stock(address, len(js))
+            ahead = ahead_sizes(sizes, self.nodes.max_keys(address)) if wants else []
+            request = node_pb2.CommitRequest(lease=lease, keys=pack_keys([keys[j] for j in js]),
+                                             slots=[slots[j].slot for j in js],
+                                             checksums=[checksums[j] for j in js], next_sizes=ahead,
+                                             keep_lease=not slots[js[0]].reserved)
+            for j, ok in zip(js, self._send_commit(address, arena, request, deadline)):
+                out[j] = ok
+        return out
+
+    def _send_commit(self, address: str, arena: SharedArena, request: node_pb2.CommitRequest,
+                     deadline: float) -> list[bool]:
+        """One ``Commit``: piped if it can be, else waited for; per block, stored (or on its way)."""
+        n = len(request.slots)
+        pipe = self._pipe(address)
+        if pipe is not None:
+            if request.next_sizes:
+                self._asking_more(address, +1)
+            if pipe.send(request, partial(self._committed, address, arena, request), deadline):
+                return [True] * n
+            if request.next_sizes:
+                self._asking_more(address, -1)
         try:
-            reply = stub.Commit(commit, timeout=call_timeout(deadline))
+            reply = self.nodes.stub(address).Commit(request, timeout=call_timeout(deadline))
         except grpc.RpcError as exc:
             # a lost write (the node reclaims the slots when the lease lapses)
-            self.faults.lost(error_kind(exc), exc, len(mine))
-            return left
-        if len(reply.stored) != len(mine):
-            self.faults.lost("bad_reply", "commit reply fields disagree", len(mine))
-            return left
-        self._stock.keep(node.address, arena, reply.next, ahead)
-        refused = 0
-        for j, flag in zip(mine, reply.stored):
-            result[run[j]] = flag != 0
-            refused += flag == 0
+            self.faults.lost(error_kind(exc), exc, n)
+            return [False] * n
+        if len(reply.stored) != n:
+            self.faults.lost("bad_reply", "commit reply fields disagree", n)
+            return [False] * n
+        self._stock.keep(address, arena, reply.next, list(request.next_sizes))
+        stored = [flag != 0 for flag in reply.stored]
+        refused = stored.count(False)
         if refused:
             self.faults.counted("put_refused", refused)
-            self._stock.drop(node.address, lease)  # its lease may be gone: its other slots too
-        return left
+            self._stock.drop(address, request.lease)  # its lease may be gone: its other slots too
+        return stored
 
     def _pipe(self, address: str) -> CommitPipe | None:
         """The node's commit pipe; None where commits must wait (TLS, see :mod:`kvpool.client.commit_pipe`)."""
@@ -253,17 +250,14 @@ class SharedMemoryPath:
                                                          timeout_s=self.config.io_timeout_s)
             return pipe
 
-    def _take_stock(self, address: str, arena: SharedArena, pipe: CommitPipe | None,
-                    deadline: float) -> Stock | None:
-        """A stock for the next put, waiting (until ``deadline``) for the replies in flight if the shelf is empty
-        and one brings a stock."""
-        stock = self._stock.take(address, arena)
-        while stock is None and pipe is not None and self._stock_coming(address):
+    def _await_stock(self, address: str, deadline: float) -> None:
+        """If the node's shelf is empty and a Commit in flight asked for a stock, wait (until ``deadline``) for
+        the replies in flight until one brings it."""
+        pipe = self._pipe(address)
+        while pipe is not None and not self._stock.slots_at(address) and self._stock_coming(address):
             waiting = pipe.in_flight
             if not waiting or not pipe.wait(waiting - 1, call_timeout(deadline)):
-                break
-            stock = self._stock.take(address, arena)
-        return stock
+                return
 
     def _stock_coming(self, address: str) -> bool:
         with self._lock:
@@ -328,23 +322,40 @@ class SharedMemoryPath:
         self.faults.raise_later()
         return ok
 
-    def _reserve(self, node: NodeRef, stub: Any, arena: SharedArena, run: list[int], keys: list[BlockKey],
-                 sizes: list[int], lease: int, deadline: float) -> node_pb2.ReserveResponse | None:
-        """Slots for ``run`` (added to ``lease`` if non-zero); None if the call failed or that lease is gone."""
-        request = node_pb2.ReserveRequest(keys=pack_keys([keys[i] for i in run]), sizes=[sizes[i] for i in run],
-                                          lease=lease)
+    def reserve(self, node: NodeRef, keys: Sequence[BlockKey], sizes: Sequence[int], run: Sequence[int],
+                deadline: float) -> list[LeasedSlot | bool | None]:
+        """Per block of ``run`` (indexes into ``keys`` and ``sizes``) a slot of a new lease (one ``Reserve``),
+        True if the node holds the key already, None if it got no slot (not on this host, no room, too large, or
+        the call failed). The lease ends at the slots' :meth:`commit`."""
+        arena = self.nodes.arena(node)
+        out: list[LeasedSlot | bool | None] = [None] * len(run)
+        if arena is None:
+            return out
+        max_keys = self.nodes.max_keys(node.address, call_timeout(deadline))
+        if len(run) > max_keys:  # one lease per call the node takes
+            return [got for lo in range(0, len(run), max_keys)
+                    for got in self.reserve(node, keys, sizes, run[lo : lo + max_keys], deadline)]
+        request = node_pb2.ReserveRequest(keys=pack_keys([keys[i] for i in run]), sizes=[sizes[i] for i in run])
         try:
-            reply = stub.Reserve(request, timeout=call_timeout(deadline))
+            reply = self.nodes.stub(node.address).Reserve(request, timeout=call_timeout(deadline))
         except grpc.RpcError as exc:
             log.debug("Reserve on %s failed (%s); sending the blocks another way", node.address, error_kind(exc))
-            return None
+            return out
         if reply.arena != arena.name or not len(reply.slots) == len(reply.slot_gens) == len(run) or \
                 len(reply.already_held) != len(run):
             self.faults.counted("bad_reply")
-            return None
-        if lease and reply.lease != lease:  # the lease to extend is gone: nothing was reserved
-            return None
-        return reply
+            return out
+        slots, gens = np.asarray(reply.slots, dtype=np.int64), np.asarray(reply.slot_gens, dtype=np.uint64)
+        want = np.asarray([sizes[i] for i in run], dtype=np.int64)
+        usable = (gens != 0) & arena.unchanged(slots, gens)  # still our turn on the slot
+        offsets = arena.table["offset"][np.where(usable, slots, 0)].astype(np.int64)  # set before the turn began
+        usable &= offsets <= arena.data_bytes - want
+        for j in np.flatnonzero(usable).tolist():
+            out[j] = LeasedSlot(node.address, arena, reply.lease, int(slots[j]), int(gens[j]), int(offsets[j]),
+                                int(want[j]), reserved=True)
+        for j in np.flatnonzero(np.frombuffer(reply.already_held, dtype=np.uint8)).tolist():
+            out[j] = True
+        return out
 
     def stocked_slots(self) -> int:
         """Slots leased ahead to this client now, all nodes together."""
@@ -364,97 +375,3 @@ class SharedMemoryPath:
             except grpc.RpcError as exc:
                 log.debug("could not hand back %d slots leased ahead by %s (%s)", stock.left(), address,
                           error_kind(exc))
-
-
-def ahead_sizes(run_sizes: Sequence[int], max_keys: int) -> list[int]:
-    """The slots to lease ahead after a put of ``run_sizes``: those sizes again and again, up to STOCK_BYTES,
-    STOCK_SLOTS and the node's ``max_keys`` per call (one block at least)."""
-    out: list[int] = []
-    total = 0
-    for n in islice(cycle(run_sizes), min(STOCK_SLOTS, max_keys)):
-        if out and total + n > STOCK_BYTES:
-            break
-        out.append(n)
-        total += n
-    return out
-
-
-@dataclass
-class Stock:
-    """Slots one node leased to this client ahead of its next puts (keys not known yet), until ``use_by``."""
-
-    lease: int
-    arena: SharedArena  # the mapping its slots are in (a restarted node's new segment is another)
-    free: dict[int, list[tuple[int, int]]]  # block size -> (slot, gen) leased for blocks of exactly that size
-    use_by: float  # time.monotonic() after which the lease may lapse under us: not used
-
-    def assign(self, want: list[int], slots: np.ndarray, gens: np.ndarray) -> None:
-        """Give each wanted size a slot of exactly that size while there are any (gens 0: none left); the slots
-        given leave the stock."""
-        for j, size in enumerate(want):
-            pool = self.free.get(size)
-            if pool:
-                slots[j], gens[j] = pool.pop()
-
-    def left(self) -> int:
-        return sum(len(pool) for pool in self.free.values())
-
-
-class StockShelf:
-    """Each node's :class:`Stock` s for this client, oldest first (thread-safe: a put takes a stock, puts it back
-    if slots are left, and a Commit brings the next)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._stock: dict[str, deque[Stock]] = {}
-
-    def take(self, address: str, arena: SharedArena) -> Stock | None:
-        """The oldest stock still usable in ``arena`` (older ones are dropped: their leases lapse on the node)."""
-        now = time.monotonic()
-        with self._lock:
-            shelf = self._stock.get(address)
-            while shelf:
-                stock = shelf.popleft()
-                if stock.arena is arena and now <= stock.use_by:
-                    return stock
-        return None
-
-    def drop(self, address: str, lease: int) -> None:
-        """Forget the stock of ``lease`` (the node refused a commit of it)."""
-        with self._lock:
-            shelf = self._stock.get(address)
-            if shelf:
-                self._stock[address] = deque(stock for stock in shelf if stock.lease != lease)
-
-    def put_back(self, address: str, stock: Stock) -> None:
-        """Return a taken stock with slots left, to be taken first."""
-        with self._lock:
-            self._stock.setdefault(address, deque()).appendleft(stock)
-
-    def keep(self, address: str, arena: SharedArena, reply: node_pb2.ReserveResponse, asked: list[int]) -> None:
-        """File a Commit's ``next`` (slots leased for ``asked`` sizes, in order; gen 0: not granted)."""
-        if not reply.lease or reply.arena != arena.name or not len(reply.slots) == len(reply.slot_gens) <= len(asked):
-            return
-        free: dict[int, list[tuple[int, int]]] = {}
-        for size, slot, gen in zip(asked, reply.slots, reply.slot_gens):
-            if gen:
-                free.setdefault(size, []).append((slot, gen))
-        if not free:
-            return
-        stock = Stock(reply.lease, arena, free, time.monotonic() + STOCK_USE_SHARE * reply.lease_timeout_s)
-        with self._lock:
-            self._stock.setdefault(address, deque()).append(stock)
-
-    def slots_at(self, address: str) -> int:
-        with self._lock:
-            return sum(stock.left() for stock in self._stock.get(address, ()))
-
-    def slots(self) -> int:
-        with self._lock:
-            return sum(stock.left() for shelf in self._stock.values() for stock in shelf)
-
-    def clear(self) -> list[tuple[str, Stock]]:
-        """Empty the shelf; what was on it."""
-        with self._lock:
-            stocks, self._stock = [(a, st) for a, shelf in self._stock.items() for st in shelf], {}
-        return stocks

@@ -8,6 +8,8 @@ It detects corruption and torn reads; it is not a defence against an adversary
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import xxhash
 
@@ -31,9 +33,34 @@ def copy_with_checksum(dst: np.ndarray, src: np.ndarray) -> int:
     if dst.size <= _CHUNK:
         np.copyto(dst, src)
         return xxhash.xxh3_64_intdigest(as_buffer(dst))
+    return gather_with_checksum(dst, (src,))
+
+
+def gather_with_checksum(dst: np.ndarray, pieces: Sequence[np.ndarray]) -> int:
+    """Copy ``pieces`` one after another into uint8 ``dst`` and return the checksum of what landed there.
+
+    A piece may be any numpy array (any dtype, any strides: an engine's
+    paged-cache slice); its bytes land in C order. Each piece, or each 256 KiB
+    chunk of a contiguous one, is hashed right after it is copied (from
+    cache). ValueError if the pieces' bytes do not add up to ``dst``.
+    """
+    total = sum(piece.nbytes for piece in pieces)
+    if total != dst.size:
+        raise ValueError(f"pieces hold {total} bytes, the block {dst.size}")
     h = xxhash.xxh3_64()
-    for start in range(0, dst.size, _CHUNK):
-        piece = dst[start : start + _CHUNK]
-        np.copyto(piece, src[start : start + _CHUNK])
-        h.update(as_buffer(piece))
+    at = 0
+    for piece in pieces:  # the per-piece work stays small: an engine block is often dozens of 16 KiB pieces
+        n = piece.nbytes
+        out = dst[at : at + n]
+        if n > _CHUNK and piece.flags.c_contiguous:
+            flat = piece.reshape(-1).view(np.uint8)
+            for start in range(0, n, _CHUNK):
+                chunk = out[start : start + _CHUNK]
+                np.copyto(chunk, flat[start : start + _CHUNK])
+                h.update(as_buffer(chunk))
+        else:
+            np.copyto(out if piece.ndim == 1 and piece.dtype == np.uint8 else
+                      out.view(piece.dtype).reshape(piece.shape), piece)
+            h.update(as_buffer(out))
+        at += n
     return h.intdigest()

@@ -79,7 +79,7 @@ def test_the_core_names_the_arena_and_the_largest_block_its_transports_may_offer
         with_ssd.close()
 
 
-def test_a_reservation_leases_slots_for_new_blocks_only_and_commit_checks_their_bytes(core, store):
+def test_a_reservation_leases_slots_for_new_blocks_only_and_commit_checks_the_slot_not_the_bytes(core, store):
     held, new, big = opaque_key("held"), opaque_key("new"), opaque_key("big")
     v = block(9, 2000)
     assert core.put([held], [v], None) == [True]
@@ -88,7 +88,7 @@ def test_a_reservation_leases_slots_for_new_blocks_only_and_commit_checks_their_
     slot, gen = leased.slots[1]
     assert gen % 2 == 1 and store.dram.leased_slots == 1
     core.block_bytes(slot, 2000)[:] = v
-    assert core.commit(leased.lease, [new], [slot], [block_checksum(v) ^ 1]) == [False]  # bytes do not match
+    assert core.commit(leased.lease, [held], [slot], [block_checksum(v)]) == [False]  # not the slot of that key
     assert core.where([new]) == [None] and store.dram.leased_slots == 0
     leased = core.reserve([new], [2000], None)
     slot, _ = leased.slots[0]
@@ -109,7 +109,7 @@ def test_a_request_lease_ends_with_its_request_committed_or_not(core, store):
     with core.request_lease([a, b], [3000, 3000]) as leased:
         for i, v in enumerate((va, vb)):
             core.block_bytes(leased.slots[i][0], 3000)[:] = v
-        stored = core.commit_request(leased, [a, b], [block_checksum(va), block_checksum(vb) ^ 1])
-        assert stored == {0: True, 1: False} and leased.lease == 0  # b's bytes do not match: refused
+        stored = core.commit_request(leased, [a, b], [3000, 3000], [block_checksum(va), block_checksum(vb) ^ 1])
+        assert stored == {0: True, 1: False} and leased.lease == 0  # b torn on its way in: hashed here, refused
     assert store.dram.leased_slots == 0
     assert core.sizes([a, b]) == [(3000, block_checksum(va)), None]

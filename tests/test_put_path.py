@@ -76,19 +76,18 @@ def test_a_lease_is_extended_only_by_its_owner_while_it_lives(dram):
     assert dram.reserve([key(3)], [SLOT], None, owner="a", extend=lapsed.lease).lease == 0  # past its deadline
 
 
-def test_a_kept_lease_publishes_what_is_named_frees_what_is_refused_and_keeps_the_rest_until_its_deadline(dram):
+def test_a_kept_lease_publishes_what_is_named_and_keeps_the_rest_until_its_deadline(dram):
     res = dram.lease_ahead([SLOT] * 4, 60.0, owner="a")
     assert res.lease and all(res.gens)
     good = copy_with_checksum(dram.arena.block(res.slots[0], SLOT), block(1))
-    copy_with_checksum(dram.arena.block(res.slots[1], SLOT), block(2))
-    assert dram.commit(res.lease, [key(1), key(2)], res.slots[:2], [good, 12345], owner="a", keep=True) == \
-        [True, False]  # the second's checksum is wrong: refused, and its slot freed
-    assert dram.leased_slots == 2  # slots 3 and 4 are still the lease's
+    assert dram.commit(res.lease, [key(1), key(2)], [res.slots[0], 10 ** 6], [good, good], owner="a", keep=True) == \
+        [True, False]  # the second names no slot of the lease: refused
+    assert dram.leased_slots == 3  # slots 2 to 4 are still the lease's
     assert dram.commit(res.lease, [key(3)], res.slots[:1], [good], owner="a", keep=True) == [False]  # used
     third = copy_with_checksum(dram.arena.block(res.slots[2], SLOT), block(3))
     assert dram.commit(res.lease, [key(3)], [res.slots[2]], [third], owner="a", keep=True) == [True]
-    assert dram.leased_slots == 1
-    assert dram.expire(now=float("inf")) == 1  # a kept lease still lapses at its deadline
+    assert dram.leased_slots == 2
+    assert dram.expire(now=float("inf")) == 2  # a kept lease still lapses at its deadline
     assert dram.keys() == [key(1), key(3)]
 
 
@@ -195,7 +194,7 @@ def test_a_put_whose_stock_lapsed_is_a_counted_lost_write_and_the_next_put_gets_
         assert np.array_equal(outs[1], block(2))
 
 
-def test_a_put_of_other_sizes_extends_the_stock_lease_and_commits_once(pool_node, monkeypatch):
+def test_a_put_of_other_sizes_takes_what_the_stock_has_and_reserves_the_rest(pool_node, monkeypatch):
     master, n = pool_node
     with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
         assert pool.store([key(0)], [block(0)]) == [True]
@@ -204,12 +203,103 @@ def test_a_put_of_other_sizes_extends_the_stock_lease_and_commits_once(pool_node
         calls = CallLog(monkeypatch, pool)
         values = [block(1), block(2, 3 * SLOT)]  # one size in stock, one not
         assert pool.store([key(1), key(2)], values) == [True, True]
-        assert calls.names == ["Reserve", "Commit"]  # Reserve adds the other size to the stock's lease
+        assert calls.names == ["Reserve", "Commit", "Commit"]  # a lease for the other size; one Commit per lease
         assert pool.flush()
         assert n.store.dram.leased_slots == pool.shared_path.stocked_slots() == stocked - 1  # the rest kept
         outs = [np.empty_like(v) for v in values]
         assert pool.get_into(pool.lookup([key(1), key(2)]), outs) == [True, True]
         assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+
+
+def test_a_two_step_put_fills_leased_slots_once_and_the_writer_only_commits_them(pool_node, monkeypatch):
+    """prepare_put hands out slots leased ahead (no call), the engine gathers its pieces straight into them,
+    complete_put queues handles: the writer's only call is the Commit, and the blocks read back intact."""
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+        assert pool.put([key(0)], [block(0)]) == [True] and pool.flush()  # warm-up: the view, the first stock
+        calls = CallLog(monkeypatch, pool)
+        values = [block(i) for i in range(1, 4)]
+        prepared = pool.prepare_put([key(i) for i in range(1, 4)], [SLOT] * 3)
+        assert calls.names == [] and prepared.in_slots == 3  # slots from the stock, no round trip
+        for i, v in enumerate(values):
+            halves = v.reshape(2, -1)
+            prepared.fill(i, [halves[0], halves[1][::-1][::-1]])  # pieces of any strides, in order
+        assert n.store.dram.locate([key(1)]) == [None]  # filled, not published
+        assert pool.complete_put(prepared) == [True] * 3 and pool.flush()
+        assert calls.names == ["Commit", "FlushReports"]
+        outs = [np.empty(SLOT, dtype=np.uint8) for _ in values]
+        assert pool.get_into(pool.lookup([key(i) for i in range(1, 4)]), outs) == [True] * 3
+        assert all(np.array_equal(o, v) for o, v in zip(outs, values))
+
+
+def test_a_two_step_put_reserves_what_the_stock_lacks_and_put_never_does(pool_node, monkeypatch):
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+        pool.cluster.refresh()
+        calls = CallLog(monkeypatch, pool)
+        scratch = pool.prepare_put([key(1)], [SLOT], reserve=False)  # no stock yet, and no call allowed
+        assert calls.names == [] and scratch.in_slots == 0
+        prepared = pool.prepare_put([key(i) for i in range(2, 6)], [SLOT] * 4)
+        assert calls.names == ["Reserve"] and prepared.in_slots == 4  # one Reserve for the blocks, then filled
+        for i in range(4):
+            prepared.fill(i, [block(i + 2)])
+        assert pool.complete_put(prepared) == [True] * 4 and pool.flush()
+        assert calls.names[1:] == ["Commit", "FlushReports"]
+        outs = [np.empty(SLOT, dtype=np.uint8) for _ in range(4)]
+        assert pool.get_into(pool.lookup([key(i) for i in range(2, 6)]), outs) == [True] * 4
+        assert all(np.array_equal(o, block(i + 2)) for i, o in enumerate(outs))
+
+
+def test_bytes_scribbled_into_a_committed_slot_are_a_miss_on_every_read_path(pool_node):
+    """The node publishes a commit without hashing it again: what keeps a bad writer (one scribbling through its
+    writable mapping of the arena, before or after its Commit) from making anyone read wrong bytes is that every
+    reader hashes what it copied, same host and network alike."""
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address)) as writer:
+        assert writer.put([key(1), key(2)], [block(1), block(2)]) == [True, True] and writer.flush()
+        ref = n.store.dram.locate([key(1)])[0]
+        assert ref is not None
+        n.store.dram.arena.data[ref.offset + 100] ^= 0xFF  # the writer's bug, after its Commit
+    for shared_memory in (True, False):
+        with PoolClient(ClientConfig(master=master.address, shared_memory=shared_memory)) as reader:
+            outs = [np.zeros(SLOT, dtype=np.uint8) for _ in range(2)]
+            run = reader.lookup([key(1), key(2)])
+            assert len(run) == 2 and reader.get_into(run, outs) == [False, True]
+            assert np.array_equal(outs[1], block(2))
+
+
+def test_put_copies_once_so_the_caller_may_reuse_its_buffer_and_scratch_blocks_still_arrive(pool_node):
+    master, n = pool_node
+    with PoolClient(ClientConfig(master=master.address, strict=True)) as pool:
+        buf = block(5).copy()
+        assert pool.put([key(5)], [buf]) == [True]  # no stock yet: host scratch, stored by the writer
+        buf[:] = 0  # the engine reuses its buffer at once
+        assert pool.flush()
+        stocked = pool.shared_path.stocked_slots()
+        assert stocked > 0
+        buf[:] = block(6)
+        assert pool.put([key(6)], [buf]) == [True]  # into a leased slot now
+        buf[:] = 0
+        assert pool.flush() and pool.shared_path.stocked_slots() == stocked - 1
+        outs = [np.empty(SLOT, dtype=np.uint8) for _ in range(2)]
+        assert pool.get_into(pool.lookup([key(5), key(6)]), outs) == [True, True]
+        assert np.array_equal(outs[0], block(5)) and np.array_equal(outs[1], block(6))
+
+
+def test_prepare_and_complete_refuse_bad_input(pool_node):
+    master, _ = pool_node
+    with PoolClient(ClientConfig(master=master.address)) as pool:
+        with pytest.raises(ValueError, match="empty"):
+            pool.prepare_put([key(1)], [0])
+        with pytest.raises(ValueError, match="sizes"):
+            pool.prepare_put([key(1)], [SLOT, SLOT])
+        prepared = pool.prepare_put([key(1), key(2)], [SLOT, SLOT])
+        with pytest.raises(ValueError, match="bytes"):
+            prepared.fill(0, [block(1)[:10]])
+        prepared.fill(0, [block(1)])
+        with pytest.raises(ValueError, match="never filled"):
+            pool.complete_put(prepared)
+        assert pool.flush() and pool.lookup([key(1)]).keys == []  # nothing was queued
 
 
 def test_the_client_places_as_the_master_would(tmp_path, arena_name):

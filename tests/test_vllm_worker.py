@@ -20,6 +20,7 @@ import torch
 from support import wait_until
 
 from kvpool.client.lookup import BlockLocation
+from kvpool.client.prepared import PreparedPut
 from kvpool.core import NodeRef, Tier
 from kvpool.engines.vllm.async_loads import AsyncLoads
 from kvpool.engines.vllm.keys import VllmKeySpace
@@ -94,6 +95,13 @@ class FakePool:
     def put(self, keys: Sequence[BlockKey], values: Sequence[np.ndarray], names: Any = None) -> list[bool]:
         self.puts += [(k, bytes(v)) for k, v in zip(keys, values)]
         return [True] * len(keys)
+
+    def prepare_put(self, keys: Sequence[BlockKey], sizes: Sequence[int]) -> PreparedPut:
+        return PreparedPut(list(keys), list(sizes), [None] * len(keys))  # host scratch targets
+
+    def complete_put(self, prepared: PreparedPut, names: Any = None) -> list[bool]:
+        assert not prepared.unfilled(), "the worker queued a block it never filled"
+        return self.put(prepared.keys, prepared.targets, names)
 
 
 def key(i: int) -> BlockKey:

@@ -1,4 +1,4 @@
-"""The write-behind queue: bounded in bytes, never blocks, copies on submit, survives a failing sink."""
+"""The write-behind queue: bounded in bytes, never blocks, holds slot handles without bytes, survives a failing sink."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from support import wait_until
 
+from kvpool.client.leases import FilledSlot, LeasedSlot
 from kvpool.client.writer import WriteBehindQueue
 from kvpool.keys import BlockKey
+from kvpool.tiers.arena import SharedArena
 
 
 def key(i: int) -> BlockKey:
@@ -51,19 +53,57 @@ def test_full_queue_refuses_by_bytes_without_blocking_and_flush_drains_it():
         queue.close()
 
 
-def test_submit_copies_so_the_caller_may_reuse_its_buffer():
-    sink = GatedSink()
-    queue = WriteBehindQueue(sink, capacity_bytes=1 << 20)
+def test_filled_slots_are_queued_as_handles_that_cost_no_queue_bytes(arena_name):
+    arena = SharedArena.create(arena_name, 8192, 4)
     try:
-        buf = np.full(100, 7, np.uint8)
-        queue.submit([key(1)], [buf])
-        buf[:] = 0  # the engine reuses its buffer at once
-        sink.gate.set()
-        assert queue.flush(timeout=30)
-        assert sink.got[key(1)] == bytes([7]) * 100
+        sink = HandleSink()
+        queue = WriteBehindQueue(sink, capacity_bytes=100)
+        try:
+            slot = LeasedSlot("node", arena, lease=5, slot=1, gen=3, offset=4096, size=4096)
+            handles = [FilledSlot(slot, checksum=i) for i in range(3)]
+            buf = np.full(100, 7, np.uint8)
+            assert queue.submit([key(1), key(2), key(3), key(4)], [*handles, buf]) == [True] * 4  # 100 B of 100
+            sink.gate.set()
+            assert queue.flush(timeout=30)
+            assert sink.got[:3] == [(key(i + 1), h) for i, h in enumerate(handles)]  # the handles, no bytes
+            assert sink.got[3][0] == key(4) and sink.got[3][1] is buf  # the queue owns what it was given
+        finally:
+            sink.gate.set()
+            queue.close()
     finally:
-        sink.gate.set()
+        arena.close()
+
+
+def test_filled_slots_submitted_side_by_side_reach_the_sink_in_one_batch(arena_name):
+    arena = SharedArena.create(arena_name, 8192, 4)
+    batches: list[list] = []
+    queue = WriteBehindQueue(lambda keys, payloads: batches.append(list(payloads)), capacity_bytes=1 << 20,
+                             batch_bytes=100)
+    try:
+        slot = LeasedSlot("node", arena, lease=5, slot=1, gen=3, offset=4096, size=4096)
+        handles = [FilledSlot(slot, checksum=i) for i in range(3)]
+        big, small = np.ones(150, np.uint8), np.ones(60, np.uint8)
+        queue.submit([key(i) for i in range(6)], [big, *handles, small, small])
+        assert queue.flush(timeout=30)
+        flat = [p for b in batches for p in b]
+        assert len(flat) == 6 and flat[0] is big
+        assert any(all(any(p is h for p in b) for h in handles) for b in batches)  # never split across two Commits
+        assert all(sum(p.nbytes for p in b if isinstance(p, np.ndarray)) <= 150 for b in batches)
+    finally:
         queue.close()
+        arena.close()
+
+
+class HandleSink:
+    """Records exactly what the queue hands over, once the gate opens."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.got: list = []
+
+    def __call__(self, keys, payloads):
+        self.gate.wait(30)
+        self.got += list(zip(keys, payloads))
 
 
 def test_a_failing_sink_drops_that_batch_and_the_queue_keeps_going():
@@ -88,6 +128,6 @@ def test_bad_input_and_closed_queue_are_value_errors():
         queue.submit([key(1)], [42])
     queue.close()
     with pytest.raises(ValueError, match="closed"):
-        queue.submit([key(1)], [b"x"])
+        queue.submit([key(1)], [np.ones(1, np.uint8)])
     with pytest.raises(ValueError):
         WriteBehindQueue(GatedSink(), capacity_bytes=0)

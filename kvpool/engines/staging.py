@@ -1,5 +1,13 @@
 """Host staging for engine backends: a block's scattered pieces <-> one contiguous buffer for the client.
 
+The one home of engine-side host staging: :class:`BlockStager` (chunked
+batches through one buffer, for the MindIE, SGLang and vllm-ascend
+backends), :class:`LayeredStaging` (the vLLM worker's ``[n, layers, piece]``
+buffers) and :class:`PieceCopier`; their buffers come from
+:func:`kvpool.client.tensors.host_bytes` (pinned where torch can pin), as do
+the client's own for device tensors. (:mod:`kvpool.engines.device_copy`
+holds the device runtimes' copy calls, not buffers.)
+
 The client stores one contiguous buffer per block; engines hold a block as
 pieces (each layer's K and V) inside their paged cache. A :class:`BlockStager`
 owns one reusable host buffer and moves a batch through it in chunks:
@@ -43,6 +51,7 @@ import numpy as np
 import torch
 
 from kvpool.client.kvclient import KVCacheClient
+from kvpool.client.tensors import host_bytes
 from kvpool.keys import BlockKey
 
 log = logging.getLogger(__name__)
@@ -52,23 +61,6 @@ DEFAULT_STAGING_BYTES = 64 << 20
 # (blocks of one chunk, the chunk's bytes in the buffer: a host uint8 tensor) -> None
 Gather = Callable[[Sequence[Any], torch.Tensor], None]
 Scatter = Callable[[Sequence[Any], torch.Tensor], None]
-
-
-def host_bytes(nbytes: int) -> torch.Tensor:
-    """A host uint8 tensor of ``nbytes``, page-locked if this torch has an accelerator to pin for.
-
-    Tries the factory's ``pin_memory=True``, then ``Tensor.pin_memory()`` (what MindIE itself
-    calls for its host KV cache under torch_npu); a CPU-only torch refuses both: plain memory.
-    """
-    try:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    except RuntimeError:
-        pass
-    buffer = torch.empty(nbytes, dtype=torch.uint8)
-    try:
-        return buffer.pin_memory()
-    except RuntimeError:  # CPU-only torch: no pinned allocator
-        return buffer
 
 
 class BlockStager:
@@ -205,6 +197,21 @@ class BlockStager:
     def _fault(self, call: str, exc: object, blocks: int) -> None:
         self.stats["faults"] += 1
         log.warning("kvpool engine %s of %d blocks failed: %s", call, blocks, exc)
+
+
+class LayeredStaging:
+    """A reusable host buffer of blocks as ``[n, layers, piece]`` bytes (grows as needed, page-locked where torch
+    can pin: :func:`~kvpool.client.tensors.host_bytes`; one thread's)."""
+
+    def __init__(self, layers: int, piece_bytes: int):
+        self.layers, self.piece_bytes = layers, piece_bytes
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def blocks(self, n: int) -> torch.Tensor:
+        need = n * self.layers * self.piece_bytes
+        if self._buffer.numel() < need:
+            self._buffer = host_bytes(need)
+        return self._buffer[:need].view(n, self.layers, self.piece_bytes)
 
 
 # -- engine tensors <-> the staging region ---------------------------------------------------

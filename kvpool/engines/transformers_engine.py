@@ -20,8 +20,12 @@ One request, greedy (:meth:`PrefixCachedEngine.generate`):
    bytes cross while layer i computes (a GPU's copy engine beside its SMs);
 4. a forward over the rest of the prompt only; the argmax of its last
    logits is the first token: the time to first token (TTFT) ends here;
-5. the prompt's full blocks that were not loaded are packed (one copy) and
-   ``put``: HBM at once, the pool write-behind, never waited for;
+5. the prompt's full blocks that were not loaded are put: a host cache's
+   pieces are gathered straight into the blocks' targets (one copy, hashed
+   as it goes, into slots the pool leased ahead where it has them:
+   ``prepare_put``/``complete_put``), a device cache's are packed into host
+   staging (one copy) and ``put``; HBM at once, the pool write-behind, never
+   waited for;
 6. decoding, one token a forward.
 
 Invariants:
@@ -51,6 +55,7 @@ import torch
 
 from kvpool.client.kvclient import KVCacheClient
 from kvpool.client.lookup import LookupResult
+from kvpool.client.tensors import host_array
 from kvpool.core import Tier
 from kvpool.keys import BlockKey
 from kvpool.layout import KVLayout
@@ -258,10 +263,14 @@ class PrefixCachedEngine:
         return out, [lambda event=event: torch.cuda.current_stream(device).wait_event(event) for event in events]
 
     def _store(self, keys: list[BlockKey], loaded: int, cache: Any) -> int:
-        """Pack the prompt's full blocks after the loaded ones out of ``cache`` (one copy) and put them."""
+        """Put the prompt's full blocks after the loaded ones: one copy out of ``cache`` each (see
+        :meth:`_store_on_host`; a device cache is packed into host staging first, then put)."""
         client, lay = self._pool()
         n = len(keys) - loaded
         first, last = loaded * lay.block_size, len(keys) * lay.block_size
+        if all(t.device.type == "cpu" for layer in range(lay.num_layers) for t in layer_kv(cache, layer)):
+            ok = self._pool_call("put", {}, lambda: self._store_on_host(client, keys[loaded:], first, cache))
+            return n if ok is not None else 0
         staging = self._staging(n)
         for layer in range(lay.num_layers):
             for part, tensor in enumerate(layer_kv(cache, layer)):
@@ -269,6 +278,18 @@ class PrefixCachedEngine:
                 staging[:, layer, part].copy_(piece.permute(1, 2, 0, 3))
         ok = self._pool_call("put", {}, lambda: client.put(keys[loaded:], [staging[i] for i in range(n)]))
         return n if ok is not None else 0
+
+    def _store_on_host(self, client: KVCacheClient, keys: list[BlockKey], first: int, cache: Any) -> list[bool]:
+        """Each block's pieces (per layer K then V, ``[block, kv_heads, head_dim]`` each: the staging layout)
+        gathered straight from the host cache into the block's target, a slot the pool leased ahead where it has
+        one, hashed in the same pass (:meth:`KVCacheClient.prepare_put`)."""
+        _, lay = self._pool()
+        kv = [host_array(t[0]) for layer in range(lay.num_layers) for t in layer_kv(cache, layer)]  # [H, seq, D]
+        prepared = client.prepare_put(keys)
+        for b in range(len(keys)):
+            at = first + b * lay.block_size
+            prepared.fill(b, [t[:, at : at + lay.block_size].transpose(1, 0, 2) for t in kv])
+        return client.complete_put(prepared)
 
 
 def _reused_by_tier(result: LookupResult, loaded: int, block_size: int) -> dict[str, int]:

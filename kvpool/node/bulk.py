@@ -240,7 +240,7 @@ class BulkServer:
             stored = leased.held[:]
             self._receive(stream, keys, sizes, sums, leased.slots, stored, leased.refused)
             stream.serving()
-            for i, good in core.commit_request(leased, keys, sums).items():
+            for i, good in core.commit_request(leased, keys, sizes, sums).items():
                 stored[i] = good
         core.trim(keys)
         stream.begin_reply(node_pb2.PutResponse(stored=bytes(np.fromiter(stored, dtype=np.uint8, count=count))))

@@ -224,25 +224,30 @@ class NodeCore:
             if leased.lease:
                 self._store.dram.release(leased.lease)
 
-    def commit_request(self, leased: Leased, keys: Sequence[BlockKey], checksums: Sequence[int]) -> dict[int, bool]:
+    def commit_request(self, leased: Leased, keys: Sequence[BlockKey], sizes: Sequence[int],
+                       checksums: Sequence[int]) -> dict[int, bool]:
         """Publish a :meth:`request_lease`'s slots whose bytes match ``checksums`` (per request index) and end the
-        lease; per leased index whether it was stored. A mismatch (bytes torn on their way in) is counted as
-        ``checksum``."""
-        idx = list(leased.slots)
-        if not idx:
-            return {}
+        lease; per leased index whether it was stored. These bytes crossed the network into the slots, so the node
+        hashes them here, once (a same-host writer hashed its own copy: :meth:`commit`); a mismatch (bytes torn on
+        their way in) is not published, and is counted as ``checksum``."""
+        matching = {i: block_checksum(self._store.block_bytes(slot, sizes[i])) == checksums[i]
+                    for i, (slot, _gen) in leased.slots.items()}
+        idx = [i for i, match in matching.items() if match]
+        stored = dict.fromkeys(matching, False)
         ok = self._store.commit(leased.lease, [keys[i] for i in idx], [leased.slots[i][0] for i in idx],
-                                [checksums[i] for i in idx])
-        leased.lease = 0  # ended: nothing left to release
-        self.count("checksum", ok.count(False))
-        return dict(zip(idx, ok))
+                                [checksums[i] for i in idx]) if idx else []
+        if idx:  # the commit ended the lease (freed the slots it did not name); else request_lease's exit does
+            leased.lease = 0
+        self.count("checksum", len(matching) - len(idx))
+        self.count("commit_refused", ok.count(False))
+        stored.update(zip(idx, ok))
+        return stored
 
     def commit(self, lease: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int], *,
                owner: object = None, keep: bool = False) -> list[bool]:
-        """Publish a same-host writer's leased slots whose bytes match their checksums (see NodeStore.commit).
-
-        A slot not stored (its bytes do not match, the lease lapsed or is not ``owner``'s) is counted as
-        ``commit_refused``.
+        """Publish a same-host writer's leased slots under its checksums, not hashed again (see DramStore.commit:
+        readers verify every copy). A slot not stored (the lease lapsed or is not ``owner``'s, or the slot is not
+        the lease's for that key) is counted as ``commit_refused``.
         """
         stored = self._store.commit(lease, keys, slots, checksums, owner=owner, keep=keep)
         self.count("commit_refused", stored.count(False))

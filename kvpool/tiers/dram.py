@@ -64,10 +64,15 @@ Leases (same-host writers, :meth:`DramStore.reserve` / :meth:`DramStore.commit`)
   another live lease, so it cannot be guessed from one's own. A lease belongs
   to the ``owner`` that reserved it (the node passes the caller's identity;
   None with auth off, where the unguessable id is the only capability).
-- ``commit`` ends the lease: each named slot whose bytes match the claimed
-  checksum is published like a put (key visible only once bytes and checksum
-  are in place); the lease's other slots are freed. A lease past its
-  deadline commits nothing.
+- ``commit`` ends the lease: each named slot that is the lease's slot for
+  its key is published like a put, with the writer's checksum (key visible
+  only once bytes and checksum are in place); the lease's other slots are
+  freed. A lease past its deadline commits nothing. The bytes are not hashed
+  again: the writer hashed them while copying them in, and every reader
+  hashes what it copies out and compares it with the published checksum
+  (the arena's seqlock re-check on top), so a writer whose bytes do not
+  match its checksum (a bug, or one scribbling on the arena) makes its own
+  block a miss for everyone, never wrong bytes for anyone.
 - ``commit`` and ``release`` by anyone but the owner (or of an unknown id)
   change nothing: nothing is stored, and the owner's lease lives on.
 - ``expire`` (the node's reaper) and ``release`` free a lease's slots, so a
@@ -716,17 +721,18 @@ class DramStore:
         self, lease_id: int, keys: Sequence[BlockKey], slots: Sequence[int], checksums: Sequence[int], *,
         owner: object = None, before_publish: BeforePublish | None = None, keep: bool = False,
     ) -> list[bool]:
-        """End ``owner``'s lease: publish the named slots whose bytes match ``checksums``; free the rest.
+        """End ``owner``'s lease: publish the named slots under their keys and ``checksums``; free the rest.
 
         Per key: True if stored now (or already held); False if the lease is
         unknown, lapsed or not ``owner``'s (then the lease is left as it was),
-        the slot is not the lease's slot for that key, or the bytes do not
-        match the checksum. ``before_publish(keys, views, checksums)`` sees the
-        verified blocks while their slots are still the lease's (nothing can
-        evict or reuse them yet: write-through copies them to SSD there).
+        or the slot is not the lease's slot for that key. The bytes are not
+        hashed here (see the module docstring: readers verify every copy).
+        ``before_publish(keys, views, checksums)`` sees the blocks while their
+        slots are still the lease's (nothing can evict or reuse them yet:
+        write-through copies them to SSD there, which verifies what it takes).
         ``keep``: the lease keeps its slots not named here (its deadline as it
-        was) for a later commit; refused slots are freed. Not for a lease under
-        a quota charge (it ends as without ``keep``).
+        was) for a later commit. Not for a lease under a quota charge (it ends
+        as without ``keep``).
         """
         keys = check_keys(keys)
         check_batch(keys, slots)
@@ -746,15 +752,7 @@ class DramStore:
             del lease.slots[int(slot)]  # each slot commits once
             todo.append((i, int(slot), entry[1], int(checksum)))
         keep = keep and lease.charge is None
-        good: list[tuple[int, int, int, int]] = []
-        refused: list[int] = []
-        for item in todo:  # verify outside the lock: the slots are ours until published
-            i, slot, size, checksum = item
-            if block_checksum(self.arena.block(slot, size)) == checksum:
-                good.append(item)
-            else:
-                refused.append(slot)
-                lease.slots[slot] = (keys[i], size)  # freed with the rest below (or, kept, at once)
+        good = todo
         if before_publish is not None and good:
             views = [self.arena.block(slot, size) for _, slot, size, _ in good]
             before_publish([keys[i] for i, *_ in good], views, [checksum for *_, checksum in good])
@@ -772,10 +770,6 @@ class DramStore:
             self._stats.puts += len(added)
             self._stats.bytes_in += sum(m.size for m in added)
             if keep:
-                for slot in refused:
-                    del lease.slots[slot]
-                    self._give_back(slot)
-                self._leased -= len(refused)
                 if lease.slots:
                     self._leases[lease.id] = lease  # the rest stays leased, as it was
         if not keep:

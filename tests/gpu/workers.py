@@ -201,7 +201,7 @@ def _each_shape(spec: Spec, save: Save, run: Callable[[Spec], dict[str, Any]]) -
 
 
 def _put_shape(spec: Spec) -> dict[str, Any]:
-    from kvpool.engines.staging import host_bytes
+    from kvpool.client.tensors import host_bytes
 
     region = Region(spec, fill_seed=spec["seed"])
     backend = _backend(spec, region)

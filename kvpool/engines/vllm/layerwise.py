@@ -37,8 +37,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from kvpool.engines.staging import LayeredStaging
 from kvpool.engines.vllm.scheduler import LoadJob, SaveJob
-from kvpool.engines.vllm.worker import Fetched, PoolWorker, Staging, save_ids
+from kvpool.engines.vllm.worker import Fetched, PoolWorker, save_ids
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class LayerwiseLoad:
         self._future: Future[list[Fetched]] = thread.executor.submit(self._run, thread.load_staging)
         self._finished = False
 
-    def _run(self, staging: Staging) -> list[Fetched]:
+    def _run(self, staging: LayeredStaging) -> list[Fetched]:
         worker = self._worker
         try:
             blocks = staging.blocks(sum(len(job.block_ids) for job in self._jobs))

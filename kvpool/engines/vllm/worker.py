@@ -19,11 +19,16 @@ that lay them out the same way.
 - A step whose load of a request failed saves nothing of that request
   (:meth:`PoolWorker.save` skips it): the forward computed its new tokens
   over KV that did not arrive, and vLLM recomputes them.
-- Saves (after the forward): one indexed gather per layer into staging, then
-  the pool's write-behind queue takes a copy (:meth:`PoolClient.put`): the
-  forward never waits on the network; a full queue drops blocks (counted).
-- Staging buffers (:class:`Staging`) are reused and grow to the largest batch
-  seen; each thread that copies has its own.
+- Saves (after the forward), host caches: each block's layer pieces are
+  gathered straight into its target (:meth:`PoolClient.prepare_put`: a slot
+  the same-host node leased ahead, else host scratch), hashed in the same
+  pass, then queued (:meth:`PoolClient.complete_put`): one copy per block.
+  Device caches: one indexed gather per layer into staging, then
+  :meth:`PoolClient.put` (one copy more). Either way the forward never waits
+  on the network; a full queue drops blocks (counted).
+- Staging buffers (:class:`~kvpool.engines.staging.LayeredStaging`) are
+  reused and grow to the largest batch seen; each thread that copies has
+  its own.
 - Stats may be counted from several threads (the async loader's, the layer
   thread's): :meth:`PoolWorker.count` takes a lock.
 """
@@ -41,6 +46,7 @@ import torch
 
 from kvpool.client.lookup import BlockLocation
 from kvpool.client.pool import PoolClient
+from kvpool.engines.staging import LayeredStaging
 from kvpool.engines.vllm.keys import shard_key
 from kvpool.engines.vllm.scheduler import LoadJob, SaveJob
 from kvpool.keys import leading_hits
@@ -111,20 +117,6 @@ def block_layers(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[La
     return layers
 
 
-class Staging:
-    """A reusable host buffer of blocks as ``[n, layers, piece]`` bytes (grows as needed; one thread's)."""
-
-    def __init__(self, layers: int, piece_bytes: int):
-        self.layers, self.piece_bytes = layers, piece_bytes
-        self._buffer = torch.empty(0, dtype=torch.uint8)
-
-    def blocks(self, n: int) -> torch.Tensor:
-        need = n * self.layers * self.piece_bytes
-        if self._buffer.numel() < need:
-            self._buffer = torch.empty(need, dtype=torch.uint8)
-        return self._buffer[:need].view(n, self.layers, self.piece_bytes)
-
-
 class PoolWorker:
     """Loads and saves of one vLLM worker (see the module docstring). :meth:`load` and :meth:`save` are called
     from vLLM's model-runner thread; :meth:`fetch`, :meth:`scatter` and :meth:`gather` from any thread with
@@ -144,9 +136,9 @@ class PoolWorker:
         self._lock = threading.Lock()
         self.stats = TransferStats()
 
-    def staging(self) -> Staging:
+    def staging(self) -> LayeredStaging:
         """A new staging buffer for this worker's blocks (one per copying thread)."""
-        return Staging(len(self.layers), self.piece_bytes)
+        return LayeredStaging(len(self.layers), self.piece_bytes)
 
     # -- loads ---------------------------------------------------------------------------------
 
@@ -225,10 +217,26 @@ class PoolWorker:
         if not jobs:
             return
         start = time.perf_counter()
+        if all(layer.tensor.device.type == "cpu" for layer in self.layers):
+            self._save_on_host(jobs, start)
+            return
         ids = save_ids(jobs)
         blocks = self._save_staging.blocks(len(ids))
         self.gather(ids, blocks, range(len(self.layers)))
         self.put(jobs, blocks, time.perf_counter() - start)
+
+    def _save_on_host(self, jobs: Sequence[SaveJob], start: float) -> None:
+        """Host caches: each block's pieces (one per layer, in order) straight into its target, hashed as they
+        are copied, then queued: one copy per block (see the module docstring)."""
+        per_layer = [np.moveaxis(_host_bytes(layer.tensor), layer.block_dim, 0) for layer in self.layers]
+        for job in jobs:
+            n = len(job.block_ids)
+            prepared = self.pool.prepare_put([shard_key(k, self.shard) for k in job.keys], [self.block_bytes] * n)
+            for j, block_id in enumerate(job.block_ids):
+                prepared.fill(j, [blocks[block_id] for blocks in per_layer])
+            self._count_save(n, sum(self.pool.complete_put(prepared, self._names(job))))
+        with self._lock:
+            self.stats.save_seconds += time.perf_counter() - start
 
     def gather(self, ids: torch.Tensor, blocks: torch.Tensor, layers: Iterable[int]) -> None:
         """Copy the pieces of ``layers`` of vLLM's blocks ``ids`` into ``blocks`` (staging, same order)."""
@@ -242,18 +250,23 @@ class PoolWorker:
         for job in jobs:
             n = len(job.block_ids)
             keys = [shard_key(k, self.shard) for k in job.keys]
-            # vLLM's hash names the block in KV events; one shard carries it (each shard is its own pool key)
-            names = job.engine_hashes if self.shard == 0 and len(job.engine_hashes) == n else None
             staged, at = blocks[at : at + n], at + n
             if job.req_id in self.failed_reqs:  # its load failed after the gather began (layer-wise)
                 continue
-            kept = sum(self.pool.put(keys, [staged[j].view(-1).numpy() for j in range(n)], names))
-            with self._lock:
-                self.stats.saves += 1
-                self.stats.saved_blocks += kept
-                self.stats.dropped_blocks += n - kept
+            self._count_save(n, sum(self.pool.put(keys, [staged[j].view(-1).numpy() for j in range(n)],
+                                                  self._names(job))))
         with self._lock:
             self.stats.save_seconds += seconds + time.perf_counter() - start
+
+    def _names(self, job: SaveJob) -> list[int] | None:
+        """vLLM's hash of each block, for KV events; one shard carries them (each shard is its own pool key)."""
+        return list(job.engine_hashes) if self.shard == 0 and len(job.engine_hashes) == len(job.block_ids) else None
+
+    def _count_save(self, n: int, kept: int) -> None:
+        with self._lock:
+            self.stats.saves += 1
+            self.stats.saved_blocks += kept
+            self.stats.dropped_blocks += n - kept
 
     def end_step(self) -> None:
         """The step is over: its failed loads no longer hold back saves."""
