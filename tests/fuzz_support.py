@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -389,3 +390,12 @@ def seed_request(request_type) -> bytes:
         else:
             setattr(request, field.name, value)
     return request.SerializeToString()
+
+
+def say(request: pytest.FixtureRequest, *lines: str) -> None:
+    """Write ``lines`` to the terminal (past output capture): a fuzz module's summary of what it ran."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("")
+        for line in lines:
+            reporter.write_line(line)

@@ -45,6 +45,7 @@ from fuzz_support import (
     mutate,
     mutations,
     names_known,
+    say,
     seed_request,
     weighted,
 )
@@ -96,12 +97,15 @@ SIZE_EDGES = [0, 1, SLOT - 1, SLOT, SLOT + 1, 300 << 20, 2**40, 2**64 - 1]
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
+def pool(tmp_path_factory, request):
+    """The module's pool; at its end (whatever order the tests ran in) the servers must be fine, and when the
+    whole module ran, each listener must have had its N cases (see :func:`report_cases`)."""
     p = Pool(tmp_path_factory.mktemp("fuzz-frames"))
     try:
         yield p
         p.check_alive()
         p.check_known()
+        report_cases(p, request)
     finally:
         p.close()
 
@@ -411,16 +415,13 @@ def test_a_put_of_valid_fuzz_blocks_is_stored_and_read_back(pool):
     pool.count("frames (node)")
 
 
-def test_zz_report_cases(pool, capsys, request):
-    """Print how many cases ran; when the whole module ran, each listener must have had its N cases."""
-    pool.check_alive()
-    pool.check_known()
+def report_cases(pool: Pool, request: pytest.FixtureRequest) -> None:
+    """Print how many cases ran; when the whole module ran (not a -k selection), each listener must have had its
+    N cases."""
     total = sum(pool.cases.values())
-    with capsys.disabled():
-        print(f"\n[fuzz-frames] {total} cases: " + ", ".join(f"{k} {v}" for k, v in sorted(pool.cases.items())))
-        print("[fuzz-frames] answers (cheap liveness calls included): "
-              + ", ".join(f"{k} {v}" for k, v in TALLY.most_common()))
+    say(request, f"[fuzz-frames] {total} cases: " + ", ".join(f"{k} {v}" for k, v in sorted(pool.cases.items())),
+        "[fuzz-frames] answers (cheap liveness calls included): "
+        + ", ".join(f"{k} {v}" for k, v in TALLY.most_common()))
     ran = {item.originalname for item in request.session.items if item.module is request.module}
     if "test_frames" in ran:  # not a -k selection
         assert pool.cases["frames (master)"] >= N * 0.9 and pool.cases["frames (node)"] >= N * 0.9
-

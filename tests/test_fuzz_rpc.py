@@ -54,6 +54,7 @@ from fuzz_support import (
     names_known,
     packed_keys,
     parallel,
+    say,
     seed_request,
     short_text,
     size_value,
@@ -114,14 +115,25 @@ FUZZ = fuzz_settings(N)
 
 
 @pytest.fixture(scope="module")
-def pool(tmp_path_factory):
+def pool(tmp_path_factory, request):
+    """The module's pool; at its end (whatever order the tests ran in) the servers must be fine, and when the
+    whole module ran, every RPC must have had its N cases (see :func:`report_cases`)."""
     p = Pool(tmp_path_factory.mktemp("fuzz-rpc"))
     try:
         yield p
-        p.check_alive()
-        p.check_known()
+        finish(p)
+        report_cases(p, request)
     finally:
         p.close()
+
+
+@pytest.fixture(autouse=True)
+def finish_each(request):
+    """The end of every test: servers up, nothing logged, known data intact (checked after the test, so no test
+    relies on running after another)."""
+    yield
+    if "pool" in request.fixturenames:
+        finish(request.getfixturevalue("pool"))
 
 
 def master_call(pool: Pool, name: str, request, extra: bytes = b""):
@@ -184,10 +196,6 @@ def test_register_node(pool, case, extra):
     if code == OK:
         assert reply.incarnation > 0 and reply.node_timeout_s > 0 and reply.heartbeat_interval_s > 0
     pool.count("Master.RegisterNode")
-
-
-def test_register_node_zz_finish(pool):
-    finish(pool)
 
 
 @FUZZ
@@ -401,10 +409,6 @@ def test_master_info(pool, extra):
     pool.count("Master.Info")
 
 
-def test_master_zz_finish(pool):
-    finish(pool)
-
-
 # -- Node ---------------------------------------------------------------------------------------------------
 
 OVERSIZED_DATA = bytes(NODE_MAX_MESSAGE + 1)
@@ -521,10 +525,6 @@ def test_node_info(pool, extra):
     pool.count("Node.Info")
 
 
-def test_node_zz_finish(pool):
-    finish(pool)
-
-
 @FUZZ
 @given(data=st.data())
 def test_reserve(pool, data):
@@ -629,10 +629,6 @@ def test_flush_reports(pool, extra):
     pool.count("Node.FlushReports")
 
 
-def test_reserve_commit_zz_finish(pool):
-    finish(pool)
-
-
 # -- Any method: random bytes, mutated messages, oversized messages, unknown methods -----------------------
 
 
@@ -714,13 +710,12 @@ def test_huge_node_refs_are_refused(pool):
     pool.count("regression")
 
 
-def test_zz_report_cases(pool, capsys, request):
-    """Print how many cases ran; when the whole module ran, every RPC must have had its N cases."""
-    finish(pool)
+def report_cases(pool: Pool, request: pytest.FixtureRequest) -> None:
+    """Print how many cases ran; when the whole module ran (not a -k selection), every RPC must have had its N
+    cases."""
     total = sum(pool.cases.values())
-    with capsys.disabled():
-        print(f"\n[fuzz-rpc] {total} cases: " + ", ".join(f"{k} {v}" for k, v in sorted(pool.cases.items())))
-        print("[fuzz-rpc] fuzzed calls answered: " + ", ".join(f"{k} {v}" for k, v in pool.statuses.most_common()))
+    say(request, f"[fuzz-rpc] {total} cases: " + ", ".join(f"{k} {v}" for k, v in sorted(pool.cases.items())),
+        "[fuzz-rpc] fuzzed calls answered: " + ", ".join(f"{k} {v}" for k, v in pool.statuses.most_common()))
     ran = {item.name for item in request.session.items if item.module is request.module}
     if {"test_put", "test_lookup", "test_any_method_random_or_mutated_bytes"} <= ran:  # not a -k selection
         rpcs = [f"Master.{m}" for m in MASTER_METHODS] + [f"Node.{m}" for m in NODE_METHODS]
