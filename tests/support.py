@@ -9,10 +9,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+TESTS = Path(__file__).resolve().parent  # tests/: support modules, engine drivers and scripts (tests sit below it)
+REPO = TESTS.parent  # the checkout
 _handed_out: set[int] = set()
 
 
@@ -211,7 +214,6 @@ class EtcdTls:
     cert: str
     key: str
     client_cert_auth: bool = True
-
 
 class EtcdServer:
     """A real single-member etcd (Debian's etcd-server; tests/run.sh installs it) on free loopback ports.

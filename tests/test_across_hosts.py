@@ -10,12 +10,11 @@ import json
 import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 from netns import Host, Hosts
-from support import EtcdServer, wait_until
+from support import TESTS, EtcdServer, wait_until
 
 from kvpool.etcd import EtcdClient
 from kvpool.master_client import leader_address
@@ -26,7 +25,7 @@ CLUSTER = "across"
 DRAM_MIB = {"n1": 32, "n2": 64, "n3": 96}
 BLOCK = 64 << 10
 BLOCKS = 240
-CLIENT = str(Path(__file__).with_name("netns_client.py"))
+CLIENT = str(TESTS / "netns_client.py")
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,9 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
-from support import metric, scrape
+from support import REPO, metric, scrape
 
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig
@@ -23,7 +22,7 @@ from kvpool.keys import opaque_key
 from kvpool.metrics import error_counts
 
 MIB = 1 << 20
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = REPO / "README.md"
 
 
 def test_readme_example_runs_on_a_default_kvpool_serve(procs, tmp_path):

@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 INSTALL_TIMEOUT_S = 600  # sglang 0.5.23 and its pins without dependencies: ~30 s here, more on a cold pip cache
 pytestmark = pytest.mark.timeout(3 * INSTALL_TIMEOUT_S)
 

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import PoolProcesses, free_port
+from support import REPO, TESTS, PoolProcesses, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 VENV_PYTHON = ROOT / "build" / "sglang-venv" / "bin" / "python"
-DRIVER = Path(__file__).resolve().parent / "sglang_driver.py"
+DRIVER = TESTS / "sglang_driver.py"
 PAGE = 16  # tokens per SGLang page
 MODEL = "qwen-test"
 pytestmark = pytest.mark.timeout(300)

@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 from driver_support import kvpool_dirs, kvpool_frames, run_driver
-from support import PoolProcesses, free_port, metric, scrape, wait_until
+from support import TESTS, PoolProcesses, free_port, metric, scrape, wait_until
 
 from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python
 
 BLOCK = 32
-DRIVER = Path(__file__).resolve().parent / "vllm_driver.py"
+DRIVER = TESTS / "vllm_driver.py"
 NODE = {"dram-bytes": "64M", "max-block-bytes": "64K", "ssd-bytes": "256M"}  # a block of the test model: 64 KiB
 pytestmark = pytest.mark.timeout(600)
 

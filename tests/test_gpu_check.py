@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import TESTS
 
-GPU = Path(__file__).resolve().parent / "gpu"
+GPU = TESTS / "gpu"
 
 
 def run_check(out: Path, *flags: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -18,12 +18,13 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+from support import REPO
 
 from kvpool.cli import build_parser
 from kvpool.config import load_config
 from kvpool.etcd import EtcdTarget, parse_endpoints
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = REPO / "deploy"
 K8S, SYSTEMD = DEPLOY / "k8s", DEPLOY / "systemd"
 K8S_HA = K8S / "ha"  # applied instead of configmap.yaml and master.yaml for masters on etcd
 _QUANTITY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}

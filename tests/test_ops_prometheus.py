@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from support import PoolProcesses, free_port, metric, scrape, stop_process, wait_until
+from support import REPO, PoolProcesses, free_port, metric, scrape, stop_process, wait_until
 
 from kvpool.client.kvclient import KVCacheClient
 from kvpool.config import ClientConfig
@@ -45,7 +45,7 @@ from kvpool.layout import KVLayout
 from kvpool.metrics import TIER_LABELS
 from kvpool.status import RECORDED, ratio_percent
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvpool-dashboard.json"
 SCRAPE_S = 1

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
+from support import REPO
 
-PROMETHEUS_DIR = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
+PROMETHEUS_DIR = REPO / "deploy" / "prometheus"
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import REPO
 
 from kvpool.buffers import BufferLike
 from kvpool.checksum import block_checksum
@@ -24,7 +25,6 @@ from kvpool.keys import BlockKey, opaque_key
 from kvpool.tiers.ssd import FORMAT_VERSION, HEADER_BYTES, MAGIC, SsdInUse, SsdStore
 
 MIB = 1 << 20
-REPO = Path(__file__).resolve().parents[1]
 
 
 def key(i: int) -> BlockKey:

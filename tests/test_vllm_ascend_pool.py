@@ -22,12 +22,11 @@ from typing import Any
 
 import pytest
 from driver_support import run_driver
-from support import PoolProcesses, free_port
+from support import REPO, TESTS, PoolProcesses, free_port
 from vllm_ascend_driver import BLOCK, DOWN_IDS, HEAD_DIM, KV_HEADS, LAYERS, LOAD_IDS, PROMPT_BLOCKS
 
-REPO = Path(__file__).resolve().parent.parent
 ASCEND_SRC = REPO / "build" / "vllm-ascend-src"
-DRIVER = Path(__file__).resolve().parent / "vllm_ascend_driver.py"
+DRIVER = TESTS / "vllm_ascend_driver.py"
 pytestmark = pytest.mark.timeout(300)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from driver_support import run_driver
 from fault.faultkit import kill_9, stopped
-from support import PoolProcesses, wait_until
+from support import TESTS, PoolProcesses, wait_until
 from test_engine_vllm import drive, prompt, req
 
 from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python
@@ -48,7 +48,7 @@ from kvpool.engines.vllm.offload_jobs import (
 
 ROW = 64 << 10  # one primary-tier row (a chunk): 2 layers of 32 tokens of the driver's fp32 "model"
 NODE = {"dram-bytes": "64M", "max-block-bytes": "64K", "ssd-bytes": "256M"}
-DRIVER = Path(__file__).resolve().parent / "vllm_offload_driver.py"
+DRIVER = TESTS / "vllm_offload_driver.py"
 TIER = {"type": "KVPoolSecondaryTier", "module_path": "kvpool.engines.vllm.offload_tier"}
 BLOCK = 32
 pytestmark = pytest.mark.timeout(300)
