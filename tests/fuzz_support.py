@@ -17,6 +17,7 @@ Key namespaces (how "stored data is unchanged" stays provable):
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import os
@@ -393,9 +394,10 @@ def seed_request(request_type) -> bytes:
 
 
 def say(request: pytest.FixtureRequest, *lines: str) -> None:
-    """Write ``lines`` to the terminal (past output capture): a fuzz module's summary of what it ran."""
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
+    """Print ``lines`` past output capture (as ``capsys.disabled()``, which a module fixture cannot take): a fuzz
+    module's summary of what it ran."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        print()
         for line in lines:
-            reporter.write_line(line)
+            print(line)
