@@ -716,7 +716,8 @@ def report_cases(pool: Pool, request: pytest.FixtureRequest) -> None:
     total = sum(pool.cases.values())
     say(request, f"[fuzz-rpc] {total} cases: " + ", ".join(f"{k} {v}" for k, v in sorted(pool.cases.items())),
         "[fuzz-rpc] fuzzed calls answered: " + ", ".join(f"{k} {v}" for k, v in pool.statuses.most_common()))
-    ran = {item.name for item in request.session.items if item.module is request.module}
+    ran = {item.name for item in request.session.items
+           if isinstance(item, pytest.Function) and item.module is request.module}
     if {"test_put", "test_lookup", "test_any_method_random_or_mutated_bytes"} <= ran:  # not a -k selection
         rpcs = [f"Master.{m}" for m in MASTER_METHODS] + [f"Node.{m}" for m in NODE_METHODS]
         assert all(pool.cases[r] >= N * 0.9 for r in rpcs), pool.cases
