@@ -22,6 +22,7 @@ from kvpool.config import NodeConfig
 from kvpool.core import Tier
 from kvpool.framing import recv_exact
 from kvpool.keys import BlockKey, opaque_key
+from kvpool.metrics import error_counts
 from kvpool.node.daemon import PoolNode
 from kvpool.v1 import node_pb2
 from kvpool.wire import Method
@@ -119,7 +120,7 @@ def test_a_put_whose_bytes_do_not_match_their_checksum_is_refused(node, bulk_cli
     assert bulk_client.put(node.data_address, [key(1), key(2)], values, sums) == [False, False]
     assert node.store.where([key(1), key(2)]) == [None, None]
     assert node.store.dram.leased_slots == 0
-    assert node.errors.errors.labels("checksum")._value.get() == 2
+    assert error_counts(node.registry).get("checksum", 0) == 2
 
 
 def test_blocks_larger_than_a_slot_and_ssd_resident_blocks_travel_too(node, bulk_client):
@@ -196,7 +197,7 @@ def test_garbage_gets_an_error_and_the_node_keeps_serving(node, bulk_client, cas
     with raw(node) as sock:
         sock.sendall(payload)
         assert message in read_error(sock)
-    assert node.errors.errors.labels("invalid_argument")._value.get() == 1
+    assert error_counts(node.registry).get("invalid_argument", 0) == 1
     values = [block(5, 5000)]
     assert put(bulk_client, node, [5], values) == [True]  # the listener still serves ...
     status, outs = get(bulk_client, node, [5], [5000], [block_checksum(values[0])])
@@ -411,5 +412,6 @@ def test_client_falls_back_to_grpc_when_the_bulk_port_is_closed(cluster):
         outs = [np.zeros(MIB, np.uint8) for _ in keys]
         assert pool.get_into(locations, outs) == [True] * 3
         assert all(np.array_equal(o, v) for o, v in zip(outs, values))
-        assert pool.errors.errors.labels("unavailable")._value.get() == 0
-    assert n.put_seconds._sum.get() > 0 and n.get_seconds._sum.get() > 0  # the gRPC handlers did the work
+        assert error_counts(pool.registry).get("unavailable", 0) == 0
+    assert n.registry.get_sample_value("kvpool_put_seconds_sum") > 0 and \
+        n.registry.get_sample_value("kvpool_get_seconds_sum") > 0  # the gRPC handlers did the work

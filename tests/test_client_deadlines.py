@@ -28,6 +28,7 @@ from kvpool.config import MAX_SPIN_WAIT_US, ClientConfig, load_config
 from kvpool.etcd import EtcdClient
 from kvpool.keys import BlockKey, opaque_key
 from kvpool.master_client import leader_address
+from kvpool.metrics import error_counts
 
 LOOKUP_S = 1.0  # the clients' lookup_timeout_s
 IO_S = 5.0  # their io_timeout_s, unless a test says otherwise: far beyond LOOKUP_S, so borrowing it shows
@@ -75,14 +76,14 @@ def values(n: int) -> list[np.ndarray]:
 
 
 def timeouts(pool: PoolClient) -> float:
-    return pool.errors.errors.labels("timeout")._value.get()
+    return error_counts(pool.registry).get("timeout", 0)
 
 
 def answers(pool: PoolClient, ks: list[BlockKey]) -> bool:
     """Whether a lookup now gets the master's answer (no new fault)."""
-    before = sum(pool.errors.errors.labels(kind)._value.get() for kind in ("timeout", "unavailable"))
+    before = sum(error_counts(pool.registry).get(kind, 0) for kind in ("timeout", "unavailable"))
     pool.lookup(ks)
-    return before == sum(pool.errors.errors.labels(kind)._value.get() for kind in ("timeout", "unavailable"))
+    return before == sum(error_counts(pool.registry).get(kind, 0) for kind in ("timeout", "unavailable"))
 
 
 def timed(fn, *args):

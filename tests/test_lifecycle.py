@@ -20,14 +20,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support import PoolProcesses, stop_process, wait_serving
+from support import START_TIMEOUT_S, PoolProcesses, assert_refused, run_cli, stop_process, wait_serving
 
 from kvpool.config import ClientConfig
 from kvpool.keys import opaque_key
 from kvpool.tiers.arena import SharedArena, shm_path
 
 BLOCK = 64 << 10
-START_TIMEOUT_S = 60.0  # a start on a busy 2-core machine can be slow
 
 
 @pytest.fixture
@@ -49,50 +48,12 @@ def listening(port: int) -> Iterator[socket.socket]:
         yield sock
 
 
-def run_cli(procs: PoolProcesses, command: str, flags: dict, *, serving: str | None = None) -> tuple[int, str]:
-    """Run ``kvpool COMMAND FLAGS`` (spelled as ``procs`` spells flags) until it exits; (exit code, stderr).
-
-    If ``serving`` is given and something answers SERVING there while this
-    process is still up, it started instead of refusing: stopped, and the test fails.
-    """
-    err_path = procs.tmp / f"{command}-{time.monotonic_ns()}.err"
-    args = procs._flags(flags)
-    with open(err_path, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", command, *args],
-                                stdout=subprocess.DEVNULL, stderr=err)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while proc.poll() is None:
-            if serving is not None:
-                with contextlib.suppress(RuntimeError, TimeoutError):
-                    wait_serving(serving, timeout=0.5, proc=proc)
-                    pytest.fail(f"kvpool {command} started instead of refusing: {err_path.read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"kvpool {command} neither refused nor exited within {START_TIMEOUT_S}s")
-            time.sleep(0.05)
-    finally:
-        stop_process(proc)
-    return proc.returncode, err_path.read_text(errors="replace")
-
-
-def assert_refused(code: int, stderr: str, command: str, *words: str) -> str:
-    """Exit code 2, no traceback, and the last stderr line is the one refusal naming ``words``."""
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert code == 2, f"exit code {code}:\n{stderr[-3000:]}"
-    assert "Traceback" not in stderr, stderr[-3000:]
-    refusals = [line for line in lines if line.startswith(f"kvpool {command}: ")]
-    assert len(refusals) == 1 and lines[-1] == refusals[0], stderr[-3000:]
-    for word in words:
-        assert word in refusals[0], refusals[0]
-    return refusals[0]
-
-
 def assert_no_arena(name: str) -> None:
     assert not os.path.exists(shm_path(name)), f"{shm_path(name)} was left behind"
 
 
 def node_flags(procs: PoolProcesses, name: str, **over: object) -> dict:
-    return {**procs._node_flags(name), "master": procs.master, **over}
+    return {**procs.node_settings(name), "master": procs.master, **over}
 
 
 def store_blocks(procs: PoolProcesses, tag: str, n: int = 4) -> dict:
@@ -126,7 +87,7 @@ def test_a_second_node_on_the_same_port_is_refused_and_the_live_arena_survives(p
     procs.start_master()
     live = procs.start_node("a")
     procs.wait_nodes(1)
-    arena = procs._node_flags("a")["arena"]
+    arena = procs.node_settings("a")["arena"]
     inode = os.stat(shm_path(arena)).st_ino
     blocks = store_blocks(procs, "same-port")
     # the same flags again: same port, same arena, same SSD directory
@@ -141,7 +102,7 @@ def test_a_second_node_with_the_same_arena_is_refused_until_the_first_is_killed(
     procs.start_master()
     live = procs.start_node("a")
     procs.wait_nodes(1)
-    arena = procs._node_flags("a")["arena"]
+    arena = procs.node_settings("a")["arena"]
     inode = os.stat(shm_path(arena)).st_ino
     blocks = store_blocks(procs, "same-arena")
     other = node_flags(procs, "b", arena=arena)  # its own ports and SSD directory, the same arena
@@ -170,7 +131,7 @@ def test_two_nodes_starting_at_once_with_one_arena_one_serves_the_other_is_refus
     started = []
     try:
         for f, e in zip(flags, errs):
-            args = procs._flags(f)
+            args = procs.cli_flags(f)
             with open(e, "wb") as out:
                 started.append(subprocess.Popen([sys.executable, "-m", "kvpool.cli", "node", *args],
                                                 stdout=subprocess.DEVNULL, stderr=out))
@@ -215,7 +176,7 @@ def test_a_master_port_in_use_is_one_line_exit_2(procs, which):
 
 @pytest.mark.parametrize("which", ["master-port", "port", "metrics-port"])
 def test_a_serve_port_in_use_is_one_line_exit_2_and_nothing_left(procs, which):
-    flags = {k: v for k, v in procs._node_flags("n0").items()}
+    flags = {k: v for k, v in procs.node_settings("n0").items()}
     flags.update({"master-port": procs.master_port, "master-metrics-port": procs.master_metrics_port,
                   "master-call-port": procs.master_call_port})
     with listening(int(flags[which])):
@@ -227,7 +188,7 @@ def test_a_serve_port_in_use_is_one_line_exit_2_and_nothing_left(procs, which):
 
 def test_an_ssd_directory_another_node_holds_is_refused_naming_its_pid(procs):
     live = procs.start_node("a")
-    ssd_dir = procs._node_flags("a")["ssd-dir"]
+    ssd_dir = procs.node_settings("a")["ssd-dir"]
     other = node_flags(procs, "b", **{"ssd-dir": ssd_dir})
     code, err = run_cli(procs, "node", other, serving=procs.node_address("b"))
     assert_refused(code, err, "node", ssd_dir, f"pid {live.pid}")

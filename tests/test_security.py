@@ -35,6 +35,7 @@ from kvpool.core import Tier
 from kvpool.framing import ConnectionPool, recv_exact
 from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys, pack_keys
 from kvpool.master import MasterServer
+from kvpool.metrics import error_counts
 from kvpool.node.daemon import PoolNode
 from kvpool.rpc import MISS, make_channel
 from kvpool.tiers.arena import shm_path
@@ -119,7 +120,7 @@ def node_stub(node: PoolNode, token: str = "", **over):
 
 
 def errors(registry_owner, kind: str) -> float:
-    return registry_owner.errors.errors.labels(kind)._value.get()
+    return error_counts(registry_owner.registry).get(kind, 0)
 
 
 def fast_frame(method: int, body: bytes) -> bytes:
@@ -487,7 +488,7 @@ def test_tls_round_trip_over_grpc_fast_calls_and_bulk(tls_cluster, certs):
         calls = a._calls._idle.get(f"127.0.0.1:{master.servicer.call_port}", [])
         data = a.bulk_path.bulk._pool._idle.get(node.data_address, [])
         assert calls and data and all(isinstance(sock, ssl.SSLSocket) for sock in calls + data)
-        assert a.errors.errors.labels("bulk_fallback")._value.get() == 0
+        assert error_counts(a.registry).get("bulk_fallback", 0) == 0
     channel, stub = node_stub(node, TOKEN_A, tls_ca=certs["ca.pem"])  # and the gRPC fallback
     with channel:
         got = stub.Get(node_pb2.GetRequest(keys=pack_keys(ks)), timeout=10)
@@ -520,7 +521,7 @@ def test_a_client_that_cannot_verify_the_servers_gets_misses_not_exceptions(tls_
         assert len(c.lookup(ks)) == 0
         assert c.exists(ks) == [False, False]
         assert c.store(prompt_keys(1, "x"), blocks(1)) == [False]
-        assert c.errors.errors.labels("unavailable")._value.get() >= 3
+        assert error_counts(c.registry).get("unavailable", 0) >= 3
     other = BulkClient(2.0, token=TOKEN_A)  # plain TCP to a TLS listener: no answer it can read
     try:
         with pytest.raises((BulkFailed, BulkUnavailable)):
@@ -637,7 +638,7 @@ def test_kvpool_serve_with_an_auth_file_serves_token_holders_only(tmp_path, auth
             assert a.store(ks, vs) == [True, True]
         with PoolClient(ClientConfig(master=f"127.0.0.1:{port}", lookup_timeout_s=2.0)) as anonymous:
             assert len(anonymous.lookup(ks)) == 0 and anonymous.store(ks, vs) == [False, False]
-            assert anonymous.errors.errors.labels("unauthenticated")._value.get() >= 1
+            assert error_counts(anonymous.registry).get("unauthenticated", 0) >= 1
         env = {**os.environ, "KVPOOL_CLIENT_TOKEN": TOKEN_A}
         for extra_env, code in ((env, 0), (os.environ, 1)):
             done = subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--master", f"127.0.0.1:{port}"],
