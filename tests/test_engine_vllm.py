@@ -9,29 +9,20 @@ the wrong place or of the wrong request would show. Nothing of vLLM is faked.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from driver_support import kvpool_dirs, kvpool_frames, run_driver
-from support import TESTS, PoolProcesses, free_port, metric, scrape, wait_until
+from driver_support import kvpool_dirs, kvpool_frames
+from support import PoolProcesses, free_port, metric, scrape, wait_until
+from vllm_support import BLOCK, NODE, connector, drive, prompt, req
 
-from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python
+from kvpool.bench.vllm_runtime import save_model, vllm_python
 
-BLOCK = 32
-DRIVER = TESTS / "vllm_driver.py"
-NODE = {"dram-bytes": "64M", "max-block-bytes": "64K", "ssd-bytes": "256M"}  # a block of the test model: 64 KiB
 pytestmark = pytest.mark.timeout(600)
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    """``n`` token ids, different for every seed."""
-    return [(seed * 7919 + i * 31 + (i * i) % 97) % 500 for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -54,45 +45,6 @@ def procs(tmp_path: Path):
     p.assert_stopped_cleanly()
 
 
-class Run:
-    """One driver process: its results by (engine, request id), metrics and refusals by engine, and its log."""
-
-    def __init__(self) -> None:
-        self.results: dict[tuple[str, str], dict[str, Any]] = {}
-        self.metrics: dict[str, dict[str, float]] = {}
-        self.refused: dict[str, str] = {}
-        self.stepped: dict[str, dict[str, Any]] = {}
-        self.log = ""
-
-    def tokens(self, engine: str, req: str) -> list[int]:
-        return self.results[(engine, req)]["tokens"]
-
-    def cached(self, engine: str, req: str) -> int:
-        return self.results[(engine, req)]["cached"]
-
-
-def drive(python: str, model: str, tmp: Path, engines: list[dict[str, Any]], *, in_process: bool = True,
-          on_pause: Callable[[str], None] | None = None, timeout: float = 400) -> Run:
-    """Run the engines in one vLLM driver process; ``on_pause(name)`` is called at each pause."""
-    spec = tmp / f"spec-{engines[0]['name']}.json"
-    spec.write_text(json.dumps({"model": model, "block_size": BLOCK, "engines": engines}))
-    run = Run()
-
-    def report(said: dict[str, Any]) -> None:
-        if "refused" in said:
-            run.refused[said["engine"]] = said["refused"]
-        elif "metrics" in said:
-            run.metrics[said["engine"]] = said["metrics"]
-        elif "stepped" in said:
-            run.stepped[said["engine"]] = said["stepped"]
-        else:
-            run.results[(said["engine"], said["id"])] = said
-
-    run.log = run_driver(python, DRIVER, spec, vllm_env(python, in_process=in_process),
-                         tmp / f"driver-{engines[0]['name']}.log", on_report=report, on_pause=on_pause, timeout=timeout)
-    return run
-
-
 def test_the_traceback_check_names_kvpools_files_not_the_checkouts_folder(tmp_path):
     """git clone's default folder is ``kvpool``: vLLM's frames under ``kvpool/build/vllm-venv`` are not kvpool's."""
     dirs = kvpool_dirs(sys.executable)
@@ -102,17 +54,6 @@ def test_the_traceback_check_names_kvpools_files_not_the_checkouts_folder(tmp_pa
     ours = [f'  File "{os.path.join(folder, "x.py")}", line 1, in f' for folder in dirs]
     assert kvpool_frames(vllm_frame, ("/home/me/kvpool/kvpool", "/home/me/kvpool/master")) == []
     assert kvpool_frames("\n".join([vllm_frame, *ours]), dirs) == [os.path.join(d, "x.py") for d in dirs]
-
-
-def connector(master: str, tmp: Path, **extra: Any) -> dict[str, Any]:
-    """The connector's ``kv_connector_extra_config`` for a pool whose master is ``master``."""
-    config = tmp / f"kvpool-{master.replace(':', '-')}.json"
-    config.write_text(json.dumps({"client": {"master": master, "lookup_timeout_s": 1.0, "io_timeout_s": 2.0}}))
-    return {"kvpool_config_path": str(config), **extra}
-
-
-def req(rid: str, tokens: list[int], max_tokens: int = 8, salt: str | None = None) -> dict[str, Any]:
-    return {"id": rid, "prompt": tokens, "max_tokens": max_tokens, "cache_salt": salt}
 
 
 def replayed_hashes(endpoint: str) -> set[int]:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from driver_support import kvpool_dirs, kvpool_frames
 from support import PoolProcesses, wait_until
-from test_engine_vllm import BLOCK, NODE, connector, prompt
+from vllm_support import BLOCK, NODE, connector, prompt
 
 from kvpool.bench.vllm_engine import EngineProcess
 from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python

@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from event_support import Collector
+from event_support import Collector, MediaModel
 from prometheus_client import CollectorRegistry
 from support import wait_until
 
@@ -28,7 +28,6 @@ from kvpool.events import (
     MEDIUM_GPU,
     MEDIUM_STORAGE,
     AllBlocksCleared,
-    BlockStored,
     KVEventBatch,
     key_hash,
     removed,
@@ -417,36 +416,6 @@ def test_a_replay_to_a_requester_that_does_not_keep_up_arrives_whole_and_in_orde
 
 
 # -- the master's feed, end to end: a real `kvpool serve` -----------------------------------------------
-
-
-class MediaModel:
-    """Applies a pool event stream to empty sets: per block hash, the media holding it. Asserts each event
-    is a real transition (stored into a medium it lacked, removed from one it had)."""
-
-    def __init__(self) -> None:
-        self.media: dict[int, set[str]] = {}
-        self.seen: list[tuple[str, str, int]] = []  # (event type, medium, hash)
-
-    def apply(self, batch: KVEventBatch) -> None:
-        for event in batch.events:
-            if isinstance(event, AllBlocksCleared):
-                self.media.clear()
-                continue
-            medium = event.medium
-            assert isinstance(medium, str)
-            for h in event.block_hashes:
-                assert isinstance(h, int), "kvpool's hashes are ints (vLLM's default form)"
-                held = self.media.setdefault(h, set())
-                if isinstance(event, BlockStored):
-                    assert medium not in held, f"stored {h:x} in {medium} twice"
-                    held.add(medium)
-                else:
-                    assert medium in held, f"removed {h:x} from {medium}, which did not hold it"
-                    held.discard(medium)
-                self.seen.append((type(event).__name__, medium, h))
-
-    def holding(self, medium: str) -> int:
-        return sum(medium in held for held in self.media.values())
 
 
 def test_a_subscriber_of_kvpool_serve_sees_every_tier_change_in_order_and_replays_what_it_missed(tmp_path):

@@ -15,9 +15,8 @@ import sys
 import grpc
 import pytest
 import zmq
-from event_support import Collector
+from event_support import Collector, MediaModel
 from support import PoolProcesses, free_port, metric, scrape, wait_until
-from test_events import MediaModel
 
 from kvpool.config import ClientConfig
 from kvpool.events import MEDIUM_GPU, key_hash

@@ -29,7 +29,7 @@ import pytest
 from driver_support import run_driver
 from fault.faultkit import kill_9, stopped
 from support import TESTS, PoolProcesses, wait_until
-from test_engine_vllm import drive, prompt, req
+from vllm_support import drive, prompt, req
 
 from kvpool.bench.vllm_runtime import save_model, vllm_env, vllm_python
 from kvpool.client.pool import PoolClient
