@@ -280,7 +280,7 @@ def test_connections_are_pooled_and_a_dropped_one_is_replaced(node, bulk_client)
 def test_too_many_connections_get_an_error(tmp_path, arena_name):
     """Every connection mid-request: a newcomer is refused with a message, and the request is not cut.
 
-    (An idle or silent connection is closed to make room instead: tests/test_listener_limits.py.)
+    (An idle or silent connection is closed to make room instead: tests/integration/test_listener_limits.py.)
     """
     with PoolNode(node_config(tmp_path, arena_name)) as n:
         n.bulk._listener.max_connections = 1

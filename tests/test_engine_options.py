@@ -1,7 +1,7 @@
 """Engine adapters parse their own settings strictly (issue 26): ``"false"`` is false, and a value that is not an
 on/off, a number in range or a path is one ValueError naming the field (kvpool.engines.options, used by every
 adapter). vLLM's connector and vllm-ascend's backend are checked here without vLLM; SGLang's backend in SGLang's
-venv (tests/test_engine_sglang.py), the connector inside the real vLLM (tests/test_engine_vllm.py)."""
+venv (tests/engines/test_engine_sglang.py), the connector inside the real vLLM (tests/engines/test_engine_vllm.py)."""
 
 from __future__ import annotations
 

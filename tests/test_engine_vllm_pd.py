@@ -5,7 +5,7 @@ The two instances are two vLLM engine processes alive at once (:mod:`kvpool.benc
 ``LLMEngine``, scheduler, connector and CPU model runner); this test plays the proxy with
 :mod:`kvpool.engines.vllm.pd_proxy`'s own bodies (the prompt to the prefill instance for one token, then to the
 decode instance with the ``kv_transfer_params`` the prefill returned). A third engine without a connector is the
-colocated, pool-off reference. The model is tests/test_engine_vllm.py's seeded random Qwen2: wrong KV shows in
+colocated, pool-off reference. The model is tests/engines/test_engine_vllm.py's seeded random Qwen2: wrong KV shows in
 its tokens. Nothing of vLLM is faked.
 """
 

@@ -14,7 +14,7 @@ leases, slots and incarnations, unknown fields, random or mutated bytes as the w
   still holds every one of them on the real node.
 
 Deterministic: ``derandomize=True`` (the examples follow from the test source; no example database).
-``KVPOOL_FUZZ_SCALE=4 pytest tests/test_fuzz_rpc.py`` runs four times as many cases.
+``KVPOOL_FUZZ_SCALE=4 pytest tests/integration/test_fuzz_rpc.py`` runs four times as many cases.
 """
 
 from __future__ import annotations

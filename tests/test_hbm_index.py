@@ -1,6 +1,6 @@
 """HbmIndex (issue 26): each tenant's workers are its own, HBM keys are capped per worker and per tenant, and a
-Score's runs hold the lock one worker at a time. ``tests/test_routing_attacks.py`` attacks the same through a
-real master."""
+Score's runs hold the lock one worker at a time. ``tests/integration/test_routing_attacks.py`` attacks the same
+through a real master."""
 
 from __future__ import annotations
 

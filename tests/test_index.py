@@ -1,7 +1,7 @@
 """BlockIndex and its KeyTable: growth, deletes, multi-location keys, full syncs, node drops, memory per block.
 
 Every test checks the index against a plain-Python reference model (:class:`Reference`), and its
-invariants with ``check_invariants``. ``tests/test_master.py`` covers the index through the gRPC service.
+invariants with ``check_invariants``. ``tests/integration/test_master.py`` covers the index through the gRPC service.
 """
 
 from __future__ import annotations

@@ -253,7 +253,7 @@ def hold_commits(node: PoolNode):
 def test_a_store_returns_before_the_node_answers_and_the_next_lookup_waits_for_it(pool_node):
     master, n = pool_node
     # The lookup waits for the Commit's answer within its own deadline (lookup_timeout_s, longer than the hold
-    # below; tests/test_client_deadlines.py shows it ends by that deadline when the answer never comes).
+    # below; tests/integration/test_client_deadlines.py shows it ends by that deadline when the answer never comes).
     with PoolClient(ClientConfig(master=master.address, strict=True, lookup_timeout_s=10.0)) as pool:
         assert pool.store([key(0)], [block(0)]) == [True]
         assert pool.flush()

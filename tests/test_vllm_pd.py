@@ -2,7 +2,7 @@
 for announced blocks, a producer's hand-off and its confirmation by the pool.
 
 The scheduler side is driven with stand-ins for the few attributes of vLLM's ``Request`` and ``SchedulerOutput``
-it reads; the pool is an in-memory set of keys. ``tests/test_engine_vllm_pd.py`` runs the same in the real vLLM.
+it reads; the pool is an in-memory set of keys. ``tests/engines/test_engine_vllm_pd.py`` runs the same in the real vLLM.
 """
 
 from __future__ import annotations
