@@ -92,7 +92,8 @@ class Caller:
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory):
-    """One master (default settings, auth on) for the tests that only add to its state."""
+    """One master (default settings, auth on) for the tests that only add to its state (none may assume it is
+    empty: they run in any order)."""
     procs = start_master(tmp_path_factory.mktemp("routing-attacks"))
     try:
         yield procs
@@ -102,7 +103,8 @@ def shared(tmp_path_factory):
 
 @pytest.fixture
 def fresh(tmp_path):
-    """A master of its own (default settings, auth on), for the tests that measure its memory."""
+    """A master of its own (default settings, auth on), for the tests that measure its memory or list every
+    worker a tenant has."""
     procs = start_master(tmp_path)
     try:
         yield procs
@@ -128,8 +130,8 @@ def cpu_s(procs: PoolProcesses) -> float:
 # -- item 1: worker ids are their tenant's --------------------------------------------------------------------
 
 
-def test_one_tenants_calls_neither_change_nor_reveal_another_tenants_workers(shared):
-    a, b = tenants(shared)
+def test_one_tenants_calls_neither_change_nor_reveal_another_tenants_workers(fresh):
+    a, b = tenants(fresh)  # a master of its own: it asserts every worker each tenant has
     try:
         prompt = keys("a-prompt", 8)
         a.report("gpu-0", prompt, full_sync=True)
