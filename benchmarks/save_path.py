@@ -3,7 +3,7 @@
     python benchmarks/save_path.py [--rounds 15]
 
 A vLLM-shaped host KV cache (24 layers, 16 KiB a block's slice of a layer,
-800 blocks: the qwen2-0.5b shape of ``kvpool bench vllm``) and saves of 64
+800 blocks: the qwen2-0.5b shape of ``benchmarks/vllm_ttft.py``) and saves of 64
 blocks (24 MiB) at a time, two ways, each timed on the calling thread
 (what the forward waits for):
 

@@ -2,7 +2,7 @@
 
 Prefill/decode disaggregation needs two vLLM instances alive at once and a
 proxy between them; ``benchmarks/vllm_ttft.py``'s 1P1D row and
-``tests/test_engine_vllm_pd.py`` run each instance as one of these
+``tests/engines/test_engine_vllm_pd.py`` run each instance as one of these
 processes and play the proxy themselves (:mod:`kvpool.engines.vllm.pd_proxy`
 says what goes to each instance).
 

@@ -7,7 +7,7 @@ import threading
 import msgspec
 import zmq
 
-from kvpool.events import END_SEQ, KVEventBatch
+from kvpool.events import END_SEQ, AllBlocksCleared, BlockStored, KVEventBatch
 
 DECODE = msgspec.msgpack.Decoder(type=KVEventBatch)
 
@@ -68,3 +68,33 @@ def replay_all(ctx: zmq.Context, endpoint: str, start: int = 0, configure=None,
             got.append((topic, int.from_bytes(seq, "big"), DECODE.decode(payload)))
     finally:
         dealer.close(linger=0)
+
+
+class MediaModel:
+    """Applies a pool event stream to empty sets: per block hash, the media holding it. Asserts each event
+    is a real transition (stored into a medium it lacked, removed from one it had)."""
+
+    def __init__(self) -> None:
+        self.media: dict[int, set[str]] = {}
+        self.seen: list[tuple[str, str, int]] = []  # (event type, medium, hash)
+
+    def apply(self, batch: KVEventBatch) -> None:
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                self.media.clear()
+                continue
+            medium = event.medium
+            assert isinstance(medium, str)
+            for h in event.block_hashes:
+                assert isinstance(h, int), "kvpool's hashes are ints (vLLM's default form)"
+                held = self.media.setdefault(h, set())
+                if isinstance(event, BlockStored):
+                    assert medium not in held, f"stored {h:x} in {medium} twice"
+                    held.add(medium)
+                else:
+                    assert medium in held, f"removed {h:x} from {medium}, which did not hold it"
+                    held.discard(medium)
+                self.seen.append((type(event).__name__, medium, h))
+
+    def holding(self, medium: str) -> int:
+        return sum(medium in held for held in self.media.values())

@@ -17,6 +17,7 @@ Key namespaces (how "stored data is unchanged" stays provable):
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import os
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -389,3 +391,13 @@ def seed_request(request_type) -> bytes:
         else:
             setattr(request, field.name, value)
     return request.SerializeToString()
+
+
+def say(request: pytest.FixtureRequest, *lines: str) -> None:
+    """Print ``lines`` past output capture (as ``capsys.disabled()``, which a module fixture cannot take): a fuzz
+    module's summary of what it ran."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        print()
+        for line in lines:
+            print(line)

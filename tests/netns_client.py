@@ -1,4 +1,5 @@
-"""A pool client on one namespace host (tests/test_across_hosts.py): put or get N blocks, print one JSON line.
+"""A pool client on one namespace host (tests/integration/test_across_hosts.py): put or get N blocks, print one
+JSON line.
 
     python tests/netns_client.py MASTER put PREFIX N SIZE [--nodes K] [--start-at T]
     python tests/netns_client.py MASTER get PREFIX N SIZE [--io-timeout S] [--batch B] [--start-at T]

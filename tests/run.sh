@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 
 need_packages=()
 command -v prometheus >/dev/null && command -v promtool >/dev/null || need_packages+=(prometheus)
-command -v etcd >/dev/null || need_packages+=(etcd-server)  # the HA tests start a real etcd (tests/test_master_ha.py)
+command -v etcd >/dev/null || need_packages+=(etcd-server)  # the HA tests start a real etcd (tests/integration/test_master_ha.py)
 command -v ip >/dev/null || need_packages+=(iproute2)  # the multi-host tests make network namespaces (tests/netns.py)
 command -v g++ >/dev/null || need_packages+=(g++)  # SGLang compiles its page hash on first use
 [ -e /usr/include/openssl/sha.h ] || need_packages+=(libssl-dev)
@@ -60,6 +60,6 @@ then
     exit 1
 fi
 "$PYTHON" -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e ".[client,test]"
-PYTHON="$PYTHON" bash tests/vllm_env.sh  # the real vLLM for tests/test_engine_vllm.py and vllm-ascend's source for tests/test_vllm_ascend_pool.py (once: build/vllm-venv)
-PYTHON="$PYTHON" bash tests/sglang_env.sh  # the real SGLang for tests/test_engine_sglang.py (once: build/sglang-venv)
+PYTHON="$PYTHON" bash tests/vllm_env.sh  # the real vLLM for tests/engines/test_engine_vllm.py and vllm-ascend's source for tests/engines/test_vllm_ascend_pool.py (once: build/vllm-venv)
+PYTHON="$PYTHON" bash tests/sglang_env.sh  # the real SGLang for tests/engines/test_engine_sglang.py (once: build/sglang-venv)
 exec "$PYTHON" -m pytest "$@"

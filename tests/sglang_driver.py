@@ -1,6 +1,6 @@
 """SGLang's own HiCache code driving kvpool's L3 storage backend; run in build/sglang-venv (tests/sglang_env.sh).
 
-``python tests/sglang_driver.py SPEC.json`` (by tests/test_engine_sglang.py) builds, for each engine of
+``python tests/sglang_driver.py SPEC.json`` (by tests/engines/test_engine_sglang.py) builds, for each engine of
 the spec, what an SGLang scheduler builds at start-up with ``--enable-hierarchical-cache
 --hicache-storage-backend dynamic``: a device KV pool (``MHATokenToKVPool`` / ``MLATokenToKVPool`` on
 CPU) with its allocator, the host pool SGLang derives from it (``MHATokenToKVPoolHost`` /

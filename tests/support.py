@@ -9,10 +9,14 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+TESTS = Path(__file__).resolve().parent  # tests/: support modules, engine drivers and scripts (tests sit below it)
+REPO = TESTS.parent  # the checkout
 _handed_out: set[int] = set()
 
 
@@ -124,7 +128,7 @@ class PoolProcesses:
     def master(self) -> str:
         return f"127.0.0.1:{self.master_port}"
 
-    def _flags(self, flags: dict[str, object]) -> list[str]:
+    def cli_flags(self, flags: dict[str, object]) -> list[str]:
         """``{"port": 5, "write-through": "true", "ssd": "false"}`` -> ``--port 5 --write-through --no-ssd``."""
         args: list[str] = []
         for k, v in flags.items():
@@ -135,7 +139,8 @@ class PoolProcesses:
                 args += [f"--{k}", str(v)]
         return args
 
-    def _node_flags(self, name: str) -> dict[str, object]:
+    def node_settings(self, name: str) -> dict[str, object]:
+        """The flags node ``name`` starts with (its ports, chosen once, its arena and SSD folder, then node_flags)."""
         node = self.nodes.setdefault(name, {"port": free_port(), "metrics": free_port(), "data": free_port()})
         return {
             "port": node["port"], "metrics-port": node["metrics"], "data-port": node["data"], "node-id": name,
@@ -144,10 +149,10 @@ class PoolProcesses:
 
     def serve(self, **master_flags: str) -> subprocess.Popen:
         """`kvpool serve` with one node named n0."""
-        flags = {**self._node_flags("n0"), "master-port": self.master_port,
+        flags = {**self.node_settings("n0"), "master-port": self.master_port,
                  "master-metrics-port": self.master_metrics_port, "master-call-port": self.master_call_port,
                  **master_flags}
-        proc = kvpool_process("serve", *self._flags(flags), log_path=self.tmp / f"serve-{len(self.procs)}.log")
+        proc = kvpool_process("serve", *self.cli_flags(flags), log_path=self.tmp / f"serve-{len(self.procs)}.log")
         self.procs.append(proc)
         wait_serving(self.master, proc=proc)
         wait_serving(self.node_address("n0"), proc=proc)
@@ -157,14 +162,14 @@ class PoolProcesses:
     def start_master(self, **flags: str) -> subprocess.Popen:
         values: dict[str, object] = {"port": self.master_port, "metrics-port": self.master_metrics_port,
                                      "call-port": self.master_call_port, **flags}
-        proc = kvpool_process("master", *self._flags(values), log_path=self.tmp / f"master-{len(self.procs)}.log")
+        proc = kvpool_process("master", *self.cli_flags(values), log_path=self.tmp / f"master-{len(self.procs)}.log")
         self.procs.append(proc)
         wait_serving(self.master, proc=proc)
         return proc
 
     def start_node(self, name: str, **flags: str) -> subprocess.Popen:
-        values = {**self._node_flags(name), "master": self.master, **flags}
-        proc = kvpool_process("node", *self._flags(values), log_path=self.tmp / f"node-{name}-{len(self.procs)}.log")
+        values = {**self.node_settings(name), "master": self.master, **flags}
+        proc = kvpool_process("node", *self.cli_flags(values), log_path=self.tmp / f"node-{name}-{len(self.procs)}.log")
         self.procs.append(proc)
         wait_serving(self.node_address(name), proc=proc)
         return proc
@@ -211,7 +216,6 @@ class EtcdTls:
     cert: str
     key: str
     client_cert_auth: bool = True
-
 
 class EtcdServer:
     """A real single-member etcd (Debian's etcd-server; tests/run.sh installs it) on free loopback ports.
@@ -334,3 +338,44 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+START_TIMEOUT_S = 60.0  # a start on a busy 2-core machine can be slow
+
+
+def run_cli(procs: PoolProcesses, command: str, flags: dict, *, serving: str | None = None) -> tuple[int, str]:
+    """Run ``kvpool COMMAND FLAGS`` (spelled as ``procs`` spells flags) until it exits; (exit code, stderr).
+
+    If ``serving`` is given and something answers SERVING there while this
+    process is still up, it started instead of refusing: stopped, and the test fails.
+    """
+    err_path = procs.tmp / f"{command}-{time.monotonic_ns()}.err"
+    args = procs.cli_flags(flags)
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", command, *args],
+                                stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while proc.poll() is None:
+            if serving is not None:
+                with contextlib.suppress(RuntimeError, TimeoutError):
+                    wait_serving(serving, timeout=0.5, proc=proc)
+                    pytest.fail(f"kvpool {command} started instead of refusing: {err_path.read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"kvpool {command} neither refused nor exited within {START_TIMEOUT_S}s")
+            time.sleep(0.05)
+    finally:
+        stop_process(proc)
+    return proc.returncode, err_path.read_text(errors="replace")
+
+
+def assert_refused(code: int, stderr: str, command: str, *words: str) -> str:
+    """Exit code 2, no traceback, and the last stderr line is the one refusal naming ``words``."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 2, f"exit code {code}:\n{stderr[-3000:]}"
+    assert "Traceback" not in stderr, stderr[-3000:]
+    refusals = [line for line in lines if line.startswith(f"kvpool {command}: ")]
+    assert len(refusals) == 1 and lines[-1] == refusals[0], stderr[-3000:]
+    for word in words:
+        assert word in refusals[0], refusals[0]
+    return refusals[0]

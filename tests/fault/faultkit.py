@@ -272,7 +272,7 @@ def start_node(
     procs: PoolProcesses, name: str, *, file_size_limit: int | None = None, **flags: str
 ) -> subprocess.Popen:
     """``kvpool node`` ``name`` (tracked by ``procs``), optionally with a cap on file sizes (a disk that fills up)."""
-    all_flags = {**procs._node_flags(name), "master": procs.master, **flags}
+    all_flags = {**procs.node_settings(name), "master": procs.master, **flags}
     log = procs.tmp / f"node-{name}-{len(procs.procs)}.log"
     return _start(procs, procs.node_address(name), "node", all_flags, log, file_size_limit)
 
@@ -281,7 +281,7 @@ def _start(procs: PoolProcesses, address: str, command: str, flags: dict, log: P
            file_size_limit: int | None = None) -> subprocess.Popen:
     prefix = ["-m", "kvpool.cli"] if file_size_limit is None else ["-c", _CAPPED_CLI, str(file_size_limit)]
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, *prefix, command, *procs._flags(flags)], stdout=out,
+        proc = subprocess.Popen([sys.executable, *prefix, command, *procs.cli_flags(flags)], stdout=out,
                                 stderr=subprocess.STDOUT)
     procs.procs.append(proc)
     wait_serving(address, timeout=START_TIMEOUT_S, proc=proc)

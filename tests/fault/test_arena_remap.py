@@ -33,7 +33,7 @@ def test_a_failed_arena_mapping_is_retried_after_the_node_restarts(procs, client
     start_master(procs, **master_flags(node_timeout_s=60.0))  # the dead node stays indexed: its arena is tried
     node = start_node(procs, "n1", **NODE)
     procs.wait_nodes(1)
-    arena = procs._node_flags("n1")["arena"]
+    arena = procs.node_settings("n1")["arena"]
     keys = keys_of("remap", 4)
     values = [content(k, BLOCK) for k in keys]
     with PoolClient(client_config(io_timeout_s=1.0)) as pool:

@@ -5,7 +5,7 @@ dropped its own node (``node ... silent for 3.6s: dropped with 7 index entries``
 again: every block was a miss until the re-sync. Three faults: a default ``node_timeout_s`` of 3 s (three
 heartbeats), a master that counted the time it did not run itself as its nodes' silence (a stopped or
 starved process wakes with every node "silent"), and heartbeats sent by the thread that also sends reports
-(a slow report delayed them; ``tests/test_node.py`` tests that one).
+(a slow report delayed them; ``tests/integration/test_node.py`` tests that one).
 
 Here a ``kvpool serve`` runs beside busy processes (more than the machine's cores) and is stopped
 (SIGSTOP) for seconds, as a starved or frozen host would be; afterwards it must still list its node with

@@ -36,7 +36,7 @@ def test_kill_9_of_the_master_degrades_to_misses_and_the_index_is_rebuilt(procs,
     start_node(procs, "n0")
     procs.wait_nodes(1)
 
-    # the network path: a same-host client would keep hitting from the node's arena (tests/test_services.py)
+    # the network path: a same-host client would keep hitting from the node's arena (tests/integration/test_services.py)
     engine = KVCacheClient(client_config(layout=LAYOUT, hbm_blocks=8, shared_memory=False))
     load = MixedLoad(engine, "master-kill", prefixes=6, blocks=4, block_bytes=LAYOUT.block_bytes)
     stored = load.all_keys()

@@ -42,8 +42,7 @@ from fault.faultkit import (
     start_node,
     wait_demoted,
 )
-from support import stop_process, wait_until
-from test_lifecycle import assert_refused, run_cli
+from support import assert_refused, run_cli, stop_process, wait_until
 
 from kvpool.client.pool import PoolClient
 from kvpool.tiers.arena import shm_path
@@ -181,7 +180,7 @@ def test_an_unusable_ssd_directory_is_a_refusal_unless_optional(procs, how):
     ssd_dir.mkdir()
     (ssd_dir / "kept").write_text("x")
     try:
-        flags = {**procs._node_flags("n0"), "master": procs.master, **make_unusable(procs, ssd_dir, how)}
+        flags = {**procs.node_settings("n0"), "master": procs.master, **make_unusable(procs, ssd_dir, how)}
         code, err = run_cli(procs, "node", flags, serving=procs.node_address("n0"))
         line = assert_refused(code, err, "node", str(ssd_dir))
         assert "ssd_optional" in line  # it says how to start anyway
