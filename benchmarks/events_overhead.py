@@ -31,11 +31,11 @@ from local_pool import LocalPool
 
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig
-from kvpool.core import Tier
 from kvpool.event_publisher import EventPublisher
 from kvpool.keys import BlockKey, opaque_key
 from kvpool.master.index import BlockIndex
 from kvpool.master.kv_events import MasterEventFeed
+from kvpool.vocabulary import Tier
 
 BLOCK = 64 << 10
 BATCH = 32

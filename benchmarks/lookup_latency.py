@@ -21,10 +21,10 @@ import numpy as np
 
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig
-from kvpool.core import NodeRef, Tier
 from kvpool.keys import BlockKey
 from kvpool.master.server import MasterServer
 from kvpool.routing import ScoreClient
+from kvpool.vocabulary import NodeRef, Tier
 
 
 def main() -> None:

@@ -33,8 +33,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from kvpool.framing import ConnectionPool
 from kvpool.master_client import DirectMaster
+from kvpool.tcp import ConnectionPool
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 
 REPORT_S = 0.25

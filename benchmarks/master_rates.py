@@ -21,9 +21,9 @@ import time
 import numpy as np
 
 from kvpool.config import MasterConfig
-from kvpool.framing import ConnectionPool
 from kvpool.master import MasterServer
 from kvpool.master_client import DirectMaster
+from kvpool.tcp import ConnectionPool
 from kvpool.v1 import common_pb2, master_pb2
 
 CHUNK = 50_000

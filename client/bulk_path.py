@@ -1,4 +1,4 @@
-"""Remote data path over the wire's bulk GET and PUT on a node's listener (protocol client: :mod:`kvpool.client.bulk`).
+"""Remote data path over the wire's bulk GET and PUT on a node's data port (its client: :mod:`.bulk_client`).
 
 Reads land straight in the caller's buffers and writes go straight from
 them. If the listener cannot be reached the blocks are handed to the next
@@ -27,16 +27,16 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvpool.checksum import block_checksum
-from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
+from kvpool.client.bulk_client import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
 from kvpool.client.datapath import LEASE_CHUNK_BYTES, call_timeout, chunks
 from kvpool.client.faults import Faults
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
-from kvpool.core import NodeRef
-from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
+from kvpool.tcp import ConnectionPool
 from kvpool.tls import client_context
+from kvpool.vocabulary import NodeRef
 from kvpool.wire import MAX_GET_BYTES
 
 log = logging.getLogger(__name__)

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import grpc
 
 from kvpool.client.nodes import arena_file_id
-from kvpool.core import NodeRef
 from kvpool.keys import BlockKey
 from kvpool.placement import Candidate, place
 from kvpool.rpc import local_host_id
 from kvpool.v1 import common_pb2, master_pb2
+from kvpool.vocabulary import NodeRef
 
 __all__ = ["ClusterView", "NodeView", "Placement"]
 

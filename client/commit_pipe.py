@@ -41,7 +41,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvpool.calls import RETRY_S
-from kvpool.framing import ConnectFailed, ConnectionPool, Refused, send_buffers
+from kvpool.tcp import ConnectFailed, ConnectionPool, Refused, send_buffers
 from kvpool.v1 import node_pb2
 from kvpool.wire import CallError, Method, read_reply, request_frame, status_error
 

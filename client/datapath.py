@@ -29,8 +29,8 @@ from typing import Protocol
 import numpy as np
 
 from kvpool.client.lookup import PoolRun
-from kvpool.core import NodeRef
 from kvpool.keys import BlockKey
+from kvpool.vocabulary import NodeRef
 
 GRPC_CHUNK_BYTES = 32 << 20  # bytes per gRPC Get/Put call
 LEASE_CHUNK_BYTES = 256 << 20  # bytes per bulk PUT or Reserve/Commit lease (a lease must finish in time)

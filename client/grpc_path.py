@@ -18,10 +18,10 @@ from kvpool.client.faults import Faults, error_kind
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
-from kvpool.core import NO_TIER, NodeRef
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.rpc import flags_from_bytes
 from kvpool.v1 import node_pb2
+from kvpool.vocabulary import NO_TIER, NodeRef
 
 
 class GrpcPath:

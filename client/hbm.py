@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from kvpool.client.devices import resolve_device
-from kvpool.core import Tier, TierStats
 from kvpool.keys import BlockKey, check_keys
 from kvpool.layout import KVLayout
 from kvpool.tiers.base import check_batch
+from kvpool.vocabulary import Tier, TierStats
 
 ChangeCallback = Callable[[list[BlockKey], list[BlockKey]], None]
 

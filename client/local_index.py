@@ -33,10 +33,10 @@ from kvpool.auth import mask_keys
 from kvpool.client.cluster import ClusterView
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
-from kvpool.core import NO_TIER, NodeRef
 from kvpool.keys import BlockKey
 from kvpool.master_client import TenantMask
 from kvpool.tiers.arena import KEY_DTYPE, InventoryState, SharedArena
+from kvpool.vocabulary import NO_TIER, NodeRef
 
 __all__ = ["Holdings", "LocalIndex"]
 

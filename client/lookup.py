@@ -19,8 +19,8 @@ from typing import overload
 
 import numpy as np
 
-from kvpool.core import NodeRef, Tier
 from kvpool.keys import BlockKey
+from kvpool.vocabulary import NodeRef, Tier
 
 
 @dataclass(frozen=True, slots=True)

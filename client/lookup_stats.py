@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.core import Tier
+from kvpool.vocabulary import Tier
 
 __all__ = ["REPORT_S", "LookupCounts", "LookupStats"]
 

@@ -37,11 +37,11 @@ import grpc
 from kvpool.calls import FastStub
 from kvpool.client.faults import error_kind
 from kvpool.config import ClientConfig
-from kvpool.core import NodeRef
-from kvpool.framing import ConnectionPool
 from kvpool.rpc import local_host_id, make_channel
+from kvpool.tcp import ConnectionPool
 from kvpool.tiers.arena import SharedArena, shm_path
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
+from kvpool.vocabulary import NodeRef
 from kvpool.wire import NODE_CALLS
 
 log = logging.getLogger(__name__)

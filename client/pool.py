@@ -55,16 +55,16 @@ from kvpool.client.prepared import PreparedPut
 from kvpool.client.shared_path import SharedMemoryPath
 from kvpool.client.writer import Payload, WriteBehindQueue
 from kvpool.config import ClientConfig
-from kvpool.core import NodeRef, Tier
 from kvpool.etcd import EtcdAccess
-from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey, check_keys, pack_keys
 from kvpool.master_client import MasterApi, MasterConnection, TenantMask
 from kvpool.metrics import ErrorMetrics, LookupMetrics, MetricsServer, latency_histogram
 from kvpool.placement import TOO_LARGE
 from kvpool.rpc import flags_from_bytes
+from kvpool.tcp import ConnectionPool
 from kvpool.tls import client_context
 from kvpool.v1 import master_pb2, node_pb2
+from kvpool.vocabulary import NodeRef, Tier
 from kvpool.wire import CallError, auth_hello
 
 __all__ = ["PoolClient", "PoolFault"]

@@ -49,12 +49,12 @@ from kvpool.client.leases import LeasedSlot, StockShelf, ahead_sizes
 from kvpool.client.lookup import PoolRun
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
-from kvpool.core import NodeRef
-from kvpool.framing import ConnectionPool
 from kvpool.keys import KEY_BYTES, BlockKey, pack_keys
 from kvpool.master_client import TenantMask
+from kvpool.tcp import ConnectionPool
 from kvpool.tiers.arena import KEY_DTYPE, SharedArena
 from kvpool.v1 import node_pb2
+from kvpool.vocabulary import NodeRef
 
 log = logging.getLogger(__name__)
 

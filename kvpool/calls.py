@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from kvpool.framing import ConnectFailed, ConnectionPool, Refused, is_timeout
+from kvpool.tcp import ConnectFailed, ConnectionPool, Refused, is_timeout
 from kvpool.v1 import master_pb2, node_pb2
 from kvpool.wire import CallError, Method, status_error, unary_exchange
 

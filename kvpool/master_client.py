@@ -58,8 +58,8 @@ from google.protobuf.message import Message
 from kvpool.auth import MASK_BYTES
 from kvpool.calls import RETRY_S, FastStub
 from kvpool.etcd import EtcdAccess, EtcdClient, EtcdRefused, EtcdTarget, LeaderInfo, leader_key
-from kvpool.framing import ConnectionPool
 from kvpool.rpc import make_channel
+from kvpool.tcp import ConnectionPool
 from kvpool.v1 import master_pb2, master_pb2_grpc
 from kvpool.wire import MASTER_CALLS, CallError
 

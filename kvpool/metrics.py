@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from kvpool.core import TierStats
+from kvpool.vocabulary import TierStats
 
 
 def scrape_samples(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> list[Sample]:

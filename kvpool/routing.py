@@ -24,9 +24,9 @@ import grpc
 
 from kvpool.config import ClientConfig
 from kvpool.etcd import EtcdAccess
-from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.master_client import MasterApi, MasterConnection
+from kvpool.tcp import ConnectionPool
 from kvpool.tls import client_context
 from kvpool.v1 import master_pb2
 from kvpool.wire import CallError, auth_hello

@@ -25,9 +25,9 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvpool.auth import AuthInterceptor, Authority, BearerInterceptor
-from kvpool.core import NO_TIER, Tier, TierStats
 from kvpool.tls import channel_credentials, check_pair, server_credentials
 from kvpool.v1 import common_pb2
+from kvpool.vocabulary import NO_TIER, Tier, TierStats
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The wire: kvpool's one framed protocol over plain TCP, for fast calls and block bytes alike.
 
-Both ends import this module: the client (:mod:`kvpool.calls`, :mod:`kvpool.client.bulk`) and the
-listeners (the master's call port, a node's data port: :mod:`kvpool.node.bulk`), so a worker never
+Both ends import this module: the client (:mod:`kvpool.calls`, :mod:`kvpool.client.bulk_client`) and the
+listeners (the master's call port, a node's data port: :mod:`kvpool.node.data_port`), so a worker never
 imports the node (its tiers, quota ledger or LMDB). gRPC stays the contract and the fallback: the
 unary methods below carry the same protobuf messages as the gRPC service and are served by the same
 servicer methods.
@@ -47,10 +47,10 @@ A frame cut short is a silent close. Nothing a peer sends stops the listener.
 Limits: a section may be at most its method's limit (:class:`Route`: a header sized for
 ``max_keys_per_call`` keys, :func:`request_limit`; a payload of at most the node's
 ``max_request_bytes``, 0 for everything but PUT; no trailer in a request). Headers are allocated as
-their bytes arrive (:func:`kvpool.framing.recv_incremental`), payloads go straight where they belong
+their bytes arrive (:func:`kvpool.tcp.recv_incremental`), payloads go straight where they belong
 (reserved arena memory, the caller's buffers) or through bounded scratch; a GET's reply is bounded
 (``MAX_GET_BYTES`` or ``max_request_bytes``, whichever is larger: more is INVALID_ARGUMENT, before
-anything is sent). Deadlines and room are the listener's (:class:`kvpool.framing.TcpListener`): a first
+anything is sent). Deadlines and room are the listener's (:class:`kvpool.tcp.TcpListener`): a first
 frame (with an auth file: AUTH, answered) within ``FIRST_FRAME_S`` of connecting, each request read,
 served and answered within ``REQUEST_DEADLINE_S`` of its first byte, and a full listener closes its
 readiest connection (silent, idle longest, stalled mid-read) for a newcomer, or, if every connection is
@@ -80,7 +80,10 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from kvpool.auth import MAX_TOKEN_BYTES, Authority, Identity, Peer, acting_as, caller
-from kvpool.framing import (
+from kvpool.keys import KEY_BYTES
+from kvpool.metrics import ErrorMetrics
+from kvpool.rpc import StatusError
+from kvpool.tcp import (
     Connection,
     Exchange,
     Refused,
@@ -94,9 +97,6 @@ from kvpool.framing import (
     send_final,
     set_io_timeout,
 )
-from kvpool.keys import KEY_BYTES
-from kvpool.metrics import ErrorMetrics
-from kvpool.rpc import StatusError
 from kvpool.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ class CallError(StatusError):
 def read_reply(sock: socket.socket, state: Exchange | None, max_header: int) -> tuple[Head, bytes]:
     """A reply's fixed header and header section (for an error: its message, and the status in ``Head.code``).
 
-    Raises :class:`~kvpool.framing.Refused` for a full listener's refusal, and
+    Raises :class:`~kvpool.tcp.Refused` for a full listener's refusal, and
     CallError for a reply this protocol does not allow (the connection is then
     out of step: drop it). An error reply leaves the connection usable.
     """
@@ -247,7 +247,7 @@ def status_error(head: Head, body: bytes) -> CallError:
 
 def unary_exchange(sock: socket.socket, state: Exchange, method: Method, body: bytes,
                    max_reply: int) -> tuple[Head, bytes]:
-    """A :meth:`~kvpool.framing.ConnectionPool.exchange` function: one unary call, its reply (maybe an error).
+    """A :meth:`~kvpool.tcp.ConnectionPool.exchange` function: one unary call, its reply (maybe an error).
 
     The socket comes armed with the call's timeout; the reply's wait ends at ``state.deadline``."""
     send_buffers(sock, request_frame(method, body))
@@ -258,10 +258,10 @@ def unary_exchange(sock: socket.socket, state: Exchange, method: Method, body: b
 
 
 def auth_hello(token: str) -> Callable[[socket.socket], None]:
-    """A :class:`~kvpool.framing.ConnectionPool` ``hello``: the AUTH frame, once per connection.
+    """A :class:`~kvpool.tcp.ConnectionPool` ``hello``: the AUTH frame, once per connection.
 
     Raises CallError (UNAUTHENTICATED) if the token is refused,
-    :class:`~kvpool.framing.Refused` if the listener is full.
+    :class:`~kvpool.tcp.Refused` if the listener is full.
     """
     body = common_pb2.AuthRequest(token=token).SerializeToString()
 
@@ -504,7 +504,7 @@ class WireHandler:
         return True
 
     def _close(self, conn: Connection, code: grpc.StatusCode, kind: str, message: str) -> bool:
-        """An error reply to a frame out of step, then close (see :func:`kvpool.framing.send_final`)."""
+        """An error reply to a frame out of step, then close (see :func:`kvpool.tcp.send_final`)."""
         self._count(kind)
         log.debug("wire: refused a frame: %s", message)
         send_final(conn.sock, error_frame(code, message))

@@ -84,9 +84,9 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from kvpool.core import NO_TIER, Tier
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master.keytable import KeyTable, Rows, last_wins
+from kvpool.vocabulary import NO_TIER, Tier
 from kvpool.worker_ids import scoped_id, split_scoped_id
 
 log = logging.getLogger(__name__)

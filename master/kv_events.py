@@ -30,7 +30,6 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpool.auth import Authority, tag_of
-from kvpool.core import Tier
 from kvpool.event_publisher import EventPublisher
 from kvpool.events import (
     EVENT_BYTES,
@@ -48,6 +47,7 @@ from kvpool.events import (
 from kvpool.keys import BlockKey
 from kvpool.master.engine_names import EngineNames
 from kvpool.master.index import TierChange, key_tags
+from kvpool.vocabulary import Tier
 from kvpool.worker_ids import split_scoped_id
 
 MEDIUM = {Tier.DRAM: MEDIUM_CPU, Tier.SSD: MEDIUM_STORAGE, Tier.HBM: MEDIUM_GPU}

@@ -44,8 +44,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvpool.core import NodeRef, Tier, TierStats
 from kvpool.master.index import BlockIndex, HbmIndex
+from kvpool.vocabulary import NodeRef, Tier, TierStats
 from kvpool.worker_ids import split_scoped_id
 
 log = logging.getLogger(__name__)

@@ -58,7 +58,6 @@ from kvpool.config import MasterConfig
 from kvpool.etcd import EtcdAccess, EtcdClient, LeaderInfo, parse_endpoints
 from kvpool.event_guard import EventAccess
 from kvpool.event_publisher import EventLimits, EventPublisher
-from kvpool.framing import TcpListener
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.lifecycle import wait_for_shutdown
 from kvpool.malloc import limit_arenas
@@ -71,6 +70,7 @@ from kvpool.master.servicer import MasterServicer
 from kvpool.master.stats import MasterMetrics
 from kvpool.metrics import ErrorMetrics, MetricsServer
 from kvpool.rpc import make_server
+from kvpool.tcp import TcpListener
 from kvpool.tls import check_pair, server_context
 from kvpool.v1 import master_pb2, master_pb2_grpc
 from kvpool.wire import MASTER_CALLS, WireHandler, refusal_frame, unary_routes

@@ -56,7 +56,6 @@ import numpy as np
 from kvpool import __version__
 from kvpool.auth import ROLE_CLIENT, caller, caller_keys, caller_tenant
 from kvpool.config import MasterConfig
-from kvpool.core import NO_TIER, NodeRef, Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.master.engine_names import EngineNames
 from kvpool.master.index import BlockIndex, HbmIndex
@@ -65,6 +64,7 @@ from kvpool.master.stats import MasterMetrics
 from kvpool.placement import TOO_LARGE, Candidate, NoPoolNodes, place
 from kvpool.rpc import flag_bytes, tier_usage
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
+from kvpool.vocabulary import NO_TIER, NodeRef, Tier, TierStats
 from kvpool.worker_ids import check_worker_id, scoped_id
 
 _NODE_TIERS = (Tier.DRAM, Tier.SSD)

@@ -34,10 +34,10 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from kvpool.core import TierStats
 from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
 from kvpool.metrics import CLUSTER_TIER_PREFIX, ErrorMetrics, LookupMetrics, TierCollector, latency_histogram
+from kvpool.vocabulary import TierStats
 from kvpool.worker_ids import split_scoped_id
 
 log = logging.getLogger(__name__)

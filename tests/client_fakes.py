@@ -26,11 +26,11 @@ from prometheus_client import CollectorRegistry
 from kvpool.checksum import block_checksum
 from kvpool.client.faults import Faults
 from kvpool.client.lookup import PoolRun
-from kvpool.core import NO_TIER, NodeRef, Tier
 from kvpool.keys import BlockKey, unpack_keys
 from kvpool.metrics import ErrorMetrics, error_counts
 from kvpool.tiers.arena import InventoryState
 from kvpool.v1 import common_pb2, node_pb2
+from kvpool.vocabulary import NO_TIER, NodeRef, Tier
 
 
 class FakeRpcError(grpc.RpcError):
@@ -232,7 +232,7 @@ def hands_on_all(node: NodeRef, idxs: list[int]) -> tuple[list[int], list[int]]:
 
 @dataclass
 class FakeBulkClient:
-    """The bulk protocol client (:class:`~kvpool.client.bulk.BulkClient`) over ``held`` (key -> bytes).
+    """The bulk protocol client (:class:`~kvpool.client.bulk_client.BulkClient`) over ``held`` (key -> bytes).
 
     ``raises``: what the next calls raise, one entry per call in order (None: that call succeeds; once the list is
     spent, calls succeed). ``status``: a bulk

@@ -35,12 +35,12 @@ from support import wait_until
 
 from kvpool.checksum import block_checksum
 from kvpool.config import MasterConfig, NodeConfig
-from kvpool.core import NO_TIER
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master import MasterServer
 from kvpool.master.server import max_message_bytes as master_max_message_bytes
 from kvpool.node.daemon import PoolNode
 from kvpool.v1 import common_pb2, master_pb2, node_pb2
+from kvpool.vocabulary import NO_TIER
 
 # -- the pool under test -------------------------------------------------------------------------------
 

@@ -45,10 +45,10 @@ import grpc
 import numpy as np
 
 from kvpool.config import MasterConfig
-from kvpool.core import NodeRef, Tier
 from kvpool.keys import KEY_BYTES, BlockKey, pack_keys
 from kvpool.master.server import MasterServer
 from kvpool.v1 import master_pb2, master_pb2_grpc
+from kvpool.vocabulary import NodeRef, Tier
 
 AIM_BYTES_PER_BLOCK = 200
 MIN_BLOCKS = 1000

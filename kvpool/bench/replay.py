@@ -75,10 +75,10 @@ from kvpool.bench.trace import (
     lru_reference,
     unbounded_bound,
 )
-from kvpool.core import Tier
 from kvpool.keys import BlockKey, KeyNamespace, leading_hits
 from kvpool.layout import KVLayout
 from kvpool.metrics import error_counts
+from kvpool.vocabulary import Tier
 
 DEFAULT_BLOCK_BYTES = 16 << 10
 DEFAULT_HBM = "1000b"

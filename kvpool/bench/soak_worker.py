@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.trace import VOCAB, Payloads
-from kvpool.core import Tier
 from kvpool.metrics import error_counts
+from kvpool.vocabulary import Tier
 
 MODEL = "kvpool-soak"
 PREFIX_SEED = 0x50A4  # every worker draws the same shared prefixes

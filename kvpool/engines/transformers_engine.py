@@ -56,9 +56,9 @@ import torch
 from kvpool.client.kvclient import KVCacheClient
 from kvpool.client.lookup import LookupResult
 from kvpool.client.tensors import host_array
-from kvpool.core import Tier
 from kvpool.keys import BlockKey
 from kvpool.layout import KVLayout
+from kvpool.vocabulary import Tier
 
 log = logging.getLogger(__name__)
 

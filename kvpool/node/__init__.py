@@ -10,7 +10,7 @@
 - :mod:`kvpool.node.servicer`: the Node gRPC service (Put, Get, Exists,
   Remove, Locate, Reserve, Commit, FlushReports, Info) over the core:
   validates, translates, delegates.
-- :mod:`kvpool.node.bulk`: the wire listener (bulk GET and PUT between the
+- :mod:`kvpool.node.data_port`: the wire listener (bulk GET and PUT between the
   arena and the socket, and the fast calls) over the same core.
 - :mod:`kvpool.node.master_link`: registration, heartbeats and inventory
   reports to the master, surviving master restarts and outages.

@@ -1,7 +1,7 @@
 """The node core: what a node's transports (the gRPC servicer, the wire listener) do with its store, once.
 
 Both :mod:`kvpool.node.servicer` (gRPC, and the fast calls Locate / Reserve /
-Commit) and :mod:`kvpool.node.bulk` (the wire's bulk GET and PUT) translate
+Commit) and :mod:`kvpool.node.data_port` (the wire's bulk GET and PUT) translate
 their requests and call this; NodeCore is all they see of the node: they
 import nothing from :mod:`kvpool.tiers` and never reach a store or the arena
 (``tests/unit/test_boundaries.py`` holds them to it). Each method is one step of a
@@ -44,12 +44,12 @@ import numpy as np
 from kvpool.auth import caller_keys, caller_tenant
 from kvpool.buffers import BufferLike, ScratchPool, byte_view
 from kvpool.checksum import block_checksum
-from kvpool.core import Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.metrics import ErrorMetrics
 from kvpool.node.quota import Charge, QuotaLedger
 from kvpool.tiers.arena import SlotRef
 from kvpool.tiers.node_store import NodeStore
+from kvpool.vocabulary import Tier, TierStats
 
 AHEAD_SHARE = 256  # slots one writer holds ahead take at most 1/AHEAD_SHARE of DRAM...
 AHEAD_ONE_SHARE = 16  # ...or one block of at most 1/AHEAD_ONE_SHARE of it (so a put of large blocks is one Commit)

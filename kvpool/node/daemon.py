@@ -4,7 +4,7 @@
 shared-memory arena), the SSD tier (LMDB, survives restarts), the
 :class:`~kvpool.tiers.node_store.NodeStore` over both, the link to the master,
 the gRPC server (Node + health), the bulk TCP listener
-(:mod:`kvpool.node.bulk`) and the metrics registry. ``start()`` starts
+(:mod:`kvpool.node.data_port`) and the metrics registry. ``start()`` starts
 serving, the metrics endpoint, the master link and the lease reaper (which
 frees DRAM slots of same-host writers that did not commit in time);
 ``stop(grace)`` undoes it in reverse: leave the master's index first (so
@@ -57,13 +57,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvpool.auth import load_authority
 from kvpool.config import NodeConfig
-from kvpool.core import Tier, TierStats
 from kvpool.etcd import EtcdAccess
 from kvpool.lifecycle import wait_for_shutdown
 from kvpool.malloc import limit_arenas
 from kvpool.metrics import ErrorMetrics, MetricsServer, TierCollector, latency_histogram
-from kvpool.node.bulk import BulkServer
 from kvpool.node.core import NodeCore
+from kvpool.node.data_port import DataPortServer
 from kvpool.node.master_link import MasterLink
 from kvpool.node.quota import QuotaLedger
 from kvpool.node.servicer import NodeServicer
@@ -74,6 +73,7 @@ from kvpool.tiers.node_store import NodeStore
 from kvpool.tiers.ssd import SsdInUse, SsdStore
 from kvpool.tls import check_pair, server_context
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
+from kvpool.vocabulary import Tier, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class PoolNode:
             data_port = config.data_port
             if data_port < 0:  # the default: next to the gRPC port, or anywhere if that is taken
                 data_port = self.port + 2 if config.server.port else 0
-            self.bulk = BulkServer(
+            self.bulk = DataPortServer(
                 self.core, config.server.host, data_port, servicer=self.servicer, errors=self.errors,
                 get_seconds=self.get_seconds, put_seconds=self.put_seconds, fallback_port=config.data_port < 0,
                 max_connections=config.server.max_connections, authority=self.authority,

@@ -52,15 +52,15 @@ from typing import Protocol
 
 import grpc
 
-from kvpool.core import BlockMeta, Tier, TierStats
 from kvpool.etcd import EtcdAccess
-from kvpool.framing import ConnectionPool
 from kvpool.keys import BlockKey
 from kvpool.master_client import MasterApi, MasterConnection
 from kvpool.rpc import proto_tier, tier_usage
+from kvpool.tcp import ConnectionPool
 from kvpool.tiers.base import ChangeListener
 from kvpool.tls import client_context
 from kvpool.v1 import common_pb2, master_pb2
+from kvpool.vocabulary import BlockMeta, Tier, TierStats
 from kvpool.wire import auth_hello
 
 log = logging.getLogger(__name__)

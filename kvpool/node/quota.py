@@ -38,9 +38,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from kvpool.core import BlockMeta
 from kvpool.keys import BlockKey
 from kvpool.tiers.base import ChangeListener
+from kvpool.vocabulary import BlockMeta
 
 log = logging.getLogger(__name__)
 

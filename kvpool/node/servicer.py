@@ -2,7 +2,7 @@
 
 What a request does to the store (keys, sizes, quota, leases, the seqlock
 check) is :mod:`kvpool.node.core`'s, shared with the wire listener
-(:mod:`kvpool.node.bulk`); this module only translates, and sees nothing of
+(:mod:`kvpool.node.data_port`); this module only translates, and sees nothing of
 the node but its :class:`~kvpool.node.core.NodeCore`.
 
 Rules every handler follows:
@@ -50,10 +50,10 @@ from typing import Any
 import numpy as np
 
 from kvpool.auth import caller
-from kvpool.core import Tier
 from kvpool.node.core import Leased, NodeCore
 from kvpool.rpc import flag_bytes, tier_bytes, tier_usage
 from kvpool.v1 import common_pb2, node_pb2, node_pb2_grpc
+from kvpool.vocabulary import Tier
 
 # Room for everything in a GetResponse besides the data: tier byte, size and checksum per key, framing.
 _PER_KEY_OVERHEAD = 32

@@ -7,6 +7,6 @@
 - :mod:`kvpool.client.hbm`   HBM tier (torch, client side only)
 """
 
-from kvpool.core import Tier, TierStats
+from kvpool.vocabulary import Tier, TierStats
 
 __all__ = ["Tier", "TierStats"]

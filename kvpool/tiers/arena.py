@@ -34,7 +34,7 @@ Generation protocol (a seqlock per slot):
   region before any copy, so a torn row cannot send a reader out of it.
 
 Key index: the owner publishes which slot holds each committed key in a
-bucketed hash table (:class:`kvpool.tiers.keytable.BucketTable`, load at
+bucketed hash table (:class:`kvpool.tiers.bucket_table.BucketTable`, load at
 most 1/2 of num_slots; tag: the key's first 8 bytes, 0 meaning empty;
 value: the slot), so a same-host reader finds a block's slot without asking
 the node (:meth:`SharedArena.index_find`). It is a hint, like a stamp: only
@@ -114,9 +114,9 @@ import numpy as np
 
 from kvpool.buffers import BufferLike, as_array, as_buffer
 from kvpool.checksum import copy_with_checksum
-from kvpool.core import NO_TIER
 from kvpool.keys import KEY_BYTES, BlockKey
-from kvpool.tiers.keytable import BucketTable, table_buckets, table_bytes
+from kvpool.tiers.bucket_table import BucketTable, table_buckets, table_bytes
+from kvpool.vocabulary import NO_TIER
 
 log = logging.getLogger(__name__)
 
@@ -513,7 +513,7 @@ class SharedArena:
         return np.where(at >= 0, np.take(self.index.values[0], np.maximum(at, 0)).view(np.int64), -1)
 
     def inventory_meta(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per key (:data:`KEY_DTYPE`): the tier the inventory names (uint8, :data:`~kvpool.core.NO_TIER` where
+        """Per key (:data:`KEY_DTYPE`): the tier the inventory names (uint8, :data:`~kvpool.vocabulary.NO_TIER` where
         none), the size and the checksum (uint64; meaningless where the tier is NO_TIER) (any process).
 
         What it answers is worth what :meth:`inventory_state` says it is; a

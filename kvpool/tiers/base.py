@@ -26,8 +26,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from kvpool.core import BlockMeta
 from kvpool.keys import BlockKey
+from kvpool.vocabulary import BlockMeta
 
 # Called by a store after each batch that changed its key set, with the blocks
 # it gained (committed puts, promotions) and the keys it lost (evictions,

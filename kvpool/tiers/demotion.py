@@ -33,9 +33,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvpool.buffers import BufferLike
-from kvpool.core import BlockMeta
 from kvpool.keys import BlockKey
 from kvpool.tiers.ssd import SsdStore
+from kvpool.vocabulary import BlockMeta
 
 log = logging.getLogger(__name__)
 

@@ -100,11 +100,11 @@ import numpy as np
 
 from kvpool.buffers import BufferLike, as_array
 from kvpool.checksum import block_checksum
-from kvpool.core import BlockMeta, Tier, TierStats
 from kvpool.keys import BlockKey, check_keys
 from kvpool.tiers.arena import SharedArena, SlotRef
 from kvpool.tiers.base import ChangeListener, EvictionSink, check_batch, notify
 from kvpool.tiers.extents import GRANULE, PINNED, ExtentAllocator, cheapest_windows, units_for
+from kvpool.vocabulary import BlockMeta, Tier, TierStats
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11

@@ -51,13 +51,13 @@ import numpy as np
 
 from kvpool.buffers import BufferLike, ScratchPool, byte_view
 from kvpool.checksum import copy_with_checksum
-from kvpool.core import BlockMeta, Tier, TierStats
 from kvpool.keys import BlockKey, check_keys
 from kvpool.tiers.arena import SlotRef
 from kvpool.tiers.base import ChangeListener, check_batch
 from kvpool.tiers.demotion import DemotionQueue
 from kvpool.tiers.dram import DramStore
 from kvpool.tiers.ssd import HEADER_BYTES, SsdStore
+from kvpool.vocabulary import BlockMeta, Tier, TierStats
 
 log = logging.getLogger(__name__)
 

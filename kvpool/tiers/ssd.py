@@ -76,9 +76,9 @@ import numpy as np
 
 from kvpool.buffers import BufferLike, byte_view
 from kvpool.checksum import block_checksum, copy_with_checksum
-from kvpool.core import BlockMeta, Tier, TierStats
 from kvpool.keys import KEY_BYTES, BlockKey, check_keys
 from kvpool.tiers.base import ChangeListener, check_batch, notify
+from kvpool.vocabulary import BlockMeta, Tier, TierStats
 
 log = logging.getLogger(__name__)
 

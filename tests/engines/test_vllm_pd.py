@@ -20,13 +20,13 @@ from support import free_port, wait_until
 
 from kvpool.client.faults import PoolFault
 from kvpool.client.lookup import PoolRun
-from kvpool.core import NodeRef, Tier
 from kvpool.engines.vllm.handoff import HandoffWatch
 from kvpool.engines.vllm.keys import VllmKeySpace, shard_key
 from kvpool.engines.vllm.scheduler import STORED_TOKENS, Handoff, PoolScheduler, Role
 from kvpool.engines.vllm.settings import handoff_timeout_s
 from kvpool.keys import BlockKey
 from kvpool.layout import KVLayout
+from kvpool.vocabulary import NodeRef, Tier
 
 BS = 32
 SPACE = VllmKeySpace("m", KVLayout("float32", 2, 2, 64, BS), "cpu/test")

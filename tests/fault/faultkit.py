@@ -37,10 +37,10 @@ import numpy as np
 from support import PoolProcesses, metric, scrape, wait_serving, wait_until
 
 from kvpool.client.kvclient import KVCacheClient
-from kvpool.core import NO_TIER
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.rpc import flags_from_bytes
 from kvpool.v1 import master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
+from kvpool.vocabulary import NO_TIER
 
 KIB = 1 << 10
 MIB = 1 << 20

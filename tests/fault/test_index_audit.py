@@ -16,9 +16,9 @@ from fault.faultkit import KIB, content, keys_of, master_exists, node_tiers, sta
 from support import wait_until
 
 from kvpool.client.pool import PoolClient
-from kvpool.core import NO_TIER, Tier
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.v1 import master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
+from kvpool.vocabulary import NO_TIER, Tier
 
 BLOCK = 64 * KIB
 NODE = {"dram-bytes": str(16 * BLOCK), "max-block-bytes": str(BLOCK), "ssd-bytes": str(64 << 20)}

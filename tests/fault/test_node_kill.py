@@ -28,8 +28,8 @@ from support import wait_until
 
 from kvpool.client.kvclient import KVCacheClient
 from kvpool.client.pool import PoolClient
-from kvpool.core import Tier
 from kvpool.tiers.ssd import SsdStore
+from kvpool.vocabulary import Tier
 
 BLOCK = 64 * KIB
 SSD_BYTES = 64 << 20

@@ -17,14 +17,14 @@ from support import free_port, wait_until
 
 from kvpool import wire
 from kvpool.checksum import block_checksum
-from kvpool.client.bulk import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
+from kvpool.client.bulk_client import CHANGED, CORRUPT, GONE, OK, BulkClient, BulkFailed, BulkUnavailable
 from kvpool.config import NodeConfig
-from kvpool.core import Tier
-from kvpool.framing import recv_exact
 from kvpool.keys import BlockKey, opaque_key
 from kvpool.metrics import error_counts
 from kvpool.node.daemon import PoolNode
+from kvpool.tcp import recv_exact
 from kvpool.v1 import node_pb2
+from kvpool.vocabulary import Tier
 from kvpool.wire import Method
 
 MIB = 1 << 20

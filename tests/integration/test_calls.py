@@ -16,10 +16,10 @@ from support import free_port
 from kvpool import wire
 from kvpool.calls import FastStub
 from kvpool.config import MasterConfig
-from kvpool.framing import ConnectionPool, await_bytes, recv_exact
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.master import MasterServer
 from kvpool.master_client import DirectMaster
+from kvpool.tcp import ConnectionPool, await_bytes, recv_exact
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 from kvpool.wire import MASTER_CALLS, CallError, Method
 

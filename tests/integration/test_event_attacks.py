@@ -211,7 +211,7 @@ def closed_by_peer(sock: socket.socket) -> bool:
 def fast_exists(call_port: int, timeout: float) -> bool:
     """One Exists over the master's fast-call listener (a fresh connection), answered within ``timeout``."""
     from kvpool import wire
-    from kvpool.framing import Exchange
+    from kvpool.tcp import Exchange
 
     try:
         with socket.create_connection(("127.0.0.1", call_port), timeout=timeout) as sock:

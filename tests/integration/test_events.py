@@ -19,7 +19,6 @@ from event_support import Collector, MediaModel
 from prometheus_client import CollectorRegistry
 from support import wait_until
 
-from kvpool.core import Tier
 from kvpool.event_publisher import EventLimits, EventPublisher
 from kvpool.events import (
     END_SEQ,
@@ -33,6 +32,7 @@ from kvpool.events import (
     removed,
     stored,
 )
+from kvpool.vocabulary import Tier
 
 DECODE = msgspec.msgpack.Decoder(type=KVEventBatch)
 

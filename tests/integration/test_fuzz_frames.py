@@ -55,8 +55,8 @@ from hypothesis import strategies as st
 
 from kvpool import wire
 from kvpool.checksum import block_checksum
-from kvpool.core import NO_TIER
 from kvpool.v1 import common_pb2, master_pb2, node_pb2
+from kvpool.vocabulary import NO_TIER
 from kvpool.wire import FRAME, MAGIC, VERSION, Method
 
 SCALE = float(os.environ.get("KVPOOL_FUZZ_SCALE", "1"))

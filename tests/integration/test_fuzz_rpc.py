@@ -68,9 +68,9 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvpool.checksum import block_checksum
-from kvpool.core import NO_TIER
 from kvpool.master.servicer import MAX_BLOCK_TOKENS, MAX_REF_CHARS, MAX_REPORTED_LOOKUPS
 from kvpool.v1 import common_pb2, master_pb2, node_pb2
+from kvpool.vocabulary import NO_TIER
 from kvpool.worker_ids import worker_id_problem
 
 SCALE = float(os.environ.get("KVPOOL_FUZZ_SCALE", "1"))

@@ -12,13 +12,13 @@ from support import free_port, wait_until
 
 from kvpool.checksum import block_checksum, copy_with_checksum
 from kvpool.config import NodeConfig
-from kvpool.core import NO_TIER, Tier
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.node.daemon import PoolNode
 from kvpool.rpc import channel_options
 from kvpool.tiers.arena import SharedArena
 from kvpool.tiers.dram import DramStore
 from kvpool.v1 import node_pb2, node_pb2_grpc
+from kvpool.vocabulary import NO_TIER, Tier
 
 SLOT = 4096
 HAVE_MASTER = importlib.util.find_spec("kvpool.master.server") is not None

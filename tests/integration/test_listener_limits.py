@@ -27,19 +27,19 @@ import numpy as np
 import pytest
 from support import PoolProcesses, free_port, rss_bytes, wait_until
 
-from kvpool import framing, wire
+from kvpool import tcp, wire
 from kvpool.calls import FastStub
 from kvpool.checksum import block_checksum
-from kvpool.client.bulk import BulkClient, BulkFailed
+from kvpool.client.bulk_client import BulkClient, BulkFailed
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
-from kvpool.core import Tier
-from kvpool.framing import ConnectionPool, send_final
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.master import MasterServer
-from kvpool.node import bulk as bulk_listener
+from kvpool.node import data_port as bulk_listener
 from kvpool.node.daemon import PoolNode
+from kvpool.tcp import ConnectionPool, send_final
 from kvpool.v1 import master_pb2, master_pb2_grpc, node_pb2
+from kvpool.vocabulary import Tier
 from kvpool.wire import MASTER_CALLS, Method, auth_hello, refusal_frame
 
 MIB = 1 << 20
@@ -342,7 +342,7 @@ def trickle(sock: socket.socket, stop: threading.Event, every: float = 0.2) -> t
 
 @pytest.fixture
 def short_deadline(monkeypatch):
-    monkeypatch.setattr(framing, "REQUEST_DEADLINE_S", 2.0, raising=False)  # (no such deadline before issue 11)
+    monkeypatch.setattr(tcp, "REQUEST_DEADLINE_S", 2.0, raising=False)  # (no such deadline before issue 11)
     return 2.0
 
 

@@ -8,12 +8,12 @@ from support import wait_until
 
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
-from kvpool.core import Tier
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.master.server import MasterServer
 from kvpool.master_client import MasterConnection
 from kvpool.node.daemon import PoolNode
 from kvpool.v1 import master_pb2
+from kvpool.vocabulary import Tier
 from kvpool.wire import MASTER_CALLS
 
 BLOCK = 64 << 10

@@ -22,11 +22,11 @@ from models import check_index
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.config import MasterConfig
-from kvpool.core import Tier
 from kvpool.keys import BlockKey, pack_keys
 from kvpool.master import MasterServer
 from kvpool.master.index import BlockIndex
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
+from kvpool.vocabulary import Tier
 
 DRAM, SSD = common_pb2.TIER_DRAM, common_pb2.TIER_SSD
 GIB = 1 << 30
@@ -396,9 +396,9 @@ def test_silent_node_is_dropped_with_its_keys(start_master, connect):
 def test_a_masters_own_stall_is_not_its_nodes_silence():
     """Time the master did not run (Membership.stalled, told by its sweeper) is not counted against a node; a dead
     node is still dropped once it has been silent node_timeout_s of the master's own running time."""
-    from kvpool.core import NodeRef
     from kvpool.master.index import HbmIndex
     from kvpool.master.membership import Membership
+    from kvpool.vocabulary import NodeRef
 
     clock = [1000.0]
     index = BlockIndex()

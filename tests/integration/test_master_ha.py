@@ -136,8 +136,8 @@ def test_a_newly_elected_masters_event_stream_clears_then_carries_its_own_index(
     from empty (AllBlocksCleared) and then publishes what its nodes report to it."""
     import msgspec
 
-    from kvpool.core import NodeRef, Tier
     from kvpool.events import AllBlocksCleared, BlockStored, KVEventBatch, key_hash
+    from kvpool.vocabulary import NodeRef, Tier
 
     cluster = new_cluster()
     masters = [MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0, etcd=etcd.endpoint, cluster=cluster,

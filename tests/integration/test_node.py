@@ -20,13 +20,13 @@ from support import free_port, wait_until
 
 from kvpool.checksum import block_checksum
 from kvpool.config import NodeConfig
-from kvpool.core import NO_TIER, BlockMeta, Tier
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.node.daemon import PoolNode
 from kvpool.node.master_link import MasterLink
 from kvpool.rpc import channel_options
 from kvpool.tiers.arena import SharedArena, SlotRef, shm_path
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
+from kvpool.vocabulary import NO_TIER, BlockMeta, Tier
 
 SLOT = 64 << 10
 DRAM_SLOTS = 8

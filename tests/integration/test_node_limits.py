@@ -14,12 +14,12 @@ from kvpool.checksum import block_checksum
 from kvpool.client.lookup import PoolRun
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
-from kvpool.core import NodeRef, Tier
 from kvpool.keys import BlockKey, opaque_key
 from kvpool.master.server import MasterServer
 from kvpool.metrics import error_counts
 from kvpool.node.daemon import PoolNode
 from kvpool.rpc import local_host_id
+from kvpool.vocabulary import NodeRef, Tier
 
 LIMIT = 4  # the node's max_keys_per_call
 BLOCKS = 10  # a batch of three calls' worth

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from support import wait_until
 
-from kvpool import framing
+from kvpool import tcp
 from kvpool.calls import FastStub
 from kvpool.checksum import copy_with_checksum
 from kvpool.client.commit_pipe import CommitPipe, closed_by_peer
@@ -428,7 +428,7 @@ def test_a_pipe_connection_the_node_closed_while_idle_is_replaced_before_a_commi
         assert pool.flush()
         link = pool.shared_path._pipes[n.node_ref.address]._link
         assert link is not None
-        monkeypatch.setattr(framing, "IDLE_TIMEOUT_S", 0.2)  # read by the node's listener at each request's end
+        monkeypatch.setattr(tcp, "IDLE_TIMEOUT_S", 0.2)  # read by the node's listener at each request's end
         assert pool.store([key(1)], [block(1)]) == [True]  # the connection's idle deadline is now 0.2 s away
         assert pool.flush()
         link = pool.shared_path._pipes[n.node_ref.address]._link

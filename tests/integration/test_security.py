@@ -29,18 +29,18 @@ from support import free_port, kvpool_process, stop_process, wait_serving, wait_
 from kvpool import wire
 from kvpool.auth import Authority, mask_keys
 from kvpool.checksum import block_checksum
-from kvpool.client.bulk import BulkClient, BulkFailed, BulkUnavailable
+from kvpool.client.bulk_client import BulkClient, BulkFailed, BulkUnavailable
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig, NodeConfig
-from kvpool.core import NO_TIER, Tier
-from kvpool.framing import ConnectionPool, recv_exact
 from kvpool.keys import BlockKey, KeyNamespace, chain_block_keys, pack_keys
 from kvpool.master import MasterServer
 from kvpool.metrics import error_counts
 from kvpool.node.daemon import PoolNode
 from kvpool.rpc import make_channel
+from kvpool.tcp import ConnectionPool, recv_exact
 from kvpool.tiers.arena import shm_path
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc, node_pb2, node_pb2_grpc
+from kvpool.vocabulary import NO_TIER, Tier
 from kvpool.wire import Method
 
 MIB = 1 << 20
@@ -246,7 +246,7 @@ def test_one_auth_serves_fast_calls_and_bulk_get_and_put_on_one_connection(secur
             assert bulk.put(node.data_address, [other], [value], [checksum]) == [True]
             assert list(fast.Locate(node_pb2.LocateRequest(keys=key + other), timeout=5).sizes) == [value.size] * 2
             out = np.zeros(value.size, np.uint8)
-            from kvpool.client.bulk import OK as GOT
+            from kvpool.client.bulk_client import OK as GOT
 
             assert bulk.get_into(node.data_address, [other], [out], [checksum]) == [GOT]
             assert np.array_equal(out, value)

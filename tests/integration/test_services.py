@@ -19,8 +19,8 @@ from support import PoolProcesses, kvpool_process, metric, scrape, stop_process,
 from kvpool.client.kvclient import KVCacheClient
 from kvpool.client.pool import PoolClient, PoolFault
 from kvpool.config import ClientConfig
-from kvpool.core import Tier
 from kvpool.keys import BlockKey, opaque_key
+from kvpool.vocabulary import Tier
 
 MIB = 1 << 20
 

@@ -20,11 +20,11 @@ import pytest
 from support import PoolProcesses, metric, scrape
 
 from kvpool.checksum import copy_with_checksum
-from kvpool.core import NO_TIER, Tier
 from kvpool.keys import BlockKey, opaque_key, pack_keys
 from kvpool.rpc import make_channel
 from kvpool.tiers.arena import SharedArena
 from kvpool.v1 import node_pb2, node_pb2_grpc
+from kvpool.vocabulary import NO_TIER, Tier
 
 SLOT = 64 << 10
 SLOTS = 32

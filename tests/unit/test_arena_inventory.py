@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 from kvpool.checksum import block_checksum
-from kvpool.core import NO_TIER, Tier
 from kvpool.keys import BlockKey
 from kvpool.tiers.arena import KEY_DTYPE, InventoryState, SharedArena
+from kvpool.tiers.bucket_table import SCALAR_QUERIES, WAYS, BucketTable, table_buckets, table_bytes
 from kvpool.tiers.dram import DramStore
-from kvpool.tiers.keytable import SCALAR_QUERIES, WAYS, BucketTable, table_buckets, table_bytes
 from kvpool.tiers.node_store import NodeStore
 from kvpool.tiers.ssd import FORMAT_VERSION, HEADER_BYTES, MAGIC, SsdStore
+from kvpool.vocabulary import NO_TIER, Tier
 
 BLOCK = 16 << 10
 

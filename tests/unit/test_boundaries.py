@@ -1,6 +1,6 @@
 """Import boundaries that the module docstrings promise, checked on the source (``ast``, not grep).
 
-The node's transports (:mod:`kvpool.node.servicer`, :mod:`kvpool.node.bulk`) see
+The node's transports (:mod:`kvpool.node.servicer`, :mod:`kvpool.node.data_port`) see
 only :class:`kvpool.node.core.NodeCore`: they import nothing from
 :mod:`kvpool.tiers` and never touch a ``store`` or an ``arena`` attribute.
 """
@@ -15,7 +15,7 @@ import pytest
 import kvpool
 
 ROOT = Path(kvpool.__file__).parent
-TRANSPORTS = ["node/servicer.py", "node/bulk.py"]
+TRANSPORTS = ["node/servicer.py", "node/data_port.py"]
 HIDDEN_PACKAGE = "kvpool.tiers"
 HIDDEN_ATTRIBUTES = {"store", "_store", "arena"}
 

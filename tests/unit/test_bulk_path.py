@@ -9,7 +9,7 @@ import pytest
 from client_fakes import FakeBulkClient, FakeNodes, block, counts, faults, key, node, run_of
 
 from kvpool.client import bulk_path
-from kvpool.client.bulk import CHANGED, CORRUPT, GONE, BulkFailed, BulkUnavailable
+from kvpool.client.bulk_client import CHANGED, CORRUPT, GONE, BulkFailed, BulkUnavailable
 from kvpool.client.bulk_path import BulkPath
 from kvpool.config import ClientConfig
 

@@ -7,12 +7,12 @@ import threading
 import numpy as np
 
 from kvpool.checksum import block_checksum
-from kvpool.core import BlockMeta, Tier
 from kvpool.keys import BlockKey
 from kvpool.tiers.demotion import DemotionQueue
 from kvpool.tiers.dram import DramStore
 from kvpool.tiers.node_store import NodeStore
 from kvpool.tiers.ssd import SsdStore
+from kvpool.vocabulary import BlockMeta, Tier
 
 SLOT = 64 << 10
 

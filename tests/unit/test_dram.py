@@ -137,7 +137,7 @@ class Changes:
 
 def test_on_change_reports_puts_evictions_and_removes(arena_name):
     from kvpool.checksum import block_checksum
-    from kvpool.core import BlockMeta
+    from kvpool.vocabulary import BlockMeta
 
     changes, sink = Changes(), Sink()
     s = DramStore.create(arena_name, 4 * SLOT, SLOT, high_watermark=1.0, low_watermark=1.0,

@@ -16,9 +16,9 @@ else:
 
 from kvpool.client.devices import resolve_device
 from kvpool.client.hbm import HbmStore
-from kvpool.core import Tier
 from kvpool.keys import BlockKey
 from kvpool.layout import KVLayout
+from kvpool.vocabulary import Tier
 
 BF16 = KVLayout("bfloat16", 2, 2, 8, 4)  # 2 layers * K,V * 4 tok * 2 heads * 8 dim * 2 B = 512 B
 F32 = KVLayout("float32", 2, 2, 8, 4)

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from models import check_index, index_nbytes
 
-from kvpool.core import Tier
 from kvpool.keys import BlockKey
 from kvpool.master import keytable
 from kvpool.master.index import BlockIndex, Hit
 from kvpool.master.keytable import KeyTable
+from kvpool.vocabulary import Tier
 
 DRAM, SSD = Tier.DRAM, Tier.SSD
 

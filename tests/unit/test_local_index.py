@@ -8,10 +8,10 @@ from client_fakes import FakeArena, FakeNodes, key
 from kvpool.auth import mask_keys
 from kvpool.client.cluster import NodeView
 from kvpool.client.local_index import LocalIndex
-from kvpool.core import NO_TIER, NodeRef, Tier
 from kvpool.placement import Candidate
 from kvpool.tiers.arena import InventoryState
 from kvpool.v1 import common_pb2
+from kvpool.vocabulary import NO_TIER, NodeRef, Tier
 
 HERE = "this-host"
 FILE = (7, 7)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from kvpool.client.lookup_stats import REPORT_S, LookupCounts, LookupStats
-from kvpool.core import Tier
+from kvpool.vocabulary import Tier
 
 
 class Master:

@@ -10,11 +10,11 @@ from client_fakes import FakeNodeStub
 from kvpool.client import nodes as nodes_module
 from kvpool.client.nodes import NodeDirectory
 from kvpool.config import ClientConfig
-from kvpool.core import NodeRef
-from kvpool.framing import ConnectionPool
 from kvpool.rpc import local_host_id
+from kvpool.tcp import ConnectionPool
 from kvpool.tiers.arena import SharedArena
 from kvpool.v1 import common_pb2
+from kvpool.vocabulary import NodeRef
 
 ADDRESS = "n1.invalid:1"
 

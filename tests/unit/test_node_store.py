@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from kvpool.checksum import copy_with_checksum
-from kvpool.core import Tier
 from kvpool.keys import BlockKey
 from kvpool.tiers.dram import DramStore
 from kvpool.tiers.node_store import NodeStore
 from kvpool.tiers.ssd import SsdStore
+from kvpool.vocabulary import Tier
 
 SLOT = 64 << 10
 

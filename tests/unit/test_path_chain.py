@@ -20,7 +20,7 @@ from client_fakes import (
     run_of,
 )
 
-from kvpool.client.bulk import BulkUnavailable
+from kvpool.client.bulk_client import BulkUnavailable
 from kvpool.client.bulk_path import BulkPath
 from kvpool.client.cluster import ClusterView
 from kvpool.client.faults import PoolFault

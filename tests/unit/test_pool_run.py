@@ -8,7 +8,7 @@ from client_fakes import block, key, node, run_of
 
 from kvpool.checksum import block_checksum
 from kvpool.client.lookup import EMPTY_RUN, BlockLocation, LookupResult, PoolRun
-from kvpool.core import Tier
+from kvpool.vocabulary import Tier
 
 
 def test_columns_of_different_lengths_are_refused():

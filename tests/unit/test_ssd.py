@@ -20,9 +20,9 @@ from support import REPO
 
 from kvpool.buffers import BufferLike
 from kvpool.checksum import block_checksum
-from kvpool.core import Tier
 from kvpool.keys import BlockKey, opaque_key
 from kvpool.tiers.ssd import FORMAT_VERSION, HEADER_BYTES, MAGIC, SsdInUse, SsdStore
+from kvpool.vocabulary import Tier
 
 MIB = 1 << 20
 
@@ -364,7 +364,7 @@ def test_concurrent_puts_and_gets_stay_consistent(tmp_path: Path) -> None:
 
 
 def test_on_change_reports_writes_evictions_removes_and_corrupt_deletions(tmp_path: Path) -> None:
-    from kvpool.core import BlockMeta
+    from kvpool.vocabulary import BlockMeta
 
     calls: list[tuple[list, list]] = []
     path = tmp_path / "s"

@@ -21,7 +21,6 @@ from support import wait_until
 
 from kvpool.client.lookup import BlockLocation
 from kvpool.client.prepared import PreparedPut
-from kvpool.core import NodeRef, Tier
 from kvpool.engines.vllm.async_loads import AsyncLoads
 from kvpool.engines.vllm.keys import VllmKeySpace
 from kvpool.engines.vllm.layerwise import LayerThread, LayerwiseLoad, LayerwiseSave
@@ -29,6 +28,7 @@ from kvpool.engines.vllm.scheduler import LoadJob, PoolScheduler, SaveJob, StepP
 from kvpool.engines.vllm.worker import PoolWorker, _gather, _scatter, block_layers
 from kvpool.keys import BlockKey
 from kvpool.layout import KVLayout
+from kvpool.vocabulary import NodeRef, Tier
 
 NUM_BLOCKS = 40
 NODE = NodeRef("n0", "127.0.0.1:1")

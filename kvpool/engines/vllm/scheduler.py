@@ -65,9 +65,9 @@ from typing import Any, Protocol
 
 from kvpool.client.faults import PoolFault
 from kvpool.client.lookup import BlockLocation, PoolRun
-from kvpool.core import Tier
 from kvpool.engines.vllm.keys import RequestKeys, VllmKeySpace, request_tenant
 from kvpool.keys import BlockKey
+from kvpool.vocabulary import Tier
 
 log = logging.getLogger(__name__)
 

@@ -48,12 +48,12 @@ from typing import Any
 import numpy as np
 
 from kvpool.auth import Authority
-from kvpool.core import NO_TIER, Tier
-from kvpool.framing import IOV_MAX, TcpListener
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.metrics import ErrorMetrics
 from kvpool.node.core import NodeCore
+from kvpool.tcp import IOV_MAX, TcpListener
 from kvpool.v1 import node_pb2
+from kvpool.vocabulary import NO_TIER, Tier
 from kvpool.wire import (
     MAX_GET_BYTES,
     NODE_CALLS,
@@ -81,7 +81,7 @@ def _unpack(packed: bytes, lo: int, hi: int) -> list[BlockKey]:
     return unpack_keys(packed[lo * KEY_BYTES : hi * KEY_BYTES])
 
 
-class BulkServer:
+class DataPortServer:
     """The node's wire listener over one :class:`NodeCore` (see the module docstring).
 
     ``servicer`` (the node's gRPC servicer) serves the fast calls (:data:`kvpool.wire.NODE_CALLS`).
@@ -123,7 +123,7 @@ class BulkServer:
                                      refusal=refusal_frame, fallback_port=fallback_port, tls=tls, errors=errors)
         self.port: int = self._listener.port
 
-    def start(self) -> BulkServer:
+    def start(self) -> DataPortServer:
         self._listener.start()
         return self
 

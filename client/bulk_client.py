@@ -32,7 +32,8 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from kvpool.checksum import block_checksum
-from kvpool.framing import (
+from kvpool.keys import BlockKey
+from kvpool.tcp import (
     ConnectFailed,
     ConnectionPool,
     Exchange,
@@ -43,7 +44,6 @@ from kvpool.framing import (
     send_buffers,
     set_io_timeout,
 )
-from kvpool.keys import BlockKey
 from kvpool.v1 import node_pb2
 from kvpool.wire import CALL_SLACK_BYTES, CallError, Head, Method, auth_hello, read_reply, request_frame, status_error
 
