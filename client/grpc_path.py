@@ -42,10 +42,14 @@ class GrpcPath:
             except grpc.RpcError as exc:
                 self.faults.lost(error_kind(exc), exc, len(run))
                 continue
+            if not len(reply.tiers) == len(reply.sizes) == len(reply.checksums) == len(run) or \
+                    sum(reply.sizes) != len(reply.data):  # a reply not shaped as the node's: none of it is trusted
+                self.faults.lost("bad_reply", "get reply fields disagree", len(run))
+                continue
             data = np.frombuffer(reply.data, dtype=np.uint8)
             offset = 0
             for j, i in enumerate(run):
-                if j >= len(reply.tiers) or reply.tiers[j] == NO_TIER:
+                if reply.tiers[j] == NO_TIER:
                     self.faults.lost("block_gone", blocks.keys[i].hex()[:16])
                     continue
                 size = reply.sizes[j]

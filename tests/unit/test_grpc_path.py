@@ -57,6 +57,32 @@ def test_a_get_counts_gone_changed_and_corrupt_blocks_as_misses_and_hands_none_o
     assert counts(registry) == {"block_gone": 1, "block_changed": 1, "checksum": 1}
 
 
+@pytest.mark.parametrize("cut", ["sizes", "checksums", "tiers", "data"])
+def test_a_get_reply_not_shaped_as_the_nodes_is_a_miss_of_every_block_never_an_error(cut, monkeypatch):
+    path, nodes, registry = setup()
+    blocks = [block(i, 256) for i in range(3)]
+    stub = nodes.stub(N1.address)
+    stub.held = {key(i): blocks[i].tobytes() for i in range(3)}
+    real_get = stub.Get
+
+    def short(request, timeout=None):  # one field cut short (a node that lies, or a bug)
+        reply = real_get(request, timeout)
+        if cut == "data":
+            reply.data = reply.data[:-1]
+        elif cut == "tiers":
+            reply.tiers = reply.tiers[:-1]
+        else:
+            del getattr(reply, cut)[-1]
+        return reply
+
+    monkeypatch.setattr(stub, "Get", short)
+    dsts = [np.zeros(256, np.uint8) for _ in blocks]
+    ok = [False] * 3
+    assert path.get(N1, [0, 1, 2], run_of([key(i) for i in range(3)], blocks, [N1]), dsts, ok, later()) == []
+    assert ok == [False] * 3 and not any(d.any() for d in dsts)
+    assert counts(registry) == {"bad_reply": 3}
+
+
 def test_a_failed_get_is_a_miss_per_block_and_in_strict_mode_a_pool_fault():
     path, nodes, registry = setup()
     nodes.stub(N1.address).fail = grpc.StatusCode.UNAVAILABLE
