@@ -310,6 +310,7 @@ class SharedArena:
         self.inventory = BucketTable(buf, layout.inventory_off, layout.inventory_buckets, 4)
         self._state = buf[_STATE_OFF : _STATE_OFF + 8].view(np.uint64)
         self.data = buf[layout.data_off : layout.data_off + layout.data_bytes]
+        self._mapped_for_write: np.ndarray | None = None  # per MAP_AHEAD_MIN_BYTES of data: mapped here already
         # owner only: keys in the inventory, and whether any publication failed (see "Inventory state")
         self._inventory_count = 0
         self._lost = False
@@ -435,21 +436,32 @@ class SharedArena:
 
         A writer's first touch of a page it has not mapped yet is a page fault
         per 4 KiB (shared-file mappings get no fault-around on writes); asking
-        the kernel for the whole extent at once costs ~30% less here. Only
-        what is asked is mapped (never the whole arena), and a kernel without
-        ``MADV_POPULATE_WRITE`` (before 5.14) just faults as before.
+        the kernel for the whole extent at once costs ~30% less here. The
+        extent is widened to whole ``MAP_AHEAD_MIN_BYTES`` chunks, and a chunk
+        this process mapped once is not asked for again (the call costs ~0.1 ms
+        a MiB even for pages already mapped). Only chunks a write touches are
+        mapped (never the whole arena); a kernel without ``MADV_POPULATE_WRITE``
+        (before 5.14) just faults as before. A hint only: a page the kernel
+        dropped since faults in again on its write.
         """
         if length < MAP_AHEAD_MIN_BYTES:  # a page or a few: their faults cost what the call does
             return
-        start = self._data_off + offset
+        if self._mapped_for_write is None:
+            self._mapped_for_write = np.zeros(-(-self.data_bytes // MAP_AHEAD_MIN_BYTES), dtype=bool)
+        first_chunk = offset // MAP_AHEAD_MIN_BYTES
+        end_chunk = min(-(-(offset + length) // MAP_AHEAD_MIN_BYTES), len(self._mapped_for_write))
+        if end_chunk <= first_chunk or self._mapped_for_write[first_chunk:end_chunk].all():
+            return
+        start = self._data_off + first_chunk * MAP_AHEAD_MIN_BYTES
         first = start - start % mmap.PAGESIZE
-        end = min(start + length, len(self._mm))
+        end = min(self._data_off + end_chunk * MAP_AHEAD_MIN_BYTES, self._data_off + self.data_bytes, len(self._mm))
         if end <= first:
             return
         try:
             self._mm.madvise(_MADV_POPULATE_WRITE, first, end - first)
         except (OSError, ValueError):
-            pass
+            return
+        self._mapped_for_write[first_chunk:end_chunk] = True
 
     def close(self) -> None:
         """Unmap; the owner also removes the segment (if it is still its own) and releases the name.

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvpool.keys import BlockKey
-from kvpool.tiers.arena import KEY_DTYPE, SharedArena, shm_path
+from kvpool.tiers.arena import KEY_DTYPE, MAP_AHEAD_MIN_BYTES, SharedArena, shm_path
 from kvpool.tiers.dram import DramStore
 
 KEY_A = BlockKey(b"A" * 32)
@@ -227,7 +227,7 @@ def test_a_killed_owners_arena_is_reclaimed_only_when_asked(arena_name):
     assert not os.path.exists(shm_path(arena_name))
 
 
-def test_map_for_write_maps_only_what_is_asked_and_never_raises(arena_name):
+def test_map_for_write_maps_only_the_chunks_asked_for_and_never_raises(arena_name):
     store = DramStore.create(arena_name, 64 << 20, 1 << 20)
     try:
         reader = SharedArena.attach(arena_name)
@@ -239,9 +239,13 @@ def test_map_for_write_maps_only_what_is_asked_and_never_raises(arena_name):
                 return int(part.split("Rss:", 1)[1].split()[0]) * 1024
 
             before = resident()
-            reader.map_for_write(4096 + 100, 1 << 20)  # unaligned start: its page and the rest of the range
+            reader.map_for_write(4096 + 100, 1 << 20)  # unaligned: the chunks it touches, whole
             after = resident()
-            assert 1 << 20 <= after - before <= (1 << 20) + 2 * 4096
+            assert 1 << 20 <= after - before <= (1 << 20) + MAP_AHEAD_MIN_BYTES
+            reader.map_for_write(8192, 1 << 19)  # inside what is mapped already: nothing more
+            assert resident() == after
+            reader.map_for_write(8 << 20, 1 << 20)  # new chunks: mapped too
+            assert 1 << 20 <= resident() - after <= (1 << 20) + MAP_AHEAD_MIN_BYTES
             reader.map_for_write(reader.data_bytes - 10, 1 << 20)  # runs past the end: clipped, no error
             reader.map_for_write(0, 0)
         finally:
