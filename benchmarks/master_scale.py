@@ -155,7 +155,7 @@ class System:
         workers = [subprocess.Popen([self.python, __file__, "worker", "--system", self.name, "--id", str(i),
                                      "--threads", str(n), *self.flags],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                    env={**os.environ, "GLOG_minloglevel": "2"})  # Mooncake's INFO lines
+                                    stderr=subprocess.DEVNULL if self.name == "mooncake" else None)  # glog lines
                    for i, n in enumerate(shares)]
         try:
             for w in workers:

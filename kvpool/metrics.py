@@ -101,14 +101,17 @@ class LookupMetrics:
         c = self._of(tenant if self._by_tenant else "")
         c.lookups.inc(lookups)
         c.lookup_blocks.inc(requested)
-        c.lookup_tokens.inc(requested * block_tokens)
         hit = 0
         for tier, n in hits_by_tier.items():
             if n:
                 c.hit_blocks[tier].inc(n)
-                c.hit_tokens[tier].inc(n * block_tokens)
+                if block_tokens:  # (a counter's inc(0) changes nothing but costs a lock: skipped)
+                    c.hit_tokens[tier].inc(n * block_tokens)
                 hit += n
-        c.miss_blocks.inc(requested - hit)
+        if block_tokens:
+            c.lookup_tokens.inc(requested * block_tokens)
+        if requested - hit:
+            c.miss_blocks.inc(requested - hit)
 
 
 class _LookupChildren(NamedTuple):
