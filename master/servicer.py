@@ -46,6 +46,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -192,7 +193,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return stats
 
     @staticmethod
+    @functools.lru_cache(maxsize=4096)
     def _node_ref(ref: NodeRef) -> common_pb2.NodeRef:
+        """The wire form of ``ref``, made once per ref (a reply copies it in; nobody changes it)."""
         return common_pb2.NodeRef(
             node_id=ref.node_id, address=ref.address, host_id=ref.host_id, arena=ref.arena,
             data_address=ref.data_address,
