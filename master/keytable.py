@@ -58,7 +58,9 @@ _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing multiplier
 _U64 = (1 << 64) - 1
 _ALIGN_BITS = ALIGN.bit_length() - 1
 _H_BITS = H.bit_length() - 1
+# The constants of the hot path as numpy scalars, so no call converts a Python int.
 _GOLDEN64, _ALIGN64, _FP_SHIFT, _FP_MIN = np.uint64(_GOLDEN), np.uint64(_ALIGN_BITS), np.uint64(48), np.uint16(1)
+_H_BITS_INTP, _H_MASK_INTP = np.intp(_H_BITS), np.intp(H - 1)
 assert ALIGN == 1 << _ALIGN_BITS and H == 1 << _H_BITS and H % ALIGN == 0
 
 U64 = npt.NDArray[np.uint64]
@@ -113,13 +115,14 @@ class KeyTable:
     def find(self, k0: U64, k1: U64) -> Rows:
         """The row of each key, -1 where absent."""
         n = len(k0)
-        rows = np.full(n, -1, np.intp)
+        rows = np.empty(n, np.intp)
+        rows.fill(-1)  # (np.full is a Python function: slower for the small batches of a Lookup)
         if n == 0 or self.live == 0:
             return rows
         home = self._home(k0)
         (hits,) = (self._hoods[home] == fingerprint(k0)[:, None]).ravel().nonzero()  # 1-D: far faster than 2-D
-        which = hits >> _H_BITS
-        slot = home[which] + (hits & (H - 1))
+        which = hits >> _H_BITS_INTP
+        slot = home[which] + (hits & _H_MASK_INTP)
         ok = (self.k0[slot] == k0[which]) & (self.k1[slot] == k1[which])
         rows[which[ok]] = slot[ok]
         return rows
