@@ -1,6 +1,7 @@
 """Mooncake Store's side of compare_mooncake.py; runs in the benchmark's Mooncake venv.
 
     python mooncake_side.py owner --segment-mib 4096      # mounts memory, waits for stdin EOF
+    python mooncake_side.py owner --keys 4096             # ... after putting keys k0..k4095 (4 KiB each)
     python mooncake_side.py client [workload flags]       # measures, prints one JSON line
 
 Uses Mooncake's fastest documented Python calls: registered buffers with
@@ -77,10 +78,15 @@ def main() -> int:
     parser.add_argument("--master-port", type=int, required=True)
     parser.add_argument("--metadata-port", type=int, required=True)
     parser.add_argument("--segment-mib", type=int, default=4096)
+    parser.add_argument("--keys", type=int, default=0, help="owner: put keys k0, k1, ... (4 KiB each) first")
     add_common_arguments(parser)
     args = parser.parse_args()
     if args.role == "owner":
         store = connect(args, args.segment_mib << 20, 64 << 20)  # keep it: a dropped store unmounts
+        value = bytes(4096)
+        for i in range(args.keys):
+            if store.put(f"k{i}", value) != 0:
+                raise SystemExit(f"mooncake put of k{i} failed")
         print("ready", flush=True)
         sys.stdin.read()  # until the driver closes our stdin
         store.close()

@@ -20,8 +20,9 @@ are exported by each side for its own view (master: cluster-wide lookups, per
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -48,78 +49,85 @@ NODE_TIER_PREFIX = "kvpool_tier"  # a node's own tiers, with movement counters
 CLUSTER_TIER_PREFIX = "kvpool_cluster_tier"  # the master's view of each node's tiers: usage gauges only
 
 
-class LookupMetrics:
+# The lookup counters: (name, help, one per tier). Each is exported as a Prometheus counter would export it
+# (``<name>_total`` and ``<name>_created``).
+_LOOKUP_COUNTERS = (
+    ("kvpool_lookups", "Prefix lookups (one per request)", False),
+    ("kvpool_lookup_blocks", "Full blocks asked for in lookups (HBM part included)", False),
+    ("kvpool_lookup_tokens", "Tokens in the full blocks asked for", False),
+    ("kvpool_hit_blocks", "Blocks of the leading hit run, by serving tier", True),
+    ("kvpool_hit_tokens", "Tokens of the leading hit run, by tier", True),
+    ("kvpool_miss_blocks", "Blocks after the leading hit run", False),
+)
+_TIER_INDEX = {tier: i for i, tier in enumerate(TIER_LABELS)}
+# A tally's slots: lookups, blocks, tokens, hit blocks per tier, hit tokens per tier, misses.
+_HIT_BLOCKS, _HIT_TOKENS, _MISSES = 3, 3 + len(TIER_LABELS), 3 + 2 * len(TIER_LABELS)
+
+
+class LookupMetrics(Collector):
     """Lookup and hit accounting, shared by the master (cluster-wide) and the client (its own traffic).
 
     ``by_tenant`` (the master): every counter has a ``tenant`` label, the caller's tenant ("" with auth off),
     so one tenant's numbers are visible as its own; its values come from the auth file only (bounded).
     ``tenants``: the label values exported (as zeros) from the start.
+
+    Counts are plain integers under one lock, read into counter families at scrape time (a lookup is on the
+    master's hot path: one lock, not one per counter); the exposition is what ``prometheus_client.Counter``
+    gives (``_total`` and ``_created`` samples, the same names, help and labels). A negative count is a
+    ValueError and changes nothing.
     """
 
     def __init__(self, registry: CollectorRegistry, *, by_tenant: bool = False, tenants: Iterable[str] = ("",)):
-        tenant = ["tenant"] if by_tenant else []
         self._by_tenant = by_tenant
-        self.lookups = Counter("kvpool_lookups_total", "Prefix lookups (one per request)", tenant, registry=registry)
-        self.lookup_blocks = Counter(
-            "kvpool_lookup_blocks", "Full blocks asked for in lookups (HBM part included)", tenant, registry=registry
-        )
-        self.lookup_tokens = Counter("kvpool_lookup_tokens", "Tokens in the full blocks asked for", tenant,
-                                     registry=registry)
-        self.hit_blocks = Counter(
-            "kvpool_hit_blocks", "Blocks of the leading hit run, by serving tier", [*tenant, "tier"], registry=registry
-        )
-        self.hit_tokens = Counter(
-            "kvpool_hit_tokens", "Tokens of the leading hit run, by tier", [*tenant, "tier"], registry=registry
-        )
-        self.miss_blocks = Counter("kvpool_miss_blocks", "Blocks after the leading hit run", tenant, registry=registry)
-        self._children: dict[str, _LookupChildren] = {}
+        self._lock = threading.Lock()
+        self._tallies: dict[str, tuple[list[int], float]] = {}  # tenant -> (counts, created)
         for name in tenants if by_tenant else ("",):  # export zeros from the start: rates need both ends
             self._of(name)
+        registry.register(self)
 
-    def _of(self, tenant: str) -> _LookupChildren:
-        """The counters of one tenant ("" and unlabelled without ``by_tenant``), made once."""
-        children = self._children.get(tenant)
-        if children is None:
-            label: tuple[str, ...] = (tenant,) if self._by_tenant else ()
-
-            def child(counter: Counter) -> Counter:
-                return counter.labels(*label) if label else counter
-
-            children = _LookupChildren(
-                child(self.lookups), child(self.lookup_blocks), child(self.lookup_tokens),
-                {tier: self.hit_blocks.labels(*label, tier) for tier in TIER_LABELS},
-                {tier: self.hit_tokens.labels(*label, tier) for tier in TIER_LABELS},
-                child(self.miss_blocks),
-            )
-            self._children[tenant] = children
-        return children
+    def _of(self, tenant: str) -> list[int]:
+        """The counts of one tenant ("" and unlabelled without ``by_tenant``), made once (caller: any thread)."""
+        tally = self._tallies.get(tenant)
+        if tally is None:
+            tally = self._tallies.setdefault(tenant, ([0] * (_MISSES + 1), time.time()))
+        return tally[0]
 
     def record(self, hits_by_tier: dict[str, int], requested: int, block_tokens: int, lookups: int = 1,
                tenant: str = "") -> None:
         """Count ``lookups`` lookups of ``requested`` blocks in all, whose leading runs were served as
         ``hits_by_tier`` (``tenant``: whose, with ``by_tenant``)."""
-        c = self._of(tenant if self._by_tenant else "")
-        c.lookups.inc(lookups)
-        c.lookup_blocks.inc(requested)
-        c.lookup_tokens.inc(requested * block_tokens)
-        hit = 0
-        for tier, n in hits_by_tier.items():
-            if n:
-                c.hit_blocks[tier].inc(n)
-                c.hit_tokens[tier].inc(n * block_tokens)
-                hit += n
-        c.miss_blocks.inc(requested - hit)
+        hit = sum(hits_by_tier.values())
+        if min(lookups, requested, block_tokens, requested - hit, *hits_by_tier.values()) < 0:
+            raise ValueError(f"lookup counts must not be negative: lookups {lookups}, requested {requested}, "
+                             f"block_tokens {block_tokens}, hits {hits_by_tier}")
+        tiers = [_TIER_INDEX[tier] for tier, n in hits_by_tier.items() if n]  # KeyError: no such tier
+        with self._lock:
+            c = self._of(tenant if self._by_tenant else "")
+            c[0] += lookups
+            c[1] += requested
+            c[2] += requested * block_tokens
+            for i in tiers:
+                n = hits_by_tier[TIER_LABELS[i]]
+                c[_HIT_BLOCKS + i] += n
+                c[_HIT_TOKENS + i] += n * block_tokens
+            c[_MISSES] += requested - hit
 
-
-class _LookupChildren(NamedTuple):
-    """One label set's lookup counters."""
-
-    lookups: Counter
-    lookup_blocks: Counter
-    lookup_tokens: Counter
-    hit_blocks: dict[str, Counter]
-    hit_tokens: dict[str, Counter]
-    miss_blocks: Counter
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            tallies = [(tenant, list(counts), created) for tenant, (counts, created) in self._tallies.items()]
+        slot = 0
+        for name, text, per_tier in _LOOKUP_COUNTERS:
+            labels = (["tenant"] if self._by_tenant else []) + (["tier"] if per_tier else [])
+            family = CounterMetricFamily(name, text, labels=labels)
+            for tenant, counts, created in tallies:
+                label = [tenant] if self._by_tenant else []
+                if per_tier:
+                    for i, tier in enumerate(TIER_LABELS):
+                        family.add_metric([*label, tier], counts[slot + i], created=created)
+                else:
+                    family.add_metric(label, counts[slot], created=created)
+            slot += len(TIER_LABELS) if per_tier else 1
+            yield family
 
 
 class ErrorMetrics:

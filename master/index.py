@@ -249,12 +249,14 @@ class BlockIndex:
         with self._lock:
             t = self._table
             rows = t.find(words[:, 0], words[:, 1])
-            misses = np.flatnonzero(rows < 0)
-            if misses.size:
-                rows = rows[: misses[0]]
-            best = t.rec["loc1"][rows]  # field by field: gathering whole records is slower
-            sizes = t.rec["size"][rows]
-            checksums = t.rec["checksum"][rows]
+            if len(rows):
+                end = int((rows >= 0).argmin())  # the first miss (0 also when all are present: checked)
+                if rows[end] < 0:
+                    rows = rows[:end]
+            cols = t.cols
+            best = cols["loc1"][rows]  # field by field: gathering whole records is slower
+            sizes = cols["size"][rows]
+            checksums = cols["checksum"][rows]
         return RunArrays((best >> _NODE_BITS).astype(np.uint8), best & _NODE_MASK, sizes, checksums)
 
     def best_tiers(self, packed: bytes) -> npt.NDArray[np.uint8]:

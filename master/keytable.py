@@ -58,6 +58,9 @@ _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing multiplier
 _U64 = (1 << 64) - 1
 _ALIGN_BITS = ALIGN.bit_length() - 1
 _H_BITS = H.bit_length() - 1
+# The constants of the hot path as numpy scalars, so no call converts a Python int.
+_GOLDEN64, _ALIGN64, _FP_SHIFT, _FP_MIN = np.uint64(_GOLDEN), np.uint64(_ALIGN_BITS), np.uint64(48), np.uint16(1)
+_H_BITS_INTP, _H_MASK_INTP = np.intp(_H_BITS), np.intp(H - 1)
 assert ALIGN == 1 << _ALIGN_BITS and H == 1 << _H_BITS and H % ALIGN == 0
 
 U64 = npt.NDArray[np.uint64]
@@ -66,7 +69,7 @@ Rows = npt.NDArray[np.intp]
 
 def fingerprint(k0: U64) -> npt.NDArray[np.uint16]:
     """The top 16 bits of k0 (the home uses a salted hash of all of it), never 0."""
-    return np.maximum((k0 >> np.uint64(48)).astype(np.uint16), np.uint16(1))
+    return np.maximum((k0 >> _FP_SHIFT).astype(np.uint16), _FP_MIN)
 
 
 class KeyTable:
@@ -78,15 +81,18 @@ class KeyTable:
         self._min = 1 << max(H.bit_length(), (min_capacity - 1).bit_length())
         # Keys are sha256 outputs, but a per-process salt keeps crafted keys from piling onto one home.
         self._salt = int.from_bytes(os.urandom(8), "little")
+        self._salt64 = np.uint64(self._salt)
         self.live = 0
         self._allocate(self._min)
 
     def _allocate(self, capacity: int) -> None:
         self.capacity = capacity
         self._shift = 64 - (capacity.bit_length() - 1) + _ALIGN_BITS
+        self._shift64 = np.uint64(self._shift)
         self.fp = np.zeros(capacity + H - ALIGN, np.uint16)
         self.rec = np.empty(capacity + H - ALIGN, self._dtype)
         self.k0, self.k1 = self.rec["k0"], self.rec["k1"]  # views
+        self.cols = {name: self.rec[name] for name in self._fields}  # views of the payload fields, made once
         self._hoods = sliding_window_view(self.fp, H)  # row h: fp[h : h + H], a view
 
     def nbytes(self) -> int:
@@ -94,8 +100,9 @@ class KeyTable:
         return self.fp.nbytes + self.rec.nbytes
 
     def _home(self, k0: U64) -> Rows:
-        hashed = (k0 ^ np.uint64(self._salt)) * np.uint64(_GOLDEN)
-        return (hashed >> np.uint64(self._shift)).astype(np.intp) << _ALIGN_BITS
+        # In uint64 throughout, then viewed as intp (homes are far below 2**63): no conversion pass.
+        hashed = (k0 ^ self._salt64) * _GOLDEN64
+        return ((hashed >> self._shift64) << _ALIGN64).view(np.intp)
 
     def _home_one(self, k0: int) -> int:
         return (((k0 ^ self._salt) * _GOLDEN & _U64) >> self._shift) << _ALIGN_BITS
@@ -108,13 +115,14 @@ class KeyTable:
     def find(self, k0: U64, k1: U64) -> Rows:
         """The row of each key, -1 where absent."""
         n = len(k0)
-        rows = np.full(n, -1, np.intp)
+        rows = np.empty(n, np.intp)
+        rows.fill(-1)  # (np.full is a Python function: slower for the small batches of a Lookup)
         if n == 0 or self.live == 0:
             return rows
         home = self._home(k0)
         (hits,) = (self._hoods[home] == fingerprint(k0)[:, None]).ravel().nonzero()  # 1-D: far faster than 2-D
-        which = hits >> _H_BITS
-        slot = home[which] + (hits & (H - 1))
+        which = hits >> _H_BITS_INTP
+        slot = home[which] + (hits & _H_MASK_INTP)
         ok = (self.k0[slot] == k0[which]) & (self.k1[slot] == k1[which])
         rows[which[ok]] = slot[ok]
         return rows
@@ -217,7 +225,7 @@ class KeyTable:
 
     def _rehash(self, capacity: int) -> None:
         old = self.rec[self.live_rows()]
-        del self.fp, self.rec, self.k0, self.k1, self._hoods  # free the old arrays before allocating
+        del self.fp, self.rec, self.k0, self.k1, self.cols, self._hoods  # free the old arrays before allocating
         self._allocate(capacity)
         self.live = 0
         for lo in range(0, len(old), CHUNK):

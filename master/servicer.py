@@ -46,6 +46,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -76,6 +77,7 @@ MAX_SCORE_CELLS = 1 << 21
 MAX_REPORTED_LOOKUPS = 1 << 22  # most lookups one ReportLookups may report (clients: ~1 s worth)
 MAX_BLOCK_TOKENS = 1 << 20  # most tokens per block a Lookup or ReportLookups may say
 _U64_MAX = (1 << 64) - 1
+_DRAM_BYTE, _SSD_BYTE = int(Tier.DRAM), int(Tier.SSD)  # a tier as the byte a Lookup reply's ``tiers`` holds
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
@@ -191,7 +193,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         return stats
 
     @staticmethod
+    @functools.lru_cache(maxsize=4096)
     def _node_ref(ref: NodeRef) -> common_pb2.NodeRef:
+        """The wire form of ``ref``, made once per ref (a reply copies it in; nobody changes it)."""
         return common_pb2.NodeRef(
             node_id=ref.node_id, address=ref.address, host_id=ref.host_id, arena=ref.arena,
             data_address=ref.data_address,
@@ -279,7 +283,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             self._membership.worker_seen(self._worker(request.worker_id, "Lookup"))
         run = self._index.leading_run_arrays(caller_keys(request.keys))  # columns: no Python object per block
         end = len(run.nodes)
-        if end and (run.nodes == run.nodes[0]).all():  # the usual case: one node holds the whole run
+        packed_nodes = run.nodes.tobytes()
+        if end and packed_nodes == packed_nodes[: run.nodes.itemsize] * end:  # the usual case: one node holds the run
             refs = self._membership.refs([int(run.nodes[0])])
             order = [int(run.nodes[0])] if refs else []
             end = end if refs else 0
@@ -297,20 +302,21 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             renumber[by_use] = np.arange(len(by_use))
             node_indexes = renumber[indexes[:end]].tolist()
             order = [int(numbers[i]) for i in by_use]
-        tiers = run.tiers[:end]
+        tiers = run.tiers[:end].tobytes()  # one byte a block: counted with bytes.count, no numpy pass
+        dram, ssd = tiers.count(_DRAM_BYTE), tiers.count(_SSD_BYTE)
         response = master_pb2.LookupResponse(
-            tiers=tiers.tobytes(),
+            tiers=tiers,
             node_indexes=node_indexes,
             sizes=run.sizes[:end].tolist(),
             checksums=run.checksums[:end].tolist(),
             nodes=[self._node_ref(refs[n]) for n in order],
-            dram_blocks=int(np.count_nonzero(tiers == Tier.DRAM)),
-            ssd_blocks=int(np.count_nonzero(tiers == Tier.SSD)),
+            dram_blocks=dram,
+            ssd_blocks=ssd,
         )
         self._metrics.record_lookup(
             hbm=request.hbm_prefix_blocks,
-            dram=response.dram_blocks,
-            ssd=response.ssd_blocks,
+            dram=dram,
+            ssd=ssd,
             requested=request.hbm_prefix_blocks + n_keys,
             block_tokens=request.block_tokens,
             tenant=tenant,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import Metric
@@ -92,7 +92,7 @@ class MasterMetrics:
         self.lookup_seconds = latency_histogram(registry, "lookup", "Master-side latency of a Lookup call")
         self.score_seconds = latency_histogram(registry, "score", "Master-side latency of a Score call (routing)")
         self._lock = threading.Lock()
-        self._totals = LookupTotals()
+        self._totals = [0] * len(fields(LookupTotals))  # LookupTotals' counts, added to in place
         self._too_large = TooLargeTotals()
         self._hbm_warned = False  # HBM keys not kept were logged
         Gauge("kvpool_nodes", "Live pool nodes", registry=registry).set_function(membership.node_count)
@@ -115,18 +115,16 @@ class MasterMetrics:
         given."""
         with self._lock:
             self._lookup.record({"hbm": hbm, "dram": dram, "ssd": ssd}, requested, block_tokens, lookups, tenant)
-            t = self._totals
-            self._totals = LookupTotals(
-                t.lookups + lookups,
-                t.requested_blocks + requested,
-                t.hit_blocks_hbm + hbm,
-                t.hit_blocks_dram + dram,
-                t.hit_blocks_ssd + ssd,
-            )
+            t = self._totals  # in LookupTotals' field order
+            t[0] += lookups
+            t[1] += requested
+            t[2] += hbm
+            t[3] += dram
+            t[4] += ssd
 
     def lookup_totals(self) -> LookupTotals:
         with self._lock:
-            return self._totals
+            return LookupTotals(*self._totals)
 
     def record_too_large(self, blocks: int, largest_refused: int, largest_taken: int) -> None:
         """Count blocks no live node takes; the first time (and for each new largest size) say what to change."""
