@@ -2,11 +2,15 @@
 
 :class:`LoopListener` is a :class:`~kvpool.tcp.TcpListener` (same constructor, room, eviction ranks,
 refusals, deadlines and counters: the shared code lives there) whose connections are not threads: one
-I/O thread waits on every socket at once (``epoll``, Linux), reads each request incrementally as its
-bytes arrive, many sockets per wake-up, and hands complete requests to a small fixed pool of worker
-threads, which answer them and send the reply (non-blocking; what does not fit in the socket's buffer
-is sent by the I/O thread as the peer reads). Made for the master's fast-call port: unary requests
-(small frames, no payload); a node's data port (bulk GET/PUT streaming payloads) stays on threads.
+loop thread waits on every socket at once (``epoll``, Linux), reads each request incrementally as its
+bytes arrive, many sockets per wake-up, and answers the complete ones itself, sending each reply
+non-blocking (what does not fit in the socket's buffer goes out as the peer reads). Answering on the
+loop thread costs the master about half the CPU of handing each request to a worker thread (a GIL
+switch per request: 98 vs 195 us per 64-key Lookup here, ``docs/benchmarks.md``). So that a slow
+request cannot stall everyone, ``standbys`` threads wait to take the loop over: one whose request runs
+past ``TAKEOVER_S`` is deposed (it finishes that request, then stands by) and a standby runs the loop
+(leader and followers). Made for the master's fast-call port: unary requests (small frames, no
+payload); a node's data port (bulk GET/PUT streaming payloads) stays on threads.
 
 The frames are a :class:`FrameServer`'s (:class:`kvpool.wire.WireHandler`): after a fixed header of
 ``head_bytes`` it says how many bytes to read (or read past) and then answers them, or that the
@@ -18,12 +22,12 @@ Invariants, per connection:
   its socket (a client that pipelines or never reads its replies leaves its bytes in the kernel's
   buffers), so its memory is at most one request (bytes allocated as they arrive, at most the method's
   header limit) and one reply;
-- exactly one actor at a time: each socket is armed in epoll one-shot, so the I/O thread sees one event
-  and then nothing until whoever owns the connection (the I/O thread, or the worker serving it:
-  ``busy``) re-arms it. Only the I/O thread closes sockets, and never a busy one: a worker hands a
-  connection that was cut while it served back to the I/O thread to close;
+- exactly one actor at a time: each socket is armed in epoll one-shot, so the loop sees one event and
+  then nothing until whoever owns the connection (the loop, or the thread answering its request:
+  ``busy``) re-arms it. Only the loop thread of the moment polls, reads and closes sockets, and never a
+  busy one: a deposed thread hands a connection that was cut while it answered back to the loop;
 - the limits of :class:`~kvpool.tcp.TcpListener` hold: ``max_connections`` with the same eviction
-  ranks, the first-frame, request and idle deadlines (checked by the I/O thread every
+  ranks, the first-frame, request and idle deadlines (checked by the loop every
   ``WATCH_INTERVAL_S``), refusal frames; a frame out of step gets its final reply, a half-close and up
   to ``ERROR_DRAIN_S`` of reading (and dropping) before the close, without a thread.
 
@@ -35,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import select
 import socket
 import threading
@@ -46,7 +49,8 @@ from kvpool.tcp import ERROR_DRAIN_S, GROW_STEP_BYTES, WAITING, WATCH_INTERVAL_S
 
 log = logging.getLogger(__name__)
 
-WORKERS = 2  # worker threads per listener: enough that a slow request does not hold up the others
+STANDBYS = 2  # threads per listener waiting to take the loop over from one stuck in a slow request
+TAKEOVER_S = 0.05  # a request answered on the loop longer than this hands the loop to a standby
 ACCEPTS_PER_WAKE = 64  # connections accepted per wake-up before the loop serves the rest
 FINAL_SEND_S = 1.0  # how long a final reply may take to go out before its connection is closed
 
@@ -84,30 +88,33 @@ class LoopConnection(Connection):
         self.buf = bytearray()  # what was read of the fixed header or header section
         self.step: Any = None  # the FrameServer's plan for the request being read
         self.out: memoryview | None = None  # reply bytes not sent yet
-        self.busy = False  # a worker owns it (serving its request)
+        self.busy = False  # its request is being answered (the answering thread owns it)
         self.until = 0.0  # FINAL / DRAIN: when it is closed whatever the peer does
 
 
 class LoopListener(TcpListener):
-    """A :class:`~kvpool.tcp.TcpListener` served by one I/O thread and ``workers`` threads (module docstring).
+    """A :class:`~kvpool.tcp.TcpListener` served by one loop thread and ``standbys`` threads (module docstring).
 
-    ``frames``: the protocol (a :class:`FrameServer`); ``workers`` 0 answers on the I/O thread itself.
+    ``frames``: the protocol (a :class:`FrameServer`).
     """
 
-    def __init__(self, name: str, host: str, port: int, frames: FrameServer, *, workers: int = WORKERS,
+    def __init__(self, name: str, host: str, port: int, frames: FrameServer, *, standbys: int = STANDBYS,
                  **limits: Any):
         if limits.get("tls") is not None:
             raise ValueError(f"{name} listener: the event loop does not serve TLS (use TcpListener)")
-        if workers < 0:
-            raise ValueError(f"{name} listener: workers must be >= 0, got {workers}")
+        if standbys < 1:
+            raise ValueError(f"{name} listener: standbys must be >= 1, got {standbys}")
         super().__init__(name, host, port, frames.serve, **limits)
         self.frames = frames
-        self._workers_n = workers
+        self._standbys = standbys
         self._epoll = select.epoll()
         self._by_fd: dict[int, LoopConnection] = {}
-        self._handed_back: list[LoopConnection] = []  # cut while a worker served them: the I/O thread closes them
-        self._work: queue.SimpleQueue[tuple[LoopConnection, bytes] | None] = queue.SimpleQueue()
-        self._workers: list[threading.Thread] = []
+        self._handed_back: list[LoopConnection] = []  # cut while a deposed loop thread served them
+        self._turn = threading.Condition(self.lock)  # who runs the loop (below: under the lock)
+        self._leader: int | None = None  # the thread running the loop now
+        self._answering_since = 0.0  # when the loop thread began answering a request (0: it is not)
+        self._orphans: list[tuple[LoopConnection, bytes]] = []  # complete requests a deposed loop thread left
+        self._threads: list[threading.Thread] = []
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -118,24 +125,20 @@ class LoopListener(TcpListener):
         self._listener.setblocking(False)
         self._epoll.register(self._listener.fileno(), select.EPOLLIN)
         self._epoll.register(self._wake_r, select.EPOLLIN)
-        self._thread = threading.Thread(target=self._loop, name=f"kvpool-{self.name}-loop", daemon=True)
-        self._thread.start()
-        for i in range(self._workers_n):
-            t = threading.Thread(target=self._work_loop, name=f"kvpool-{self.name}-worker{i}", daemon=True)
+        for i in range(1 + self._standbys):
+            t = threading.Thread(target=self._run, name=f"kvpool-{self.name}-loop{i}", daemon=True)
             t.start()
-            self._workers.append(t)
+            self._threads.append(t)
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop accepting, cut every connection, wait for the I/O thread and the workers."""
-        self._stopping.set()
+        """Stop accepting, cut every connection, wait for the loop's threads."""
+        with self._turn:
+            self._stopping.set()
+            self._turn.notify_all()
         self._wake()
         deadline = time.monotonic() + timeout
-        if self._thread is not None:
-            self._thread.join(timeout)
-        for _ in self._workers:
-            self._work.put(None)
-        for t in self._workers:
+        for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         with self.lock:
             for conn in list(self._conns.values()):
@@ -154,9 +157,31 @@ class LoopListener(TcpListener):
         except OSError:  # the pipe is full: the loop is awake anyway
             pass
 
-    # -- the I/O thread -----------------------------------------------------------------------------
+    # -- the loop ---------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _run(self) -> None:
+        """A loop thread: run the loop while it leads, wait as a standby otherwise."""
+        me = threading.get_ident()
+        while self._lead(me):
+            self._loop(me)
+
+    def _lead(self, me: int) -> bool:
+        """Wait until this thread may run the loop: nobody does, or the one who does is stuck answering a
+        request for ``TAKEOVER_S`` (it is deposed: it finishes that request and then stands by). False: stop."""
+        with self._turn:
+            while not self._stopping.is_set():
+                if self._leader is None or (self._answering_since
+                                            and time.monotonic() - self._answering_since >= TAKEOVER_S):
+                    if self._leader is not None:
+                        log.debug("%s listener: a request took over %.0f ms; another thread runs the loop",
+                                  self.name, TAKEOVER_S * 1e3)
+                    self._leader, self._answering_since = me, 0.0
+                    return True
+                self._turn.wait(TAKEOVER_S / 2)
+        return False
+
+    def _loop(self, me: int) -> None:
+        """The loop, while this thread leads (returns when deposed or stopping)."""
         listen_fd = self._listener.fileno()
         next_watch = time.monotonic() + WATCH_INTERVAL_S
         while not self._stopping.is_set():
@@ -164,7 +189,8 @@ class LoopListener(TcpListener):
                 events = self._epoll.poll(max(0.0, next_watch - time.monotonic()))
             except InterruptedError:
                 continue
-            ready: list[tuple[LoopConnection, bytes]] = []
+            with self.lock:
+                ready, self._orphans = self._orphans, []
             for fd, _ in events:
                 if fd == listen_fd:
                     self._accept()
@@ -177,11 +203,16 @@ class LoopListener(TcpListener):
                     conn = self._by_fd.get(fd)
                     if conn is not None and not conn.busy:  # (busy: an event of a closed fd's former owner)
                         self._on_event(conn, ready)
-            for item in ready:
-                if self._workers_n:
-                    self._work.put(item)
-                else:
-                    self._answer(*item)
+            for i, item in enumerate(ready):
+                with self.lock:
+                    self._answering_since = time.monotonic()
+                self._answer(*item)
+                with self.lock:
+                    self._answering_since = 0.0
+                    if self._leader != me:  # deposed while answering: the new loop thread answers the rest
+                        self._orphans.extend(ready[i + 1:])
+                        self._wake()
+                        return
             if self._handed_back:
                 with self.lock:
                     back, self._handed_back = self._handed_back, []
@@ -231,7 +262,7 @@ class LoopListener(TcpListener):
                 self._refuse(sock, f"too many {self.name} connections (limit {self.max_connections}); retry later")
 
     def _on_event(self, conn: LoopConnection, ready: list[tuple[LoopConnection, bytes]]) -> None:
-        """One readiness event of an armed connection (it is not busy: no worker holds it)."""
+        """One readiness event of an armed connection (it is not busy: nobody answers it)."""
         try:
             if conn.cut:
                 raise ConnectionError("cut")
@@ -328,7 +359,7 @@ class LoopListener(TcpListener):
         with self.lock:
             conn._waiting(not conn.peer.needs_auth)
             conn.phase, conn.need, conn.step = HEAD, self.frames.head_bytes, None
-            if conn.busy:  # called by the worker: the connection goes back to the I/O thread
+            if conn.busy:  # its request was answered: the connection goes back to the loop
                 conn.busy = False
                 if conn.cut:
                     self._hand_back(conn)
@@ -341,14 +372,11 @@ class LoopListener(TcpListener):
         conn.out = memoryview(frame)
         self._flush(conn)
 
-    # -- workers ------------------------------------------------------------------------------------
-
-    def _work_loop(self) -> None:
-        while (item := self._work.get()) is not None:
-            self._answer(*item)
+    # -- answering ----------------------------------------------------------------------------------
 
     def _answer(self, conn: LoopConnection, body: bytes) -> None:
-        """Serve a complete request (its connection is busy: owned here) and send its reply, or start to."""
+        """Serve a complete request (its connection is busy: owned here) and send its reply, or start to (the
+        rest goes out as the peer reads)."""
         try:
             reply, keep = self.frames.answer(conn.step, body, conn.peer, conn.host)
         except Exception:  # answer turns a handler's errors into replies: this is a bug in the listener's code
@@ -372,7 +400,7 @@ class LoopListener(TcpListener):
         except OSError as exc:
             log.debug("%s listener: reply to %s not sent: %s", self.name, conn.host, exc)
             conn.cut = True
-        with self.lock:  # the rest goes out from the I/O thread (or the connection ends there)
+        with self.lock:  # the rest goes out from the loop (or the connection ends there)
             conn.busy = False
             if conn.cut or not reply:
                 conn.cut = True
@@ -381,7 +409,7 @@ class LoopListener(TcpListener):
                 self._arm(conn, _OUT)
 
     def _arm(self, conn: LoopConnection, events: int) -> None:
-        """Let the I/O thread see the connection's next event (one-shot). A socket already closed by a cut is
+        """Let the loop see the connection's next event (one-shot). A socket already closed by a cut is
         left alone (its owner sees the cut)."""
         try:
             self._epoll.modify(conn.sock.fileno(), events)
@@ -392,14 +420,14 @@ class LoopListener(TcpListener):
     # -- closing (under the lock) -------------------------------------------------------------------
 
     def _hand_back(self, conn: LoopConnection) -> None:
-        if threading.current_thread() is self._thread:
+        if self._leader == threading.get_ident():
             self._close_locked(conn)
         else:
             self._handed_back.append(conn)
             self._wake()
 
     def _close_locked(self, conn: LoopConnection) -> None:
-        """Forget and close a connection no worker holds (under the lock; only from the I/O thread or stop)."""
+        """Forget and close a connection nobody answers (under the lock; only from the loop thread or stop)."""
         if self._conns.pop(conn.sock, None) is None:
             return
         fd = conn.sock.fileno()
