@@ -12,6 +12,9 @@
   request's resources end with it); a full listener closes its readiest
   connection (silent, then idle longest, then stalled mid-read; never one
   being served) for a newcomer, and refuses only when all are busy.
+  Its event-loop form (no thread per connection, the same limits: the
+  room, ranks, refusals and expiry are this class's code) is
+  :class:`kvpool.tcp_loop.LoopListener`, on the master's fast-call port.
 - :func:`recv_incremental`: announced lengths are allocated as their bytes
   arrive, never up front.
 - :class:`ConnectionPool`: the client side: idle connections kept per
