@@ -43,7 +43,7 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from kvpool.tcp import ERROR_DRAIN_S, GROW_STEP_BYTES, WAITING, WATCH_INTERVAL_S, Connection, TcpListener, _cut
 
@@ -126,7 +126,7 @@ class LoopListener(TcpListener):
         self._epoll.register(self._listener.fileno(), select.EPOLLIN)
         self._epoll.register(self._wake_r, select.EPOLLIN)
         for i in range(1 + self._standbys):
-            t = threading.Thread(target=self._run, name=f"kvpool-{self.name}-loop{i}", daemon=True)
+            t = threading.Thread(target=self._thread_main, name=f"kvpool-{self.name}-loop{i}", daemon=True)
             t.start()
             self._threads.append(t)
         return self
@@ -141,7 +141,7 @@ class LoopListener(TcpListener):
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         with self.lock:
-            for conn in list(self._conns.values()):
+            for conn in self._loop_conns():
                 conn.cut = True
                 _cut(conn.sock)
                 if not conn.busy:
@@ -159,7 +159,7 @@ class LoopListener(TcpListener):
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _thread_main(self) -> None:
         """A loop thread: run the loop while it leads, wait as a standby otherwise."""
         me = threading.get_ident()
         while self._lead(me):
@@ -226,12 +226,12 @@ class LoopListener(TcpListener):
     def _watch_once(self, now: float) -> None:
         """The deadlines: close connections whose final reply or drain ran out, cut those past their deadline."""
         with self.lock:
-            for conn in [c for c in self._conns.values() if c.phase in (FINAL, DRAIN) and now >= c.until]:
+            for conn in [c for c in self._loop_conns() if c.phase in (FINAL, DRAIN) and now >= c.until]:
                 conn.cut = True
                 self._close_locked(conn)
         self._expire(now)
         with self.lock:
-            for conn in [c for c in self._conns.values() if c.cut and not c.busy]:
+            for conn in [c for c in self._loop_conns() if c.cut and not c.busy]:
                 self._close_locked(conn)
 
     def _accept(self) -> None:
@@ -255,7 +255,7 @@ class LoopListener(TcpListener):
                     self._conns[sock] = conn
                     self._by_fd[sock.fileno()] = conn
                     self._epoll.register(sock.fileno(), _IN)
-                for victim in [c for c in self._conns.values() if c.cut and not c.busy and c is not conn]:
+                for victim in [c for c in self._loop_conns() if c.cut and not c.busy and c is not conn]:
                     self._close_locked(victim)  # the one closed to make room (its fd is free now)
             if not admitted:
                 self._count("refused")
@@ -407,6 +407,10 @@ class LoopListener(TcpListener):
                 self._hand_back(conn)
             else:
                 self._arm(conn, _OUT)
+
+    def _loop_conns(self) -> list[LoopConnection]:
+        """Every connection (under the lock): all of them are this listener's LoopConnections."""
+        return cast(list[LoopConnection], list(self._conns.values()))
 
     def _arm(self, conn: LoopConnection, events: int) -> None:
         """Let the loop see the connection's next event (one-shot). A socket already closed by a cut is

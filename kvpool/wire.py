@@ -466,6 +466,7 @@ class WireHandler:
         route = step.route
         if route is None:
             if step.discard:
+                assert step.head is not None, "wire: a frame read past without its header"
                 return error_frame(grpc.StatusCode.UNIMPLEMENTED, f"no method {step.head.code} here"), True
             return self._login(peer, body)
         assert not route.bulk, f"wire: {route.name} is a bulk method, served from its stream"
@@ -539,6 +540,7 @@ class WireHandler:
 
     def _serve_bulk(self, conn: Connection, route: Route, step: Step, peer: Peer) -> bool:
         """A bulk request: its handler reads the payload and sends the reply itself (:class:`Stream`)."""
+        assert step.head is not None, "wire: a bulk request without its header"
         body = recv_incremental(conn.sock, step.read)
         stream = Stream(conn, step.head.payload)
         request = self._decode(route, body, peer)
