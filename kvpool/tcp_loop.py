@@ -208,11 +208,11 @@ class LoopListener(TcpListener):
                     self._answering_since = time.monotonic()
                 self._answer(*item)
                 with self.lock:
-                    self._answering_since = 0.0
                     if self._leader != me:  # deposed while answering: the new loop thread answers the rest
                         self._orphans.extend(ready[i + 1:])
                         self._wake()
                         return
+                    self._answering_since = 0.0  # (only the leader's own: a deposed thread leaves the new one's)
             if self._handed_back:
                 with self.lock:
                     back, self._handed_back = self._handed_back, []
