@@ -47,7 +47,9 @@ A frame cut short is a silent close. Nothing a peer sends stops the listener.
 Limits: a section may be at most its method's limit (:class:`Route`: a header sized for
 ``max_keys_per_call`` keys, :func:`request_limit`; a payload of at most the node's
 ``max_request_bytes``, 0 for everything but PUT; no trailer in a request). Headers are allocated as
-their bytes arrive (:func:`kvpool.tcp.recv_incremental`), payloads go straight where they belong
+their bytes arrive (:func:`kvpool.tcp.recv_incremental`; on the master's event loop,
+:class:`kvpool.tcp_loop.LoopListener`, appended as they are read: :meth:`WireHandler.begin` says how
+many, :meth:`WireHandler.answer` answers them), payloads go straight where they belong
 (reserved arena memory, the caller's buffers) or through bounded scratch; a GET's reply is bounded
 (``MAX_GET_BYTES`` or ``max_request_bytes``, whichever is larger: more is INVALID_ARGUMENT, before
 anything is sent). Deadlines and room are the listener's (:class:`kvpool.tcp.TcpListener`): a first

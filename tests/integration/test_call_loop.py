@@ -148,38 +148,46 @@ def test_a_client_that_never_reads_its_replies_cannot_grow_the_master(master):
     assert top - before < 16 * MIB, f"the master's RSS grew by {(top - before) / MIB:.0f} MiB"
 
 
-def test_a_slow_request_does_not_stall_the_loop():
-    """Requests are answered on the loop thread; one stuck in its handler hands the loop to a standby, so other
-    connections are still read and answered (and the stuck one is answered once its handler returns)."""
+@pytest.mark.parametrize("stuck", [1, 2])
+def test_a_slow_request_does_not_stall_the_loop(stuck):
+    """Requests are answered on the loop thread; one stuck in its handler hands the loop to a standby (a second
+    stuck one to the next standby), so other connections are still read and answered, and each stuck one is
+    answered once its handler returns."""
     import dataclasses
 
     from kvpool.config import MasterConfig
     from kvpool.master import MasterServer
 
-    entered, release = threading.Event(), threading.Event()
+    release = threading.Event()
+    entered = [threading.Event() for _ in range(stuck)]
+    slow_keys = {pack_keys([opaque_key(f"slow{i}-0")]): i for i in range(stuck)}
     with MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0)) as server:
         handler = server._calls.frames
         real = server.servicer.Exists
 
         def slow_exists(request, context):
-            if request.keys == pack_keys([opaque_key("slow-0")]):
-                entered.set()
+            if request.keys in slow_keys:
+                entered[slow_keys[request.keys]].set()
                 release.wait(20)
             return real(request, context)
 
         handler.replace(Method.EXISTS, dataclasses.replace(handler.route(Method.EXISTS), fn=slow_exists))
         port = server.servicer.call_port
-        with socket.create_connection(("127.0.0.1", port), timeout=20) as stuck, \
-                socket.create_connection(("127.0.0.1", port), timeout=5) as other:
-            stuck.sendall(exists_frame(1, "slow"))
-            assert entered.wait(10)
+        with contextlib.ExitStack() as stack:
+            held = [stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=20))
+                    for _ in range(stuck)]
+            other = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=5))
             try:
-                for _ in range(20):  # answered while the slow request still holds its thread
+                for i, sock in enumerate(held):
+                    sock.sendall(exists_frame(1, f"slow{i}"))
+                    assert entered[i].wait(10)
+                for _ in range(20):  # answered while the slow requests still hold their threads
                     assert call(other, exists_frame(3)) == [0, 0, 0]
                 with socket.create_connection(("127.0.0.1", port), timeout=5) as newcomer:
                     assert call(newcomer, exists_frame(1)) == [0]
                 assert not release.is_set()
             finally:
                 release.set()
-            head, body = wire.read_reply(stuck, None, 1 << 20)
-            assert head.code == 0 and list(master_pb2.ExistsResponse.FromString(body).present) == [0]
+            for sock in held:
+                head, body = wire.read_reply(sock, None, 1 << 20)
+                assert head.code == 0 and list(master_pb2.ExistsResponse.FromString(body).present) == [0]
