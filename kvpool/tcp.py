@@ -12,6 +12,9 @@
   request's resources end with it); a full listener closes its readiest
   connection (silent, then idle longest, then stalled mid-read; never one
   being served) for a newcomer, and refuses only when all are busy.
+  Its event-loop form (no thread per connection, the same limits: the
+  room, ranks, refusals and expiry are this class's code) is
+  :class:`kvpool.tcp_loop.LoopListener`, on the master's fast-call port.
 - :func:`recv_incremental`: announced lengths are allocated as their bytes
   arrive, never up front.
 - :class:`ConnectionPool`: the client side: idle connections kept per
@@ -289,10 +292,7 @@ class Connection:
         with lock:
             if self.cut:
                 return b""
-            self.state, self.since = WAITING, time.monotonic()
-            if authenticated and self.headers:  # a header arrived before, and now it may ask
-                self.trusted = True
-            self._set_deadline()
+            self._waiting(authenticated)
         if not self._armed:  # one receive or send stalls at most this long; the watchdog cuts at the deadlines
             set_io_timeout(self.sock, min(IO_TIMEOUT_S, self._listener.request_deadline_s))
             self._armed = True
@@ -309,24 +309,44 @@ class Connection:
         with lock:
             if self.cut or not first:
                 return b""
-            self.state = READING
-            self.since = self.request_start = time.monotonic()
-            self._set_deadline()
+            self._reading()
         header = first if len(first) == header_bytes else first + recv_exact(self.sock, header_bytes - len(first))
         with lock:
             if self.cut:
                 return b""
-            self.headers += 1
-            if authenticated and not self.trusted:
-                self.trusted = True
-                self._set_deadline()
+            self._header_read(authenticated)
         return header
+
+    # The request cycle's transitions, shared by both listeners (the caller holds the listener's lock).
+
+    def _waiting(self, authenticated: bool) -> None:
+        """Between requests (or before the first)."""
+        self.state, self.since = WAITING, time.monotonic()
+        if authenticated and self.headers:  # a header arrived before, and now it may ask
+            self.trusted = True
+        self._set_deadline()
+
+    def _reading(self) -> None:
+        """A request's first bytes arrived: its deadline starts."""
+        self.state = READING
+        self.since = self.request_start = time.monotonic()
+        self._set_deadline()
+
+    def _header_read(self, authenticated: bool) -> None:
+        """A request's fixed header was read in full."""
+        self.headers += 1
+        if authenticated and not self.trusted:
+            self.trusted = True
+            self._set_deadline()
 
     def serving(self) -> None:
         """The request was read in full; from now on it is applied and answered (never closed to make room)."""
         with self._listener.lock:
-            if self.state == READING:
-                self.state, self.since = SERVING, time.monotonic()
+            self._serving()
+
+    def _serving(self) -> None:
+        if self.state == READING:
+            self.state, self.since = SERVING, time.monotonic()
 
     def _rank(self, now: float) -> tuple[int, float] | None:
         """How readily the listener closes this connection to make room (lowest first); None: never."""
@@ -530,20 +550,24 @@ class TcpListener:
     def _watch(self) -> None:
         """The watchdog: cut connections past their deadline (see :class:`Connection`)."""
         while not self._stopping.wait(WATCH_INTERVAL_S):
-            now = time.monotonic()
-            expired = []
-            with self.lock:
-                for conn in self._conns.values():
-                    if not conn.cut and now >= conn.deadline:
-                        conn.cut = True
-                        _cut(conn.sock)
-                        expired.append(conn)
-            for conn in expired:
-                if not conn.trusted:
-                    self._count("first_frame_deadline")
-                elif conn.state != WAITING:
-                    self._count("request_deadline")
-                log.debug("%s listener: cut a %s connection from %s at its deadline", self.name, conn.state, conn.host)
+            self._expire(time.monotonic())
+
+    def _expire(self, now: float) -> list[Connection]:
+        """Cut the connections past their deadline (counted, logged); the ones cut."""
+        expired = []
+        with self.lock:
+            for conn in self._conns.values():
+                if not conn.cut and now >= conn.deadline:
+                    conn.cut = True
+                    _cut(conn.sock)
+                    expired.append(conn)
+        for conn in expired:
+            if not conn.trusted:
+                self._count("first_frame_deadline")
+            elif conn.state != WAITING:
+                self._count("request_deadline")
+            log.debug("%s listener: cut a %s connection from %s at its deadline", self.name, conn.state, conn.host)
+        return expired
 
     def _run(self, conn: Connection) -> None:
         try:

@@ -47,7 +47,9 @@ A frame cut short is a silent close. Nothing a peer sends stops the listener.
 Limits: a section may be at most its method's limit (:class:`Route`: a header sized for
 ``max_keys_per_call`` keys, :func:`request_limit`; a payload of at most the node's
 ``max_request_bytes``, 0 for everything but PUT; no trailer in a request). Headers are allocated as
-their bytes arrive (:func:`kvpool.tcp.recv_incremental`), payloads go straight where they belong
+their bytes arrive (:func:`kvpool.tcp.recv_incremental`; on the master's event loop,
+:class:`kvpool.tcp_loop.LoopListener`, appended as they are read: :meth:`WireHandler.begin` says how
+many, :meth:`WireHandler.answer` answers them), payloads go straight where they belong
 (reserved arena memory, the caller's buffers) or through bounded scratch; a GET's reply is bounded
 (``MAX_GET_BYTES`` or ``max_request_bytes``, whichever is larger: more is INVALID_ARGUMENT, before
 anything is sent). Deadlines and room are the listener's (:class:`kvpool.tcp.TcpListener`): a first
@@ -355,6 +357,22 @@ class Stream:
         send_buffers(self.sock, buffers)
 
 
+class Step(NamedTuple):
+    """What a listener does after a request's fixed header (:meth:`WireHandler.begin`).
+
+    ``final`` set: send it and close (a frame out of step; nothing more is read). Otherwise read the next
+    ``read`` bytes (the header section, at most the method's limit; with ``discard``: the whole frame of a
+    method not served, read past, never kept), then answer (:meth:`WireHandler.answer`; a bulk ``route``
+    reads its payload itself).
+    """
+
+    head: Head | None
+    read: int = 0
+    discard: bool = False
+    route: Route | None = None
+    final: bytes | None = None
+
+
 @dataclass(frozen=True)
 class Route:
     """How a listener serves one method.
@@ -379,6 +397,8 @@ class WireHandler:
     ``max_frame_bytes``: the most bytes a frame of a method this listener does
     not serve may hold and still be read past (then UNIMPLEMENTED).
     """
+
+    head_bytes = FRAME.size  # a request's fixed header (for :class:`kvpool.tcp_loop.LoopListener`)
 
     def __init__(self, routes: Mapping[int, Route], *, max_frame_bytes: int, authority: Authority | None = None,
                  errors: ErrorMetrics | None = None):
@@ -405,57 +425,139 @@ class WireHandler:
         except OSError as exc:  # a peer gone, cut or stalled: nothing to answer
             log.debug("wire: connection dropped: %s", exc)
 
-    def serve_frame(self, conn: Connection, raw: bytes | bytearray, peer: Peer) -> bool:
-        """Answer one request whose fixed header was read; False: close the connection."""
+    def new_peer(self) -> Peer:
+        """A new connection's authentication state."""
+        return Peer(self.authority)
+
+    def begin(self, raw: bytes | bytearray, peer: Peer) -> Step:
+        """What to do with a request whose fixed header ``raw`` was read (nothing after it yet): see :class:`Step`."""
         head = parse(raw)
         if head is None:
             magic, version = FRAME.unpack(raw)[:2]
-            return self._close(conn, INVALID, "invalid_argument",
+            return self._final(INVALID, "invalid_argument",
                                f"not a kvpool wire frame (magic {bytes(magic)!r}, version {version}; this "
                                f"listener speaks {MAGIC!r} version {VERSION})")
         if peer.needs_auth and head.code != Method.AUTH:
-            return self._close(conn, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+            return self._final(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
                                "unauthenticated: the first frame on a connection must be AUTH with a token")
         if head.code == Method.AUTH:
-            return self._authenticate(conn, peer, head)
+            if head.header > AUTH_HEADER_LIMIT or head.payload or head.trailer:
+                return self._final(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated",
+                                   f"unauthenticated: an AUTH frame of {head.header + head.payload + head.trailer} "
+                                   f"bytes (a token may have at most {MAX_TOKEN_BYTES})")
+            return Step(head, head.header)
         route = self._routes.get(head.code)
         if route is None:
             size = head.header + head.payload + head.trailer
             if size > self.max_frame_bytes:
-                return self._close(conn, INVALID, "invalid_argument",
+                return self._final(INVALID, "invalid_argument",
                                    f"a frame of {size} bytes is over the limit of {self.max_frame_bytes}")
-            recv_discard(conn.sock, size)
-            conn.serving()
-            send_buffers(conn.sock, [error_frame(grpc.StatusCode.UNIMPLEMENTED, f"no method {head.code} here")])
-            return True
+            return Step(head, size, discard=True)
         if head.header > route.header_limit or head.payload > route.payload_limit or head.trailer:
             section, n, limit = next(c for c in (("header", head.header, route.header_limit),
                                                  ("payload", head.payload, route.payload_limit),
                                                  ("trailer", head.trailer, 0)) if c[1] > c[2])
-            return self._close(conn, INVALID, "invalid_argument",
+            return self._final(INVALID, "invalid_argument",
                                f"{route.name}: a {section} of {n} bytes is over the limit; the limit is {limit}")
-        body = recv_incremental(conn.sock, head.header)
-        stream = Stream(conn, head.payload)
+        return Step(head, head.header, route=route)
+
+    def answer(self, step: Step, body: bytes, peer: Peer, host: str) -> tuple[bytes, bool]:
+        """The reply frame to a unary request (or AUTH, or a method not served) whose ``step.read`` bytes were
+        read (``body``; nothing when they were read past), and whether the connection goes on (False: send
+        the reply, then close as :func:`kvpool.tcp.send_final` does)."""
+        route = step.route
+        if route is None:
+            if step.discard:
+                assert step.head is not None, "wire: a frame read past without its header"
+                return error_frame(grpc.StatusCode.UNIMPLEMENTED, f"no method {step.head.code} here"), True
+            return self._login(peer, body)
+        assert not route.bulk, f"wire: {route.name} is a bulk method, served from its stream"
+        request = self._decode(route, body, peer)
+        if isinstance(request, bytes):
+            return request, True
+        try:
+            if peer.identity is None:  # auth off: nobody to act as (the caller is None already)
+                reply = route.fn(request, _Context(f"tcp:{host}"))
+            else:
+                with acting_as(peer.identity):
+                    reply = route.fn(request, _Context(f"tcp:{host}"))
+        except ValueError as exc:  # (servicers count their own)
+            return error_frame(INVALID, str(exc)), True
+        except _Aborted as exc:
+            return error_frame(exc.code, exc.details), True
+        except Exception as exc:  # the one place that turns bugs into INTERNAL
+            log.exception("wire: %s failed", route.name)
+            return error_frame(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"), True
+        out = reply.SerializeToString()
+        return pack(0, len(out)) + out, True
+
+    def _decode(self, route: Route, body: bytes, peer: Peer) -> Message | bytes:
+        """The request ``body`` holds, or the error frame that answers it (undecodable, or not this caller's)."""
         try:
             request = route.request.FromString(body)
         except DecodeError as exc:
             self._count("invalid_argument")
-            return self._fail(stream, INVALID, f"{route.name}: undecodable request header: {exc}")
+            return error_frame(INVALID, f"{route.name}: undecodable request header: {exc}")
         refusal = peer.denied(route.name)
         if refusal is not None:
             self._count(refusal[0].name.lower())
-            return self._fail(stream, *refusal)
+            return error_frame(*refusal)
+        return request
+
+    def _login(self, peer: Peer, body: bytes) -> tuple[bytes, bool]:
+        """The reply to an AUTH frame's header section, and whether the connection goes on."""
         try:
-            if peer.identity is None:  # auth off: nobody to act as (the caller is None already)
-                self._run(route, request, stream)
+            token: str | None = common_pb2.AuthRequest.FromString(body).token
+        except DecodeError:
+            token = None
+        if token is not None and peer.login(token):
+            reply = common_pb2.AuthResponse().SerializeToString()
+            return pack(0, len(reply)) + reply, True
+        self._count("unauthenticated")
+        why = "unauthenticated: unknown token" if token is not None else "unauthenticated: undecodable AUTH"
+        log.debug("wire: refused a frame: %s", why)
+        return error_frame(grpc.StatusCode.UNAUTHENTICATED, why), False
+
+    def serve_frame(self, conn: Connection, raw: bytes | bytearray, peer: Peer) -> bool:
+        """Answer one request whose fixed header was read, on a blocking connection; False: close it."""
+        step = self.begin(raw, peer)
+        if step.final is not None:
+            send_final(conn.sock, step.final)
+            return False
+        route = step.route
+        if route is not None and route.bulk:
+            return self._serve_bulk(conn, route, step, peer)
+        body = b""
+        if step.discard:
+            recv_discard(conn.sock, step.read)
+        else:
+            body = recv_incremental(conn.sock, step.read)
+        conn.serving()
+        reply, keep = self.answer(step, body, peer, conn.host)
+        if not keep:
+            send_final(conn.sock, reply)
+            return False
+        send_buffers(conn.sock, [reply])
+        return True
+
+    def _serve_bulk(self, conn: Connection, route: Route, step: Step, peer: Peer) -> bool:
+        """A bulk request: its handler reads the payload and sends the reply itself (:class:`Stream`)."""
+        assert step.head is not None, "wire: a bulk request without its header"
+        body = recv_incremental(conn.sock, step.read)
+        stream = Stream(conn, step.head.payload)
+        request = self._decode(route, body, peer)
+        if isinstance(request, bytes):
+            return self._fail_with(stream, request)
+        try:
+            if peer.identity is None:
+                route.fn(request, stream)
             else:
                 with acting_as(peer.identity):
-                    self._run(route, request, stream)
+                    route.fn(request, stream)
         except OSError:
             raise  # the connection broke: nothing to answer
         except ValueError as exc:
-            if route.bulk:  # (servicers count their own)
-                self._count("invalid_argument")
+            self._count("invalid_argument")
             return self._fail(stream, INVALID, str(exc))
         except _Aborted as exc:
             return self._fail(stream, exc.code, exc.details)
@@ -465,50 +567,25 @@ class WireHandler:
         assert stream.replied and not stream.payload_left, f"wire: {route.name} left its request half served"
         return True
 
-    @staticmethod
-    def _run(route: Route, request: Message, stream: Stream) -> None:
-        if route.bulk:
-            route.fn(request, stream)
-            return
-        stream.discard_payload()
-        stream.serving()
-        stream.begin_reply(route.fn(request, _Context(f"tcp:{stream.conn.host}")))
-        stream.send()
-
-    def _authenticate(self, conn: Connection, peer: Peer, head: Head) -> bool:
-        """An AUTH frame; False (after UNAUTHENTICATED): close."""
-        if head.header > AUTH_HEADER_LIMIT or head.payload or head.trailer:
-            why = f"unauthenticated: an AUTH frame of {head.header + head.payload + head.trailer} bytes " \
-                  f"(a token may have at most {MAX_TOKEN_BYTES})"
-        else:
-            try:
-                token: str | None = common_pb2.AuthRequest.FromString(bytes(recv_exact(conn.sock, head.header))).token
-            except DecodeError:
-                token = None
-            if token is not None and peer.login(token):
-                conn.serving()
-                reply = common_pb2.AuthResponse().SerializeToString()
-                send_buffers(conn.sock, [pack(0, len(reply)), reply])
-                return True
-            why = "unauthenticated: unknown token" if token is not None else "unauthenticated: undecodable AUTH"
-        return self._close(conn, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", why)
-
     def _fail(self, stream: Stream, code: grpc.StatusCode, message: str) -> bool:
         """An error reply to a request read in full (its payload read past first); False if a reply had begun."""
+        return self._fail_with(stream, error_frame(code, message))
+
+    @staticmethod
+    def _fail_with(stream: Stream, frame: bytes) -> bool:
         if stream.replied:
-            log.debug("wire: a request failed mid-reply (%s); closing", message)
+            log.debug("wire: a request failed mid-reply; closing")
             return False
         stream.discard_payload()
         stream.serving()
-        send_buffers(stream.sock, [error_frame(code, message)])
+        send_buffers(stream.sock, [frame])
         return True
 
-    def _close(self, conn: Connection, code: grpc.StatusCode, kind: str, message: str) -> bool:
-        """An error reply to a frame out of step, then close (see :func:`kvpool.tcp.send_final`)."""
+    def _final(self, code: grpc.StatusCode, kind: str, message: str) -> Step:
+        """A frame out of step: an error reply, then close (see :func:`kvpool.tcp.send_final`)."""
         self._count(kind)
         log.debug("wire: refused a frame: %s", message)
-        send_final(conn.sock, error_frame(code, message))
-        return False
+        return Step(None, final=error_frame(code, message))
 
     def _count(self, kind: str) -> None:
         if self.errors is not None:

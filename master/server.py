@@ -48,6 +48,7 @@ import socket
 import threading
 import time
 from types import TracebackType
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -71,6 +72,7 @@ from kvpool.master.stats import MasterMetrics
 from kvpool.metrics import ErrorMetrics, MetricsServer
 from kvpool.rpc import make_server
 from kvpool.tcp import TcpListener
+from kvpool.tcp_loop import LoopListener
 from kvpool.tls import check_pair, server_context
 from kvpool.v1 import master_pb2, master_pb2_grpc
 from kvpool.wire import MASTER_CALLS, WireHandler, refusal_frame, unary_routes
@@ -281,9 +283,11 @@ class MasterServer:
         routes = unary_routes(self.servicer, master_pb2.DESCRIPTOR.services_by_name["Master"], MASTER_CALLS,
                               max_body_bytes=limit, max_keys=self.config.server.max_keys_per_call)
         handler = WireHandler(routes, max_frame_bytes=limit, authority=self.authority, errors=self.errors)
-        return TcpListener("master-calls", self.config.server.host, port, handler.serve,
-                           fallback_port=self.config.call_port < 0, max_connections=self.config.server.max_connections,
-                           refusal=refusal_frame, tls=self._tls, errors=self.errors)
+        limits: dict[str, Any] = dict(fallback_port=self.config.call_port < 0, refusal=refusal_frame,
+                                      max_connections=self.config.server.max_connections, errors=self.errors)
+        if self._tls is not None:  # TLS connections keep a thread each (the loop reads plain sockets only)
+            return TcpListener("master-calls", self.config.server.host, port, handler.serve, tls=self._tls, **limits)
+        return LoopListener("master-calls", self.config.server.host, port, handler, **limits)
 
     def _sweep(self) -> None:
         interval = min(self.config.node_timeout_s, self.config.worker_timeout_s) / 4

@@ -1,0 +1,193 @@
+"""Issue 29.1: the master's fast-call port is served by an event loop, not a thread per connection.
+
+Against a real ``kvpool master`` process, over real sockets (raw wire frames, so each test controls what a
+client sends and reads):
+
+- 200 connections, each answered once and then held open, add no thread to the master;
+- connections trickling a header byte by byte do not hold up a client making calls meanwhile;
+- a client that pipelines requests and never reads its replies does not grow the master's memory (the loop
+  reads one request at a time per connection: the rest stays in the kernel's buffers), and others are served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+
+import pytest
+from support import PoolProcesses, rss_bytes
+
+from kvpool import wire
+from kvpool.keys import opaque_key, pack_keys
+from kvpool.v1 import master_pb2
+from kvpool.wire import Method
+
+MIB = 1 << 20
+
+
+def exists_frame(n: int, tag: str = "loop") -> bytes:
+    request = master_pb2.ExistsRequest(keys=pack_keys([opaque_key(f"{tag}-{i}") for i in range(n)]))
+    return b"".join(wire.request_frame(Method.EXISTS, request))
+
+
+def call(sock: socket.socket, frame: bytes) -> list[int]:
+    """One Exists exchange on ``sock``: the reply's ``present`` flags (an error reply fails the test)."""
+    sock.sendall(frame)
+    head, body = wire.read_reply(sock, None, 1 << 20)
+    assert head.code == 0, body
+    return list(master_pb2.ExistsResponse.FromString(body).present)
+
+
+def threads_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+@pytest.fixture
+def master(tmp_path):
+    pool = PoolProcesses(tmp_path)
+    try:
+        proc = pool.start_master(**{"max-connections": "512"})
+        with socket.create_connection(("127.0.0.1", pool.master_call_port), timeout=5) as sock:
+            call(sock, exists_frame(1))  # the listener is up and answering
+        yield pool, proc
+    finally:
+        pool.close()
+
+
+@contextlib.contextmanager
+def connections(port: int, n: int):
+    socks = []
+    try:
+        for _ in range(n):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        yield socks
+    finally:
+        for s in socks:
+            s.close()
+
+
+def test_two_hundred_open_connections_add_no_thread_to_the_master(master):
+    pool, proc = master
+    before = threads_of(proc.pid)
+    frame = exists_frame(4)
+    with connections(pool.master_call_port, 200) as socks:
+        for s in socks:
+            assert call(s, frame) == [0, 0, 0, 0]  # each answered, then held open (idle, trusted)
+        held = threads_of(proc.pid)
+        for s in socks[::50]:  # and still served
+            assert call(s, frame) == [0, 0, 0, 0]
+    assert held <= before + 2, f"the master went from {before} to {held} threads with 200 connections open"
+
+
+def test_connections_trickling_a_header_do_not_hold_up_other_clients(master):
+    """A slowloris: 20 connections each send a frame's first bytes, then one byte at a time."""
+    pool, proc = master
+    stop = threading.Event()
+    announced = wire.pack(Method.LOOKUP, 4096)  # a header section of 4 KiB follows, a byte at a time
+    with connections(pool.master_call_port, 20) as slow:
+        for s in slow:
+            s.sendall(announced[:10])
+
+        def trickle() -> None:
+            i = 10
+            while not stop.wait(0.05):
+                for s in slow:
+                    with contextlib.suppress(OSError):
+                        s.send(announced[i:i + 1] if i < len(announced) else b"k")
+                i += 1
+
+        t = threading.Thread(target=trickle, daemon=True)
+        t.start()
+        try:
+            with socket.create_connection(("127.0.0.1", pool.master_call_port), timeout=2) as sock:
+                frame = exists_frame(8)
+                for _ in range(200):  # each answered within the socket's 2 s timeout while the others trickle
+                    assert call(sock, frame) == [0] * 8
+            for s in slow:  # the trickling connections are still open (mid-request, within their deadline)
+                s.settimeout(0.0)
+                with pytest.raises(BlockingIOError):
+                    s.recv(1)
+        finally:
+            stop.set()
+            t.join(5)
+
+
+def test_a_client_that_never_reads_its_replies_cannot_grow_the_master(master):
+    """128 MiB of pipelined Exists requests (4,096 keys each) whose replies are never read: the master reads
+    a request, answers it, and reads the next only once that reply went out, so what it holds for the
+    connection is one request and one reply, whatever the client sends."""
+    pool, proc = master
+    frame = memoryview(exists_frame(4096, "unread"))
+    total = 128 * MIB // len(frame) * len(frame)
+    before = rss_bytes(proc.pid)
+    top = before
+    sent = 0
+    with socket.socket() as hog:
+        hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # its replies back up at once
+        hog.connect(("127.0.0.1", pool.master_call_port))
+        hog.setblocking(False)
+        stalled_since = None
+        end = time.monotonic() + 30
+        while sent < total and time.monotonic() < end:
+            try:
+                sent += hog.send(frame[sent % len(frame):])
+                stalled_since = None
+            except BlockingIOError:  # the kernel's buffers are full: the master is not reading now
+                stalled_since = stalled_since or time.monotonic()
+                if time.monotonic() - stalled_since > 2.0:
+                    break
+                time.sleep(0.01)
+            top = max(top, rss_bytes(proc.pid))
+        with socket.create_connection(("127.0.0.1", pool.master_call_port), timeout=5) as other:
+            assert call(other, exists_frame(2)) == [0, 0]  # others are served meanwhile
+        top = max(top, rss_bytes(proc.pid))
+    assert sent > 16 * MIB  # (the test pushed more than the bound below)
+    assert top - before < 16 * MIB, f"the master's RSS grew by {(top - before) / MIB:.0f} MiB"
+
+
+@pytest.mark.parametrize("stuck", [1, 2])
+def test_a_slow_request_does_not_stall_the_loop(stuck):
+    """Requests are answered on the loop thread; one stuck in its handler hands the loop to a standby (a second
+    stuck one to the next standby), so other connections are still read and answered, and each stuck one is
+    answered once its handler returns."""
+    import dataclasses
+
+    from kvpool.config import MasterConfig
+    from kvpool.master import MasterServer
+
+    release = threading.Event()
+    entered = [threading.Event() for _ in range(stuck)]
+    slow_keys = {pack_keys([opaque_key(f"slow{i}-0")]): i for i in range(stuck)}
+    with MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0)) as server:
+        handler = server._calls.frames
+        real = server.servicer.Exists
+
+        def slow_exists(request, context):
+            if request.keys in slow_keys:
+                entered[slow_keys[request.keys]].set()
+                release.wait(20)
+            return real(request, context)
+
+        handler.replace(Method.EXISTS, dataclasses.replace(handler.route(Method.EXISTS), fn=slow_exists))
+        port = server.servicer.call_port
+        with contextlib.ExitStack() as stack:
+            held = [stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=20))
+                    for _ in range(stuck)]
+            other = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=5))
+            try:
+                for i, sock in enumerate(held):
+                    sock.sendall(exists_frame(1, f"slow{i}"))
+                    assert entered[i].wait(10)
+                for _ in range(20):  # answered while the slow requests still hold their threads
+                    assert call(other, exists_frame(3)) == [0, 0, 0]
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as newcomer:
+                    assert call(newcomer, exists_frame(1)) == [0]
+                assert not release.is_set()
+            finally:
+                release.set()
+            for sock in held:
+                head, body = wire.read_reply(sock, None, 1 << 20)
+                assert head.code == 0 and list(master_pb2.ExistsResponse.FromString(body).present) == [0]
