@@ -138,14 +138,26 @@ def cluster_prefix(cluster: str) -> bytes:
     return f"/kvpool/{check_cluster(cluster)}/".encode()
 
 
-def leader_key(cluster: str) -> bytes:
-    """The etcd key whose value names ``cluster``'s leading master (absent: no leader now)."""
-    return cluster_prefix(cluster) + b"master/leader"
+def shard_prefix(cluster: str, shard: int = 0) -> bytes:
+    """Where the master group that owns index shard ``shard`` of ``cluster`` keeps its keys.
+
+    Shard 0 keeps the keys of an unsharded cluster (``/kvpool/CLUSTER/master/``), so a cluster of one
+    shard is exactly what it was before shards existed; shard K > 0 uses ``/kvpool/CLUSTER/shard/K/master/``.
+    """
+    if shard < 0:
+        raise ValueError(f"shard {shard}: shards are numbered from 0")
+    return cluster_prefix(cluster) + (b"master/" if shard == 0 else b"shard/%d/master/" % shard)
 
 
-def members_prefix(cluster: str) -> bytes:
-    """Where each running master of ``cluster`` keeps a key (its :class:`LeaderInfo`, under its own lease)."""
-    return cluster_prefix(cluster) + b"master/members/"
+def leader_key(cluster: str, shard: int = 0) -> bytes:
+    """The etcd key whose value names the leading master of ``cluster``'s shard ``shard`` (absent: no leader now)."""
+    return shard_prefix(cluster, shard) + b"leader"
+
+
+def members_prefix(cluster: str, shard: int = 0) -> bytes:
+    """Where each running master of ``cluster``'s shard ``shard`` keeps a key (its :class:`LeaderInfo`, under
+    its own lease)."""
+    return shard_prefix(cluster, shard) + b"members/"
 
 
 def prefix_end(prefix: bytes) -> bytes:
