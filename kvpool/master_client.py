@@ -253,9 +253,10 @@ class DirectMaster(MasterCalls):
         self._channel.close()
 
 
-def leader_address(etcd: EtcdClient, cluster: str, timeout: float | None = None) -> str | None:
-    """The gRPC address of ``cluster``'s leader as etcd names it now; None if there is none."""
-    kv = etcd.get(leader_key(cluster), timeout=timeout)
+def leader_address(etcd: EtcdClient, cluster: str, timeout: float | None = None, shard: int = 0) -> str | None:
+    """The gRPC address of the leader of ``cluster``'s index shard ``shard`` as etcd names it now; None if there
+    is none."""
+    kv = etcd.get(leader_key(cluster, shard), timeout=timeout)
     info = LeaderInfo.decode(kv.value) if kv is not None else None
     return info.address if info is not None else None
 
@@ -263,13 +264,15 @@ def leader_address(etcd: EtcdClient, cluster: str, timeout: float | None = None)
 class MasterConnection(MasterCalls):
     """The current master of ``master`` (see the module docstring): a :class:`MasterApi` that follows the leader.
 
-    ``pool``: the fast-call connections (None: every call over gRPC, as for ``kvpool status``).
+    ``pool``: the fast-call connections (None: every call over gRPC, as for ``kvpool status``). ``shard``: which
+    index shard's leader to follow (:mod:`kvpool.shards`; only for an ``etcd://`` target).
     """
 
     def __init__(self, master: str, *, pool: ConnectionPool | None, timeout_s: float, max_message_bytes: int,
                  token: str = "", tls_ca: str = "", options: Sequence[tuple[str, Any]] = (),
-                 etcd_access: EtcdAccess | None = None, refuse_start: bool = False):
+                 etcd_access: EtcdAccess | None = None, refuse_start: bool = False, shard: int = 0):
         self.target = master
+        self.shard = shard
         self._pool = pool
         self._timeout = timeout_s
         self._max_message = max_message_bytes
@@ -350,7 +353,7 @@ class MasterConnection(MasterCalls):
                 return False
             self._next_follow = now + FOLLOW_S
         try:
-            address = leader_address(self._etcd, self._etcd_target.cluster)
+            address = leader_address(self._etcd, self._etcd_target.cluster, shard=self.shard)
         except EtcdRefused as exc:  # keeps the master it has, if any; logged once a reason
             if log_refusal and exc.details() != self._refusal:
                 log.warning("kvpool: cannot follow the master of %s: %s; pool calls that need a master miss "
