@@ -43,6 +43,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 from kvpool.tcp import ERROR_DRAIN_S, GROW_STEP_BYTES, WAITING, WATCH_INTERVAL_S, Connection, TcpListener, _cut
@@ -72,13 +73,15 @@ class FrameServer(Protocol):
 
     def answer(self, step: Any, body: bytes, peer: Any, host: str) -> tuple[bytes, bool]: ...
 
+    def answer_together(self, requests: Sequence[tuple[Any, bytes, Any, str]]) -> list[tuple[bytes, bool] | None]: ...
+
     def serve(self, conn: Connection) -> None: ...
 
 
 class LoopConnection(Connection):
     """A :class:`~kvpool.tcp.Connection` served by the loop: its request cycle and its bytes in flight."""
 
-    __slots__ = ("peer", "phase", "need", "buf", "step", "out", "busy", "until")
+    __slots__ = ("peer", "phase", "need", "buf", "step", "out", "busy", "until", "answer")
 
     def __init__(self, listener: TcpListener, sock: socket.socket, host: str, peer: Any):
         super().__init__(listener, sock, host)
@@ -90,6 +93,7 @@ class LoopConnection(Connection):
         self.out: memoryview | None = None  # reply bytes not sent yet
         self.busy = False  # its request is being answered (the answering thread owns it)
         self.until = 0.0  # FINAL / DRAIN: when it is closed whatever the peer does
+        self.answer: tuple[bytes, bool] | None = None  # its request's reply, made with others that came together
 
 
 class LoopListener(TcpListener):
@@ -191,6 +195,7 @@ class LoopListener(TcpListener):
                 continue
             with self.lock:
                 ready, self._orphans = self._orphans, []
+            fresh = len(ready)  # (orphans were answered together already, if they could be)
             for fd, _ in events:
                 if fd == listen_fd:
                     self._accept()
@@ -203,6 +208,8 @@ class LoopListener(TcpListener):
                     conn = self._by_fd.get(fd)
                     if conn is not None and not conn.busy:  # (busy: an event of a closed fd's former owner)
                         self._on_event(conn, ready)
+            if len(ready) - fresh > 1:
+                self._answer_together(ready[fresh:])
             for i, item in enumerate(ready):
                 with self.lock:
                     self._answering_since = time.monotonic()
@@ -374,11 +381,28 @@ class LoopListener(TcpListener):
 
     # -- answering ----------------------------------------------------------------------------------
 
+    def _answer_together(self, ready: list[tuple[LoopConnection, bytes]]) -> None:
+        """Make the replies of requests that arrived in one wake-up and can be answered in one pass (the
+        master's lookups: one index pass); each is sent by :meth:`_answer` in turn. Under the takeover clock
+        like any request: a pass stuck past ``TAKEOVER_S`` hands the loop over."""
+        with self.lock:
+            self._answering_since = time.monotonic()
+        try:
+            answers = self.frames.answer_together([(c.step, body, c.peer, c.host) for c, body in ready])
+        except Exception:  # answer_together turns a handler's errors into replies: a bug in the listener's code
+            log.exception("%s listener: answering requests together failed", self.name)
+            return
+        for (conn, _), answer in zip(ready, answers):
+            conn.answer = answer
+
     def _answer(self, conn: LoopConnection, body: bytes) -> None:
         """Serve a complete request (its connection is busy: owned here) and send its reply, or start to (the
         rest goes out as the peer reads)."""
         try:
-            reply, keep = self.frames.answer(conn.step, body, conn.peer, conn.host)
+            if conn.answer is not None:
+                (reply, keep), conn.answer = conn.answer, None
+            else:
+                reply, keep = self.frames.answer(conn.step, body, conn.peer, conn.host)
         except Exception:  # answer turns a handler's errors into replies: this is a bug in the listener's code
             log.exception("%s listener: answering a request failed", self.name)
             reply, keep = b"", False

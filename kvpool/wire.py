@@ -76,7 +76,7 @@ import socket
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -373,6 +373,19 @@ class Step(NamedTuple):
     final: bytes | None = None
 
 
+class Together(Protocol):
+    """A unary method whose requests that arrived together can be answered in one pass (the master's Lookup:
+    one index pass for all of them). ``begin`` and ``end`` run under each caller's identity, as ``fn`` does;
+    ``run`` once for all the requests begun, and its results are in their order. ``end(begin(r, c),
+    run([...])[i])`` answers exactly what ``fn(r, c)`` would."""
+
+    def begin(self, request: Any, context: Any) -> Any: ...
+
+    def run(self, begun: Sequence[Any]) -> Sequence[Any]: ...
+
+    def end(self, begun: Any, result: Any) -> Message: ...
+
+
 @dataclass(frozen=True)
 class Route:
     """How a listener serves one method.
@@ -381,6 +394,8 @@ class Route:
     bulk: ``fn(request, stream)`` reads the payload and sends the reply itself.
     ``name`` is the gRPC-style full name whose permission the caller needs
     (:func:`kvpool.auth.denied`). Sections over the limits close the connection.
+    ``together``: how requests of a unary method that arrived together are answered in one pass (None: one
+    by one).
     """
 
     name: str
@@ -389,6 +404,7 @@ class Route:
     bulk: bool
     header_limit: int
     payload_limit: int = 0
+    together: Together | None = None
 
 
 class WireHandler:
@@ -475,21 +491,71 @@ class WireHandler:
         request = self._decode(route, body, peer)
         if isinstance(request, bytes):
             return request, True
+        return self._reply(route, peer, route.fn, request, _Context(f"tcp:{host}")), True
+
+    def answer_together(self, requests: Sequence[tuple[Step, bytes, Peer, str]]) -> list[tuple[bytes, bool] | None]:
+        """The replies to complete requests that arrived together (each as :meth:`answer` takes it): those of a
+        method with a :class:`Together` answered in one pass where two or more came, None for the rest (to be
+        answered one by one). Each reply is exactly what :meth:`answer` would have sent."""
+        answers: list[tuple[bytes, bool] | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for i, (step, _, _, _) in enumerate(requests):
+            route = step.route
+            if route is not None and route.together is not None and not step.discard:
+                groups.setdefault(route.name, []).append(i)
+        for positions in groups.values():
+            if len(positions) > 1:
+                self._answer_group(requests, positions, answers)
+        return answers
+
+    def _answer_group(self, requests: Sequence[tuple[Step, bytes, Peer, str]], positions: list[int],
+                      answers: list[tuple[bytes, bool] | None]) -> None:
+        """Answer ``positions`` (requests of one :class:`Together` method) in one pass, into ``answers``."""
+        route = requests[positions[0]][0].route
+        assert route is not None and route.together is not None
+        together = route.together
+        begun: list[tuple[int, Any, Peer]] = []
+        for i in positions:
+            step, body, peer, host = requests[i]
+            request = self._decode(route, body, peer)
+            if isinstance(request, bytes):
+                answers[i] = request, True
+                continue
+            first = self._reply(route, peer, together.begin, request, _Context(f"tcp:{host}"), serialize=False)
+            if isinstance(first, bytes):  # refused before the pass (an error frame)
+                answers[i] = first, True
+            else:
+                begun.append((i, first, peer))
+        if not begun:
+            return
+        try:
+            results = together.run([b for _, b, _ in begun])
+        except Exception:  # a bug in the pass: answer them one by one instead
+            log.exception("wire: %s answered together failed", route.name)
+            return
+        for (i, b, peer), result in zip(begun, results):
+            answers[i] = self._reply(route, peer, together.end, b, result), True
+
+    def _reply(self, route: Route, peer: Peer, fn: Callable[..., Any], *args: Any, serialize: bool = True) -> Any:
+        """``fn(*args)`` under the caller's identity: its reply frame (or, ``serialize`` False, what it
+        returned); an error frame if it raised."""
         try:
             if peer.identity is None:  # auth off: nobody to act as (the caller is None already)
-                reply = route.fn(request, _Context(f"tcp:{host}"))
+                reply = fn(*args)
             else:
                 with acting_as(peer.identity):
-                    reply = route.fn(request, _Context(f"tcp:{host}"))
+                    reply = fn(*args)
         except ValueError as exc:  # (servicers count their own)
-            return error_frame(INVALID, str(exc)), True
+            return error_frame(INVALID, str(exc))
         except _Aborted as exc:
-            return error_frame(exc.code, exc.details), True
+            return error_frame(exc.code, exc.details)
         except Exception as exc:  # the one place that turns bugs into INTERNAL
             log.exception("wire: %s failed", route.name)
-            return error_frame(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"), True
+            return error_frame(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        if not serialize:
+            return reply
         out = reply.SerializeToString()
-        return pack(0, len(out)) + out, True
+        return pack(0, len(out)) + out
 
     def _decode(self, route: Route, body: bytes, peer: Peer) -> Message | bytes:
         """The request ``body`` holds, or the error frame that answers it (undecodable, or not this caller's)."""
@@ -594,7 +660,8 @@ class WireHandler:
 
 def unary_routes(servicer: Any, service: Any, calls: Mapping[str, Method], *, max_body_bytes: int,
                  max_keys: int | None) -> dict[int, Route]:
-    """The routes of a gRPC servicer's fast calls (``calls``: method name -> Method) on a listener.
+    """The routes of a gRPC servicer's fast calls (``calls``: method name -> Method) on a listener; a servicer's
+    ``together`` mapping (method name -> :class:`Together`) says which it answers together.
 
     A request header may be at most ``max_body_bytes`` and at most what the
     method's request takes with ``max_keys`` keys (:func:`request_limit`; None: no per-key limit).
@@ -606,5 +673,7 @@ def unary_routes(servicer: Any, service: Any, calls: Mapping[str, Method], *, ma
     for name, method in calls.items():
         request = getattr(module, service.methods_by_name[name].input_type.name)
         limit = max_body_bytes if max_keys is None else min(max_body_bytes, request_limit(request, max_keys))
-        routes[method] = Route(f"/{service.full_name}/{name}", request, getattr(servicer, name), False, limit)
+        together = getattr(servicer, "together", {}).get(name)
+        routes[method] = Route(f"/{service.full_name}/{name}", request, getattr(servicer, name), False, limit,
+                               together=together)
     return routes

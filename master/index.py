@@ -259,6 +259,30 @@ class BlockIndex:
             checksums = cols["checksum"][rows]
         return RunArrays((best >> _NODE_BITS).astype(np.uint8), best & _NODE_MASK, sizes, checksums)
 
+    def leading_runs_arrays(self, packed: Sequence[bytes]) -> list[RunArrays]:
+        """:meth:`leading_run_arrays` of several prompts' packed keys at once: one probe of the table for all of
+        them (what lookups that arrive together share), each run cut at its own first miss."""
+        if len(packed) == 1:
+            return [self.leading_run_arrays(packed[0])]
+        counts = np.fromiter(map(len, packed), np.int64, len(packed)) // KEY_BYTES
+        starts = np.zeros(len(packed), np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        words = _words(b"".join(packed))
+        with self._lock:
+            t = self._table
+            rows = t.find(words[:, 0], words[:, 1])
+            cols = t.cols
+            best = cols["loc1"][rows]  # (a miss reads some row: cut away below)
+            sizes = cols["size"][rows]
+            checksums = cols["checksum"][rows]
+        # Each prompt's run ends at its first miss: the least missing position from its start on.
+        missing = np.where(rows < 0, np.arange(len(rows)), len(rows))
+        firsts = np.minimum.reduceat(np.append(missing, len(rows)), starts) if len(rows) else starts
+        ends = (np.minimum(firsts, starts + counts) - starts).tolist()
+        tiers, nodes = (best >> _NODE_BITS).astype(np.uint8), best & _NODE_MASK
+        return [RunArrays(tiers[lo:lo + n], nodes[lo:lo + n], sizes[lo:lo + n], checksums[lo:lo + n])
+                for lo, n in zip(starts.tolist(), ends)]
+
     def best_tiers(self, packed: bytes) -> npt.NDArray[np.uint8]:
         """Per packed key, the tier a lookup would serve it from (its best location's), or :data:`NO_TIER`."""
         words = _words(packed)

@@ -49,7 +49,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -59,7 +59,7 @@ from kvpool.auth import ROLE_CLIENT, caller, caller_keys, caller_tenant
 from kvpool.config import MasterConfig
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.master.engine_names import EngineNames
-from kvpool.master.index import BlockIndex, HbmIndex
+from kvpool.master.index import BlockIndex, HbmIndex, RunArrays
 from kvpool.master.membership import Membership
 from kvpool.master.stats import MasterMetrics
 from kvpool.placement import TOO_LARGE, Candidate, NoPoolNodes, place
@@ -101,6 +101,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self._resyncing: set[str] = set()  # nodes that registered soon after it, their inventories not yet whole
         self.names = names  # engines' block hashes for KV events (None: events off)
         self.events_server_key = ""  # the KV event ports' CURVE public key, told to clients (auth and events on)
+        self._lookup = LookupSteps(self)
+        self.together = {"Lookup": self._lookup}  # fast calls answered together (kvpool.wire.Together)
 
     def elected(self) -> None:
         """This master was just elected: nodes registering within ``node_timeout_s`` count as following from the
@@ -271,58 +273,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     # -- clients --------------------------------------------------------------------------
 
     def Lookup(self, request: master_pb2.LookupRequest, context: Any) -> master_pb2.LookupResponse:
-        self._lead(context)
-        started = time.perf_counter()
-        n_keys = self._count_keys(request.keys)
-        if request.hbm_prefix_blocks > self._config.max_hbm_keys_per_worker:
-            raise ValueError(f"Lookup: hbm_prefix_blocks {request.hbm_prefix_blocks} > max_hbm_keys_per_worker "
-                             f"{self._config.max_hbm_keys_per_worker}")
-        self._check_block_tokens("Lookup", request.block_tokens)
-        tenant = caller_tenant()
-        if request.worker_id:
-            self._membership.worker_seen(self._worker(request.worker_id, "Lookup"))
-        run = self._index.leading_run_arrays(caller_keys(request.keys))  # columns: no Python object per block
-        end = len(run.nodes)
-        packed_nodes = run.nodes.tobytes()
-        if end and packed_nodes == packed_nodes[: run.nodes.itemsize] * end:  # the usual case: one node holds the run
-            refs = self._membership.refs([int(run.nodes[0])])
-            order = [int(run.nodes[0])] if refs else []
-            end = end if refs else 0
-            node_indexes: list[int] = [0] * end
-        else:
-            numbers, indexes = np.unique(run.nodes, return_inverse=True)
-            refs = self._membership.refs(numbers.tolist())
-            alive = np.array([int(n) in refs for n in numbers], dtype=bool)
-            if not alive.all():  # a node dropped while we looked: the run ends at its first block
-                end = int(np.flatnonzero(~alive[indexes])[0])
-            # Renumber the nodes the run still uses, in order of first use.
-            used, first = np.unique(indexes[:end], return_index=True)
-            by_use = used[np.argsort(first)]
-            renumber = np.empty(len(numbers), dtype=np.int64)
-            renumber[by_use] = np.arange(len(by_use))
-            node_indexes = renumber[indexes[:end]].tolist()
-            order = [int(numbers[i]) for i in by_use]
-        tiers = run.tiers[:end].tobytes()  # one byte a block: counted with bytes.count, no numpy pass
-        dram, ssd = tiers.count(_DRAM_BYTE), tiers.count(_SSD_BYTE)
-        response = master_pb2.LookupResponse(
-            tiers=tiers,
-            node_indexes=node_indexes,
-            sizes=run.sizes[:end].tolist(),
-            checksums=run.checksums[:end].tolist(),
-            nodes=[self._node_ref(refs[n]) for n in order],
-            dram_blocks=dram,
-            ssd_blocks=ssd,
-        )
-        self._metrics.record_lookup(
-            hbm=request.hbm_prefix_blocks,
-            dram=dram,
-            ssd=ssd,
-            requested=request.hbm_prefix_blocks + n_keys,
-            block_tokens=request.block_tokens,
-            tenant=tenant,
-        )
-        self._metrics.lookup_seconds.observe(time.perf_counter() - started)
-        return response
+        begun = self._lookup.begin(request, context)
+        return self._lookup.end(begun, self._index.leading_run_arrays(begun.keys))
 
     def Exists(self, request: master_pb2.ExistsRequest, context: Any) -> master_pb2.ExistsResponse:
         self._lead(context)
@@ -491,4 +443,87 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         response.largest_refused_bytes = refused.largest_refused
         response.largest_block_bytes = max((max(i.dram_max_block_bytes, i.max_block_bytes) for i in
                                             self._membership.live_nodes()), default=0)
+        return response
+
+
+class _Begun(NamedTuple):
+    """A Lookup checked and ready for the index pass."""
+
+    request: master_pb2.LookupRequest
+    keys: bytes  # packed, as stored (the caller's tenant applied)
+    n_keys: int
+    tenant: str
+    started: float
+
+
+class LookupSteps:
+    """``Lookup`` in three steps (:class:`kvpool.wire.Together`), so that lookups that reach the fast-call loop
+    together are answered with one pass over the index: ``begin`` (checks, the caller's tenant; under the
+    caller's identity), ``run`` (the index, once for all), ``end`` (the reply and the metrics). Each reply is
+    exactly what :meth:`MasterServicer.Lookup` answers alone; only the index pass is shared."""
+
+    def __init__(self, servicer: MasterServicer):
+        self._s = servicer
+
+    def begin(self, request: master_pb2.LookupRequest, context: Any) -> _Begun:
+        s = self._s
+        s._lead(context)
+        started = time.perf_counter()
+        n_keys = s._count_keys(request.keys)
+        if request.hbm_prefix_blocks > s._config.max_hbm_keys_per_worker:
+            raise ValueError(f"Lookup: hbm_prefix_blocks {request.hbm_prefix_blocks} > max_hbm_keys_per_worker "
+                             f"{s._config.max_hbm_keys_per_worker}")
+        s._check_block_tokens("Lookup", request.block_tokens)
+        if request.worker_id:
+            s._membership.worker_seen(s._worker(request.worker_id, "Lookup"))
+        return _Begun(request, caller_keys(request.keys), n_keys, caller_tenant(), started)
+
+    def run(self, begun: Sequence[_Begun]) -> list[RunArrays]:
+        runs = self._s._index.leading_runs_arrays([b.keys for b in begun])
+        self._s._metrics.lookups_together.inc(len(begun))
+        return runs
+
+    def end(self, begun: _Begun, run: RunArrays) -> master_pb2.LookupResponse:
+        s = self._s
+        request = begun.request
+        end = len(run.nodes)
+        packed_nodes = run.nodes.tobytes()
+        if end and packed_nodes == packed_nodes[: run.nodes.itemsize] * end:  # the usual case: one node holds the run
+            refs = s._membership.refs([int(run.nodes[0])])
+            order = [int(run.nodes[0])] if refs else []
+            end = end if refs else 0
+            node_indexes: list[int] = [0] * end
+        else:
+            numbers, indexes = np.unique(run.nodes, return_inverse=True)
+            refs = s._membership.refs(numbers.tolist())
+            alive = np.array([int(n) in refs for n in numbers], dtype=bool)
+            if not alive.all():  # a node dropped while we looked: the run ends at its first block
+                end = int(np.flatnonzero(~alive[indexes])[0])
+            # Renumber the nodes the run still uses, in order of first use.
+            used, first = np.unique(indexes[:end], return_index=True)
+            by_use = used[np.argsort(first)]
+            renumber = np.empty(len(numbers), dtype=np.int64)
+            renumber[by_use] = np.arange(len(by_use))
+            node_indexes = renumber[indexes[:end]].tolist()
+            order = [int(numbers[i]) for i in by_use]
+        tiers = run.tiers[:end].tobytes()  # one byte a block: counted with bytes.count, no numpy pass
+        dram, ssd = tiers.count(_DRAM_BYTE), tiers.count(_SSD_BYTE)
+        response = master_pb2.LookupResponse(
+            tiers=tiers,
+            node_indexes=node_indexes,
+            sizes=run.sizes[:end].tolist(),
+            checksums=run.checksums[:end].tolist(),
+            nodes=[s._node_ref(refs[n]) for n in order],
+            dram_blocks=dram,
+            ssd_blocks=ssd,
+        )
+        s._metrics.record_lookup(
+            hbm=request.hbm_prefix_blocks,
+            dram=dram,
+            ssd=ssd,
+            requested=request.hbm_prefix_blocks + begun.n_keys,
+            block_tokens=request.block_tokens,
+            tenant=begun.tenant,
+        )
+        s._metrics.lookup_seconds.observe(time.perf_counter() - begun.started)
         return response

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, fields
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
@@ -91,6 +91,9 @@ class MasterMetrics:
         self._lookup = LookupMetrics(registry, by_tenant=True, tenants=tenants)
         self.lookup_seconds = latency_histogram(registry, "lookup", "Master-side latency of a Lookup call")
         self.score_seconds = latency_histogram(registry, "score", "Master-side latency of a Score call (routing)")
+        self.lookups_together = Counter(
+            "kvpool_master_lookups_together", "Lookups that arrived with others on the fast-call port and shared "
+            "one index pass with them", registry=registry)
         self._lock = threading.Lock()
         self._totals = [0] * len(fields(LookupTotals))  # LookupTotals' counts, added to in place
         self._too_large = TooLargeTotals()

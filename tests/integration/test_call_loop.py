@@ -6,23 +6,26 @@ client sends and reads):
 - 200 connections, each answered once and then held open, add no thread to the master;
 - connections trickling a header byte by byte do not hold up a client making calls meanwhile;
 - a client that pipelines requests and never reads its replies does not grow the master's memory (the loop
-  reads one request at a time per connection: the rest stays in the kernel's buffers), and others are served.
+  reads one request at a time per connection: the rest stays in the kernel's buffers), and others are served;
+- lookups that reach the loop together share one index pass, and each still gets its own run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import threading
 import time
 
 import pytest
-from support import PoolProcesses, rss_bytes
+from support import PoolProcesses, metric, rss_bytes, scrape
 
 from kvpool import wire
 from kvpool.keys import opaque_key, pack_keys
-from kvpool.v1 import master_pb2
+from kvpool.master_client import DirectMaster
+from kvpool.v1 import common_pb2, master_pb2
 from kvpool.wire import Method
 
 MIB = 1 << 20
@@ -191,3 +194,36 @@ def test_a_slow_request_does_not_stall_the_loop(stuck):
             for sock in held:
                 head, body = wire.read_reply(sock, None, 1 << 20)
                 assert head.code == 0 and list(master_pb2.ExistsResponse.FromString(body).present) == [0]
+
+
+def test_lookups_that_arrive_together_share_one_index_pass_and_each_gets_its_own_run(master):
+    pool, proc = master
+    keys = [opaque_key(f"together-{i}") for i in range(32)]
+    grpc_master = DirectMaster(pool.master, pool=None, timeout_s=5.0, max_message_bytes=1 << 20)
+    try:
+        ref = common_pb2.NodeRef(node_id="n1", address="127.0.0.1:9", host_id="h", arena="a")
+        usage = [common_pb2.TierUsage(tier=common_pb2.TIER_DRAM, capacity_bytes=1 << 30)]
+        reg = grpc_master.register_node(master_pb2.RegisterNodeRequest(node=ref, tiers=usage,
+                                                                       dram_max_block_bytes=1 << 20), 5.0)
+        grpc_master.report_blocks(master_pb2.ReportBlocksRequest(
+            node_id="n1", incarnation=reg.incarnation, tier=common_pb2.TIER_DRAM, added_keys=pack_keys(keys),
+            added_sizes=[4096] * len(keys), added_checksums=list(range(len(keys)))), 5.0)
+    finally:
+        grpc_master.close()
+    frames = [b"".join(wire.request_frame(Method.LOOKUP, master_pb2.LookupRequest(
+        keys=pack_keys(keys[:n] + [opaque_key(f"absent-{n}")] + keys[n:])))) for n in range(1, 17)]
+    with connections(pool.master_call_port, len(frames)) as socks:
+        os.kill(proc.pid, signal.SIGSTOP)  # every request is in the master's socket buffers before it runs again
+        try:
+            for sock, frame in zip(socks, frames):
+                sock.sendall(frame)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        runs = []
+        for sock in socks:
+            head, body = wire.read_reply(sock, None, 1 << 20)
+            assert head.code == 0, body
+            reply = master_pb2.LookupResponse.FromString(body)
+            runs.append((len(reply.tiers), list(reply.checksums)))
+    assert runs == [(n, list(range(n))) for n in range(1, 17)]
+    assert metric(scrape(pool.master_metrics_port), "kvpool_master_lookups_together_total") >= 2

@@ -416,6 +416,35 @@ def test_leading_run_arrays_agree_with_leading_run():
         index.leading_run_arrays(b"x" * 33)
 
 
+def test_runs_of_prompts_looked_up_together_equal_each_alone():
+    """leading_runs_arrays (lookups that arrived together, one probe) cuts each prompt at its own first miss,
+    whatever the others hold: empty prompts, all-present, all-absent, a miss first or last, in any order."""
+    from kvpool.keys import opaque_key
+
+    rng = random.Random(29)
+    index = BlockIndex()
+    for node in range(3):
+        index.open_node(node)
+    keys = [opaque_key(f"together-{i}") for i in range(400)]
+    for i in range(0, 300, 3):
+        index.add(i % 3, Tier.DRAM if i % 2 else Tier.SSD, keys[i:i + 3], [i + 1] * 3, [i + 7] * 3)
+    prompts = [b"", b"".join(keys[:40]), b"".join(keys[300:310]), b"", b"".join(keys[290:305]),
+               b"".join(keys[:1]), b"".join(keys[399:400])]
+    for _ in range(40):
+        lo = rng.randrange(0, 380)
+        prompts.append(b"".join(keys[lo:lo + rng.randrange(0, 20)]))
+    for batch in (prompts, prompts[1:2], prompts[:1], [b"", b""], list(reversed(prompts))):
+        together = index.leading_runs_arrays(batch)
+        assert len(together) == len(batch)
+        for packed, run in zip(batch, together):
+            alone = index.leading_run_arrays(packed)
+            for field in ("tiers", "nodes", "sizes", "checksums"):
+                assert getattr(run, field).tolist() == getattr(alone, field).tolist(), field
+    assert sum(len(r.tiers) for r in index.leading_runs_arrays(prompts)) > 100  # (hits, not only misses)
+    with pytest.raises(ValueError):
+        index.leading_runs_arrays([b"", b"x" * 33])
+
+
 # -- tier transitions (the master's KV events) ----------------------------------------------
 
 
