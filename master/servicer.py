@@ -97,6 +97,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.leading: Callable[[], bool] = lambda: True
         self.leader_address: Callable[[], str] = lambda: ""
         self.cluster = ""
+        self.shard, self.shard_count = config.shard, config.shards  # this group's index shard, of how many
         self._elected_at = 0.0  # monotonic time of this master's last election (0: never, or no etcd)
         self._resyncing: set[str] = set()  # nodes that registered soon after it, their inventories not yet whole
         self.names = names  # engines' block hashes for KV events (None: events off)
@@ -459,7 +460,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                              standby=not self.leading(), leader_address=self.leader_address(),
                                              cluster=self.cluster,
                                              kv_events_server_key=self.events_server_key if client else "",
-                                             max_keys_per_call=self._config.server.max_keys_per_call)
+                                             max_keys_per_call=self._config.server.max_keys_per_call,
+                                             shard=self.shard, shard_count=self.shard_count)
 
     def ClusterStatus(self, request: master_pb2.ClusterStatusRequest, context: Any) -> master_pb2.ClusterStatusResponse:
         self._lead(context)
