@@ -10,9 +10,14 @@ from support import EtcdServer, wait_until
 
 from kvpool.config import MasterConfig
 from kvpool.etcd import EtcdClient, LeaderInfo, leader_key
+from kvpool.keys import opaque_key
 from kvpool.master import MasterServer
-from kvpool.shards import ShardMap, read_shard_map, shard_map_key
-from kvpool.v1 import master_pb2, master_pb2_grpc
+from kvpool.master_client import DirectMaster
+from kvpool.rpc import proto_tier
+from kvpool.shards import ShardMap, read_shard_map, shard_map_key, shard_of
+from kvpool.tcp import ConnectionPool
+from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
+from kvpool.vocabulary import Tier
 
 TTL_S = 2
 
@@ -100,4 +105,56 @@ def test_one_shard_is_todays_cluster_no_shard_map_and_the_unsharded_leader_key(e
         said = info(master.address)
         assert (said.shard, said.shard_count) == (0, 1)
     finally:
+        master.stop()
+
+
+def keys_of(shard: int, n: int, tag: str = "k") -> list[bytes]:
+    """``n`` keys of ``shard`` (of 2)."""
+    found: list[bytes] = []
+    i = 0
+    while len(found) < n:
+        key = opaque_key(f"{tag}{i}")
+        i += 1
+        if shard_of(key, 2) == shard:
+            found.append(key)
+    return found
+
+
+def direct(master: MasterServer, pool: ConnectionPool | None) -> DirectMaster:
+    return DirectMaster(master.address, pool=pool, timeout_s=5, max_message_bytes=8 << 20)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["grpc", "fast-calls"])
+def test_a_report_carrying_another_shards_key_is_refused_and_changes_nothing(etcd, fast):
+    cluster = new_cluster()
+    master = shard_master(etcd, cluster, 1)
+    pool = ConnectionPool(5.0) if fast else None
+    api = direct(master, pool)
+    try:
+        wait_until(lambda: leader_of([master]), timeout=15)
+        reply = api.register_node(master_pb2.RegisterNodeRequest(
+            node=common_pb2.NodeRef(node_id="n1", address="127.0.0.1:1")), timeout=5)
+        mine, foreign = keys_of(1, 3), keys_of(0, 1)
+
+        def report(keys: list[bytes], full_sync: bool = False,
+                   removed: tuple[bytes, ...] = ()) -> master_pb2.ReportBlocksResponse:
+            return api.report_blocks(master_pb2.ReportBlocksRequest(
+                node_id="n1", incarnation=reply.incarnation, tier=proto_tier(Tier.DRAM), full_sync=full_sync,
+                added_keys=b"".join(keys), added_sizes=[4096] * len(keys), added_checksums=[0] * len(keys),
+                removed_keys=b"".join(removed)), timeout=5)
+
+        assert report(mine[:2], full_sync=True).known
+        for bad in (dict(keys=[mine[2], foreign[0]]), dict(keys=[foreign[0]], full_sync=True),
+                    dict(keys=[], removed=(mine[0], foreign[0]))):
+            with pytest.raises(grpc.RpcError) as caught:
+                report(**bad)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "another index shard" in caught.value.details()
+        present = api.exists(master_pb2.ExistsRequest(keys=b"".join(mine + foreign)), timeout=5).present
+        assert list(present) == [1, 1, 0, 0]  # the refused reports added, replaced and removed nothing
+        assert len(master.index) == 2
+    finally:
+        api.close()
+        if pool is not None:
+            pool.close()
         master.stop()
