@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import uuid
 
 import grpc
@@ -207,6 +210,25 @@ def test_a_node_reports_each_key_to_its_shards_leader_only(etcd, tmp_path):
         for shard, leader in enumerate(leaders):
             assert present(leader, keys) == [int(o == shard) for o in owner]
             assert len(leader.index) == owner.count(shard)
+        # kvpool status lists every shard: its leader, its standby, the node and the shard's block count
+        target = f"etcd://{etcd.endpoint}/{cluster}"
+
+        def status() -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--master", target],
+                                  capture_output=True, text=True, timeout=60)
+
+        standbys = [next(m for m in g if m is not leader) for g, leader in zip(groups, leaders)]
+        shown = wait_until(lambda: (r := status()).returncode == 0
+                           and all(m.advertised_address() in r.stdout for m in standbys) and r, timeout=15)
+        for shard, (leader, standby) in enumerate(zip(leaders, standbys)):
+            assert (f"masters of cluster {cluster} shard {shard} of 2: leader {leader.advertised_address()}; "
+                    f"standbys: {standby.advertised_address()}") in shown.stdout
+            assert (f"kvpool master {target} shard {shard}: 1 node(s), {owner.count(shard)} blocks indexed"
+                    in shown.stdout)
+        as_json = json.loads(subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--master", target,
+                                             "--json"], capture_output=True, text=True, timeout=60).stdout)
+        assert [(e["shard"], e["masters"]["leader"], e["cluster"]["indexed_blocks"]) for e in as_json["shards"]] \
+            == [(k, leaders[k].advertised_address(), owner.count(k)) for k in range(2)]
     finally:
         if pool is not None:
             pool.close()
