@@ -236,3 +236,48 @@ def test_a_node_reports_each_key_to_its_shards_leader_only(etcd, tmp_path):
         unlink_arena(arena)
         for m in [m for g in groups for m in g]:
             m.stop()
+
+
+def test_with_tenants_a_key_lands_in_the_shard_of_its_stored_key(etcd, tmp_path):
+    """kvpool/shards.py's rule: the shard of a tenant's key is that of its stored key (masked), which the node
+    reports and the master guards; a client of the tenant computes it from the mask its master's Info gives."""
+    import secrets
+
+    from kvpool.auth import mask_keys
+
+    node_token, client_token = secrets.token_hex(32), secrets.token_hex(32)
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"secret": secrets.token_hex(32), "node_tokens": [node_token],
+                                "clients": {client_token: {"tenant": "a"}}}))
+    cluster = new_cluster()
+    leaders = [shard_master(etcd, cluster, shard, auth_file=str(auth)) for shard in range(2)]
+    node, arena = start_node(etcd, cluster, tmp_path, "n1", "--auth-file", str(auth), "--token", node_token)
+    pool = None
+    apis: list[DirectMaster] = []
+    try:
+        for m in leaders:
+            wait_until(lambda m=m: leader_of([m]), timeout=15)
+        pool = PoolClient(ClientConfig(master=f"etcd://{etcd.endpoint}/{cluster}", shared_memory=False,
+                                       token=client_token))
+        keys = [opaque_key(f"{cluster}-t{i}") for i in range(32)]
+        wait_until(lambda: pool.cluster.refresh() and len(pool.cluster.nodes()) == 1, timeout=20)
+        assert pool.store(keys, [np.full(4096, i + 1, np.uint8) for i in range(len(keys))]) == [True] * len(keys)
+        wait_until(pool.flush, timeout=20)
+        apis = [DirectMaster(m.address, pool=None, timeout_s=5, max_message_bytes=8 << 20, token=client_token)
+                for m in leaders]
+        info_ = apis[0].info()
+        assert info_ is not None and len(info_.tenant_mask) == 32
+        stored = [shard_of(k, 2) for k in (mask_keys(key, info_.tenant_mask) for key in keys)]
+        assert stored != [shard_of(k, 2) for k in keys]  # the mask moves keys: the rule matters
+        for shard, api in enumerate(apis):
+            got = list(api.exists(master_pb2.ExistsRequest(keys=b"".join(keys)), timeout=5).present)
+            assert got == [int(s == shard) for s in stored]
+    finally:
+        for api in apis:
+            api.close()
+        if pool is not None:
+            pool.close()
+        stop_process(node)
+        unlink_arena(arena)
+        for m in leaders:
+            m.stop()
