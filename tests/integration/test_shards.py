@@ -281,3 +281,31 @@ def test_with_tenants_a_key_lands_in_the_shard_of_its_stored_key(etcd, tmp_path)
         unlink_arena(arena)
         for m in leaders:
             m.stop()
+
+
+def test_a_node_started_while_etcd_is_unreachable_links_every_shard_once_it_answers(tmp_path):
+    (tmp_path / "etcd").mkdir()
+    own = EtcdServer(tmp_path / "etcd")
+    cluster = new_cluster()
+    masters = [shard_master(own, cluster, shard) for shard in range(2)]
+    node, arena = None, ""
+    try:
+        for m in masters:
+            wait_until(lambda m=m: leader_of([m]), timeout=15)
+        own.pause()
+        try:
+            node, arena = start_node(own, cluster, tmp_path)
+            log = tmp_path / "n1.log"
+            wait_until(lambda: log.exists() and "cannot read the shard map" in log.read_text(), timeout=30)
+            assert node.poll() is None  # the node runs, and waits for etcd
+        finally:
+            own.resume()
+        wait_until(lambda: all(leader_of([m]) for m in masters), timeout=20)
+        wait_until(lambda: all(m.membership.node_count() == 1 for m in masters), timeout=30)
+    finally:
+        if node is not None:
+            stop_process(node)
+            unlink_arena(arena)
+        for m in masters:
+            m.stop()
+        own.stop()
