@@ -150,6 +150,10 @@ class MasterServer:
                                   registry=self.registry)
         # read at scrape time from the election's own clock (a lagging thread cannot make it claim leadership)
         self._leader_gauge.set_function(lambda: 0 if self.config.etcd and not self._leading() else 1)
+        # which index shard this master's group owns: alerts count leaders per shard (deploy/prometheus)
+        Gauge("kvpool_master_shard_info", "Always 1; labels: the index shard this master's group owns, and the "
+              "cluster's shard count", ["shard", "shards"], registry=self.registry).labels(
+            shard=str(config.shard), shards=str(config.shards)).set(1)
 
     @property
     def address(self) -> str:

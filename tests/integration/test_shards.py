@@ -74,6 +74,8 @@ def test_each_shard_elects_its_own_leader_under_its_own_key_and_says_its_shard(e
             for m in groups[shard]:
                 said = info(m.address)
                 assert (said.shard, said.shard_count) == (shard, 2)
+                assert m.registry.get_sample_value("kvpool_master_shard_info",
+                                                   {"shard": str(shard), "shards": "2"}) == 1  # alerts count by it
         client = EtcdClient([etcd.endpoint])
         try:
             assert read_shard_map(client, cluster) == ShardMap(2)
