@@ -393,7 +393,8 @@ def run_master(config: MasterConfig) -> None:
         if server.events is not None:
             log_events(server.events.publisher)
         if config.etcd:
-            log.info("kvpool master: standing by for cluster %s in etcd %s as %s (leader TTL %d s)", config.cluster,
-                     config.etcd, server.advertised_address(), config.leader_ttl_s)
+            shard = f" index shard {config.shard} of {config.shards}" if config.shards > 1 else ""
+            log.info("kvpool master: standing by for cluster %s%s in etcd %s as %s (leader TTL %d s)", config.cluster,
+                     shard, config.etcd, server.advertised_address(), config.leader_ttl_s)
         wait_for_shutdown()
         log.info("kvpool master stopping")

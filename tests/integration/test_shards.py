@@ -245,11 +245,14 @@ def test_with_tenants_a_key_lands_in_the_shard_of_its_stored_key(etcd, tmp_path)
     reports and the master guards; a client of the tenant computes it from the mask its master's Info gives."""
     import secrets
 
-    from kvpool.auth import mask_keys
+    from kvpool.auth import mask_keys, tenant_mask
 
     node_token, client_token = secrets.token_hex(32), secrets.token_hex(32)
+    # a secret whose mask for tenant "a" moves keys between 2 shards (it flips bit 0 of byte 7: the shard's bit)
+    secret = next(s for s in (secrets.token_hex(32) for _ in range(1000))
+                  if tenant_mask(bytes.fromhex(s), "a")[7] & 1)
     auth = tmp_path / "auth.json"
-    auth.write_text(json.dumps({"secret": secrets.token_hex(32), "node_tokens": [node_token],
+    auth.write_text(json.dumps({"secret": secret, "node_tokens": [node_token],
                                 "clients": {client_token: {"tenant": "a"}}}))
     cluster = new_cluster()
     leaders = [shard_master(etcd, cluster, shard, auth_file=str(auth)) for shard in range(2)]
@@ -270,7 +273,7 @@ def test_with_tenants_a_key_lands_in_the_shard_of_its_stored_key(etcd, tmp_path)
         info_ = apis[0].info()
         assert info_ is not None and len(info_.tenant_mask) == 32
         stored = [shard_of(k, 2) for k in (mask_keys(key, info_.tenant_mask) for key in keys)]
-        assert stored != [shard_of(k, 2) for k in keys]  # the mask moves keys: the rule matters
+        assert stored == [1 - shard_of(k, 2) for k in keys]  # this mask moves every key: the rule matters
         for shard, api in enumerate(apis):
             got = list(api.exists(master_pb2.ExistsRequest(keys=b"".join(keys)), timeout=5).present)
             assert got == [int(s == shard) for s in stored]
