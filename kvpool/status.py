@@ -423,40 +423,36 @@ def run_status(master: str, timeout: float = 3.0, prometheus: str | None = None,
         unreachable = [endpoint for endpoint, health in masters.etcd if health.startswith("UNREACHABLE")]
         if unreachable or masters.leader is None:  # shown in the table; said in errors for --json
             report["errors"].append(f"etcd: {'unreachable ' + ', '.join(unreachable) if unreachable else 'no leader'}")
-    if masters is not None and masters.shards > 1:
-        shard_reports = []
-        for shard in range(masters.shards):
+    shards = masters.shards if masters is not None else 1
+    shard_reports = []
+    for shard in range(shards):  # one shard: the master (or leader) as before; more: each shard's leader
+        entry: dict[str, Any] = {"shard": shard, "masters": None, "cluster": None}
+        if shard:
             try:
-                group = masters if shard == 0 else ask_etcd(master, timeout, etcd_access, shard)
+                group = ask_etcd(master, timeout, etcd_access, shard)
             except ValueError as exc:
                 failed(str(exc))
                 return done()
             assert group is not None, "kvpool status: an etcd:// target named no masters"
-            if shard:
-                tables.append(render_masters(group))
-                if group.leader is None:
-                    report["errors"].append(f"etcd: no leader of shard {shard}")
-            entry: dict[str, Any] = {"shard": shard, "masters": masters_fields(group), "cluster": None}
-            label = f"{master} shard {shard}"
-            try:
-                status = cluster_status(master, token=token, tls_ca=tls_ca, timeout=timeout, etcd_access=etcd_access,
-                                        shard=shard)
-            except MasterUnreachable as exc:
-                failed(f"cannot reach the master of shard {shard} at {master}: {exc.code}")
-            else:
-                entry["cluster"] = status_fields(label, status)
-                tables.append(render_status(label, status))
-            shard_reports.append(entry)
-        report["shards"] = shard_reports
-        report["cluster"] = shard_reports[0]["cluster"]
-    else:
+            tables.append(render_masters(group))
+            entry["masters"] = masters_fields(group)
+            if group.leader is None:
+                report["errors"].append(f"etcd: no leader of shard {shard}")
+        elif masters is not None:
+            entry["masters"] = report["masters"]
+        label = f"{master} shard {shard}" if shards > 1 else master
         try:
-            status = cluster_status(master, token=token, tls_ca=tls_ca, timeout=timeout, etcd_access=etcd_access)
+            status = cluster_status(master, token=token, tls_ca=tls_ca, timeout=timeout, etcd_access=etcd_access,
+                                    shard=shard)
         except MasterUnreachable as exc:
-            failed(f"cannot reach the master at {master}: {exc.code}")
+            failed(f"cannot reach the master{f' of shard {shard}' if shards > 1 else ''} at {master}: {exc.code}")
         else:
-            report["cluster"] = status_fields(master, status)
-            tables.append(render_status(master, status))
+            entry["cluster"] = status_fields(label, status)
+            tables.append(render_status(label, status))
+        shard_reports.append(entry)
+    report["cluster"] = shard_reports[0]["cluster"]
+    if shards > 1:
+        report["shards"] = shard_reports
     if prometheus:
         try:
             rates = fetch_dashboard_rates(prometheus, timeout)
