@@ -74,8 +74,8 @@ def shards_of_packed(packed: bytes, count: int) -> np.ndarray:
     """:func:`shard_of` of each key in ``packed`` (keys of ``KEY_BYTES`` each, back to back), in one numpy pass."""
     if count == 1:
         return np.zeros(len(packed) // KEY_BYTES, dtype=np.uint64)
-    heads = np.frombuffer(packed, dtype=np.uint8).reshape(-1, KEY_BYTES)[:, :8]
-    return np.ascontiguousarray(heads).view(">u8").ravel() % np.uint64(count)
+    heads = np.frombuffer(packed, dtype=">u8")[:: KEY_BYTES // 8]  # each key's first 8 bytes, big-endian
+    return heads % np.uint64(count)
 
 
 def foreign_keys(packed: bytes, count: int, shard: int) -> int:
