@@ -98,6 +98,26 @@ def test_a_master_started_with_another_shard_count_refuses_to_start(etcd):
         first.stop()
 
 
+def test_the_cli_master_with_another_count_or_shards_without_etcd_refuses_in_one_line(etcd):
+    from support import assert_refused
+
+    cluster = new_cluster()
+    first = shard_master(etcd, cluster, 0, shards=2)
+    try:
+        for flags, words in [
+            (["--etcd", etcd.endpoint, "--cluster", cluster, "--shards", "3", "--shard", "0"],
+             ("has 2 index shard(s)", "started with 3", "cannot change")),
+            (["--shards", "2", "--shard", "1"], ("master.shards", "need etcd")),
+            (["--etcd", etcd.endpoint, "--cluster", cluster, "--shards", "2", "--shard", "2"],
+             ("master.shard", "is not a shard of 2")),
+        ]:
+            done = subprocess.run([sys.executable, "-m", "kvpool.cli", "master", "--port", "0", "--metrics-port", "0",
+                                   "--call-port", "0", *flags], capture_output=True, text=True, timeout=60)
+            assert_refused(done.returncode, done.stderr, "master", *words)
+    finally:
+        first.stop()
+
+
 def test_one_shard_is_todays_cluster_no_shard_map_and_the_unsharded_leader_key(etcd):
     cluster = new_cluster()
     master = shard_master(etcd, cluster, 0, shards=1)
