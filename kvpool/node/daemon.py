@@ -2,7 +2,8 @@
 
 :class:`PoolNode` owns, and builds in this order: the DRAM tier (a fresh
 shared-memory arena), the SSD tier (LMDB, survives restarts), the
-:class:`~kvpool.tiers.node_store.NodeStore` over both, the link to the master,
+:class:`~kvpool.tiers.node_store.NodeStore` over both, the link to the master
+(one per index shard for a sharded ``etcd://`` cluster: :mod:`kvpool.node.shard_links`),
 the gRPC server (Node + health), the bulk TCP listener
 (:mod:`kvpool.node.data_port`) and the metrics registry. ``start()`` starts
 serving, the metrics endpoint, the master link and the lease reaper (which
