@@ -12,6 +12,20 @@ Invariants:
   (reports), clients (lookups, exists, scores, HBM reports) and masters (the
   guard on what they accept) all call it, and it depends on nothing but the
   key and the count.
+- The key a shard is computed on is the *stored* key: the key as the node
+  stores it and reports it, and as the master's index holds it. With auth
+  off that is the key as the client sent it. With an auth file a tenant's
+  client key is stored as ``(key & KEEP) ^ mask(tenant)``
+  (:func:`kvpool.auth.mask_keys`; nodes and masters map a client's keys with
+  :func:`kvpool.auth.caller_keys`), and the mask changes the first eight
+  bytes, so a client of a tenant computes ``shard_of(mask_keys(key,
+  tenant_mask))``, with the ``tenant_mask`` its master's ``Info`` tells it,
+  never ``shard_of(key)``. Nodes (:mod:`kvpool.node.shard_links`) and the
+  masters' guard (:func:`foreign_keys` over ``ReportBlocks``) see stored
+  keys only. This holds for every keyed call a client splits: Lookup,
+  Exists, Score, ReportHbm and NameBlocks (an engine's name is kept only by
+  the shard whose index holds the key, and only that shard's KV events name
+  it).
 - The shard map (:class:`ShardMap`) is one etcd key per cluster,
   :func:`shard_map_key`. Absent means one shard. The first master started with
   a count writes it (create-if-absent); a master started with another count
@@ -25,7 +39,10 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvpool.etcd import EtcdClient, cluster_prefix
+from kvpool.keys import KEY_BYTES
 
 MAX_SHARDS = 256
 
@@ -51,6 +68,21 @@ def split_by_shard(keys: Sequence[bytes], count: int) -> list[list[int]]:
     for i, key in enumerate(keys):
         positions[int.from_bytes(key[:8], "big") % count].append(i)
     return positions
+
+
+def shards_of_packed(packed: bytes, count: int) -> np.ndarray:
+    """:func:`shard_of` of each key in ``packed`` (keys of ``KEY_BYTES`` each, back to back), in one numpy pass."""
+    if count == 1:
+        return np.zeros(len(packed) // KEY_BYTES, dtype=np.uint64)
+    heads = np.frombuffer(packed, dtype=">u8")[:: KEY_BYTES // 8]  # each key's first 8 bytes, big-endian
+    return heads % np.uint64(count)
+
+
+def foreign_keys(packed: bytes, count: int, shard: int) -> int:
+    """How many keys in ``packed`` belong to a shard other than ``shard`` (of ``count``)."""
+    if count == 1 or not packed:
+        return 0
+    return int(np.count_nonzero(shards_of_packed(packed, count) != np.uint64(shard)))
 
 
 def shard_map_key(cluster: str) -> bytes:

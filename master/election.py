@@ -51,12 +51,12 @@ log = logging.getLogger(__name__)
 MIN_TTL_S = 2  # etcd grants no shorter lease with its default timings
 
 
-def check_access(etcd: EtcdClient, cluster: str, timeout: float | None = None) -> None:
-    """Whether etcd lets this master campaign in ``cluster``: read and write its leader key and a member key,
-    checked without writing either. ValueError (one line, what to fix) if etcd refuses; if etcd cannot be
-    reached now, a warning: the master stands by until it can."""
+def check_access(etcd: EtcdClient, cluster: str, timeout: float | None = None, shard: int = 0) -> None:
+    """Whether etcd lets this master campaign in ``cluster``'s index shard ``shard``: read and write its leader key
+    and a member key, checked without writing either. ValueError (one line, what to fix) if etcd refuses; if etcd
+    cannot be reached now, a warning: the master stands by until it can."""
     try:
-        for key in (leader_key(cluster), members_prefix(cluster) + b"check"):
+        for key in (leader_key(cluster, shard), members_prefix(cluster, shard) + b"check"):
             etcd.check(key, write=True, timeout=timeout)
     except EtcdRefused as exc:
         hint = f"; its role needs readwrite on the prefix {cluster_prefix(cluster).decode()}" \
@@ -67,17 +67,21 @@ def check_access(etcd: EtcdClient, cluster: str, timeout: float | None = None) -
 
 
 class Election:
-    """Campaign for ``cluster``'s leader key as ``me``; see the module docstring."""
+    """Campaign for the leader key of ``cluster``'s index shard ``shard`` (:mod:`kvpool.shards`; shard 0 is the
+    unsharded cluster's key) as ``me``; see the module docstring."""
 
     def __init__(self, etcd: EtcdClient, cluster: str, me: LeaderInfo, ttl_s: int, *,
-                 on_elected: Callable[[], None], on_deposed: Callable[[], None], poll_s: float | None = None):
+                 on_elected: Callable[[], None], on_deposed: Callable[[], None], poll_s: float | None = None,
+                 shard: int = 0):
         if ttl_s < MIN_TTL_S:
             raise ValueError(f"leader TTL must be at least {MIN_TTL_S} s")
         self.etcd = etcd
         self.cluster = cluster
         self.me = me
         self.ttl_s = ttl_s
-        self.key = leader_key(cluster)
+        self.shard = shard
+        self.key = leader_key(cluster, shard)
+        self._group = cluster if shard == 0 else f"{cluster} shard {shard}"  # as the log names it
         self.poll_s = min(0.5, ttl_s / 4) if poll_s is None else poll_s
         self.margin_s = min(1.0, ttl_s * 0.2)
         self._on_elected = on_elected
@@ -89,7 +93,7 @@ class Election:
         self._leader: LeaderInfo | None = None  # the leader as last read
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._member_key = members_prefix(cluster) + me.id.encode()
+        self._member_key = members_prefix(cluster, shard) + me.id.encode()
         self._member_lease = 0
         self.elections = 0  # times this master became leader
         self.elected_at = 0.0  # monotonic time of the last election (0: never)
@@ -187,7 +191,7 @@ class Election:
                     return False
                 # Not a leader's key (no lease, or not ours to read): it would block every election. Remove it,
                 # if it still holds what we read, and campaign.
-                log.warning("master: the leader key of cluster %s holds %r%s; removing it", self.cluster,
+                log.warning("master: the leader key of cluster %s holds %r%s; removing it", self._group,
                             current.value[:80], "" if current.lease else " with no lease")
                 self.etcd.delete_if(self.key, current.value)
             lease, ttl = self.etcd.grant(self.ttl_s)
@@ -216,7 +220,7 @@ class Election:
         self.elected_at = time.monotonic()
         self.failover_s = None if self._moved is None else self.elected_at - self._moved[1]
         self._moved = None
-        log.info("master %s: elected leader of cluster %s (lease %x, TTL %d s)", self.me.address, self.cluster,
+        log.info("master %s: elected leader of cluster %s (lease %x, TTL %d s)", self.me.address, self._group,
                  lease, ttl)
         self._on_elected()
         return True
@@ -254,7 +258,7 @@ class Election:
             self._lease = 0
             self._leader = None
         if was:
-            log.warning("master %s: no longer leader of cluster %s: %s", self.me.address, self.cluster, why)
+            log.warning("master %s: no longer leader of cluster %s: %s", self.me.address, self._group, why)
             self._on_deposed()
 
     def _saw(self, leader: LeaderInfo | None) -> None:

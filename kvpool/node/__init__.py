@@ -14,6 +14,9 @@
   arena and the socket, and the fast calls) over the same core.
 - :mod:`kvpool.node.master_link`: registration, heartbeats and inventory
   reports to the master, surviving master restarts and outages.
+- :mod:`kvpool.node.shard_links`: with an ``etcd://`` master, one such link
+  per index shard (:mod:`kvpool.shards`), each reporting its shard's keys to
+  its shard's leader.
 
 Invariant: a key is reported to the master only after its bytes and checksum
 are committed in a tier (the stores' ``on_change`` fires after commit). A put
