@@ -273,6 +273,24 @@ def cluster_check(v: str) -> str | None:
     return _refusal(check_cluster, v)
 
 
+def shard_count_check(v: int) -> str | None:
+    """A cluster's index shard count: 1 to :data:`kvpool.shards.MAX_SHARDS`."""
+    from kvpool.shards import MAX_SHARDS
+
+    return None if 1 <= v <= MAX_SHARDS else f"must be 1 to {MAX_SHARDS}"
+
+
+def _check_shards(config: Any, section: str) -> None:
+    """``shard`` is one of the ``shards``; more than one shard needs etcd (the shard map and each shard's leader
+    live there)."""
+    if not 0 <= config.shard < config.shards:
+        raise ValueError(f"config {section}.shard: {config.shard} is not a shard of {config.shards} "
+                         f"(use 0 to {config.shards - 1})")
+    if config.shards > 1 and not config.etcd:
+        raise ValueError(f"config {section}.shards: {config.shards} index shards need etcd (set etcd: each shard's "
+                         "masters elect their leader there, and the shard map lives there)")
+
+
 def host_check(v: str) -> str | None:
     """A listen address: a host name or IP, no spaces (empty or 0.0.0.0: all interfaces)."""
     return "must be a host name or IP address without spaces" if any(c.isspace() for c in v) else None
@@ -608,12 +626,17 @@ class MasterConfig:
     etcd_password_file: str = etcd_opt("etcd_password_file")
     advertise_host: str = opt("", "host nodes and clients dial this master at, as put in etcd; empty: host (the "
                                   "machine's name if host is 0.0.0.0)", check=host_check)
+    shards: int = opt(1, "index shards of the cluster (kvpool.shards, docs/operations.md): the key space is cut into "
+                         "this many, each owned by its own master group; > 1 needs etcd, and every master of the "
+                         "cluster must say the same count", check=shard_count_check)
+    shard: int = opt(0, "the index shard this master's group owns, 0 to shards - 1", check=at_least(0))
 
     def __post_init__(self) -> None:
         _check_types(self, "master")
         _check_values(self, "master")
         _check_distinct_ports(self, "master", ("call_port",))
         _check_etcd_access(self, "master", self.etcd)
+        _check_shards(self, "master")
 
     @classmethod
     def of(cls, **flat: Any) -> MasterConfig:

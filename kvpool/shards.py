@@ -25,7 +25,10 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvpool.etcd import EtcdClient, cluster_prefix
+from kvpool.keys import KEY_BYTES
 
 MAX_SHARDS = 256
 
@@ -51,6 +54,21 @@ def split_by_shard(keys: Sequence[bytes], count: int) -> list[list[int]]:
     for i, key in enumerate(keys):
         positions[int.from_bytes(key[:8], "big") % count].append(i)
     return positions
+
+
+def shards_of_packed(packed: bytes, count: int) -> np.ndarray:
+    """:func:`shard_of` of each key in ``packed`` (keys of ``KEY_BYTES`` each, back to back), in one numpy pass."""
+    if count == 1:
+        return np.zeros(len(packed) // KEY_BYTES, dtype=np.uint64)
+    heads = np.frombuffer(packed, dtype=np.uint8).reshape(-1, KEY_BYTES)[:, :8]
+    return np.ascontiguousarray(heads).view(">u8").ravel() % np.uint64(count)
+
+
+def foreign_keys(packed: bytes, count: int, shard: int) -> int:
+    """How many keys in ``packed`` belong to a shard other than ``shard`` (of ``count``)."""
+    if count == 1 or not packed:
+        return 0
+    return int(np.count_nonzero(shards_of_packed(packed, count) != np.uint64(shard)))
 
 
 def shard_map_key(cluster: str) -> bytes:

@@ -51,12 +51,12 @@ log = logging.getLogger(__name__)
 MIN_TTL_S = 2  # etcd grants no shorter lease with its default timings
 
 
-def check_access(etcd: EtcdClient, cluster: str, timeout: float | None = None) -> None:
-    """Whether etcd lets this master campaign in ``cluster``: read and write its leader key and a member key,
-    checked without writing either. ValueError (one line, what to fix) if etcd refuses; if etcd cannot be
-    reached now, a warning: the master stands by until it can."""
+def check_access(etcd: EtcdClient, cluster: str, timeout: float | None = None, shard: int = 0) -> None:
+    """Whether etcd lets this master campaign in ``cluster``'s index shard ``shard``: read and write its leader key
+    and a member key, checked without writing either. ValueError (one line, what to fix) if etcd refuses; if etcd
+    cannot be reached now, a warning: the master stands by until it can."""
     try:
-        for key in (leader_key(cluster), members_prefix(cluster) + b"check"):
+        for key in (leader_key(cluster, shard), members_prefix(cluster, shard) + b"check"):
             etcd.check(key, write=True, timeout=timeout)
     except EtcdRefused as exc:
         hint = f"; its role needs readwrite on the prefix {cluster_prefix(cluster).decode()}" \
@@ -67,17 +67,20 @@ def check_access(etcd: EtcdClient, cluster: str, timeout: float | None = None) -
 
 
 class Election:
-    """Campaign for ``cluster``'s leader key as ``me``; see the module docstring."""
+    """Campaign for the leader key of ``cluster``'s index shard ``shard`` (:mod:`kvpool.shards`; shard 0 is the
+    unsharded cluster's key) as ``me``; see the module docstring."""
 
     def __init__(self, etcd: EtcdClient, cluster: str, me: LeaderInfo, ttl_s: int, *,
-                 on_elected: Callable[[], None], on_deposed: Callable[[], None], poll_s: float | None = None):
+                 on_elected: Callable[[], None], on_deposed: Callable[[], None], poll_s: float | None = None,
+                 shard: int = 0):
         if ttl_s < MIN_TTL_S:
             raise ValueError(f"leader TTL must be at least {MIN_TTL_S} s")
         self.etcd = etcd
         self.cluster = cluster
         self.me = me
         self.ttl_s = ttl_s
-        self.key = leader_key(cluster)
+        self.shard = shard
+        self.key = leader_key(cluster, shard)
         self.poll_s = min(0.5, ttl_s / 4) if poll_s is None else poll_s
         self.margin_s = min(1.0, ttl_s * 0.2)
         self._on_elected = on_elected
@@ -89,7 +92,7 @@ class Election:
         self._leader: LeaderInfo | None = None  # the leader as last read
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._member_key = members_prefix(cluster) + me.id.encode()
+        self._member_key = members_prefix(cluster, shard) + me.id.encode()
         self._member_lease = 0
         self.elections = 0  # times this master became leader
         self.elected_at = 0.0  # monotonic time of the last election (0: never)

@@ -56,7 +56,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvpool.auth import load_authority
 from kvpool.config import MasterConfig
-from kvpool.etcd import EtcdAccess, EtcdClient, LeaderInfo, parse_endpoints
+from kvpool.etcd import EtcdAccess, EtcdClient, EtcdRefused, LeaderInfo, parse_endpoints
 from kvpool.event_guard import EventAccess
 from kvpool.event_publisher import EventLimits, EventPublisher
 from kvpool.keys import KEY_BYTES, BlockKey
@@ -71,6 +71,7 @@ from kvpool.master.servicer import MasterServicer
 from kvpool.master.stats import MasterMetrics
 from kvpool.metrics import ErrorMetrics, MetricsServer
 from kvpool.rpc import make_server
+from kvpool.shards import publish_shard_map
 from kvpool.tcp import TcpListener
 from kvpool.tcp_loop import LoopListener
 from kvpool.tls import check_pair, server_context
@@ -110,7 +111,8 @@ class MasterServer:
             self._etcd = EtcdClient(parse_endpoints(config.etcd), timeout_s=min(2.0, config.leader_ttl_s / 3),
                                     access=EtcdAccess.from_config(config, "master"))
             try:
-                check_access(self._etcd, config.cluster)
+                check_access(self._etcd, config.cluster, shard=config.shard)
+                check_shard_map(self._etcd, config)
             except BaseException:
                 self._etcd.close()
                 raise
@@ -236,7 +238,7 @@ class MasterServer:
         assert self._etcd is not None, "MasterServer: standing by without an etcd client"
         election = Election(self._etcd, self.config.cluster, LeaderInfo.new(self.advertised_address()),
                             self.config.leader_ttl_s, on_elected=lambda: self._elected(election),
-                            on_deposed=self._deposed)
+                            on_deposed=self._deposed, shard=self.config.shard)
         servicer = self.servicer
         servicer.cluster = self.config.cluster
         servicer.leading = election.leading
@@ -341,6 +343,23 @@ class MasterServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def check_shard_map(etcd: EtcdClient, config: MasterConfig) -> None:
+    """The cluster's shard map says ``config.shards`` (written here if the cluster has none yet:
+    :func:`~kvpool.shards.publish_shard_map`), before this master campaigns. A map with another count is a
+    one-line ValueError: the master does not start. etcd unreachable: with one shard a warning (the master stands
+    by, as :func:`~kvpool.master.election.check_access` lets it), with more a ValueError (a shard's master must not
+    campaign unchecked)."""
+    try:
+        publish_shard_map(etcd, config.cluster, config.shards)
+    except EtcdRefused as exc:
+        raise ValueError(f"etcd refused this master the shard map: {exc.details()} (docs/operations.md)") from None
+    except grpc.RpcError as exc:
+        if config.shards > 1:
+            raise ValueError(f"cannot read the shard map of cluster {config.cluster!r} in etcd ({exc.code().name}); "
+                             f"a master of {config.shards} shards starts only once it can") from None
+        log.warning("master: cannot read the shard map in etcd (%s); standing by as one shard", exc.code().name)
 
 
 def raise_fd_limit() -> int:

@@ -39,6 +39,9 @@ Invariants:
   the keys as sent.
 - Lookup returns only blocks whose node still resolves: a run entry on a node
   dropped mid-call ends the run there (a miss, never a dangling reference).
+- A master of index shard K of S (``shards`` > 1) takes in ReportBlocks (a node's full sync too) only keys
+  whose :func:`kvpool.shards.shard_of` is K: a report naming another shard's key is INVALID_ARGUMENT and
+  changes nothing. Lookup, Exists and Score of another shard's keys miss (the index never holds them).
 - On a standby (an election says this master does not lead) every call but
   ``Info`` is UNAVAILABLE before it reads or changes anything; ``Info`` says
   ``standby`` and where the leader is.
@@ -64,6 +67,7 @@ from kvpool.master.membership import Membership
 from kvpool.master.stats import MasterMetrics
 from kvpool.placement import TOO_LARGE, Candidate, NoPoolNodes, place
 from kvpool.rpc import flag_bytes, tier_usage
+from kvpool.shards import foreign_keys
 from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 from kvpool.vocabulary import NO_TIER, NodeRef, Tier, TierStats
 from kvpool.worker_ids import check_worker_id, scoped_id
@@ -97,6 +101,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.leading: Callable[[], bool] = lambda: True
         self.leader_address: Callable[[], str] = lambda: ""
         self.cluster = ""
+        self.shard, self.shard_count = config.shard, config.shards  # this group's index shard, of how many
         self._elected_at = 0.0  # monotonic time of this master's last election (0: never, or no etcd)
         self._resyncing: set[str] = set()  # nodes that registered soon after it, their inventories not yet whole
         self.names = names  # engines' block hashes for KV events (None: events off)
@@ -164,6 +169,14 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if hits > r.requested_blocks:
             raise ValueError(f"ReportLookups: {hits} hits (hbm + dram + ssd) but requested_blocks "
                              f"{r.requested_blocks}")
+
+    def _check_shard(self, packed: bytes, field: str) -> None:
+        """ValueError unless every key in ``packed`` is this master's index shard's (:func:`kvpool.shards.shard_of`):
+        a master never indexes another shard's keys."""
+        foreign = foreign_keys(packed, self.shard_count, self.shard)
+        if foreign:
+            raise ValueError(f"ReportBlocks: {foreign} of the {field} belong to another index shard than this "
+                             f"master's ({self.shard} of {self.shard_count}); report each key to its shard's leader")
 
     @staticmethod
     def _check_block_tokens(where: str, block_tokens: int) -> None:
@@ -240,6 +253,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         tier = self._tier(request.tier)
         added = self._keys(request.added_keys, "added_keys")
         removed = self._keys(request.removed_keys, "removed_keys")
+        self._check_shard(request.added_keys, "added_keys")
+        self._check_shard(request.removed_keys, "removed_keys")
         self._same_length(added, "added_sizes", request.added_sizes)
         self._same_length(added, "added_checksums", request.added_checksums)
         number = self._membership.touch(request.node_id, request.incarnation)
@@ -459,7 +474,8 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
                                              standby=not self.leading(), leader_address=self.leader_address(),
                                              cluster=self.cluster,
                                              kv_events_server_key=self.events_server_key if client else "",
-                                             max_keys_per_call=self._config.server.max_keys_per_call)
+                                             max_keys_per_call=self._config.server.max_keys_per_call,
+                                             shard=self.shard, shard_count=self.shard_count)
 
     def ClusterStatus(self, request: master_pb2.ClusterStatusRequest, context: Any) -> master_pb2.ClusterStatusResponse:
         self._lead(context)

@@ -284,7 +284,7 @@ class MasterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MasterInfoResponse(_message.Message):
-    __slots__ = ("call_port", "version", "tenant_mask", "standby", "leader_address", "cluster", "kv_events_server_key", "max_keys_per_call")
+    __slots__ = ("call_port", "version", "tenant_mask", "standby", "leader_address", "cluster", "kv_events_server_key", "max_keys_per_call", "shard", "shard_count")
     CALL_PORT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENANT_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,8 @@ class MasterInfoResponse(_message.Message):
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_SERVER_KEY_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     call_port: int
     version: str
     tenant_mask: bytes
@@ -301,4 +303,6 @@ class MasterInfoResponse(_message.Message):
     cluster: str
     kv_events_server_key: str
     max_keys_per_call: int
-    def __init__(self, call_port: _Optional[int] = ..., version: _Optional[str] = ..., tenant_mask: _Optional[bytes] = ..., standby: _Optional[bool] = ..., leader_address: _Optional[str] = ..., cluster: _Optional[str] = ..., kv_events_server_key: _Optional[str] = ..., max_keys_per_call: _Optional[int] = ...) -> None: ...
+    shard: int
+    shard_count: int
+    def __init__(self, call_port: _Optional[int] = ..., version: _Optional[str] = ..., tenant_mask: _Optional[bytes] = ..., standby: _Optional[bool] = ..., leader_address: _Optional[str] = ..., cluster: _Optional[str] = ..., kv_events_server_key: _Optional[str] = ..., max_keys_per_call: _Optional[int] = ..., shard: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...

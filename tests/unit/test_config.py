@@ -118,6 +118,7 @@ BAD_VALUES = {
         "heartbeat_interval_s": 0.0, "worker_timeout_s": INF, "max_keys_per_call": 0, "max_connections": 0,
         "max_concurrent_rpcs": -1, "auth_file": None, "tls_cert": 1, "tls_key": b"key",
         "etcd": "ftp://etcd:2379", "cluster": "a/b", "leader_ttl_s": 1, "advertise_host": "two words",
+        "shards": 0, "shard": -1,
         "kv_events_endpoint": "tcp://*", "kv_events_replay_endpoint": "udp://h:1", "kv_events_topic": "a b",
         "kv_events_buffer": 0, "kv_events_max_queue": 0, **{f"etcd_{s}": 1 for s in _ETCD_SETTINGS},
         "max_workers_per_tenant": 0, "max_hbm_keys_per_worker": 0, "max_hbm_keys_per_tenant": -1,
@@ -214,3 +215,17 @@ def test_a_clients_worker_id_is_one_the_master_takes():
             ClientConfig(worker_id=bad)
     assert ClientConfig(worker_id="w" * 256).resolved_worker_id() == "w" * 256
     assert ClientConfig().resolved_worker_id()  # empty: <hostname>-<pid>
+
+
+def test_master_shards_are_checked_and_need_etcd():
+    assert (MasterConfig.of().shards, MasterConfig.of().shard) == (1, 0)
+    config = load_config(None, env={"KVPOOL_MASTER_SHARDS": "2", "KVPOOL_MASTER_SHARD": "1",
+                                    "KVPOOL_MASTER_ETCD": "127.0.0.1:2379"}).master
+    assert (config.shards, config.shard) == (2, 1)
+    with pytest.raises(ValueError, match="master.shards: 2 index shards need etcd"):
+        MasterConfig.of(shards=2)
+    with pytest.raises(ValueError, match=r"master.shard: 2 is not a shard of 2 \(use 0 to 1\)"):
+        MasterConfig.of(shards=2, shard=2, etcd="127.0.0.1:2379")
+    for bad in (0, 257):
+        with pytest.raises(ValueError, match="master.shards: must be 1 to 256"):
+            MasterConfig.of(shards=bad, etcd="127.0.0.1:2379")

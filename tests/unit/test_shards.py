@@ -5,7 +5,7 @@ import hashlib
 import pytest
 
 from kvpool.etcd import leader_key, members_prefix
-from kvpool.shards import MAX_SHARDS, ShardMap, shard_of, split_by_shard
+from kvpool.shards import MAX_SHARDS, ShardMap, foreign_keys, shard_of, shards_of_packed, split_by_shard
 
 
 def keys(n: int) -> list[bytes]:
@@ -38,3 +38,13 @@ def test_the_map_round_trips_and_refuses_nonsense():
             ShardMap.decode(bad)
     with pytest.raises(ValueError):
         ShardMap(MAX_SHARDS + 1)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 256])
+def test_the_packed_rule_is_shard_of_and_counts_foreign_keys(count):
+    some = keys(500)
+    packed = b"".join(some)
+    assert shards_of_packed(packed, count).tolist() == [shard_of(k, count) for k in some]
+    for shard in range(min(count, 3)):
+        assert foreign_keys(packed, count, shard) == sum(shard_of(k, count) != shard for k in some)
+    assert foreign_keys(b"", count, 0) == 0

@@ -1,0 +1,160 @@
+"""Issue 29, index shards: master groups of a sharded cluster over a real etcd, and real nodes reporting to them."""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+import pytest
+from support import EtcdServer, wait_until
+
+from kvpool.config import MasterConfig
+from kvpool.etcd import EtcdClient, LeaderInfo, leader_key
+from kvpool.keys import opaque_key
+from kvpool.master import MasterServer
+from kvpool.master_client import DirectMaster
+from kvpool.rpc import proto_tier
+from kvpool.shards import ShardMap, read_shard_map, shard_map_key, shard_of
+from kvpool.tcp import ConnectionPool
+from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
+from kvpool.vocabulary import Tier
+
+TTL_S = 2
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop()
+
+
+def new_cluster() -> str:
+    return f"s-{uuid.uuid4().hex[:10]}"
+
+
+def shard_master(etcd: EtcdServer, cluster: str, shard: int, shards: int = 2, **more) -> MasterServer:
+    return MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0, etcd=etcd.endpoint, cluster=cluster,
+                                        leader_ttl_s=TTL_S, shards=shards, shard=shard, **more)).start()
+
+
+def leader_of(masters: list[MasterServer]) -> MasterServer | None:
+    leading = [m for m in masters if m.election is not None and m.election.leading()]
+    return leading[0] if len(leading) == 1 else None
+
+
+def info(address: str) -> master_pb2.MasterInfoResponse:
+    with grpc.insecure_channel(address) as channel:
+        return master_pb2_grpc.MasterStub(channel).Info(master_pb2.MasterInfoRequest(), timeout=5)
+
+
+def etcd_leader(etcd: EtcdServer, cluster: str, shard: int) -> str | None:
+    client = EtcdClient([etcd.endpoint])
+    try:
+        kv = client.get(leader_key(cluster, shard))
+        held = LeaderInfo.decode(kv.value) if kv is not None else None
+        return held.address if held is not None else None
+    finally:
+        client.close()
+
+
+def test_each_shard_elects_its_own_leader_under_its_own_key_and_says_its_shard(etcd):
+    cluster = new_cluster()
+    groups = [[shard_master(etcd, cluster, shard) for _ in range(2)] for shard in range(2)]
+    try:
+        leaders = [wait_until(lambda g=g: leader_of(g), timeout=15) for g in groups]
+        for shard, leader in enumerate(leaders):
+            assert etcd_leader(etcd, cluster, shard) == leader.advertised_address()
+            for m in groups[shard]:
+                said = info(m.address)
+                assert (said.shard, said.shard_count) == (shard, 2)
+        client = EtcdClient([etcd.endpoint])
+        try:
+            assert read_shard_map(client, cluster) == ShardMap(2)
+        finally:
+            client.close()
+    finally:
+        for m in [m for g in groups for m in g]:
+            m.stop()
+
+
+def test_a_master_started_with_another_shard_count_refuses_to_start(etcd):
+    cluster = new_cluster()
+    first = shard_master(etcd, cluster, 0, shards=2)
+    try:
+        with pytest.raises(ValueError, match="has 2 index shard.*started with 3"):
+            shard_master(etcd, cluster, 1, shards=3)
+        with pytest.raises(ValueError, match="has 2 index shard.*started with 1"):
+            shard_master(etcd, cluster, 0, shards=1)
+    finally:
+        first.stop()
+
+
+def test_one_shard_is_todays_cluster_no_shard_map_and_the_unsharded_leader_key(etcd):
+    cluster = new_cluster()
+    master = shard_master(etcd, cluster, 0, shards=1)
+    try:
+        wait_until(lambda: leader_of([master]), timeout=15)
+        assert etcd_leader(etcd, cluster, 0) == master.advertised_address()
+        assert leader_key(cluster, 0) == f"/kvpool/{cluster}/master/leader".encode()
+        client = EtcdClient([etcd.endpoint])
+        try:
+            assert client.get(shard_map_key(cluster)) is None
+        finally:
+            client.close()
+        said = info(master.address)
+        assert (said.shard, said.shard_count) == (0, 1)
+    finally:
+        master.stop()
+
+
+def keys_of(shard: int, n: int, tag: str = "k") -> list[bytes]:
+    """``n`` keys of ``shard`` (of 2)."""
+    found: list[bytes] = []
+    i = 0
+    while len(found) < n:
+        key = opaque_key(f"{tag}{i}")
+        i += 1
+        if shard_of(key, 2) == shard:
+            found.append(key)
+    return found
+
+
+def direct(master: MasterServer, pool: ConnectionPool | None) -> DirectMaster:
+    return DirectMaster(master.address, pool=pool, timeout_s=5, max_message_bytes=8 << 20)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["grpc", "fast-calls"])
+def test_a_report_carrying_another_shards_key_is_refused_and_changes_nothing(etcd, fast):
+    cluster = new_cluster()
+    master = shard_master(etcd, cluster, 1)
+    pool = ConnectionPool(5.0) if fast else None
+    api = direct(master, pool)
+    try:
+        wait_until(lambda: leader_of([master]), timeout=15)
+        reply = api.register_node(master_pb2.RegisterNodeRequest(
+            node=common_pb2.NodeRef(node_id="n1", address="127.0.0.1:1")), timeout=5)
+        mine, foreign = keys_of(1, 3), keys_of(0, 1)
+
+        def report(keys: list[bytes], full_sync: bool = False,
+                   removed: tuple[bytes, ...] = ()) -> master_pb2.ReportBlocksResponse:
+            return api.report_blocks(master_pb2.ReportBlocksRequest(
+                node_id="n1", incarnation=reply.incarnation, tier=proto_tier(Tier.DRAM), full_sync=full_sync,
+                added_keys=b"".join(keys), added_sizes=[4096] * len(keys), added_checksums=[0] * len(keys),
+                removed_keys=b"".join(removed)), timeout=5)
+
+        assert report(mine[:2], full_sync=True).known
+        for bad in (dict(keys=[mine[2], foreign[0]]), dict(keys=[foreign[0]], full_sync=True),
+                    dict(keys=[], removed=(mine[0], foreign[0]))):
+            with pytest.raises(grpc.RpcError) as caught:
+                report(**bad)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "another index shard" in caught.value.details()
+        present = api.exists(master_pb2.ExistsRequest(keys=b"".join(mine + foreign)), timeout=5).present
+        assert list(present) == [1, 1, 0, 0]  # the refused reports added, replaced and removed nothing
+        assert len(master.index) == 2
+    finally:
+        api.close()
+        if pool is not None:
+            pool.close()
+        master.stop()
