@@ -39,6 +39,7 @@ from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master import MasterServer
 from kvpool.master.server import max_message_bytes as master_max_message_bytes
 from kvpool.node.daemon import PoolNode
+from kvpool.node.master_link import MasterLink
 from kvpool.v1 import common_pb2, master_pb2, node_pb2
 from kvpool.vocabulary import NO_TIER
 
@@ -158,7 +159,9 @@ class Pool:
 
     @property
     def real_incarnation(self) -> int:
-        return self.running_node.link.incarnation
+        link = self.running_node.link
+        assert isinstance(link, MasterLink), "fuzz pool: the node follows one master (no shards)"
+        return link.incarnation
 
     # -- calls ------------------------------------------------------------------------------------------
 

@@ -66,6 +66,7 @@ from kvpool.node.data_port import DataPortServer
 from kvpool.node.master_link import MasterLink
 from kvpool.node.quota import QuotaLedger
 from kvpool.node.servicer import NodeServicer
+from kvpool.node.shard_links import ShardLinks, master_links
 from kvpool.rpc import local_host_id, make_server
 from kvpool.tiers.arena import SharedArena
 from kvpool.tiers.dram import DramStore, default_slots
@@ -178,7 +179,7 @@ class PoolNode:
         arena = arena_name_for(config)
         dram = create_dram(config, arena, arena_mode)  # refused if a live node holds the name
         ssd: SsdStore | None = None
-        link: MasterLink | None = None
+        link: MasterLink | ShardLinks | None = None
         server: grpc.Server | None = None
         try:
             if config.tiers.ssd.enabled:
@@ -191,11 +192,11 @@ class PoolNode:
             stores: dict[Tier, Any] = {Tier.DRAM: dram}
             if ssd is not None:
                 stores[Tier.SSD] = self.store.ssd_inventory()  # pending demotions included
-            link = self.link = MasterLink(config.master, self.node_ref, stores,
-                                          dram_max_block_bytes=self.store.dram.max_block_bytes,
-                                          max_block_bytes=self.store.max_block_bytes(),
-                                          max_message_bytes=config.max_message_bytes, token=config.token,
-                                          tls_ca=config.tls_ca, etcd_access=etcd_access)
+            link = self.link = master_links(config.master, self.node_ref, stores,
+                                            dram_max_block_bytes=self.store.dram.max_block_bytes,
+                                            max_block_bytes=self.store.max_block_bytes(),
+                                            max_message_bytes=config.max_message_bytes, token=config.token,
+                                            tls_ca=config.tls_ca, etcd_access=etcd_access)
             self.store.dram_listener = link.listener(Tier.DRAM)  # after the store's own: the arena's inventory
             if ssd is not None:
                 self.store.ssd_listener = link.listener(Tier.SSD)  # after the store's own: the arena's inventory

@@ -112,8 +112,10 @@ class MasterLink:
         token: str = "",
         tls_ca: str = "",
         etcd_access: EtcdAccess | None = None,
+        shard: int = 0,
     ):
         self.master = master
+        self.shard = shard  # with an etcd:// master: the index shard whose leader this link follows
         self.node_ref = node_ref  # may be completed (bound address) until start()
         self._stores = dict(stores)
         self._dram_max_block_bytes = dram_max_block_bytes
@@ -129,7 +131,7 @@ class MasterLink:
         # go over fast calls; the rest over gRPC. etcd refusing etcd_access is a ValueError: the node does not start.
         self._master: MasterApi = MasterConnection(
             master, pool=self._calls, timeout_s=rpc_timeout_s, max_message_bytes=max_message_bytes, token=token,
-            tls_ca=tls_ca, options=_RECONNECT_OPTIONS, etcd_access=etcd_access, refuse_start=True)
+            tls_ca=tls_ca, options=_RECONNECT_OPTIONS, etcd_access=etcd_access, refuse_start=True, shard=shard)
         self._pending_lock = threading.Lock()
         self._pending: dict[Tier, dict[BlockKey, BlockMeta | None]] = {t: {} for t in self._stores}
         self._send_lock = threading.Lock()  # one conversation with the master at a time, in order

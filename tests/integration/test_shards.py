@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import grpc
+import numpy as np
 import pytest
-from support import EtcdServer, wait_until
+from support import EtcdServer, free_port, kvpool_process, stop_process, wait_until
 
-from kvpool.config import MasterConfig
+from kvpool.client.pool import PoolClient
+from kvpool.config import ClientConfig, MasterConfig
 from kvpool.etcd import EtcdClient, LeaderInfo, leader_key
 from kvpool.keys import opaque_key
 from kvpool.master import MasterServer
@@ -158,3 +161,56 @@ def test_a_report_carrying_another_shards_key_is_refused_and_changes_nothing(etc
         if pool is not None:
             pool.close()
         master.stop()
+
+
+def start_node(etcd: EtcdServer, cluster: str, tmp_path, name: str = "n1", *more: str):
+    arena = f"kvpool-test-shards-{uuid.uuid4().hex[:8]}"
+    proc = kvpool_process(
+        "node", "--master", f"etcd://{etcd.endpoint}/{cluster}", "--port", str(free_port()), "--metrics-port", "0",
+        "--data-port", "0", "--node-id", name, "--arena", arena, "--dram-bytes", "16M", "--max-block-bytes", "64K",
+        "--no-ssd", *more, log_path=tmp_path / f"{name}.log")
+    return proc, arena
+
+
+def unlink_arena(arena: str) -> None:
+    try:
+        os.unlink(f"/dev/shm/{arena}")
+    except FileNotFoundError:
+        pass
+
+
+def present(master: MasterServer, keys: list[bytes]) -> list[int]:
+    api = direct(master, None)
+    try:
+        return list(api.exists(master_pb2.ExistsRequest(keys=b"".join(keys)), timeout=5).present)
+    finally:
+        api.close()
+
+
+def test_a_node_reports_each_key_to_its_shards_leader_only(etcd, tmp_path):
+    cluster = new_cluster()
+    groups = [[shard_master(etcd, cluster, shard) for _ in range(2)] for shard in range(2)]
+    node, arena = start_node(etcd, cluster, tmp_path)
+    pool = None
+    try:
+        leaders = [wait_until(lambda g=g: leader_of(g), timeout=15) for g in groups]
+        # membership is replicated: each shard leader knows the node
+        wait_until(lambda: all(m.membership.node_count() == 1 for m in leaders), timeout=20)
+        pool = PoolClient(ClientConfig(master=f"etcd://{etcd.endpoint}/{cluster}", shared_memory=False))
+        keys = [opaque_key(f"{cluster}-{i}") for i in range(32)]
+        values = [np.full(4096, i + 1, np.uint8) for i in range(len(keys))]
+        wait_until(lambda: pool.cluster.refresh() and len(pool.cluster.nodes()) == 1, timeout=20)
+        assert pool.store(keys, values) == [True] * len(keys)
+        wait_until(pool.flush, timeout=20)  # the node's FlushReports: every shard's link has sent its part
+        owner = [shard_of(k, 2) for k in keys]
+        assert 0 < sum(owner) < len(keys)  # both shards own some
+        for shard, leader in enumerate(leaders):
+            assert present(leader, keys) == [int(o == shard) for o in owner]
+            assert len(leader.index) == owner.count(shard)
+    finally:
+        if pool is not None:
+            pool.close()
+        stop_process(node)
+        unlink_arena(arena)
+        for m in [m for g in groups for m in g]:
+            m.stop()
