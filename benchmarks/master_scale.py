@@ -61,7 +61,7 @@ def kvpool_lookups(args: argparse.Namespace) -> Callable[[], Callable[[], None]]
     def make() -> Callable[[], None]:
         pool = ConnectionPool(10.0)
         shards = [DirectMaster(a, pool=pool, timeout_s=30.0, max_message_bytes=64 << 20) for a in addresses]
-        master: MasterApi = shards[0] if len(shards) == 1 else ShardedMaster(shards)
+        master: MasterApi = shards[0] if len(shards) == 1 else ShardedMaster(shards, parallel=args.fanout == "threads")
 
         def lookup() -> None:
             reply = master.lookup(request, 30.0)
@@ -161,7 +161,8 @@ class System:
         procs = min(clients, args.procs)
         shares = [clients // procs + (i < clients % procs) for i in range(procs)]
         workers = [subprocess.Popen([self.python, __file__, "worker", "--system", self.name, "--id", str(i),
-                                     "--threads", str(n), "--lookup-keys", str(args.lookup_keys), *self.flags],
+                                     "--threads", str(n), "--lookup-keys", str(args.lookup_keys),
+                                     "--fanout", args.fanout, *self.flags],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                     stderr=subprocess.DEVNULL if self.name == "mooncake" else None)  # glog lines
                    for i, n in enumerate(shares)]
@@ -197,13 +198,32 @@ class System:
             w.stdin.flush()
 
 
-def start_kvpool(args: argparse.Namespace, max_clients: int, tmp: Path, keep: list[subprocess.Popen]) -> System:
-    """A ``kvpool master`` and a ``kvpool node`` (processes), ``args.keys`` blocks stored."""
-    from compare_mooncake import free_port, wait_port
-
+def store_blocks(master: str, count: int, tmp: Path) -> None:
+    """Store ``count`` 4 KiB blocks (the keys lookups ask for) through a ``PoolClient`` on ``master``, once the
+    node has registered; RuntimeError if they are not all found within a minute."""
     from kvpool.client.pool import PoolClient
     from kvpool.config import ClientConfig
     from kvpool.keys import opaque_key
+
+    config = ClientConfig(master=master, shared_memory=False, io_timeout_s=30)
+    value = bytes(VALUE_BYTES)
+    keys = [opaque_key(f"scale-{i}") for i in range(count)]
+    deadline = time.monotonic() + 60
+    with PoolClient(config) as pool:
+        while True:  # the node registers a moment after it starts
+            stored = sum(sum(pool.store(keys[s : s + 256], [value] * len(keys[s : s + 256])))
+                         for s in range(0, len(keys), 256))
+            pool.flush(30)
+            if stored == len(keys) and pool.exists(keys) == [True] * len(keys):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvpool: stored {stored} of {len(keys)} blocks (see {tmp})")
+            time.sleep(0.5)
+
+
+def start_kvpool(args: argparse.Namespace, max_clients: int, tmp: Path, keep: list[subprocess.Popen]) -> System:
+    """A ``kvpool master`` and a ``kvpool node`` (processes), ``args.keys`` blocks stored."""
+    from compare_mooncake import free_port, wait_port
 
     port = free_port()
     max_connections = max(64, max_clients + 64)
@@ -219,20 +239,7 @@ def start_kvpool(args: argparse.Namespace, max_clients: int, tmp: Path, keep: li
                                                                                         * VALUE_BYTES)),
          "--arena", f"kvpool-scale-{os.getpid()}", "--log-level", "WARNING"],
         stdout=open(tmp / "kvpool-node.log", "wb"), stderr=subprocess.STDOUT))
-    config = ClientConfig(master=f"127.0.0.1:{port}", shared_memory=False, io_timeout_s=30)
-    value = bytes(VALUE_BYTES)
-    deadline = time.monotonic() + 60
-    with PoolClient(config) as pool:
-        while True:  # the node registers a moment after it starts
-            keys = [opaque_key(f"scale-{i}") for i in range(args.keys)]
-            stored = sum(sum(pool.store(keys[s : s + 256], [value] * len(keys[s : s + 256])))
-                         for s in range(0, len(keys), 256))
-            pool.flush(30)
-            if stored == len(keys) and len(pool.lookup(keys[:LOOKUP_KEYS])) == LOOKUP_KEYS:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvpool: stored {stored} of {len(keys)} blocks (see {tmp})")
-            time.sleep(0.5)
+    store_blocks(f"127.0.0.1:{port}", args.keys, tmp)
     print(f"  kvpool: master pid {master.pid} (max_connections {max_connections}), {args.keys} blocks stored",
           file=sys.stderr, flush=True)
     return System("kvpool", sys.executable, master.pid, ["--master", f"127.0.0.1:{port}"])
@@ -306,6 +313,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--master", help="the master's address; comma-separated: one per index shard")
     parser.add_argument("--lookup-keys", type=int, default=LOOKUP_KEYS, help="keys per lookup, half present")
+    parser.add_argument("--fanout", choices=["threads", "serial"], default="threads",
+                        help="how a ShardedMaster asks its shards (one master per shard in --master)")
     parser.add_argument("--master-port", type=int)
     parser.add_argument("--metadata-port", type=int)
     args = parser.parse_args()

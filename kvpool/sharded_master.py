@@ -50,7 +50,7 @@ import numpy as np
 from kvpool.etcd import EtcdAccess, EtcdTarget
 from kvpool.keys import KEY_BYTES
 from kvpool.master_client import MasterApi, MasterConnection, OnError
-from kvpool.shards import read_shard_map, split_by_shard
+from kvpool.shards import read_shard_map, shards_of_packed
 from kvpool.tcp import ConnectionPool
 from kvpool.v1 import master_pb2
 from kvpool.wire import CallError
@@ -62,31 +62,25 @@ _NODE_CALL = ("{name}: a node links each index shard's master separately (kvpool
               "a ShardedMaster serves clients only")
 
 
-def _keys(packed: bytes) -> list[bytes]:
-    if len(packed) % KEY_BYTES:
-        raise ValueError(f"packed keys: {len(packed)} bytes is not a multiple of {KEY_BYTES}")
-    return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
-
-
 class _Split:
     """A request's keys cut by shard: per shard its positions (ascending) and its packed keys."""
 
     def __init__(self, packed: bytes, count: int):
-        keys = _keys(packed)
-        self.n = len(keys)
-        self.positions = split_by_shard(keys, count)
-        self.packed = [b"".join(keys[i] for i in pos) for pos in self.positions]
-        self.asked = [k for k, pos in enumerate(self.positions) if pos]
-        self.shard = np.empty(self.n, dtype=np.int64)  # per position: its shard
-        self.index = np.empty(self.n, dtype=np.int64)  # per position: its index among its shard's keys
-        for k, pos in enumerate(self.positions):
-            self.shard[pos] = k
-            self.index[pos] = np.arange(len(pos))
+        if len(packed) % KEY_BYTES:
+            raise ValueError(f"packed keys: {len(packed)} bytes is not a multiple of {KEY_BYTES}")
+        self.n = n = len(packed) // KEY_BYTES
+        self.shard = shards_of_packed(packed, count).astype(np.int64)  # per position: its shard
+        order = np.argsort(self.shard, kind="stable")  # positions grouped by shard, ascending within each
+        bounds = np.concatenate(([0], np.cumsum(np.bincount(self.shard, minlength=count))))
+        self.positions: list[np.ndarray] = [order[bounds[k] : bounds[k + 1]] for k in range(count)]
+        rows = np.frombuffer(packed, dtype=np.uint8).reshape(n, KEY_BYTES)
+        self.packed = [rows[pos].tobytes() if len(pos) else b"" for pos in self.positions]
+        self.asked = [k for k, pos in enumerate(self.positions) if len(pos)]
 
     def end(self, k: int, run: int) -> int:
         """The prompt position where shard ``k``'s run of ``run`` of its keys ends (``n``: past the last key)."""
         pos = self.positions[k]
-        return pos[run] if run < len(pos) else self.n
+        return int(pos[run]) if run < len(pos) else self.n
 
     def first_at(self, k: int, at: int) -> int:
         """Index among shard ``k``'s keys of its first key at prompt position ``at`` or later."""
@@ -110,13 +104,15 @@ class ShardedMaster:
     """One :class:`MasterApi` over ``masters`` (one per index shard, in shard order; see the module docstring).
     Owns them (:meth:`close`). Thread-safe."""
 
-    def __init__(self, masters: Sequence[MasterApi]):
+    def __init__(self, masters: Sequence[MasterApi], *, parallel: bool = True):
+        """``parallel=False``: ask the shards one after another on the calling thread (no threads; for measuring
+        the fan-out, ``benchmarks/shard_scale.py``)."""
         if len(masters) < 1:
             raise ValueError("ShardedMaster: give one master per shard (at least one)")
         self.masters = list(masters)
         self.count = len(self.masters)
-        self._threads = ThreadPoolExecutor(max_workers=max(1, self.count - 1),
-                                           thread_name_prefix="kvpool-shards") if self.count > 1 else None
+        self._threads = ThreadPoolExecutor(max_workers=self.count - 1, thread_name_prefix="kvpool-shards") \
+            if self.count > 1 and parallel else None
 
     # -- the parallel fan-out ----------------------------------------------------------------
 
@@ -181,37 +177,40 @@ class ShardedMaster:
             master_pb2.LookupResponse:
         """The leading run of ``end`` prompt positions from the shards' runs (each covers its keys before
         ``end``), its nodes renumbered in order of first use."""
-        shard, index = split.shard[:end], split.index[:end]
-        tiers = np.zeros(end, dtype=np.uint8)
-        sizes = np.zeros(end, dtype=np.uint64)
-        checksums = np.zeros(end, dtype=np.uint64)
-        node_ids = np.zeros(end, dtype=np.int64)  # per position: an index into ``refs`` (all shards' nodes)
-        refs: list[Any] = []
+        tiers, sizes, checksums, node_indexes, refs, at = [], [], [], [], [], []
         for k, reply in replies.items():
-            mine = np.flatnonzero(shard == k)
-            if not len(mine):
+            m = split.first_at(k, end)  # its keys before ``end``, all in its run
+            if not m:
                 continue
-            at = index[mine]
-            tiers[mine] = np.frombuffer(reply.tiers, dtype=np.uint8)[at]
-            sizes[mine] = np.asarray(reply.sizes, dtype=np.uint64)[at]
-            checksums[mine] = np.asarray(reply.checksums, dtype=np.uint64)[at]
-            node_ids[mine] = np.asarray(reply.node_indexes, dtype=np.int64)[at] + len(refs)
-            refs.extend(reply.nodes)
-        response = master_pb2.LookupResponse(tiers=tiers.tobytes(), sizes=sizes.tolist(),
-                                             checksums=checksums.tolist())
-        if end:
-            used, first = np.unique(node_ids, return_index=True)
-            order: dict[str, int] = {}  # node id -> index into response.nodes, in order of first use
-            renumber = np.empty(len(refs), dtype=np.int64)
-            for u in used[np.argsort(first)]:
-                ref = refs[int(u)]
-                if ref.node_id not in order:
-                    order[ref.node_id] = len(order)
-                    response.nodes.append(ref)
-                renumber[int(u)] = order[ref.node_id]
-            response.node_indexes.extend(renumber[node_ids].tolist())
-        response.dram_blocks = int(np.count_nonzero(tiers == 1))
-        response.ssd_blocks = int(np.count_nonzero(tiers == 2))
+            at.append(split.positions[k][:m])
+            tiers.append(reply.tiers[:m])
+            sizes += reply.sizes[:m]
+            checksums += reply.checksums[:m]
+            node_indexes.append(np.asarray(reply.node_indexes[:m], dtype=np.int64) + len(refs))
+            refs += reply.nodes
+        if not at:
+            return master_pb2.LookupResponse()
+        order = np.argsort(np.concatenate(at)).tolist()  # merged position -> its entry in the shards' lists
+        merged_tiers = np.frombuffer(b"".join(tiers), dtype=np.uint8)[order].tobytes()
+        response = master_pb2.LookupResponse(tiers=merged_tiers, sizes=[sizes[i] for i in order],
+                                             checksums=[checksums[i] for i in order],
+                                             dram_blocks=merged_tiers.count(1), ssd_blocks=merged_tiers.count(2))
+        ids = {ref.node_id for ref in refs}
+        if len(ids) == 1:  # the usual case: one node holds the run
+            response.nodes.append(refs[0])
+            response.node_indexes.extend([0] * end)
+            return response
+        by_entry = np.concatenate(node_indexes)[order]  # per merged position: an index into ``refs``
+        numbers: dict[str, int] = {}  # node id -> index into response.nodes, in order of first use
+        renumber = np.empty(len(refs), dtype=np.int64)
+        used, first = np.unique(by_entry, return_index=True)
+        for u in used[np.argsort(first)].tolist():
+            ref = refs[u]
+            if ref.node_id not in numbers:
+                numbers[ref.node_id] = len(numbers)
+                response.nodes.append(ref)
+            renumber[u] = numbers[ref.node_id]
+        response.node_indexes.extend(renumber[by_entry].tolist())
         return response
 
     def exists(self, request: master_pb2.ExistsRequest, timeout: float | None) -> master_pb2.ExistsResponse:

@@ -285,3 +285,14 @@ def test_names_split_by_shard():
         pos = shard_positions(ks, k)
         assert s.sent[-1].keys == b"".join(ks[i] for i in pos)
         assert list(s.sent[-1].engine_hashes) == [i + 1 for i in pos]
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_the_split_is_the_shard_rule(count):
+    from kvpool.sharded_master import _Split
+    from kvpool.shards import split_by_shard
+
+    ks = keys(200)
+    split = _Split(b"".join(ks), count)
+    assert [p.tolist() for p in split.positions] == split_by_shard(ks, count)
+    assert split.packed == [b"".join(ks[i] for i in p) for p in split_by_shard(ks, count)]
