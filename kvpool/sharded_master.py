@@ -177,7 +177,12 @@ class ShardedMaster:
             master_pb2.LookupResponse:
         """The leading run of ``end`` prompt positions from the shards' runs (each covers its keys before
         ``end``), its nodes renumbered in order of first use."""
-        tiers, sizes, checksums, node_indexes, refs, at = [], [], [], [], [], []
+        tiers: list[bytes] = []
+        sizes: list[int] = []
+        checksums: list[int] = []
+        node_indexes: list[np.ndarray] = []
+        refs: list[Any] = []  # every shard's NodeRefs, one after another
+        at: list[np.ndarray] = []
         for k, reply in replies.items():
             m = split.first_at(k, end)  # its keys before ``end``, all in its run
             if not m:
