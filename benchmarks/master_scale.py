@@ -108,8 +108,13 @@ def worker(args: argparse.Namespace) -> int:
             return
         started.wait()
         n = 0
+        interval = 1.0 / args.thread_rate if args.thread_rate else 0.0  # paced: one every interval, no burst
+        due = time.monotonic()
         try:
             while not stopping.is_set():
+                if interval:
+                    due = max(due + interval, time.monotonic())
+                    time.sleep(max(0.0, due - time.monotonic()))
                 lookup()
                 if measuring.is_set():
                     n += 1
@@ -162,7 +167,8 @@ class System:
         shares = [clients // procs + (i < clients % procs) for i in range(procs)]
         workers = [subprocess.Popen([self.python, __file__, "worker", "--system", self.name, "--id", str(i),
                                      "--threads", str(n), "--lookup-keys", str(args.lookup_keys),
-                                     "--fanout", args.fanout, *self.flags],
+                                     "--fanout", args.fanout, "--thread-rate", f"{args.rate / clients:g}",
+                                     *self.flags],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                     stderr=subprocess.DEVNULL if self.name == "mooncake" else None)  # glog lines
                    for i, n in enumerate(shares)]
@@ -313,6 +319,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--master", help="the master's address; comma-separated: one per index shard")
     parser.add_argument("--lookup-keys", type=int, default=LOOKUP_KEYS, help="keys per lookup, half present")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="lookups/s offered by all clients together, spread evenly (0: each loops flat out)")
+    parser.add_argument("--thread-rate", type=float, default=0.0, help="(worker) one thread's share of --rate")
     parser.add_argument("--fanout", choices=["threads", "serial"], default="threads",
                         help="how a ShardedMaster asks its shards (one master per shard in --master)")
     parser.add_argument("--master-port", type=int)

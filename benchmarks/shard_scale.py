@@ -100,16 +100,19 @@ def start_cluster(etcd: str, shards: int, args: argparse.Namespace, max_clients:
 
 
 def render(rows: list[dict], args: argparse.Namespace) -> str:
-    lines = ["| keys/lookup | clients | fan-out | S=1 lookups/s | S=1 master CPU/lookup | S=2 lookups/s "
-             "| S=2 master CPU/lookup (summed) | capacity S=2 / S=1 |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| keys/lookup | clients | fan-out | flat out: lookups/s S=1 / S=2 | master CPU/lookup S=1 / S=2 "
+             "| equal load: lookups/s | master CPU/lookup S=1 / S=2 | capacity S=2 / S=1 |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        one, two = r["S1"], r["S2"]
-        lines.append(f"| {r['lookup_keys']} | {r['clients']} | {r['fanout']} | {one['lookups_per_s']:,.0f} | "
-                     f"{one['cpu_us']:.0f} us | {two['lookups_per_s']:,.0f} | {two['cpu_us']:.0f} us | "
-                     f"{2 * one['cpu_us'] / two['cpu_us']:.2f} x |")
+        one, two, eq1, eq2 = r["S1"], r["S2"], r["S1_equal"], r["S2_equal"]
+        lines.append(f"| {r['lookup_keys']} | {r['clients']} | {r['fanout']} | {one['lookups_per_s']:,.0f} / "
+                     f"{two['lookups_per_s']:,.0f} | {one['cpu_us']:.0f} / {two['cpu_us']:.0f} us | "
+                     f"{eq1['lookups_per_s']:,.0f} / {eq2['lookups_per_s']:,.0f} | {eq1['cpu_us']:.0f} / "
+                     f"{eq2['cpu_us']:.0f} us | {2 * eq1['cpu_us'] / eq2['cpu_us']:.2f} x |")
     lines += ["", f"Half of each lookup's keys present (first); {args.seconds:g} s counted per point after every "
-                  "thread's first call; master CPU from /proc (utime + stime), summed over the shard masters; "
-                  "capacity = S x cpu(S=1) / cpu(S)."]
+                  "thread's first call; master CPU from /proc (utime + stime), summed over the shard masters. "
+                  f"Equal load: both clusters offered {args.equal_load:g} x the slower one's flat-out rate, paced "
+                  "evenly over the clients; capacity = S x cpu(S=1) / cpu(S=2) at equal load."]
     return "\n".join(lines)
 
 
@@ -119,6 +122,8 @@ def main() -> int:
     parser.add_argument("--lookup-keys", default="64,1024", help="keys per lookup, comma-separated")
     parser.add_argument("--fanout", default="threads", help="ShardedMaster fan-outs to measure: threads,serial")
     parser.add_argument("--seconds", type=float, default=5.0, help="counted seconds per point")
+    parser.add_argument("--equal-load", type=float, default=0.8,
+                        help="the equal-load points offer this fraction of the slower cluster's flat-out rate")
     parser.add_argument("--procs", type=int, default=8, help="most client processes per point")
     parser.add_argument("--keys", type=int, default=4096, help="blocks stored on each cluster")
     parser.add_argument("--out", help="also write the table here (and the raw figures as JSON next to it)")
@@ -142,14 +147,18 @@ def main() -> int:
             for size in sizes:
                 for fanout in fanouts:
                     for c in counts:
-                        point = argparse.Namespace(seconds=args.seconds, procs=args.procs, lookup_keys=size,
-                                                   fanout=fanout)
                         row: dict = {"lookup_keys": size, "clients": c, "fanout": fanout}
-                        for s, system in clusters.items():
-                            row[f"S{s}"] = m = system.measure(c, point)
-                            print(f"  {size} keys, {c} clients, S={s} ({fanout}): {m['lookups_per_s']:,.0f} "
-                                  f"lookups/s, {m['cpu_us']:.0f} us master CPU each ({m['cpu_pct']:.0f}% of a "
-                                  "core)", file=sys.stderr, flush=True)
+                        for load in ("flat out", "equal"):  # then both at the same offered rate
+                            rate = 0.0 if load == "flat out" else \
+                                args.equal_load * min(row[f"S{s}"]["lookups_per_s"] for s in clusters)
+                            point = argparse.Namespace(seconds=args.seconds, procs=args.procs, lookup_keys=size,
+                                                       fanout=fanout, rate=rate)
+                            for s, system in clusters.items():
+                                key = f"S{s}" if load == "flat out" else f"S{s}_equal"
+                                row[key] = m = system.measure(c, point)
+                                print(f"  {size} keys, {c} clients, S={s} ({fanout}, {load}): "
+                                      f"{m['lookups_per_s']:,.0f} lookups/s, {m['cpu_us']:.0f} us master CPU each "
+                                      f"({m['cpu_pct']:.0f}% of a core)", file=sys.stderr, flush=True)
                         rows.append(row)
         finally:
             for proc in reversed(keep):
