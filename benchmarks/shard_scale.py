@@ -1,7 +1,8 @@
 """Index shards: the master CPU a lookup costs with S = 2 shard masters against S = 1, at equal load (issue 29).
 
     python benchmarks/shard_scale.py [--clients 1,32,128] [--lookup-keys 64,1024] [--seconds 5] [--procs 8]
-                                     [--keys 4096] [--fanout threads,serial] [--out FILE] [--quick]
+                                     [--keys 4096] [--fanout threads,serial] [--equal-load 0.8] [--out FILE]
+                                     [--quick]
 
 Starts, once for the whole run, a real etcd (the ``etcd`` binary on PATH) and two clusters on it:
 
@@ -15,10 +16,13 @@ Then per lookup size L, client count C, and cluster: C client threads over ``min
 (``master_scale.py``'s workers), each looping L-key lookups, half the keys present (present first): S = 1
 through one ``DirectMaster`` per thread (what ``connect_master`` gives a client of a one-shard cluster), S = 2
 through one ``ShardedMaster`` per thread over one ``DirectMaster`` per shard leader (what it gives for two).
-The masters' CPU (utime + stime from /proc, summed over the shard masters) over the counted window, divided
-by the lookups made, is the master CPU per lookup. The clients share the cores with the masters, so the rates
-do not show capacity alone; the capacity ratio is ``S * cpu(S=1) / cpu(S)``: the lookups per second S
-masters on S cores serve, over what one master on one core serves, when each runs its core full.
+Each point is measured twice: flat out (every thread loops as fast as it can), then at equal load (both
+clusters offered ``--equal-load`` x the slower one's flat-out rate, paced evenly over the threads). The
+masters' CPU (utime + stime from /proc, summed over the shard masters) over the counted window, divided by
+the lookups made, is the master CPU per lookup. The clients share the cores with the masters, so raw rates
+do not show capacity; the capacity ratio is ``S * cpu(S=1) / cpu(S=2)`` at equal load: the lookups per
+second two masters on two cores serve over what one master on one core serves, each running its core full
+at that cost per lookup.
 """
 
 from __future__ import annotations
