@@ -296,3 +296,14 @@ def test_the_split_is_the_shard_rule(count):
     split = _Split(b"".join(ks), count)
     assert [p.tolist() for p in split.positions] == split_by_shard(ks, count)
     assert split.packed == [b"".join(ks[i] for i in p) for p in split_by_shard(ks, count)]
+
+
+def test_a_host_port_master_is_todays_connection():
+    from kvpool.master_client import MasterConnection
+    from kvpool.sharded_master import connect_master
+
+    master = connect_master("127.0.0.1:1", pool=None, timeout_s=1.0, max_message_bytes=1 << 20)
+    try:
+        assert type(master) is MasterConnection and master.etcd is None
+    finally:
+        master.close()
