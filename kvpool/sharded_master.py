@@ -23,7 +23,9 @@ Merge rules (invariants):
   then the pool's run after it by tier). One parallel round of ``Score`` per shard settles it whenever each
   shard's own answer covers exactly its keys in the merged window, the usual case; otherwise (a worker's HBM
   holds blocks the pool lacks, across shards) at most two more rounds of ``Score`` on windows of keys, whose
-  runs are then all hits, give the exact counts.
+  runs are then all hits, give the exact counts (at most two calls per shard for each distinct window, so
+  bounded by the workers scored). With no workers named every shard is asked (each lists the tenant's
+  workers that reported HBM to it). A failed shard fails the call (the router then routes without scores).
 - ``report_hbm`` / ``report_hbm_nowait``, ``name_blocks``, ``place_blocks``: split by shard (each shard keeps
   its keys' HBM holders, names and ``present`` flags; placement is the same function of the replicated
   membership on every shard). A failed shard fails the call (its error raised, or passed to ``on_error``).
@@ -32,7 +34,10 @@ Merge rules (invariants):
 - ``report_lookups``, ``cluster_status``, ``info``: shard 0 (membership and tenant masks are the same on every
   shard); ``info().max_keys_per_call`` is the least of the shards' that are known, so a batch cut to it fits
   every shard.
-- Node calls raise ValueError: a node links each shard separately (:mod:`kvpool.node.master_link`).
+- Node calls raise ValueError: a node links each shard separately (:mod:`kvpool.node.shard_links`).
+- :func:`connect_master` reads the shard map once, when it is made; a map etcd cannot give then (etcd
+  unreachable) is taken as one shard (logged): on a sharded cluster the other shards' keys then miss until
+  the client is made again.
 - A call ends by its ``timeout``: the shards are asked at once (the calling thread asks one, a small pool of
   threads owned by the object the rest), each within the same timeout.
 """
@@ -252,6 +257,10 @@ class ShardedMaster:
         order: dict[str, int] = {}
         for k, reply in replies.items():
             big = reply.too_large or bytes(len(reply.node_indexes))
+            mine = len(split.positions[k])
+            if not len(reply.present) == len(reply.node_indexes) == len(big) == mine or any(
+                    n >= len(reply.nodes) and not b for n, b in zip(reply.node_indexes, big)):
+                raise CallError(grpc.StatusCode.INTERNAL, f"PlaceBlocks: index shard {k}'s reply fields disagree")
             for j, i in enumerate(split.positions[k]):
                 present[i], too_large[i] = reply.present[j], big[j]
                 if big[j]:
