@@ -12,6 +12,20 @@ Invariants:
   (reports), clients (lookups, exists, scores, HBM reports) and masters (the
   guard on what they accept) all call it, and it depends on nothing but the
   key and the count.
+- The key a shard is computed on is the *stored* key: the key as the node
+  stores it and reports it, and as the master's index holds it. With auth
+  off that is the key as the client sent it. With an auth file a tenant's
+  client key is stored as ``(key & KEEP) ^ mask(tenant)``
+  (:func:`kvpool.auth.mask_keys`; nodes and masters map a client's keys with
+  :func:`kvpool.auth.caller_keys`), and the mask changes the first eight
+  bytes, so a client of a tenant computes ``shard_of(mask_keys(key,
+  tenant_mask))``, with the ``tenant_mask`` its master's ``Info`` tells it,
+  never ``shard_of(key)``. Nodes (:mod:`kvpool.node.shard_links`) and the
+  masters' guard (:func:`foreign_keys` over ``ReportBlocks``) see stored
+  keys only. This holds for every keyed call a client splits: Lookup,
+  Exists, Score, ReportHbm and NameBlocks (an engine's name is kept only by
+  the shard whose index holds the key, and only that shard's KV events name
+  it).
 - The shard map (:class:`ShardMap`) is one etcd key per cluster,
   :func:`shard_map_key`. Absent means one shard. The first master started with
   a count writes it (create-if-absent); a master started with another count

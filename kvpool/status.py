@@ -310,14 +310,19 @@ class Masters:
     cluster: str
     leader: str | None  # the leading master's gRPC address; None: no leader now
     standbys: list[str]
-    etcd: list[tuple[str, str]]  # (endpoint, "etcd 3.4.23, raft term 2" or what went wrong)
+    etcd: list[tuple[str, str]]  # (endpoint, "etcd 3.4.23, raft term 2" or what went wrong); shard 0's only
+    shard: int = 0  # the index shard whose master group this is (kvpool.shards)
+    shards: int = 1  # the cluster's shard count (its shard map)
 
 
-def ask_etcd(target: str, timeout: float = 3.0, etcd_access: EtcdAccess | None = None) -> Masters | None:
-    """The masters of an ``etcd://`` target, as etcd names them (asked as ``etcd_access``: TLS, user); None for a
-    plain ``host:port``. ValueError if etcd refuses ``etcd_access``."""
+def ask_etcd(target: str, timeout: float = 3.0, etcd_access: EtcdAccess | None = None,
+             shard: int = 0) -> Masters | None:
+    """The masters of index shard ``shard`` of an ``etcd://`` target, as etcd names them (asked as
+    ``etcd_access``: TLS, user), with the cluster's shard count and (shard 0) etcd's health; None for a plain
+    ``host:port``. ValueError if etcd refuses ``etcd_access``."""
     from kvpool.etcd import EtcdClient, EtcdRefused, EtcdTarget, LeaderInfo, members_prefix
     from kvpool.master_client import leader_address
+    from kvpool.shards import read_shard_map
 
     parsed = EtcdTarget.parse(target)
     if parsed is None:
@@ -325,22 +330,24 @@ def ask_etcd(target: str, timeout: float = 3.0, etcd_access: EtcdAccess | None =
     etcd = EtcdClient(parsed.endpoints, timeout_s=timeout, access=etcd_access)
     try:
         health = []
-        for i, endpoint in enumerate(parsed.endpoints):
+        for i, endpoint in enumerate(parsed.endpoints if shard == 0 else ()):
             try:
                 st = etcd.status(i)
                 health.append((endpoint, f"etcd {st.version}, raft term {st.raftTerm}"
                                + (f", alarms: {', '.join(st.errors)}" if st.errors else "")))
             except grpc.RpcError as exc:
                 health.append((endpoint, f"UNREACHABLE ({exc.code().name})"))
+        count = 1
         try:
-            leader = leader_address(etcd, parsed.cluster)
-            members = [info.address for _, kv in etcd.get_prefix(members_prefix(parsed.cluster))
+            leader = leader_address(etcd, parsed.cluster, shard=shard)
+            members = [info.address for _, kv in etcd.get_prefix(members_prefix(parsed.cluster, shard))
                        if (info := LeaderInfo.decode(kv.value)) is not None]
+            count = read_shard_map(etcd, parsed.cluster).count
         except EtcdRefused as exc:
             raise ValueError(f"etcd refused to name the masters of {target}: {exc.details()}") from None
         except grpc.RpcError:
             leader, members = None, []
-        return Masters(parsed.cluster, leader, sorted(m for m in members if m != leader), health)
+        return Masters(parsed.cluster, leader, sorted(m for m in members if m != leader), health, shard, count)
     finally:
         etcd.close()
 
@@ -353,18 +360,19 @@ def masters_fields(masters: Masters) -> dict[str, Any]:
 
 
 def render_masters(masters: Masters) -> str:
-    lines = [f"masters of cluster {masters.cluster}: leader {masters.leader or 'NONE (no leader elected now)'}; "
-             f"standbys: {', '.join(masters.standbys) or 'none'}"]
+    shard = f" shard {masters.shard} of {masters.shards}" if masters.shards > 1 else ""
+    lines = [f"masters of cluster {masters.cluster}{shard}: leader "
+             f"{masters.leader or 'NONE (no leader elected now)'}; standbys: {', '.join(masters.standbys) or 'none'}"]
     lines += [f"  etcd {endpoint}: {health}" for endpoint, health in masters.etcd]
     return "\n".join(lines)
 
 
 def cluster_status(master: str, *, token: str = "", tls_ca: str = "", timeout: float = 5.0,
-                   etcd_access: EtcdAccess | None = None) -> master_pb2.ClusterStatusResponse:
+                   etcd_access: EtcdAccess | None = None, shard: int = 0) -> master_pb2.ClusterStatusResponse:
     """The master's ``ClusterStatus``, asked over gRPC (:class:`~kvpool.master_client.MasterConnection`) with the
     caller's credentials (``token`` and ``tls_ca`` as in a client config, so a master with an auth file or TLS
     answers too). ``master`` may be ``etcd://HOST:PORT/CLUSTER``: the leader etcd names (asked as
-    ``etcd_access``) is asked.
+    ``etcd_access``) is asked: the leader of index shard ``shard``.
 
     The one way every command and benchmark asks it. :class:`MasterUnreachable` (a ValueError) when the
     master cannot be asked; a ValueError if etcd refuses ``etcd_access``.
@@ -372,7 +380,7 @@ def cluster_status(master: str, *, token: str = "", tls_ca: str = "", timeout: f
     from kvpool.master_client import MasterConnection
 
     connection = MasterConnection(master, pool=None, timeout_s=timeout, max_message_bytes=64 << 20, token=token,
-                                  tls_ca=tls_ca, etcd_access=etcd_access, refuse_start=True)
+                                  tls_ca=tls_ca, etcd_access=etcd_access, refuse_start=True, shard=shard)
     try:
         return connection.cluster_status(master_pb2.ClusterStatusRequest(), timeout)
     except grpc.RpcError as exc:
@@ -415,13 +423,40 @@ def run_status(master: str, timeout: float = 3.0, prometheus: str | None = None,
         unreachable = [endpoint for endpoint, health in masters.etcd if health.startswith("UNREACHABLE")]
         if unreachable or masters.leader is None:  # shown in the table; said in errors for --json
             report["errors"].append(f"etcd: {'unreachable ' + ', '.join(unreachable) if unreachable else 'no leader'}")
-    try:
-        status = cluster_status(master, token=token, tls_ca=tls_ca, timeout=timeout, etcd_access=etcd_access)
-    except MasterUnreachable as exc:
-        failed(f"cannot reach the master at {master}: {exc.code}")
+    if masters is not None and masters.shards > 1:
+        shard_reports = []
+        for shard in range(masters.shards):
+            try:
+                group = masters if shard == 0 else ask_etcd(master, timeout, etcd_access, shard)
+            except ValueError as exc:
+                failed(str(exc))
+                return done()
+            assert group is not None, "kvpool status: an etcd:// target named no masters"
+            if shard:
+                tables.append(render_masters(group))
+                if group.leader is None:
+                    report["errors"].append(f"etcd: no leader of shard {shard}")
+            entry: dict[str, Any] = {"shard": shard, "masters": masters_fields(group), "cluster": None}
+            label = f"{master} shard {shard}"
+            try:
+                status = cluster_status(master, token=token, tls_ca=tls_ca, timeout=timeout, etcd_access=etcd_access,
+                                        shard=shard)
+            except MasterUnreachable as exc:
+                failed(f"cannot reach the master of shard {shard} at {master}: {exc.code}")
+            else:
+                entry["cluster"] = status_fields(label, status)
+                tables.append(render_status(label, status))
+            shard_reports.append(entry)
+        report["shards"] = shard_reports
+        report["cluster"] = shard_reports[0]["cluster"]
     else:
-        report["cluster"] = status_fields(master, status)
-        tables.append(render_status(master, status))
+        try:
+            status = cluster_status(master, token=token, tls_ca=tls_ca, timeout=timeout, etcd_access=etcd_access)
+        except MasterUnreachable as exc:
+            failed(f"cannot reach the master at {master}: {exc.code}")
+        else:
+            report["cluster"] = status_fields(master, status)
+            tables.append(render_status(master, status))
     if prometheus:
         try:
             rates = fetch_dashboard_rates(prometheus, timeout)

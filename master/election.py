@@ -81,6 +81,7 @@ class Election:
         self.ttl_s = ttl_s
         self.shard = shard
         self.key = leader_key(cluster, shard)
+        self._group = cluster if shard == 0 else f"{cluster} shard {shard}"  # as the log names it
         self.poll_s = min(0.5, ttl_s / 4) if poll_s is None else poll_s
         self.margin_s = min(1.0, ttl_s * 0.2)
         self._on_elected = on_elected
@@ -190,7 +191,7 @@ class Election:
                     return False
                 # Not a leader's key (no lease, or not ours to read): it would block every election. Remove it,
                 # if it still holds what we read, and campaign.
-                log.warning("master: the leader key of cluster %s holds %r%s; removing it", self.cluster,
+                log.warning("master: the leader key of cluster %s holds %r%s; removing it", self._group,
                             current.value[:80], "" if current.lease else " with no lease")
                 self.etcd.delete_if(self.key, current.value)
             lease, ttl = self.etcd.grant(self.ttl_s)
@@ -219,7 +220,7 @@ class Election:
         self.elected_at = time.monotonic()
         self.failover_s = None if self._moved is None else self.elected_at - self._moved[1]
         self._moved = None
-        log.info("master %s: elected leader of cluster %s (lease %x, TTL %d s)", self.me.address, self.cluster,
+        log.info("master %s: elected leader of cluster %s (lease %x, TTL %d s)", self.me.address, self._group,
                  lease, ttl)
         self._on_elected()
         return True
@@ -257,7 +258,7 @@ class Election:
             self._lease = 0
             self._leader = None
         if was:
-            log.warning("master %s: no longer leader of cluster %s: %s", self.me.address, self.cluster, why)
+            log.warning("master %s: no longer leader of cluster %s: %s", self.me.address, self._group, why)
             self._on_deposed()
 
     def _saw(self, leader: LeaderInfo | None) -> None:

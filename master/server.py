@@ -150,6 +150,10 @@ class MasterServer:
                                   registry=self.registry)
         # read at scrape time from the election's own clock (a lagging thread cannot make it claim leadership)
         self._leader_gauge.set_function(lambda: 0 if self.config.etcd and not self._leading() else 1)
+        # which index shard this master's group owns: alerts count leaders per shard (deploy/prometheus)
+        Gauge("kvpool_master_shard_info", "Always 1; labels: the index shard this master's group owns, and the "
+              "cluster's shard count", ["shard", "shards"], registry=self.registry).labels(
+            shard=str(config.shard), shards=str(config.shards)).set(1)
 
     @property
     def address(self) -> str:
@@ -389,7 +393,8 @@ def run_master(config: MasterConfig) -> None:
         if server.events is not None:
             log_events(server.events.publisher)
         if config.etcd:
-            log.info("kvpool master: standing by for cluster %s in etcd %s as %s (leader TTL %d s)", config.cluster,
-                     config.etcd, server.advertised_address(), config.leader_ttl_s)
+            shard = f" index shard {config.shard} of {config.shards}" if config.shards > 1 else ""
+            log.info("kvpool master: standing by for cluster %s%s in etcd %s as %s (leader TTL %d s)", config.cluster,
+                     shard, config.etcd, server.advertised_address(), config.leader_ttl_s)
         wait_for_shutdown()
         log.info("kvpool master stopping")

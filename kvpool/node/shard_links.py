@@ -99,6 +99,8 @@ class ShardLinks:
         except BaseException:
             self._etcd.close()
             raise
+        if count is not None:
+            self._etcd.close()  # read once: each link follows its leader with its own connection's etcd client
 
     # -- the daemon's surface -------------------------------------------------------------
 
@@ -216,6 +218,7 @@ class ShardLinks:
                 except ValueError as exc:
                     log.warning("node: %s", exc)
                     continue
+            self._etcd.close()
             for link in links:
                 link.start()
             return

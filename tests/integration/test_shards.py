@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import uuid
 
 import grpc
@@ -71,6 +74,8 @@ def test_each_shard_elects_its_own_leader_under_its_own_key_and_says_its_shard(e
             for m in groups[shard]:
                 said = info(m.address)
                 assert (said.shard, said.shard_count) == (shard, 2)
+                assert m.registry.get_sample_value("kvpool_master_shard_info",
+                                                   {"shard": str(shard), "shards": "2"}) == 1  # alerts count by it
         client = EtcdClient([etcd.endpoint])
         try:
             assert read_shard_map(client, cluster) == ShardMap(2)
@@ -207,6 +212,25 @@ def test_a_node_reports_each_key_to_its_shards_leader_only(etcd, tmp_path):
         for shard, leader in enumerate(leaders):
             assert present(leader, keys) == [int(o == shard) for o in owner]
             assert len(leader.index) == owner.count(shard)
+        # kvpool status lists every shard: its leader, its standby, the node and the shard's block count
+        target = f"etcd://{etcd.endpoint}/{cluster}"
+
+        def status() -> subprocess.CompletedProcess:
+            return subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--master", target],
+                                  capture_output=True, text=True, timeout=60)
+
+        standbys = [next(m for m in g if m is not leader) for g, leader in zip(groups, leaders)]
+        shown = wait_until(lambda: (r := status()).returncode == 0
+                           and all(m.advertised_address() in r.stdout for m in standbys) and r, timeout=15)
+        for shard, (leader, standby) in enumerate(zip(leaders, standbys)):
+            assert (f"masters of cluster {cluster} shard {shard} of 2: leader {leader.advertised_address()}; "
+                    f"standbys: {standby.advertised_address()}") in shown.stdout
+            assert (f"kvpool master {target} shard {shard}: 1 node(s), {owner.count(shard)} blocks indexed"
+                    in shown.stdout)
+        as_json = json.loads(subprocess.run([sys.executable, "-m", "kvpool.cli", "status", "--master", target,
+                                             "--json"], capture_output=True, text=True, timeout=60).stdout)
+        assert [(e["shard"], e["masters"]["leader"], e["cluster"]["indexed_blocks"]) for e in as_json["shards"]] \
+            == [(k, leaders[k].advertised_address(), owner.count(k)) for k in range(2)]
     finally:
         if pool is not None:
             pool.close()
@@ -214,3 +238,79 @@ def test_a_node_reports_each_key_to_its_shards_leader_only(etcd, tmp_path):
         unlink_arena(arena)
         for m in [m for g in groups for m in g]:
             m.stop()
+
+
+def test_with_tenants_a_key_lands_in_the_shard_of_its_stored_key(etcd, tmp_path):
+    """kvpool/shards.py's rule: the shard of a tenant's key is that of its stored key (masked), which the node
+    reports and the master guards; a client of the tenant computes it from the mask its master's Info gives."""
+    import secrets
+
+    from kvpool.auth import mask_keys, tenant_mask
+
+    node_token, client_token = secrets.token_hex(32), secrets.token_hex(32)
+    # a secret whose mask for tenant "a" moves keys between 2 shards (it flips bit 0 of byte 7: the shard's bit)
+    secret = next(s for s in (secrets.token_hex(32) for _ in range(1000))
+                  if tenant_mask(bytes.fromhex(s), "a")[7] & 1)
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"secret": secret, "node_tokens": [node_token],
+                                "clients": {client_token: {"tenant": "a"}}}))
+    cluster = new_cluster()
+    leaders = [shard_master(etcd, cluster, shard, auth_file=str(auth)) for shard in range(2)]
+    node, arena = start_node(etcd, cluster, tmp_path, "n1", "--auth-file", str(auth), "--token", node_token)
+    pool = None
+    apis: list[DirectMaster] = []
+    try:
+        for m in leaders:
+            wait_until(lambda m=m: leader_of([m]), timeout=15)
+        pool = PoolClient(ClientConfig(master=f"etcd://{etcd.endpoint}/{cluster}", shared_memory=False,
+                                       token=client_token))
+        keys = [opaque_key(f"{cluster}-t{i}") for i in range(32)]
+        wait_until(lambda: pool.cluster.refresh() and len(pool.cluster.nodes()) == 1, timeout=20)
+        assert pool.store(keys, [np.full(4096, i + 1, np.uint8) for i in range(len(keys))]) == [True] * len(keys)
+        wait_until(pool.flush, timeout=20)
+        apis = [DirectMaster(m.address, pool=None, timeout_s=5, max_message_bytes=8 << 20, token=client_token)
+                for m in leaders]
+        info_ = apis[0].info()
+        assert info_ is not None and len(info_.tenant_mask) == 32
+        stored = [shard_of(k, 2) for k in (mask_keys(key, info_.tenant_mask) for key in keys)]
+        assert stored == [1 - shard_of(k, 2) for k in keys]  # this mask moves every key: the rule matters
+        for shard, api in enumerate(apis):
+            got = list(api.exists(master_pb2.ExistsRequest(keys=b"".join(keys)), timeout=5).present)
+            assert got == [int(s == shard) for s in stored]
+    finally:
+        for api in apis:
+            api.close()
+        if pool is not None:
+            pool.close()
+        stop_process(node)
+        unlink_arena(arena)
+        for m in leaders:
+            m.stop()
+
+
+def test_a_node_started_while_etcd_is_unreachable_links_every_shard_once_it_answers(tmp_path):
+    (tmp_path / "etcd").mkdir()
+    own = EtcdServer(tmp_path / "etcd")
+    cluster = new_cluster()
+    masters = [shard_master(own, cluster, shard) for shard in range(2)]
+    node, arena = None, ""
+    try:
+        for m in masters:
+            wait_until(lambda m=m: leader_of([m]), timeout=15)
+        own.pause()
+        try:
+            node, arena = start_node(own, cluster, tmp_path)
+            log = tmp_path / "n1.log"
+            wait_until(lambda: log.exists() and "cannot read the shard map" in log.read_text(), timeout=30)
+            assert node.poll() is None  # the node runs, and waits for etcd
+        finally:
+            own.resume()
+        wait_until(lambda: all(leader_of([m]) for m in masters), timeout=20)
+        wait_until(lambda: all(m.membership.node_count() == 1 for m in masters), timeout=30)
+    finally:
+        if node is not None:
+            stop_process(node)
+            unlink_arena(arena)
+        for m in masters:
+            m.stop()
+        own.stop()
