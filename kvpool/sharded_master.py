@@ -38,6 +38,9 @@ Merge rules (invariants):
 - :func:`connect_master` reads the shard map once, when it is made; a map etcd cannot give then (etcd
   unreachable) is taken as one shard (logged): on a sharded cluster the other shards' keys then miss until
   the client is made again.
+- Keys go to the shard of their *stored* key (:mod:`kvpool.shards`): with auth on, the caller's tenant mask
+  (from the shards' ``Info``, asked once) applied; the keys are sent as the caller gave them (the master
+  masks them itself). Until a shard has told the mask, keyed calls are UNAVAILABLE (a lookup: a miss).
 - A call ends by its ``timeout``: the shards are asked at once (the calling thread asks one, a small pool of
   threads owned by the object the rest), each within the same timeout.
 """
@@ -52,6 +55,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from kvpool.auth import MASK_BYTES, mask_keys
 from kvpool.etcd import EtcdAccess, EtcdTarget
 from kvpool.keys import KEY_BYTES
 from kvpool.master_client import MasterApi, MasterConnection, OnError
@@ -70,11 +74,13 @@ _NODE_CALL = ("{name}: a node links each index shard's master separately (kvpool
 class _Split:
     """A request's keys cut by shard: per shard its positions (ascending) and its packed keys."""
 
-    def __init__(self, packed: bytes, count: int):
+    def __init__(self, packed: bytes, count: int, stored: bytes | None = None):
+        """``packed``: the keys as the caller sends them; ``stored``: the same keys as stored (the tenant's mask
+        applied), which decide the shard (None: the same as ``packed``)."""
         if len(packed) % KEY_BYTES:
             raise ValueError(f"packed keys: {len(packed)} bytes is not a multiple of {KEY_BYTES}")
         self.n = n = len(packed) // KEY_BYTES
-        self.shard = shards_of_packed(packed, count).astype(np.int64)  # per position: its shard
+        self.shard = shards_of_packed(packed if stored is None else stored, count).astype(np.int64)  # its shard
         order = np.argsort(self.shard, kind="stable")  # positions grouped by shard, ascending within each
         bounds = np.concatenate(([0], np.cumsum(np.bincount(self.shard, minlength=count))))
         self.positions: list[np.ndarray] = [order[bounds[k] : bounds[k + 1]] for k in range(count)]
@@ -118,6 +124,27 @@ class ShardedMaster:
         self.count = len(self.masters)
         self._threads = ThreadPoolExecutor(max_workers=self.count - 1, thread_name_prefix="kvpool-shards") \
             if self.count > 1 and parallel else None
+        self._mask: bytes | None = None  # this caller's tenant mask, once a shard's Info told it (b"": none)
+
+    def _split(self, packed: bytes) -> _Split:
+        """``packed`` cut by the shards of its stored keys (:mod:`kvpool.shards`: with auth on, a tenant's key is
+        stored masked, and the stored key decides its shard); UNAVAILABLE while no shard's ``Info`` has told
+        this caller's tenant mask."""
+        if self.count == 1:
+            return _Split(packed, 1)
+        if self._mask is None:
+            for master in self.masters:  # the mask is the same on every shard; Info is asked once per master
+                info = master.info()
+                if info is not None:
+                    if len(info.tenant_mask) not in (0, MASK_BYTES):
+                        raise CallError(grpc.StatusCode.INTERNAL, f"the master sent a tenant mask of "
+                                        f"{len(info.tenant_mask)} bytes")
+                    self._mask = bytes(info.tenant_mask)
+                    break
+            else:
+                raise CallError(grpc.StatusCode.UNAVAILABLE, "no index shard's master answered Info: the tenant "
+                                "mask that places this caller's keys in shards is not known yet")
+        return _Split(packed, self.count, mask_keys(packed, self._mask) if self._mask else None)
 
     # -- the parallel fan-out ----------------------------------------------------------------
 
@@ -160,7 +187,7 @@ class ShardedMaster:
     # -- clients -------------------------------------------------------------------------------
 
     def lookup(self, request: master_pb2.LookupRequest, timeout: float | None) -> master_pb2.LookupResponse:
-        split = _Split(request.keys, self.count)
+        split = self._split(request.keys)
         if not split.asked:
             return self.masters[0].lookup(request, timeout)
         first = int(split.shard[0])
@@ -224,7 +251,7 @@ class ShardedMaster:
         return response
 
     def exists(self, request: master_pb2.ExistsRequest, timeout: float | None) -> master_pb2.ExistsResponse:
-        split = _Split(request.keys, self.count)
+        split = self._split(request.keys)
         if len(split.asked) <= 1:
             k = split.asked[0] if split.asked else 0
             return self.masters[k].exists(request, timeout)
@@ -241,7 +268,7 @@ class ShardedMaster:
 
     def place_blocks(self, request: master_pb2.PlaceBlocksRequest,
                      timeout: float | None) -> master_pb2.PlaceBlocksResponse:
-        split = _Split(request.keys, self.count)
+        split = self._split(request.keys)
         if len(request.sizes) != split.n:
             raise ValueError(f"sizes: {len(request.sizes)} values for {split.n} keys")
         if len(split.asked) <= 1:
@@ -278,7 +305,7 @@ class ShardedMaster:
 
     def name_blocks(self, request: master_pb2.NameBlocksRequest,
                     timeout: float | None) -> master_pb2.NameBlocksResponse:
-        split = _Split(request.keys, self.count)
+        split = self._split(request.keys)
         if len(request.engine_hashes) != split.n:
             raise ValueError(f"engine_hashes: {len(request.engine_hashes)} values for {split.n} keys")
         hashes = list(request.engine_hashes)
@@ -288,7 +315,7 @@ class ShardedMaster:
         return master_pb2.NameBlocksResponse(named=sum(r.named for r in replies.values()))
 
     def _hbm_parts(self, request: master_pb2.ReportHbmRequest) -> dict[int, master_pb2.ReportHbmRequest]:
-        added, removed = _Split(request.added_keys, self.count), _Split(request.removed_keys, self.count)
+        added, removed = self._split(request.added_keys), self._split(request.removed_keys)
         shards = range(self.count) if request.full_sync else sorted(set(added.asked) | set(removed.asked)) or [0]
         return {k: master_pb2.ReportHbmRequest(worker_id=request.worker_id, added_keys=added.packed[k],
                                                removed_keys=removed.packed[k], full_sync=request.full_sync)
@@ -325,7 +352,7 @@ class ShardedMaster:
     # -- routers and operators ------------------------------------------------------------------
 
     def score(self, request: master_pb2.ScoreRequest, timeout: float | None) -> master_pb2.ScoreResponse:
-        split = _Split(request.keys, self.count)
+        split = self._split(request.keys)
         workers = list(request.worker_ids)
         # No workers named: each shard lists the tenant's workers that reported HBM to it; all are asked.
         shards = split.asked if workers else list(range(self.count))

@@ -13,7 +13,9 @@ import pytest
 from google.protobuf.message import Message
 from prometheus_client import CollectorRegistry
 
+from kvpool.auth import ROLE_CLIENT, Identity, acting_as, mask_keys, tenant_mask
 from kvpool.config import MasterConfig, ServerConfig
+from kvpool.keys import unpack_keys
 from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
 from kvpool.master.servicer import MasterServicer
@@ -36,7 +38,7 @@ class _Context:
 class InProcessMaster(MasterCalls):
     """One master's servicer called directly; ``fail`` makes every call UNAVAILABLE; ``calls`` counts them."""
 
-    def __init__(self, max_keys_per_call: int = 65536):
+    def __init__(self, max_keys_per_call: int = 65536, identity: Identity | None = None):
         config = MasterConfig(server=ServerConfig(max_keys_per_call=max_keys_per_call))
         self.index = BlockIndex()
         self.hbm = HbmIndex()
@@ -44,6 +46,7 @@ class InProcessMaster(MasterCalls):
         metrics = MasterMetrics(CollectorRegistry(), self.index, self.hbm, self.membership)
         self.metrics = metrics
         self.servicer = MasterServicer(config, self.index, self.hbm, self.membership, metrics)
+        self.identity = identity  # the caller every client call is served as (None: auth off)
         self.fail = False
         self.calls: list[str] = []
         self.sent: list[Message] = []
@@ -60,7 +63,8 @@ class InProcessMaster(MasterCalls):
         self.sent.append(request)
         if self.fail:
             raise CallError(grpc.StatusCode.UNAVAILABLE, f"{name}: this shard is down")
-        return getattr(self.servicer, name)(request, _Context())
+        with acting_as(self.identity):
+            return getattr(self.servicer, name)(request, _Context())
 
     def call_nowait(self, name: str, request: Message, timeout: float | None, on_error: OnError) -> None:
         try:
@@ -69,7 +73,8 @@ class InProcessMaster(MasterCalls):
             on_error(exc)
 
     def info(self) -> master_pb2.MasterInfoResponse | None:
-        return self.servicer.Info(master_pb2.MasterInfoRequest(), _Context())
+        with acting_as(self.identity):
+            return self.servicer.Info(master_pb2.MasterInfoRequest(), _Context())
 
     def close(self) -> None:
         pass
@@ -90,13 +95,19 @@ def keys(n: int, salt: str = "") -> list[bytes]:
 class Cluster:
     """The same blocks in one unsharded master and in ``count`` shard masters (each its shard's keys)."""
 
-    def __init__(self, count: int = 2):
-        self.one = InProcessMaster()
-        self.shards = [InProcessMaster() for _ in range(count)]
+    def __init__(self, count: int = 2, identity: Identity | None = None):
+        self.one = InProcessMaster(identity=identity)
+        self.shards = [InProcessMaster(identity=identity) for _ in range(count)]
         self.sharded = ShardedMaster(self.shards)
         self.count = count
+        self.mask = identity.mask if identity is not None else b""
+
+    def stored(self, ks: list[bytes]) -> list[bytes]:
+        """The keys as nodes store and report them (a tenant's: masked)."""
+        return [bytes(k) for k in unpack_keys(mask_keys(b"".join(ks), self.mask))] if ks else []
 
     def store(self, node: str, tier: Any, ks: list[bytes]) -> None:
+        ks = self.stored(ks)
         self.one.store(node, tier, ks)
         for k, shard in enumerate(self.shards):
             mine = [key for key in ks if shard_of(key, self.count) == k]
@@ -104,6 +115,7 @@ class Cluster:
                 shard.store(node, tier, mine)
 
     def remove(self, node: str, tier: Any, ks: list[bytes]) -> None:
+        ks = self.stored(ks)
         self.one.store(node, tier, [], ks)
         for k, shard in enumerate(self.shards):
             shard.store(node, tier, [], [key for key in ks if shard_of(key, self.count) == k])
@@ -307,3 +319,34 @@ def test_a_host_port_master_is_todays_connection():
         assert type(master) is MasterConnection and master.etcd is None
     finally:
         master.close()
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_a_tenants_keys_go_to_the_shard_of_their_stored_key(count):
+    """With auth on, the shard is the masked key's (kvpool/shards.py); the merged answers are one master's."""
+    secret = next(b for b in (bytes([i]) * 16 for i in range(256))
+                  if [shard_of(k, count) for k in unpack_keys(mask_keys(b"".join(keys(40)), tenant_mask(b, "t")))]
+                  != [shard_of(k, count) for k in keys(40)])  # a mask that moves keys to other shards
+    c = Cluster(count, Identity(ROLE_CLIENT, "t", tenant_mask(secret, "t")))
+    ks = keys(40)
+    rng = random.Random(7)
+    for k in ks[:30]:
+        c.store(rng.choice(NODES), rng.choice((DRAM, SSD)), [k])
+    c.hbm("w", ks[:12])
+    one, merged = lookup(c.one, ks), lookup(c.sharded, ks)
+    assert len(merged.tiers) == 30 and by_block(merged) == by_block(one)
+    request = master_pb2.ExistsRequest(keys=b"".join(ks))
+    assert c.sharded.exists(request, None).present == c.one.exists(request, None).present
+    score = master_pb2.ScoreRequest(keys=b"".join(ks), worker_ids=["w", "x"])
+    assert c.sharded.score(score, None) == c.one.score(score, None)
+    assert [s.hbm.blocks() for s in c.shards] == [sum(shard_of(k, count) == i for k in c.stored(ks[:12]))
+                                                   for i in range(count)]
+
+
+def test_keyed_calls_wait_for_a_shard_to_tell_the_tenant_mask():
+    c = Cluster()
+    for s in c.shards:
+        s.info = lambda: None  # no shard answered Info yet
+    with pytest.raises(grpc.RpcError) as raised:
+        lookup(c.sharded, keys(4))
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and "tenant mask" in raised.value.details()
