@@ -1,7 +1,11 @@
 """A master under many lookup clients: kvpool's next to Mooncake Store's, in one run (issue 29's table).
 
     python benchmarks/master_scale.py [--clients 1,32,128,256,1024] [--seconds 5] [--procs 8]
-                                      [--systems kvpool,mooncake] [--out FILE] [--quick]
+                                      [--systems kvpool,mooncake] [--lookup-keys 64] [--rate R] [--out FILE]
+                                      [--quick]
+
+(``--rate``: lookups/s offered by all clients together, paced; 0, the default, loops flat out.
+``benchmarks/shard_scale.py`` runs these workers against sharded clusters.)
 
 Starts, once for the whole run:
 
