@@ -1,7 +1,11 @@
 """A master under many lookup clients: kvpool's next to Mooncake Store's, in one run (issue 29's table).
 
     python benchmarks/master_scale.py [--clients 1,32,128,256,1024] [--seconds 5] [--procs 8]
-                                      [--systems kvpool,mooncake] [--out FILE] [--quick]
+                                      [--systems kvpool,mooncake] [--lookup-keys 64] [--rate R] [--out FILE]
+                                      [--quick]
+
+(``--rate``: lookups/s offered by all clients together, paced; 0, the default, loops flat out.
+``benchmarks/shard_scale.py`` runs these workers against sharded clusters.)
 
 Starts, once for the whole run:
 
@@ -43,19 +47,25 @@ VALUE_BYTES = 4096
 # -- the client side (a worker process; the Mooncake one runs in Mooncake's venv: stdlib imports only here) --
 
 def kvpool_lookups(args: argparse.Namespace) -> Callable[[], Callable[[], None]]:
-    """A factory of per-thread lookup functions: each its own ``DirectMaster`` (one fast-call connection)."""
+    """A factory of per-thread lookup functions: each its own ``DirectMaster`` (one fast-call connection), or,
+    when ``--master`` names one master per index shard (comma-separated, in shard order), its own
+    ``ShardedMaster`` over one ``DirectMaster`` per shard (``benchmarks/shard_scale.py``)."""
     from kvpool.keys import opaque_key
-    from kvpool.master_client import DirectMaster
+    from kvpool.master_client import DirectMaster, MasterApi
+    from kvpool.sharded_master import ShardedMaster
     from kvpool.tcp import ConnectionPool
     from kvpool.v1 import master_pb2
 
-    half = LOOKUP_KEYS // 2
+    half = args.lookup_keys // 2
     present = b"".join(opaque_key(f"scale-{i}") for i in range(half))
     absent = b"".join(opaque_key(f"absent-{args.id}-{i}") for i in range(half))
     request = master_pb2.LookupRequest(keys=present + absent, worker_id=f"scale-{args.id}")
+    addresses = args.master.split(",")
 
     def make() -> Callable[[], None]:
-        master = DirectMaster(args.master, pool=ConnectionPool(10.0), timeout_s=30.0, max_message_bytes=64 << 20)
+        pool = ConnectionPool(10.0)
+        shards = [DirectMaster(a, pool=pool, timeout_s=30.0, max_message_bytes=64 << 20) for a in addresses]
+        master: MasterApi = shards[0] if len(shards) == 1 else ShardedMaster(shards, parallel=args.fanout == "threads")
 
         def lookup() -> None:
             reply = master.lookup(request, 30.0)
@@ -71,7 +81,7 @@ def mooncake_lookups(args: argparse.Namespace) -> Callable[[], Callable[[], None
     from mooncake_side import connect
 
     store = connect(args, 0, 64 << 20)
-    half = LOOKUP_KEYS // 2
+    half = args.lookup_keys // 2
     keys = [f"k{i}" for i in range(half)] + [f"absent-{args.id}-{i}" for i in range(half)]
 
     def make() -> Callable[[], None]:
@@ -102,8 +112,13 @@ def worker(args: argparse.Namespace) -> int:
             return
         started.wait()
         n = 0
+        interval = 1.0 / args.thread_rate if args.thread_rate else 0.0  # paced: one every interval, no burst
+        due = time.monotonic()
         try:
             while not stopping.is_set():
+                if interval:
+                    due = max(due + interval, time.monotonic())
+                    time.sleep(max(0.0, due - time.monotonic()))
                 lookup()
                 if measuring.is_set():
                     n += 1
@@ -143,17 +158,21 @@ def cpu_seconds(pid: int) -> float:
 
 
 class System:
-    """One system's servers, up for the whole run: the master's pid and how its workers are started."""
+    """One system's servers, up for the whole run: the master's pid (or every shard master's: their CPU is summed)
+    and how its workers are started."""
 
-    def __init__(self, name: str, python: str, master_pid: int, flags: list[str]):
-        self.name, self.python, self.master_pid, self.flags = name, python, master_pid, flags
+    def __init__(self, name: str, python: str, master_pid: int | list[int], flags: list[str]):
+        self.name, self.python, self.flags = name, python, flags
+        self.master_pids = master_pid if isinstance(master_pid, list) else [master_pid]
 
     def measure(self, clients: int, args: argparse.Namespace) -> dict:
         """One point: ``clients`` threads over ``min(clients, args.procs)`` processes, ``args.seconds`` counted."""
         procs = min(clients, args.procs)
         shares = [clients // procs + (i < clients % procs) for i in range(procs)]
         workers = [subprocess.Popen([self.python, __file__, "worker", "--system", self.name, "--id", str(i),
-                                     "--threads", str(n), *self.flags],
+                                     "--threads", str(n), "--lookup-keys", str(args.lookup_keys),
+                                     "--fanout", args.fanout, "--thread-rate", f"{args.rate / clients:g}",
+                                     *self.flags],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                     stderr=subprocess.DEVNULL if self.name == "mooncake" else None)  # glog lines
                    for i, n in enumerate(shares)]
@@ -164,9 +183,9 @@ class System:
                 if line != "ready":
                     raise RuntimeError(f"{self.name} worker did not start: {line or w.wait()}")
             self._tell(workers, "go")
-            cpu0, t0 = cpu_seconds(self.master_pid), time.monotonic()
+            cpu0, t0 = sum(map(cpu_seconds, self.master_pids)), time.monotonic()
             time.sleep(args.seconds)
-            cpu1, t1 = cpu_seconds(self.master_pid), time.monotonic()
+            cpu1, t1 = sum(map(cpu_seconds, self.master_pids)), time.monotonic()
             self._tell(workers, "stop")
             results = [json.loads(w.stdout.readline()) for w in workers if w.stdout is not None]
         finally:
@@ -189,13 +208,32 @@ class System:
             w.stdin.flush()
 
 
-def start_kvpool(args: argparse.Namespace, max_clients: int, tmp: Path, keep: list[subprocess.Popen]) -> System:
-    """A ``kvpool master`` and a ``kvpool node`` (processes), ``args.keys`` blocks stored."""
-    from compare_mooncake import free_port, wait_port
-
+def store_blocks(master: str, count: int, tmp: Path) -> None:
+    """Store ``count`` 4 KiB blocks (the keys lookups ask for) through a ``PoolClient`` on ``master``, once the
+    node has registered; RuntimeError if they are not all found within a minute."""
     from kvpool.client.pool import PoolClient
     from kvpool.config import ClientConfig
     from kvpool.keys import opaque_key
+
+    config = ClientConfig(master=master, shared_memory=False, io_timeout_s=30)
+    value = bytes(VALUE_BYTES)
+    keys = [opaque_key(f"scale-{i}") for i in range(count)]
+    deadline = time.monotonic() + 60
+    with PoolClient(config) as pool:
+        while True:  # the node registers a moment after it starts
+            stored = sum(sum(pool.store(keys[s : s + 256], [value] * len(keys[s : s + 256])))
+                         for s in range(0, len(keys), 256))
+            pool.flush(30)
+            if stored == len(keys) and pool.exists(keys) == [True] * len(keys):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvpool: stored {stored} of {len(keys)} blocks (see {tmp})")
+            time.sleep(0.5)
+
+
+def start_kvpool(args: argparse.Namespace, max_clients: int, tmp: Path, keep: list[subprocess.Popen]) -> System:
+    """A ``kvpool master`` and a ``kvpool node`` (processes), ``args.keys`` blocks stored."""
+    from compare_mooncake import free_port, wait_port
 
     port = free_port()
     max_connections = max(64, max_clients + 64)
@@ -211,20 +249,7 @@ def start_kvpool(args: argparse.Namespace, max_clients: int, tmp: Path, keep: li
                                                                                         * VALUE_BYTES)),
          "--arena", f"kvpool-scale-{os.getpid()}", "--log-level", "WARNING"],
         stdout=open(tmp / "kvpool-node.log", "wb"), stderr=subprocess.STDOUT))
-    config = ClientConfig(master=f"127.0.0.1:{port}", shared_memory=False, io_timeout_s=30)
-    value = bytes(VALUE_BYTES)
-    deadline = time.monotonic() + 60
-    with PoolClient(config) as pool:
-        while True:  # the node registers a moment after it starts
-            keys = [opaque_key(f"scale-{i}") for i in range(args.keys)]
-            stored = sum(sum(pool.store(keys[s : s + 256], [value] * len(keys[s : s + 256])))
-                         for s in range(0, len(keys), 256))
-            pool.flush(30)
-            if stored == len(keys) and len(pool.lookup(keys[:LOOKUP_KEYS])) == LOOKUP_KEYS:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"kvpool: stored {stored} of {len(keys)} blocks (see {tmp})")
-            time.sleep(0.5)
+    store_blocks(f"127.0.0.1:{port}", args.keys, tmp)
     print(f"  kvpool: master pid {master.pid} (max_connections {max_connections}), {args.keys} blocks stored",
           file=sys.stderr, flush=True)
     return System("kvpool", sys.executable, master.pid, ["--master", f"127.0.0.1:{port}"])
@@ -273,7 +298,7 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
                      f"{ratio(k and k['lookups_per_s'], m and m['lookups_per_s'])} | {cpu_k} / {cpu_m} us{cpu_r} |")
     procs = ", ".join(f"{r['clients']}: {next(iter(v['procs'] for s, v in r.items() if s in SYSTEMS))}"
                       for r in rows)
-    lines += ["", f"{LOOKUP_KEYS}-key lookups, half present; {args.seconds:g} s counted per point after every "
+    lines += ["", f"{args.lookup_keys}-key lookups, half present; {args.seconds:g} s counted per point after every "
                   f"thread's first call; client processes per point ({procs}); master CPU from /proc "
                   "(utime + stime) over the counted window."]
     return "\n".join(lines)
@@ -296,7 +321,13 @@ def main() -> int:
     parser.add_argument("--system", choices=SYSTEMS)
     parser.add_argument("--id", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--master")
+    parser.add_argument("--master", help="the master's address; comma-separated: one per index shard")
+    parser.add_argument("--lookup-keys", type=int, default=LOOKUP_KEYS, help="keys per lookup, half present")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="lookups/s offered by all clients together, spread evenly (0: each loops flat out)")
+    parser.add_argument("--thread-rate", type=float, default=0.0, help="(worker) one thread's share of --rate")
+    parser.add_argument("--fanout", choices=["threads", "serial"], default="threads",
+                        help="how a ShardedMaster asks its shards (one master per shard in --master)")
     parser.add_argument("--master-port", type=int)
     parser.add_argument("--metadata-port", type=int)
     args = parser.parse_args()

@@ -57,10 +57,11 @@ from kvpool.client.writer import Payload, WriteBehindQueue
 from kvpool.config import ClientConfig
 from kvpool.etcd import EtcdAccess
 from kvpool.keys import BlockKey, check_keys, pack_keys
-from kvpool.master_client import MasterApi, MasterConnection, TenantMask
+from kvpool.master_client import MasterApi, TenantMask
 from kvpool.metrics import ErrorMetrics, LookupMetrics, MetricsServer, latency_histogram
 from kvpool.placement import TOO_LARGE
 from kvpool.rpc import flags_from_bytes
+from kvpool.sharded_master import connect_master
 from kvpool.tcp import ConnectionPool
 from kvpool.tls import client_context
 from kvpool.v1 import master_pb2, node_pb2
@@ -100,8 +101,9 @@ class PoolClient:
         self._calls = ConnectionPool(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0), tls=tls,
                                      hello=auth_hello(config.token) if config.token else None,
                                      spin_wait_s=config.spin_wait_us * 1e-6)
-        # The master, or the leader etcd names (followed when a call finds it gone: kvpool.master_client).
-        self.master: MasterApi = MasterConnection(
+        # The master, or the leader etcd names (followed when a call finds it gone: kvpool.master_client), or
+        # one leader per index shard of a sharded cluster (kvpool.sharded_master).
+        self.master: MasterApi = connect_master(
             config.master, pool=self._calls, timeout_s=config.lookup_timeout_s, max_message_bytes=MAX_MESSAGE_BYTES,
             token=config.token, tls_ca=config.tls_ca, etcd_access=EtcdAccess.from_config(config, "client"))
         self.nodes = NodeDirectory(config, self._calls)

@@ -733,7 +733,8 @@ class ClientConfig:
     """The client library inside an inference worker. Valid once constructed (module docstring)."""
 
     master: str = opt(f"127.0.0.1:{DEFAULT_MASTER_PORT}", "the master's host:port, or etcd://HOST:PORT/CLUSTER to "
-                      "follow the leader etcd names", check=master_target_check)
+                      "follow the leader etcd names (each index shard's, for a sharded cluster)",
+                      check=master_target_check)
     worker_id: str = opt("", f"this worker's name (1-{MAX_WORKER_ID_CHARS} characters, no control characters); "
                              "empty: <hostname>-<pid>", check=worker_id_check)
     model: str = opt("default", "model id: part of every block key's namespace", check=nonempty_check)

@@ -16,10 +16,11 @@ protobuf messages of ``kvpool.v1``. Two implementations:
   it moved. Nodes re-register and clients simply call the new leader: no
   restart.
 
-A sharded master (a later issue) is a new implementation of the same
-Protocol: one :class:`MasterConnection` per shard, ``lookup`` / ``exists`` /
-``place_blocks`` splitting the request's keys by shard and merging the
-replies, node calls sent to every shard. No caller changes.
+A sharded master is a third implementation of the same Protocol,
+:class:`kvpool.sharded_master.ShardedMaster`: one :class:`MasterConnection`
+per index shard, each client call's keys split by shard and the replies
+merged; :func:`kvpool.sharded_master.connect_master` is the factory clients
+use. Nodes link each shard separately (:mod:`kvpool.node.shard_links`).
 
 Invariants:
 - A call ends by its ``timeout``; errors are ``grpc.RpcError`` (over fast

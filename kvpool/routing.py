@@ -3,7 +3,8 @@
 ``Master.Score`` answers, for one prompt's block keys and a set of workers, each worker's leading run in its
 own HBM and then the pool's leading run of the rest by tier: exactly what that worker's lookup would hit
 (:meth:`kvpool.master.servicer.MasterServicer.Score`). :class:`ScoreClient` asks it (following an HA
-cluster's leader, with the client config's token and TLS); :func:`rank` orders the answer; ``kvpool route``
+cluster's leader, or each index shard's of a sharded cluster, :mod:`kvpool.sharded_master`, with the client
+config's token and TLS); :func:`rank` orders the answer; ``kvpool route``
 prints it for a prompt.
 
 Invariants:
@@ -25,7 +26,8 @@ import grpc
 from kvpool.config import ClientConfig
 from kvpool.etcd import EtcdAccess
 from kvpool.keys import BlockKey, pack_keys
-from kvpool.master_client import MasterApi, MasterConnection
+from kvpool.master_client import MasterApi
+from kvpool.sharded_master import connect_master
 from kvpool.tcp import ConnectionPool
 from kvpool.tls import client_context
 from kvpool.v1 import master_pb2
@@ -74,7 +76,7 @@ class ScoreClient:
         tls = client_context(config.tls_ca) if config.tls_ca else None
         self._calls = ConnectionPool(config.io_timeout_s, connect_timeout_s=min(config.io_timeout_s, 2.0), tls=tls,
                                      hello=auth_hello(config.token) if config.token else None)
-        self._master: MasterApi = MasterConnection(
+        self._master: MasterApi = connect_master(
             config.master, pool=self._calls, timeout_s=config.lookup_timeout_s, max_message_bytes=MAX_MESSAGE_BYTES,
             token=config.token, tls_ca=config.tls_ca, etcd_access=EtcdAccess.from_config(config, "client"))
         self._timeout = config.lookup_timeout_s
