@@ -1,9 +1,11 @@
 """Lookups a client answered without asking the master, counted as the master would count them, and reported.
 
 A lookup the master never sees (HBM answered it alone, or the arenas of
-same-host nodes did: :mod:`kvpool.client.local_index`) still belongs in the
-cluster-wide hit rates. :class:`LookupStats` is the one buffer for both kinds
-and the one timer that sends them (``Master.ReportLookups``).
+same-host nodes did: :mod:`kvpool.client.local_index`), or sees only in parts
+(each index shard of a sharded cluster its own keys: only the client sees the
+merged run, :mod:`kvpool.sharded_master`), still belongs in the cluster-wide
+hit rates. :class:`LookupStats` is the one buffer for every kind and the one
+timer that sends them (``Master.ReportLookups``).
 
 Invariants:
 - Counts reach the master within ``interval_s`` (default ``REPORT_S``) of the first lookup counted

@@ -103,9 +103,11 @@ class PoolClient:
                                      spin_wait_s=config.spin_wait_us * 1e-6)
         # The master, or the leader etcd names (followed when a call finds it gone: kvpool.master_client), or
         # one leader per index shard of a sharded cluster (kvpool.sharded_master).
+        self.lookup_stats = LookupStats(self._report_lookups)  # lookups counted here (HBM, arenas, shards merged)
         self.master: MasterApi = connect_master(
             config.master, pool=self._calls, timeout_s=config.lookup_timeout_s, max_message_bytes=MAX_MESSAGE_BYTES,
-            token=config.token, tls_ca=config.tls_ca, etcd_access=EtcdAccess.from_config(config, "client"))
+            token=config.token, tls_ca=config.tls_ca, etcd_access=EtcdAccess.from_config(config, "client"),
+            count_lookup=self.lookup_stats.count)
         self.nodes = NodeDirectory(config, self._calls)
         self.cluster = ClusterView(
             lambda: self.master.cluster_status(master_pb2.ClusterStatusRequest(), config.lookup_timeout_s),
@@ -116,7 +118,6 @@ class PoolClient:
         self._names_unwanted_until = 0.0  # the master kept none (it publishes no events): ask again after this
         mask = TenantMask(self.master) if config.token else None
         self.local = LocalIndex(self.cluster, self.nodes, mask, enabled=config.shared_memory)
-        self.lookup_stats = LookupStats(self._report_lookups)  # lookups answered here (HBM, same-host arenas)
         self.shared_path = SharedMemoryPath(config, self.nodes, self.faults, mask, self._calls)
         self.bulk_path = BulkPath(config, self.nodes, self.faults, self._calls)
         self.grpc_path = GrpcPath(config, self.nodes, self.faults)

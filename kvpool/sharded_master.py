@@ -15,9 +15,9 @@ Merge rules (invariants):
   count the merged run. A shard that fails is a miss from its first key on, unless it is the only shard asked
   (then its error is raised, as from one master). Stats: ``worker_id`` and ``block_tokens`` go to every shard
   asked, ``hbm_prefix_blocks`` only to the shard of the first key, so the blocks requested and HBM hits summed
-  over the shards are the cluster's; each shard asked still counts one lookup and the hits of its own run
-  (a master counts every ``Lookup`` it serves), so summed lookup and pool-hit counts over-count by the shards
-  a lookup touched (docs/scaling.md).
+  over the shards are the cluster's. Given a ``count_lookup`` (a client's ``LookupStats.count``), a lookup
+  split over shards is counted there once, merged, and its parts carry ``counted_by_caller`` so the shards
+  count nothing; without one, each shard counts its part (a lookup then counts once per shard asked).
 - ``exists``: split and merged in order; a failed shard's keys are absent (unless it is the only one asked).
 - ``score``: exactly what one unsharded master answers for the same placement (per worker the global HBM run,
   then the pool's run after it by tier). One parallel round of ``Score`` per shard settles it whenever each
@@ -67,6 +67,9 @@ from kvpool.wire import CallError
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# Counts one lookup as the master would (hbm_blocks, the run's tier bytes, requested blocks, block_tokens):
+# a client's LookupStats.count.
+CountLookup = Callable[[int, bytes, int, int], None]
 _NODE_CALL = ("{name}: a node links each index shard's master separately (kvpool.node.master_link); "
               "a ShardedMaster serves clients only")
 
@@ -115,9 +118,12 @@ class ShardedMaster:
     """One :class:`MasterApi` over ``masters`` (one per index shard, in shard order; see the module docstring).
     Owns them (:meth:`close`). Thread-safe."""
 
-    def __init__(self, masters: Sequence[MasterApi], *, parallel: bool = True):
+    def __init__(self, masters: Sequence[MasterApi], *, parallel: bool = True, count_lookup: CountLookup | None = None):
         """``parallel=False``: ask the shards one after another on the calling thread (no threads; for measuring
-        the fan-out, ``benchmarks/shard_scale.py``)."""
+        the fan-out, ``benchmarks/shard_scale.py``). ``count_lookup`` (a client's
+        :meth:`kvpool.client.lookup_stats.LookupStats.count`): a lookup split over shards is counted once, merged,
+        there, and its parts ask the shards to leave their hit counters alone; None: each shard counts its part
+        (a lookup then counts once per shard asked)."""
         if len(masters) < 1:
             raise ValueError("ShardedMaster: give one master per shard (at least one)")
         self.masters = list(masters)
@@ -125,6 +131,7 @@ class ShardedMaster:
         self._threads = ThreadPoolExecutor(max_workers=self.count - 1, thread_name_prefix="kvpool-shards") \
             if self.count > 1 and parallel else None
         self._mask: bytes | None = None  # this caller's tenant mask, once a shard's Info told it (b"": none)
+        self._count_lookup = count_lookup
 
     def _split(self, packed: bytes) -> _Split:
         """``packed`` cut by the shards of its stored keys (:mod:`kvpool.shards`: with auth on, a tenant's key is
@@ -191,18 +198,24 @@ class ShardedMaster:
         if not split.asked:
             return self.masters[0].lookup(request, timeout)
         first = int(split.shard[0])
+        counted_here = self._count_lookup is not None and len(split.asked) > 1
 
         def ask(k: int) -> master_pb2.LookupResponse:
             return self.masters[k].lookup(master_pb2.LookupRequest(
                 keys=split.packed[k], worker_id=request.worker_id, block_tokens=request.block_tokens,
-                hbm_prefix_blocks=request.hbm_prefix_blocks if k == first else 0), timeout)
+                hbm_prefix_blocks=request.hbm_prefix_blocks if k == first else 0, counted_by_caller=counted_here),
+                timeout)
 
         replies = self._each(split.asked, ask)
         self._only_fault(replies)
         if len(split.asked) == 1:
             return replies[first]  # type: ignore[return-value]
         end = min(split.end(k, _run(r, len(split.positions[k]))) for k, r in replies.items())
-        return self._merge_run(split, replies, end)  # type: ignore[arg-type]
+        merged = self._merge_run(split, replies, end)  # type: ignore[arg-type]
+        if self._count_lookup is not None:
+            self._count_lookup(request.hbm_prefix_blocks, merged.tiers,
+                               request.hbm_prefix_blocks + len(request.keys) // KEY_BYTES, request.block_tokens)
+        return merged
 
     @staticmethod
     def _merge_run(split: _Split, replies: dict[int, master_pb2.LookupResponse], end: int) -> \
@@ -465,12 +478,12 @@ class _ScoreMerge:
 
 def connect_master(master: str, *, pool: ConnectionPool | None, timeout_s: float, max_message_bytes: int,
                    token: str = "", tls_ca: str = "", etcd_access: EtcdAccess | None = None,
-                   refuse_start: bool = False) -> MasterApi:
+                   refuse_start: bool = False, count_lookup: CountLookup | None = None) -> MasterApi:
     """The client's master for ``master`` (``host:port`` or ``etcd://HOST:PORT[,...]/CLUSTER``): a
     :class:`MasterConnection` for ``host:port`` and for a cluster of one index shard (exactly today's object), a
     :class:`ShardedMaster` of one ``MasterConnection(..., shard=K)`` per shard when the cluster's shard map
     (:func:`kvpool.shards.read_shard_map`) says more. A shard map etcd cannot give now (etcd unreachable) is
-    taken as one shard, and said in the log."""
+    taken as one shard, and said in the log. ``count_lookup``: see :class:`ShardedMaster`."""
     kw: dict[str, Any] = dict(pool=pool, timeout_s=timeout_s, max_message_bytes=max_message_bytes, token=token,
                               tls_ca=tls_ca, etcd_access=etcd_access, refuse_start=refuse_start)
     first = MasterConnection(master, **kw)
@@ -495,4 +508,4 @@ def connect_master(master: str, *, pool: ConnectionPool | None, timeout_s: float
         for made in shards:
             made.close()
         raise
-    return ShardedMaster(shards)
+    return ShardedMaster(shards, count_lookup=count_lookup)

@@ -533,13 +533,14 @@ class LookupSteps:
             dram_blocks=dram,
             ssd_blocks=ssd,
         )
-        s._metrics.record_lookup(
-            hbm=request.hbm_prefix_blocks,
-            dram=dram,
-            ssd=ssd,
-            requested=request.hbm_prefix_blocks + begun.n_keys,
-            block_tokens=request.block_tokens,
-            tenant=begun.tenant,
-        )
+        if not request.counted_by_caller:  # (a sharded client's part: it reports the merged lookup itself)
+            s._metrics.record_lookup(
+                hbm=request.hbm_prefix_blocks,
+                dram=dram,
+                ssd=ssd,
+                requested=request.hbm_prefix_blocks + begun.n_keys,
+                block_tokens=request.block_tokens,
+                tenant=begun.tenant,
+            )
         s._metrics.lookup_seconds.observe(time.perf_counter() - begun.started)
         return response

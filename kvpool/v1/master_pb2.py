@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvpool.v1 import common_pb2 as kvpool_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpool/v1/master.proto\x12\tkvpool.v1\x1a\x16kvpool/v1/common.proto\"\x93\x01\n\x13RegisterNodeRequest\x12 \n\x04node\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.NodeRef\x12#\n\x05tiers\x18\x02 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\x12\x1c\n\x14\x64ram_max_block_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fmax_block_bytes\x18\x04 \x01(\x04\"|\n\x14RegisterNodeResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x16\n\x0enode_timeout_s\x18\x03 \x01(\x01\x12\x19\n\x11max_keys_per_call\x18\x04 \x01(\r\"]\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12#\n\x05tiers\x18\x03 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\xdc\x01\n\x13ReportBlocksRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvpool.v1.Tier\x12\x11\n\tfull_sync\x18\x04 \x01(\x08\x12\x12\n\nadded_keys\x18\x05 \x01(\x0c\x12\x13\n\x0b\x61\x64\x64\x65\x64_sizes\x18\x06 \x03(\x04\x12\x17\n\x0f\x61\x64\x64\x65\x64_checksums\x18\x07 \x03(\x06\x12\x14\n\x0cremoved_keys\x18\x08 \x01(\x0c\x12\x15\n\rsync_complete\x18\t \x01(\x08\"%\n\x14ReportBlocksResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"=\n\x15UnregisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\x18\n\x16UnregisterNodeResponse\"a\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x19\n\x11hbm_prefix_blocks\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x04 \x01(\r\"\xa3\x01\n\x0eLookupResponse\x12\r\n\x05tiers\x18\x01 \x01(\x0c\x12\x14\n\x0cnode_indexes\x18\x02 \x03(\r\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x06\x12!\n\x05nodes\x18\x05 \x03(\x0b\x32\x12.kvpool.v1.NodeRef\x12\x13\n\x0b\x64ram_blocks\x18\x06 \x01(\r\x12\x12\n\nssd_blocks\x18\x07 \x01(\r\"0\n\x0cScoreRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x12\n\nworker_ids\x18\x02 \x03(\t\"]\n\x0bWorkerScore\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nhbm_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x64ram_blocks\x18\x03 \x01(\r\x12\x12\n\nssd_blocks\x18\x04 \x01(\r\"k\n\rScoreResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvpool.v1.WorkerScore\x12\x18\n\x10pool_dram_blocks\x18\x02 \x01(\r\x12\x17\n\x0fpool_ssd_blocks\x18\x03 \x01(\r\"8\n\x11NameBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x15\n\rengine_hashes\x18\x02 \x03(\x06\"#\n\x12NameBlocksResponse\x12\r\n\x05named\x18\x01 \x01(\r\"\x1d\n\rExistsRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x01(\x0c\"1\n\x12PlaceBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\"r\n\x13PlaceBlocksResponse\x12\x14\n\x0cnode_indexes\x18\x01 \x03(\r\x12\x0f\n\x07present\x18\x02 \x01(\x0c\x12!\n\x05nodes\x18\x03 \x03(\x0b\x32\x12.kvpool.v1.NodeRef\x12\x11\n\ttoo_large\x18\x04 \x01(\x0c\"\x93\x02\n\x10ReportHbmRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nadded_keys\x18\x02 \x01(\x0c\x12\x14\n\x0cremoved_keys\x18\x03 \x01(\x0c\x12\x11\n\tfull_sync\x18\x04 \x01(\x08J\x04\x08\x05\x10\x0fR\x0e\x63\x61pacity_bytesR\nused_bytesR\x10hbm_only_lookupsR\x0fhbm_only_blocksR\x0c\x62lock_tokensR\rlocal_lookupsR\x16local_requested_blocksR\x10local_hbm_blocksR\x11local_dram_blocksR\x10local_ssd_blocks\"\x13\n\x11ReportHbmResponse\"\xa7\x01\n\x14ReportLookupsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\r\x12\x0f\n\x07lookups\x18\x03 \x01(\x04\x12\x18\n\x10requested_blocks\x18\x04 \x01(\x04\x12\x12\n\nhbm_blocks\x18\x05 \x01(\x04\x12\x13\n\x0b\x64ram_blocks\x18\x06 \x01(\x04\x12\x12\n\nssd_blocks\x18\x07 \x01(\x04\"\x17\n\x15ReportLookupsResponse\"\x16\n\x14\x43lusterStatusRequest\"\xc0\x01\n\nNodeStatus\x12 \n\x04node\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.NodeRef\x12#\n\x05tiers\x18\x02 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x1c\n\x14\x64ram_max_block_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fmax_block_bytes\x18\x06 \x01(\x04\"\xc4\x02\n\x15\x43lusterStatusResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.kvpool.v1.NodeStatus\x12\x16\n\x0eindexed_blocks\x18\x02 \x01(\x04\x12\x0f\n\x07workers\x18\x03 \x01(\r\x12\x12\n\nhbm_blocks\x18\x04 \x01(\x04\x12\x0f\n\x07lookups\x18\x05 \x01(\x04\x12\x18\n\x10requested_blocks\x18\x06 \x01(\x04\x12\x16\n\x0ehit_blocks_hbm\x18\x07 \x01(\x04\x12\x17\n\x0fhit_blocks_dram\x18\x08 \x01(\x04\x12\x16\n\x0ehit_blocks_ssd\x18\t \x01(\x04\x12\x18\n\x10\x62locks_too_large\x18\n \x01(\x04\x12\x1d\n\x15largest_refused_bytes\x18\x0b \x01(\x04\x12\x1b\n\x13largest_block_bytes\x18\x0c \x01(\x04\"\x13\n\x11MasterInfoRequest\"\xe4\x01\n\x12MasterInfoResponse\x12\x11\n\tcall_port\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0btenant_mask\x18\x03 \x01(\x0c\x12\x0f\n\x07standby\x18\x04 \x01(\x08\x12\x16\n\x0eleader_address\x18\x05 \x01(\t\x12\x0f\n\x07\x63luster\x18\x06 \x01(\t\x12\x1c\n\x14kv_events_server_key\x18\x07 \x01(\t\x12\x19\n\x11max_keys_per_call\x18\x08 \x01(\r\x12\r\n\x05shard\x18\t \x01(\r\x12\x13\n\x0bshard_count\x18\n \x01(\r2\xd1\x07\n\x06Master\x12O\n\x0cRegisterNode\x12\x1e.kvpool.v1.RegisterNodeRequest\x1a\x1f.kvpool.v1.RegisterNodeResponse\x12\x46\n\tHeartbeat\x12\x1b.kvpool.v1.HeartbeatRequest\x1a\x1c.kvpool.v1.HeartbeatResponse\x12O\n\x0cReportBlocks\x12\x1e.kvpool.v1.ReportBlocksRequest\x1a\x1f.kvpool.v1.ReportBlocksResponse\x12U\n\x0eUnregisterNode\x12 .kvpool.v1.UnregisterNodeRequest\x1a!.kvpool.v1.UnregisterNodeResponse\x12=\n\x06Lookup\x12\x18.kvpool.v1.LookupRequest\x1a\x19.kvpool.v1.LookupResponse\x12=\n\x06\x45xists\x12\x18.kvpool.v1.ExistsRequest\x1a\x19.kvpool.v1.ExistsResponse\x12L\n\x0bPlaceBlocks\x12\x1d.kvpool.v1.PlaceBlocksRequest\x1a\x1e.kvpool.v1.PlaceBlocksResponse\x12\x46\n\tReportHbm\x12\x1b.kvpool.v1.ReportHbmRequest\x1a\x1c.kvpool.v1.ReportHbmResponse\x12R\n\rReportLookups\x12\x1f.kvpool.v1.ReportLookupsRequest\x1a .kvpool.v1.ReportLookupsResponse\x12:\n\x05Score\x12\x17.kvpool.v1.ScoreRequest\x1a\x18.kvpool.v1.ScoreResponse\x12I\n\nNameBlocks\x12\x1c.kvpool.v1.NameBlocksRequest\x1a\x1d.kvpool.v1.NameBlocksResponse\x12R\n\rClusterStatus\x12\x1f.kvpool.v1.ClusterStatusRequest\x1a .kvpool.v1.ClusterStatusResponse\x12\x43\n\x04Info\x12\x1c.kvpool.v1.MasterInfoRequest\x1a\x1d.kvpool.v1.MasterInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpool/v1/master.proto\x12\tkvpool.v1\x1a\x16kvpool/v1/common.proto\"\x93\x01\n\x13RegisterNodeRequest\x12 \n\x04node\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.NodeRef\x12#\n\x05tiers\x18\x02 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\x12\x1c\n\x14\x64ram_max_block_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fmax_block_bytes\x18\x04 \x01(\x04\"|\n\x14RegisterNodeResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\x12\x16\n\x0enode_timeout_s\x18\x03 \x01(\x01\x12\x19\n\x11max_keys_per_call\x18\x04 \x01(\r\"]\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12#\n\x05tiers\x18\x03 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\xdc\x01\n\x13ReportBlocksRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12\x1d\n\x04tier\x18\x03 \x01(\x0e\x32\x0f.kvpool.v1.Tier\x12\x11\n\tfull_sync\x18\x04 \x01(\x08\x12\x12\n\nadded_keys\x18\x05 \x01(\x0c\x12\x13\n\x0b\x61\x64\x64\x65\x64_sizes\x18\x06 \x03(\x04\x12\x17\n\x0f\x61\x64\x64\x65\x64_checksums\x18\x07 \x03(\x06\x12\x14\n\x0cremoved_keys\x18\x08 \x01(\x0c\x12\x15\n\rsync_complete\x18\t \x01(\x08\"%\n\x14ReportBlocksResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"=\n\x15UnregisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"\x18\n\x16UnregisterNodeResponse\"|\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x19\n\x11hbm_prefix_blocks\x18\x03 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ounted_by_caller\x18\x05 \x01(\x08\"\xa3\x01\n\x0eLookupResponse\x12\r\n\x05tiers\x18\x01 \x01(\x0c\x12\x14\n\x0cnode_indexes\x18\x02 \x03(\r\x12\r\n\x05sizes\x18\x03 \x03(\x04\x12\x11\n\tchecksums\x18\x04 \x03(\x06\x12!\n\x05nodes\x18\x05 \x03(\x0b\x32\x12.kvpool.v1.NodeRef\x12\x13\n\x0b\x64ram_blocks\x18\x06 \x01(\r\x12\x12\n\nssd_blocks\x18\x07 \x01(\r\"0\n\x0cScoreRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x12\n\nworker_ids\x18\x02 \x03(\t\"]\n\x0bWorkerScore\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nhbm_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x64ram_blocks\x18\x03 \x01(\r\x12\x12\n\nssd_blocks\x18\x04 \x01(\r\"k\n\rScoreResponse\x12\'\n\x07workers\x18\x01 \x03(\x0b\x32\x16.kvpool.v1.WorkerScore\x12\x18\n\x10pool_dram_blocks\x18\x02 \x01(\r\x12\x17\n\x0fpool_ssd_blocks\x18\x03 \x01(\r\"8\n\x11NameBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\x15\n\rengine_hashes\x18\x02 \x03(\x06\"#\n\x12NameBlocksResponse\x12\r\n\x05named\x18\x01 \x01(\r\"\x1d\n\rExistsRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\"!\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x01(\x0c\"1\n\x12PlaceBlocksRequest\x12\x0c\n\x04keys\x18\x01 \x01(\x0c\x12\r\n\x05sizes\x18\x02 \x03(\x04\"r\n\x13PlaceBlocksResponse\x12\x14\n\x0cnode_indexes\x18\x01 \x03(\r\x12\x0f\n\x07present\x18\x02 \x01(\x0c\x12!\n\x05nodes\x18\x03 \x03(\x0b\x32\x12.kvpool.v1.NodeRef\x12\x11\n\ttoo_large\x18\x04 \x01(\x0c\"\x93\x02\n\x10ReportHbmRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nadded_keys\x18\x02 \x01(\x0c\x12\x14\n\x0cremoved_keys\x18\x03 \x01(\x0c\x12\x11\n\tfull_sync\x18\x04 \x01(\x08J\x04\x08\x05\x10\x0fR\x0e\x63\x61pacity_bytesR\nused_bytesR\x10hbm_only_lookupsR\x0fhbm_only_blocksR\x0c\x62lock_tokensR\rlocal_lookupsR\x16local_requested_blocksR\x10local_hbm_blocksR\x11local_dram_blocksR\x10local_ssd_blocks\"\x13\n\x11ReportHbmResponse\"\xa7\x01\n\x14ReportLookupsRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\r\x12\x0f\n\x07lookups\x18\x03 \x01(\x04\x12\x18\n\x10requested_blocks\x18\x04 \x01(\x04\x12\x12\n\nhbm_blocks\x18\x05 \x01(\x04\x12\x13\n\x0b\x64ram_blocks\x18\x06 \x01(\x04\x12\x12\n\nssd_blocks\x18\x07 \x01(\x04\"\x17\n\x15ReportLookupsResponse\"\x16\n\x14\x43lusterStatusRequest\"\xc0\x01\n\nNodeStatus\x12 \n\x04node\x18\x01 \x01(\x0b\x32\x12.kvpool.v1.NodeRef\x12#\n\x05tiers\x18\x02 \x03(\x0b\x32\x14.kvpool.v1.TierUsage\x12\x1f\n\x17seconds_since_heartbeat\x18\x03 \x01(\x01\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\x12\x1c\n\x14\x64ram_max_block_bytes\x18\x05 \x01(\x04\x12\x17\n\x0fmax_block_bytes\x18\x06 \x01(\x04\"\xc4\x02\n\x15\x43lusterStatusResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.kvpool.v1.NodeStatus\x12\x16\n\x0eindexed_blocks\x18\x02 \x01(\x04\x12\x0f\n\x07workers\x18\x03 \x01(\r\x12\x12\n\nhbm_blocks\x18\x04 \x01(\x04\x12\x0f\n\x07lookups\x18\x05 \x01(\x04\x12\x18\n\x10requested_blocks\x18\x06 \x01(\x04\x12\x16\n\x0ehit_blocks_hbm\x18\x07 \x01(\x04\x12\x17\n\x0fhit_blocks_dram\x18\x08 \x01(\x04\x12\x16\n\x0ehit_blocks_ssd\x18\t \x01(\x04\x12\x18\n\x10\x62locks_too_large\x18\n \x01(\x04\x12\x1d\n\x15largest_refused_bytes\x18\x0b \x01(\x04\x12\x1b\n\x13largest_block_bytes\x18\x0c \x01(\x04\"\x13\n\x11MasterInfoRequest\"\xe4\x01\n\x12MasterInfoResponse\x12\x11\n\tcall_port\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0btenant_mask\x18\x03 \x01(\x0c\x12\x0f\n\x07standby\x18\x04 \x01(\x08\x12\x16\n\x0eleader_address\x18\x05 \x01(\t\x12\x0f\n\x07\x63luster\x18\x06 \x01(\t\x12\x1c\n\x14kv_events_server_key\x18\x07 \x01(\t\x12\x19\n\x11max_keys_per_call\x18\x08 \x01(\r\x12\r\n\x05shard\x18\t \x01(\r\x12\x13\n\x0bshard_count\x18\n \x01(\r2\xd1\x07\n\x06Master\x12O\n\x0cRegisterNode\x12\x1e.kvpool.v1.RegisterNodeRequest\x1a\x1f.kvpool.v1.RegisterNodeResponse\x12\x46\n\tHeartbeat\x12\x1b.kvpool.v1.HeartbeatRequest\x1a\x1c.kvpool.v1.HeartbeatResponse\x12O\n\x0cReportBlocks\x12\x1e.kvpool.v1.ReportBlocksRequest\x1a\x1f.kvpool.v1.ReportBlocksResponse\x12U\n\x0eUnregisterNode\x12 .kvpool.v1.UnregisterNodeRequest\x1a!.kvpool.v1.UnregisterNodeResponse\x12=\n\x06Lookup\x12\x18.kvpool.v1.LookupRequest\x1a\x19.kvpool.v1.LookupResponse\x12=\n\x06\x45xists\x12\x18.kvpool.v1.ExistsRequest\x1a\x19.kvpool.v1.ExistsResponse\x12L\n\x0bPlaceBlocks\x12\x1d.kvpool.v1.PlaceBlocksRequest\x1a\x1e.kvpool.v1.PlaceBlocksResponse\x12\x46\n\tReportHbm\x12\x1b.kvpool.v1.ReportHbmRequest\x1a\x1c.kvpool.v1.ReportHbmResponse\x12R\n\rReportLookups\x12\x1f.kvpool.v1.ReportLookupsRequest\x1a .kvpool.v1.ReportLookupsResponse\x12:\n\x05Score\x12\x17.kvpool.v1.ScoreRequest\x1a\x18.kvpool.v1.ScoreResponse\x12I\n\nNameBlocks\x12\x1c.kvpool.v1.NameBlocksRequest\x1a\x1d.kvpool.v1.NameBlocksResponse\x12R\n\rClusterStatus\x12\x1f.kvpool.v1.ClusterStatusRequest\x1a .kvpool.v1.ClusterStatusResponse\x12\x43\n\x04Info\x12\x1c.kvpool.v1.MasterInfoRequest\x1a\x1d.kvpool.v1.MasterInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,45 +49,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNREGISTERNODERESPONSE']._serialized_start=793
   _globals['_UNREGISTERNODERESPONSE']._serialized_end=817
   _globals['_LOOKUPREQUEST']._serialized_start=819
-  _globals['_LOOKUPREQUEST']._serialized_end=916
-  _globals['_LOOKUPRESPONSE']._serialized_start=919
-  _globals['_LOOKUPRESPONSE']._serialized_end=1082
-  _globals['_SCOREREQUEST']._serialized_start=1084
-  _globals['_SCOREREQUEST']._serialized_end=1132
-  _globals['_WORKERSCORE']._serialized_start=1134
-  _globals['_WORKERSCORE']._serialized_end=1227
-  _globals['_SCORERESPONSE']._serialized_start=1229
-  _globals['_SCORERESPONSE']._serialized_end=1336
-  _globals['_NAMEBLOCKSREQUEST']._serialized_start=1338
-  _globals['_NAMEBLOCKSREQUEST']._serialized_end=1394
-  _globals['_NAMEBLOCKSRESPONSE']._serialized_start=1396
-  _globals['_NAMEBLOCKSRESPONSE']._serialized_end=1431
-  _globals['_EXISTSREQUEST']._serialized_start=1433
-  _globals['_EXISTSREQUEST']._serialized_end=1462
-  _globals['_EXISTSRESPONSE']._serialized_start=1464
-  _globals['_EXISTSRESPONSE']._serialized_end=1497
-  _globals['_PLACEBLOCKSREQUEST']._serialized_start=1499
-  _globals['_PLACEBLOCKSREQUEST']._serialized_end=1548
-  _globals['_PLACEBLOCKSRESPONSE']._serialized_start=1550
-  _globals['_PLACEBLOCKSRESPONSE']._serialized_end=1664
-  _globals['_REPORTHBMREQUEST']._serialized_start=1667
-  _globals['_REPORTHBMREQUEST']._serialized_end=1942
-  _globals['_REPORTHBMRESPONSE']._serialized_start=1944
-  _globals['_REPORTHBMRESPONSE']._serialized_end=1963
-  _globals['_REPORTLOOKUPSREQUEST']._serialized_start=1966
-  _globals['_REPORTLOOKUPSREQUEST']._serialized_end=2133
-  _globals['_REPORTLOOKUPSRESPONSE']._serialized_start=2135
-  _globals['_REPORTLOOKUPSRESPONSE']._serialized_end=2158
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2160
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2182
-  _globals['_NODESTATUS']._serialized_start=2185
-  _globals['_NODESTATUS']._serialized_end=2377
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2380
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2704
-  _globals['_MASTERINFOREQUEST']._serialized_start=2706
-  _globals['_MASTERINFOREQUEST']._serialized_end=2725
-  _globals['_MASTERINFORESPONSE']._serialized_start=2728
-  _globals['_MASTERINFORESPONSE']._serialized_end=2956
-  _globals['_MASTER']._serialized_start=2959
-  _globals['_MASTER']._serialized_end=3936
+  _globals['_LOOKUPREQUEST']._serialized_end=943
+  _globals['_LOOKUPRESPONSE']._serialized_start=946
+  _globals['_LOOKUPRESPONSE']._serialized_end=1109
+  _globals['_SCOREREQUEST']._serialized_start=1111
+  _globals['_SCOREREQUEST']._serialized_end=1159
+  _globals['_WORKERSCORE']._serialized_start=1161
+  _globals['_WORKERSCORE']._serialized_end=1254
+  _globals['_SCORERESPONSE']._serialized_start=1256
+  _globals['_SCORERESPONSE']._serialized_end=1363
+  _globals['_NAMEBLOCKSREQUEST']._serialized_start=1365
+  _globals['_NAMEBLOCKSREQUEST']._serialized_end=1421
+  _globals['_NAMEBLOCKSRESPONSE']._serialized_start=1423
+  _globals['_NAMEBLOCKSRESPONSE']._serialized_end=1458
+  _globals['_EXISTSREQUEST']._serialized_start=1460
+  _globals['_EXISTSREQUEST']._serialized_end=1489
+  _globals['_EXISTSRESPONSE']._serialized_start=1491
+  _globals['_EXISTSRESPONSE']._serialized_end=1524
+  _globals['_PLACEBLOCKSREQUEST']._serialized_start=1526
+  _globals['_PLACEBLOCKSREQUEST']._serialized_end=1575
+  _globals['_PLACEBLOCKSRESPONSE']._serialized_start=1577
+  _globals['_PLACEBLOCKSRESPONSE']._serialized_end=1691
+  _globals['_REPORTHBMREQUEST']._serialized_start=1694
+  _globals['_REPORTHBMREQUEST']._serialized_end=1969
+  _globals['_REPORTHBMRESPONSE']._serialized_start=1971
+  _globals['_REPORTHBMRESPONSE']._serialized_end=1990
+  _globals['_REPORTLOOKUPSREQUEST']._serialized_start=1993
+  _globals['_REPORTLOOKUPSREQUEST']._serialized_end=2160
+  _globals['_REPORTLOOKUPSRESPONSE']._serialized_start=2162
+  _globals['_REPORTLOOKUPSRESPONSE']._serialized_end=2185
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2187
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2209
+  _globals['_NODESTATUS']._serialized_start=2212
+  _globals['_NODESTATUS']._serialized_end=2404
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2407
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2731
+  _globals['_MASTERINFOREQUEST']._serialized_start=2733
+  _globals['_MASTERINFOREQUEST']._serialized_end=2752
+  _globals['_MASTERINFORESPONSE']._serialized_start=2755
+  _globals['_MASTERINFORESPONSE']._serialized_end=2983
+  _globals['_MASTER']._serialized_start=2986
+  _globals['_MASTER']._serialized_end=3963
 # @@protoc_insertion_point(module_scope)

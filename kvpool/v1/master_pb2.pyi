@@ -88,16 +88,18 @@ class UnregisterNodeResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys", "worker_id", "hbm_prefix_blocks", "block_tokens")
+    __slots__ = ("keys", "worker_id", "hbm_prefix_blocks", "block_tokens", "counted_by_caller")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HBM_PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COUNTED_BY_CALLER_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
     worker_id: str
     hbm_prefix_blocks: int
     block_tokens: int
-    def __init__(self, keys: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., hbm_prefix_blocks: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+    counted_by_caller: bool
+    def __init__(self, keys: _Optional[bytes] = ..., worker_id: _Optional[str] = ..., hbm_prefix_blocks: _Optional[int] = ..., block_tokens: _Optional[int] = ..., counted_by_caller: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("tiers", "node_indexes", "sizes", "checksums", "nodes", "dram_blocks", "ssd_blocks")

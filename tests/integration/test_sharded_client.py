@@ -121,6 +121,22 @@ def test_a_sharded_cluster_is_one_pool_to_its_clients_and_scores_as_one_shard_do
         shard_0 = [k for k in keys if shard_of(k, 2) == 0]
         held = sharded.masters[0].exists(master_pb2.ExistsRequest(keys=pack_keys(shard_0)), 5).present
         assert list(held) == [1] * len(shard_0)
+
+        # Hit counters: three lookups count the same on both clusters, each once, as its merged run (shard 0's own
+        # run goes past the cut, and shard 1 never counts a part).
+        def counted(c: Cluster) -> list[tuple[int, int, int]]:
+            assert c.pool.flush(10)
+            return [(s.lookups, s.requested_blocks, s.hit_blocks_dram) for s in (
+                m.cluster_status(master_pb2.ClusterStatusRequest(), 5) for m in getattr(
+                    c.pool.master, "masters", [c.pool.master]))]
+        before = {n: counted(c) for n, c in clusters.items()}
+        for c in clusters.values():
+            for _ in range(3):
+                assert len(c.pool.lookup(keys)) == cut
+        after = {n: counted(c) for n, c in clusters.items()}
+        delta = {n: [tuple(a - b for a, b in zip(x, y)) for x, y in zip(after[n], before[n])] for n in clusters}
+        assert delta[1] == [(3, 3 * BLOCKS, 3 * cut)]
+        assert delta[2] == [(3, 3 * BLOCKS, 3 * cut), (0, 0, 0)]
     finally:
         for c in clusters.values():
             c.close()

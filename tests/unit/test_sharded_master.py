@@ -202,6 +202,28 @@ def test_lookup_stats_count_the_hbm_prefix_once_and_every_requested_block():
     assert sum(t.hit_blocks_hbm for t in totals) == 7
 
 
+def test_a_client_that_counts_lookups_counts_each_merged_lookup_once_and_the_shards_count_none():
+    """With a client's counter (PoolClient's LookupStats), a lookup split over shards is counted once, as its
+    merged run, and the shards leave their hit counters alone: without it, shard 0's own run past the merged
+    cut would count hits the client never got, and every shard would count the lookup."""
+    c = Cluster()
+    counted: list[tuple[int, bytes, int, int]] = []
+    c.sharded = ShardedMaster(c.shards, count_lookup=lambda *args: counted.append(args))
+    ks = keys(40)
+    c.store("node-a", DRAM, ks)
+    cut = shard_positions(ks, 1)[3]
+    c.remove("node-a", DRAM, [ks[cut]])
+    merged = lookup(c.sharded, ks, worker_id="w1", hbm_prefix_blocks=7, block_tokens=16)
+    assert len(merged.tiers) == cut
+    assert counted == [(7, merged.tiers, 7 + 40, 16)]
+    assert all(r.counted_by_caller for s in c.shards for r in s.sent)
+    assert all(s.metrics.lookup_totals().lookups == 0 for s in c.shards)
+    # A lookup one shard answers whole is that master's to count, as in an unsharded cluster.
+    only_0 = [ks[i] for i in shard_positions(ks, 0)[:3]]
+    lookup(c.sharded, only_0, block_tokens=16)
+    assert len(counted) == 1 and sum(s.metrics.lookup_totals().lookups for s in c.shards) == 1
+
+
 def test_exists_and_placement_merge_per_key_as_one_master_answers():
     c = Cluster()
     ks = keys(50)
