@@ -46,9 +46,11 @@ verifies on every read (a mismatch is a miss too).
   than 32 keys hashing to one home (see :mod:`~kvpool.master.keytable`),
   which sha256 keys never do; the alternative, growing the table for them
   without end, would let one broken node exhaust the master's memory.
-- There is no key set per location: dropping a node or replacing a node's tier
-  scans the location fields instead (vectorised: ~0.2 s for 10 million blocks
-  on a 2-core VM), because such sets would cost more memory than the table.
+- Per open node number, :class:`~kvpool.master.node_keys.NodeKeys` lists a
+  superset of the keys it holds (every key a report linked to it, compacted
+  lazily: 16-48 bytes per location, ~24 at steady state). Dropping a node or
+  replacing a node's tier looks those keys up instead of scanning every row,
+  so it costs that node's blocks, not the index's.
 
 :class:`HbmIndex` holds, per worker (by its tenant-scoped id), the keys in its
 own HBM tier, up to per-worker and per-tenant caps. It feeds stats (HBM block
@@ -86,6 +88,7 @@ import numpy.typing as npt
 
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master.keytable import KeyTable, Rows, last_wins
+from kvpool.master.node_keys import NodeKeys
 from kvpool.vocabulary import NO_TIER, Tier
 from kvpool.worker_ids import scoped_id, split_scoped_id
 
@@ -159,6 +162,7 @@ class BlockIndex:
         self._table = KeyTable({**payload, "tag": np.uint32} if tags else payload, min_capacity)
         self._more: dict[tuple[int, int], list[int]] = {}  # (k0, k1) -> 3+ sorted locations
         self._open: set[int] = set()
+        self._node_keys = NodeKeys(self._held_by)  # open node number -> a superset of its keys
 
     # -- node numbers -----------------------------------------------------------------
 
@@ -169,14 +173,17 @@ class BlockIndex:
         with self._lock:
             assert node not in self._open, f"BlockIndex: node number {node} opened twice (membership bug)"
             self._open.add(node)
+            self._node_keys.open(node)
 
     def drop_node(self, node: int) -> int:
         """Close ``node``'s number and remove every entry it holds; returns how many locations went."""
         with self._lock:
             self._open.discard(node)
+            k0, k1 = self._node_keys.close(node)
             if not self._table.live:
                 return 0
-            removed = self._strip_all((lambda locs: (locs & _NODE_MASK) == node, lambda loc: loc & _NODE_MASK == node))
+            match = (lambda locs: (locs & _NODE_MASK) == node, lambda loc: loc & _NODE_MASK == node)
+            removed = self._strip(self._rows_listed(k0, k1), match)
             self._table.compact()
             self._report_changes()
             return removed
@@ -225,7 +232,8 @@ class BlockIndex:
             keep = np.zeros(len(t.k0), np.bool_)
             rows = t.find(q0, q1)  # rows may have moved while linking
             keep[rows[rows >= 0]] = True
-            self._strip_all(_exactly(loc), keep)
+            listed = self._rows_listed(*self._node_keys.keys(node))
+            self._strip(listed[~keep[listed]], _exactly(loc))
             t.compact()
             self._report_changes()
         _refused(refused)
@@ -295,6 +303,7 @@ class BlockIndex:
         """Add ``loc`` to each key's locations and set its size and checksum; returns how many keys the
         table refused (see :func:`_refused`)."""
         q0, q1, size, checksum, tag = last_wins(q0, q1, size, checksum, tag)
+        self._node_keys.append(loc & int(_NODE_MASK), q0, q1)
         t = self._table
         rows = t.find(q0, q1)
         before = self._tier_masks(rows) if self._on_change is not None else None
@@ -337,33 +346,6 @@ class BlockIndex:
             placed = t.insert(q0[new], q1[new], columns)
             return fresh - placed
         return 0
-
-    def _strip_all(self, match: _Match, keep: npt.NDArray[np.bool_] | None = None) -> int:
-        """Remove the locations ``match`` selects from every row (but those ``keep`` marks); returns how many
-        went. One pass over the location fields, chunk by chunk, then the rare rows listed in ``_more``."""
-        match_array, match_one = match
-        t = self._table
-        removed = 0
-        for rows in t.chunks():
-            first = np.ascontiguousarray(t.rec["loc1"][rows])
-            second = np.ascontiguousarray(t.rec["loc2"][rows])
-            candidate = (t.fp[rows] != 0) & (second != _MORE)
-            if keep is not None:
-                candidate &= ~keep[rows]
-            gone, promoted, second_gone, count = _losses(first, second, match_array, candidate)
-            touched = np.flatnonzero(gone | promoted | second_gone) + rows.start
-            before = self._tier_masks(touched) if self._on_change is not None else None
-            t.rec["loc1"][rows][promoted] = second[promoted]
-            t.rec["loc2"][rows][promoted | second_gone] = _NONE
-            t.delete(np.flatnonzero(gone) + rows.start)
-            if before is not None:
-                self._note_changes(t.k0[touched], t.k1[touched], self._row_tags(touched), before,
-                                   self._tier_masks(touched))
-            removed += count
-        listed = self._rows_of(key for key, locs in self._more.items() if any(match_one(loc) for loc in locs))
-        if keep is not None:
-            listed = listed[~keep[listed]]
-        return removed + self._strip(listed, match)
 
     def _strip(self, rows: Rows, match: _Match) -> int:
         """Remove the locations ``match`` selects from distinct live ``rows``; returns how many went."""
@@ -448,6 +430,23 @@ class BlockIndex:
             except Exception:  # the sink must never undo or fail a change that already happened
                 log.exception("BlockIndex: the change sink failed; its events are lost")
 
+    def _rows_listed(self, k0: U64, k1: U64) -> Rows:
+        """The distinct live rows of the keys of a node's list (keys no longer indexed are skipped)."""
+        rows = self._table.find(k0, k1)
+        return np.unique(rows[rows >= 0])
+
+    def _held_by(self, node: int, k0: U64, k1: U64) -> npt.NDArray[np.bool_]:
+        """Per key, whether ``node`` holds it in any tier (:class:`NodeKeys`' compaction)."""
+        t = self._table
+        rows = t.find(k0, k1)
+        found = rows >= 0
+        safe = np.maximum(rows, 0)
+        loc1, loc2 = t.rec["loc1"][safe], t.rec["loc2"][safe]
+        mine = ((loc1 & _NODE_MASK) == node) | ((loc2 < _MORE) & ((loc2 & _NODE_MASK) == node))
+        for i in np.flatnonzero(found & ~mine & (loc2 == _MORE)).tolist():
+            mine[i] = any(loc & _NODE_MASK == node for loc in self._more[t.key(int(rows[i]))])
+        return found & mine
+
     def _rows_of(self, keys: Iterable[tuple[int, int]]) -> Rows:
         """Rows of keys known to be indexed (``_more``'s keys)."""
         pairs = np.array(list(keys), np.uint64).reshape(-1, 2)
@@ -460,16 +459,12 @@ def _losses(
     first: npt.NDArray[np.uint32],
     second: npt.NDArray[np.uint32],
     match_array: Callable[[npt.NDArray[np.uint32]], npt.NDArray[np.bool_]],
-    candidate: npt.NDArray[np.bool_] | None = None,
 ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_], npt.NDArray[np.bool_], int]:
-    """For rows of one or two locations (``loc1``, ``loc2`` values; ``candidate`` the rows to consider):
+    """For rows of one or two locations (``loc1``, ``loc2`` values):
     which lose every location, which lose their first (the second is promoted), which lose only the
     second, and how many locations go in all."""
     m1 = match_array(first)
     m2 = (second < _MORE) & match_array(second)
-    if candidate is not None:
-        m1 &= candidate
-        m2 &= candidate
     gone = m1 & (m2 | (second == _NONE))
     return gone, m1 & ~gone, m2 & ~m1, int(np.count_nonzero(m1)) + int(np.count_nonzero(m2))
 
