@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 U64 = npt.NDArray[np.uint64]
-Held = Callable[[int, U64, U64], npt.NDArray[np.bool_]]  # (node, k0, k1) -> per key, does node still hold it
+Held = Callable[[int, U64, U64], tuple[U64, U64]]  # (node, k0, k1) -> the distinct ones node still holds
 
 GROWTH = 1.5
 MIN_CAPACITY = 1024
@@ -49,7 +49,8 @@ class NodeKeys:
     """Node number -> a superset of the keys it holds (see the module docstring)."""
 
     def __init__(self, held: Held) -> None:
-        """``held(node, k0, k1)``: per key, whether ``node`` still holds it (the owner's truth, for compaction)."""
+        """``held(node, k0, k1)``: of these keys, the distinct ones ``node`` still holds (the owner's truth, for
+        compaction)."""
         self._held = held
         self._lists: dict[int, _List] = {}
 
@@ -96,8 +97,7 @@ class NodeKeys:
         if lst.size == 0:
             return
         used = lst.words[: lst.size]
-        distinct = np.unique(np.ascontiguousarray(used).view(np.dtype((np.void, 16))).ravel())
-        words = distinct.view(np.uint64).reshape(-1, 2)
-        words = words[self._held(node, words[:, 0], words[:, 1])]
-        lst.words[: len(words)] = words
-        lst.size = len(words)
+        k0, k1 = self._held(node, used[:, 0], used[:, 1])
+        lst.words[: len(k0), 0] = k0
+        lst.words[: len(k0), 1] = k1
+        lst.size = len(k0)

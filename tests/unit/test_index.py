@@ -11,7 +11,6 @@ import hashlib
 import logging
 import os
 import random
-import time
 import tracemalloc
 
 import numpy as np
@@ -19,6 +18,7 @@ import pytest
 from models import check_index, index_nbytes
 
 from kvpool.keys import BlockKey
+from kvpool.master import index as index_module
 from kvpool.master import keytable
 from kvpool.master.index import BlockIndex, Hit
 from kvpool.master.keytable import KeyTable
@@ -409,12 +409,15 @@ def test_drop_node_costs_its_own_blocks_not_a_scan_of_the_index(monkeypatch):
 
 
 def test_a_nodes_key_list_stays_bounded_under_churn_and_full_syncs_use_it():
-    index, ref = opened(0, 1), Reference()
+    index, ref = opened(0, 1, 2), Reference()
     rng = np.random.default_rng(8)
+    big = random_keys(100000, rng)  # on node 2: a table large enough that node 1's full sync uses its list
+    index.add(2, DRAM, big, *sizes_for(big))
+    ref.add(2, DRAM, big, *sizes_for(big))
     kept = random_keys(3000, rng)
     index.add(1, SSD, kept, *sizes_for(kept))
     ref.add(1, SSD, kept, *sizes_for(kept))
-    for round_ in range(40):  # 40 x 2,000 keys linked to node 0, never more than 2,000 held at once
+    for _ in range(40):  # 40 x 2,000 keys linked to node 0, never more than 2,000 held at once
         keys = random_keys(2000, rng)
         index.add(0, DRAM, keys, *sizes_for(keys))
         index.add(0, DRAM, keys[:500], *sizes_for(keys[:500]))  # repeats too
@@ -423,6 +426,7 @@ def test_a_nodes_key_list_stays_bounded_under_churn_and_full_syncs_use_it():
         ref.remove(0, DRAM, keys)
     assert index._node_keys.keys(0)[0].size <= 2 * 2500 + 1024  # not 100,000: compacted as it went
     synced = kept[:1000]
+    assert 3000 * index_module.SCAN_RATIO < len(index._table.fp)
     index.replace_node_tier(1, SSD, synced, *sizes_for(synced))
     ref.replace(1, SSD, synced, *sizes_for(synced))
     assert_agrees(index, ref, kept)
