@@ -241,6 +241,39 @@ class BlockIndex:
         _refused(refused)
         return True
 
+    # -- copies (warm standbys, :mod:`~kvpool.master.changelog`) ------------------------
+
+    def locations(self) -> tuple[U64, U64, U32, U64, U64, U32]:
+        """Every (key, location) pair, as columns: k0, k1, packed location, size, checksum, tag (0 without
+        tags). A consistent copy (taken under the lock): 40 bytes per location."""
+        with self._lock:
+            t = self._table
+            live = t.live_rows()
+            loc2 = t.rec["loc2"][live]
+            two = live[loc2 < _MORE]
+            listed = live[loc2 == _MORE]
+            extra = [(row, loc) for row in listed.tolist() for loc in self._more[t.key(row)][1:]]
+            more_rows = np.array([row for row, _ in extra], np.intp)
+            rows = np.concatenate([live, two, more_rows])
+            loc = np.concatenate([t.rec["loc1"][live], t.rec["loc2"][two],
+                                  np.array([loc for _, loc in extra], np.uint32)])
+            tag = t.rec["tag"][rows] if self._tags else np.zeros(len(rows), np.uint32)
+            return t.k0[rows], t.k1[rows], loc, t.rec["size"][rows], t.rec["checksum"][rows], tag
+
+    def restore(self, k0: U64, k1: U64, loc: U32, size: U64, checksum: U64, tag: U32) -> int:
+        """Add (key, location) pairs as :meth:`locations` gives them (a leader's snapshot); pairs on node numbers
+        that are not open are skipped. Returns how many pairs were applied."""
+        applied = 0
+        with self._lock:
+            for where in np.unique(loc).tolist():
+                if where & int(_NODE_MASK) not in self._open or where >> _NODE_BITS >= len(_TIERS):
+                    continue
+                pick = loc == where
+                _refused(self._link(k0[pick], k1[pick], size[pick], checksum[pick], tag[pick], where))
+                applied += int(np.count_nonzero(pick))
+            self._report_changes()
+        return applied
+
     # -- queries ----------------------------------------------------------------------
 
     def leading_run(self, keys: Sequence[BlockKey]) -> list[Hit]:

@@ -37,6 +37,15 @@ Invariants:
   the leader is) and its health service says NOT_SERVING; a master that stops
   leading drops every node and worker (soft state: leading again starts from
   the nodes' full reports, as after a restart).
+- Warm standby (always, but with TLS: a standby then stays cold): a standby
+  follows its leader's change log (:mod:`~kvpool.master.follower`) and, if
+  it is warm when elected, leads with its nodes (inherited: each registers
+  again and re-syncs in the background, :mod:`~kvpool.master.membership`)
+  and index, so lookups hit from the election on; a cold one drops what it
+  had and leads as above. Only a leader records its log
+  (:mod:`~kvpool.master.changelog`), and serves calls only once
+  ``on_elected`` has run (the standby's state is settled); only a leader's
+  sweeper expires nodes (a standby's nodes come and go with its leader's log).
 """
 
 from __future__ import annotations
@@ -64,6 +73,7 @@ from kvpool.lifecycle import wait_for_shutdown
 from kvpool.malloc import limit_arenas
 from kvpool.master.election import Election, check_access
 from kvpool.master.engine_names import EngineNames
+from kvpool.master.follower import Follower
 from kvpool.master.index import BlockIndex, HbmIndex, TierChange
 from kvpool.master.kv_events import MasterEventFeed, Tenants
 from kvpool.master.membership import Membership
@@ -142,6 +152,8 @@ class MasterServer:
         self._stopped = threading.Event()
         self._lifecycle = threading.Lock()
         self.election: Election | None = None  # with config.etcd, once started
+        self.follower: Follower | None = None  # a warm standby's (config.etcd, no TLS), once started
+        self._ready = threading.Event()  # leading, and the standby's state settled (on_elected ran)
         self._leader_gauge = Gauge("kvpool_master_leader", "1 while this master leads its cluster (always 1 without "
                                    "etcd), 0 while it stands by", registry=self.registry)
         self._elections = Counter("kvpool_master_elections", "Times this master became its cluster's leader",
@@ -239,9 +251,22 @@ class MasterServer:
                             on_deposed=self._deposed)
         servicer = self.servicer
         servicer.cluster = self.config.cluster
-        servicer.leading = election.leading
+        servicer.leading = lambda: self._ready.is_set() and election.leading()
         servicer.leader_address = lambda: leader.address if (leader := election.leader()) is not None else ""
+        if self._tls is None:
+            token = self.authority.master_token() if self.authority is not None else ""
+            self.follower = Follower(self.membership, self.index, self._leader_to_follow,
+                                     max_message_bytes=max_message_bytes(self.config), token=token)
+            self.follower.start()
         self.election = election.start()
+
+    def _leader_to_follow(self) -> str:
+        """The address of the leader, unless this master leads (or none is known): ""."""
+        election = self.election
+        if election is None or election.leading():
+            return ""
+        leader = election.leader()
+        return leader.address if leader is not None and leader.address != self.advertised_address() else ""
 
     def _pool_changed(self, changes: list[TierChange]) -> None:
         if self.events is not None:
@@ -264,15 +289,30 @@ class MasterServer:
         self._elections.inc()
         if election.failover_s is not None:
             self.metrics.failover_seconds.observe(election.failover_s)
+        follower = self.follower
+        if follower is not None:
+            follower.stop()
+        if follower is not None and follower.warm:
+            nodes = self.membership.inherit()
+            log.info("master: elected warm: %d nodes and %d blocks from the old leader (log seq %d); they register "
+                     "again and re-sync in the background", nodes, len(self.index), follower.seq)
+        else:
+            self.membership.drop_all()
+        self.servicer.changes.reset(on=True)
         self.servicer.elected()
         if self.events is not None:
             self.events.cleared()
+        self._ready.set()
         self._serving(True)
 
     def _deposed(self) -> None:
+        self._ready.clear()
         self._serving(False)
+        self.servicer.changes.reset(on=False)
         dropped = self.membership.drop_all()
         log.info("master: standing by; dropped %d nodes (they register with the new leader)", dropped)
+        if self.follower is not None and not self._stopping.is_set():
+            self.follower.start()
 
     def _call_listener(self) -> TcpListener:
         """The wire listener for fast calls (:mod:`kvpool.wire`) over the same servicer as gRPC."""
@@ -301,7 +341,10 @@ class MasterServer:
                 if late >= STALL_LOG_S:
                     log.warning("master: sweeper woke %.1fs late (this process or its host stalled); that time is "
                                 "not counted as its nodes' silence", late)
-                self.membership.expire(now)
+                if self.election is None or self._ready.is_set():  # a standby's nodes follow its leader's log
+                    with self.servicer.changes.applying() as note:
+                        for node_id in self.membership.expire(now):
+                            note(master_pb2.IndexChange(left=node_id), 0)
             except Exception:  # a sweeper bug must be loud but not kill liveness checks
                 log.exception("master sweeper failed")
             asleep = time.monotonic()
@@ -314,6 +357,8 @@ class MasterServer:
             self._stopping.set()
             if self.election is not None:  # resign first: a standby takes over while this one winds down
                 self.election.stop()
+            if self.follower is not None:
+                self.follower.stop()
             if self._etcd is not None:
                 self._etcd.close()
             if self._server is not None:
