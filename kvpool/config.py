@@ -601,6 +601,9 @@ class MasterConfig:
                                  "it as etcd://ETCD/CLUSTER", check=cluster_check)
     leader_ttl_s: int = opt(5, "etcd lease of the leader key, whole seconds (>= 2): a killed leader is replaced "
                                "about this long after its last renewal", check=at_least(2))
+    follow_log_bytes: int = opt(256 << 20, "the leader keeps its latest accepted changes up to about this many bytes "
+                                          "for warm standbys to follow (~50 bytes a reported key); a standby "
+                                          "further behind takes a snapshot again", size=True, check=at_least(1))
     etcd_ca: str = etcd_opt("etcd_ca")
     etcd_cert: str = etcd_opt("etcd_cert")
     etcd_key: str = etcd_opt("etcd_key")

@@ -141,6 +141,7 @@ class MasterServer:
         )
         self.metrics = MasterMetrics(self.registry, self.index, self.hbm, self.membership, self.errors, tenants or [""])
         self.servicer = MasterServicer(config, self.index, self.hbm, self.membership, self.metrics, self.names)
+        self.servicer.changes.max_bytes = config.follow_log_bytes
         self.port: int = 0  # the bound gRPC port, once started
         self.metrics_port: int = 0  # the bound metrics port, once started (0: no endpoint)
         self._server: grpc.Server | None = None
@@ -160,6 +161,13 @@ class MasterServer:
                                   registry=self.registry)
         # read at scrape time from the election's own clock (a lagging thread cannot make it claim leadership)
         self._leader_gauge.set_function(lambda: 0 if self.config.etcd and not self._leading() else 1)
+        Gauge("kvpool_master_standby_warm", "1 while this standby holds a copy of its leader's index (a snapshot and "
+              "every change since: elected, it leads with it)", registry=self.registry).set_function(
+            lambda: int(self.follower is not None and self.follower.warm and not self._ready.is_set()))
+        Gauge("kvpool_master_standby_snapshots", "Snapshots of the leader's index this standby took",
+              registry=self.registry).set_function(lambda: self.follower.snapshots if self.follower else 0)
+        Gauge("kvpool_master_standby_changes", "Changes of the leader's log this standby applied",
+              registry=self.registry).set_function(lambda: self.follower.changes if self.follower else 0)
 
     @property
     def address(self) -> str:
