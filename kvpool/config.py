@@ -603,7 +603,7 @@ class MasterConfig:
                                "about this long after its last renewal", check=at_least(2))
     follow_log_bytes: int = opt(256 << 20, "the leader keeps its latest accepted changes up to about this many bytes "
                                           "for warm standbys to follow (~50 bytes a reported key); a standby "
-                                          "further behind takes a snapshot again", size=True, check=at_least(1))
+                                          "further behind takes a snapshot again", size=True, check=size_check(1))
     etcd_ca: str = etcd_opt("etcd_ca")
     etcd_cert: str = etcd_opt("etcd_cert")
     etcd_key: str = etcd_opt("etcd_key")

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Sequence
 
 import grpc
 import pytest
@@ -110,7 +111,7 @@ class TestNode:
         self.incarnation = reply.incarnation
         return reply.incarnation
 
-    def report(self, address: str, added: list[BlockKey] = (), removed: list[BlockKey] = (), *,
+    def report(self, address: str, added: Sequence[BlockKey] = (), removed: Sequence[BlockKey] = (), *,
                full_sync: bool = False) -> bool:
         return self.stub(address).ReportBlocks(master_pb2.ReportBlocksRequest(
             node_id=self.node_id, incarnation=self.incarnation, tier=DRAM, full_sync=full_sync,
