@@ -249,7 +249,10 @@ def measure(etcd_endpoint: str, tmp: Path, blocks: int, block_bytes: int, ttl: i
             _until(lambda: indexed() >= blocks, 600, 0.1)
 
             def standby_holds() -> bool:  # the warm standby's index holds every block too
-                values = {s.name: s.value for s in scrape_samples(metrics_ports[standby])}
+                try:
+                    values = {s.name: s.value for s in scrape_samples(metrics_ports[standby])}
+                except OSError:  # busy applying a snapshot chunk: ask again
+                    return False
                 return values.get("kvpool_master_standby_warm") == 1 and values.get("kvpool_index_blocks", 0) >= blocks
 
             _until(standby_holds, 1200, 0.1)
@@ -299,7 +302,10 @@ def _failover_metrics(port: int) -> tuple[float, float] | None:
     """(failover, resync) seconds from a master's /metrics once both were observed; None before."""
     from kvpool.metrics import scrape_samples
 
-    values = {s.name: s.value for s in scrape_samples(port)}
+    try:
+        values = {s.name: s.value for s in scrape_samples(port)}
+    except OSError:  # a busy master answered too slowly: None, ask again
+        return None
     if not values.get("kvpool_master_failover_seconds_count") or \
             not values.get("kvpool_master_failover_resync_seconds_count"):
         return None
