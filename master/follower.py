@@ -25,8 +25,10 @@ Invariants:
   :meth:`~kvpool.master.membership.Membership.forget`, ``blocks`` the
   report's index change on the node's number (refused if that number is not
   open, as on the leader).
-- :meth:`stop` returns only once the thread has applied its last batch: after
-  it, nothing changes the standby's state but its own calls.
+- :meth:`stop` cancels the call in flight (closes the channel: an election
+  never waits on a leader that does not answer) and returns once the thread
+  has applied its last batch: after it, nothing changes the standby's state
+  but its own calls. :meth:`start` starts cold.
 - Memory: the copy of the index (what the leader holds), plus one reply at a
   time (a snapshot chunk, :data:`~kvpool.master.changelog.CHUNK_LOCATIONS`
   locations, or a Follow batch, :data:`~kvpool.master.changelog.REPLY_BYTES`).
@@ -60,6 +62,7 @@ class Follower:
 
     def __init__(self, membership: Membership, index: BlockIndex, leader_address: Callable[[], str], *,
                  max_message_bytes: int, token: str = "", rpc_timeout_s: float = 10.0, poll_s: float = POLL_S) -> None:
+        """``rpc_timeout_s``: per Follow or Snapshot call."""
         self._membership = membership
         self._index = index
         self._leader_address = leader_address
@@ -69,6 +72,8 @@ class Follower:
         self.poll_s = poll_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._channel: grpc.Channel | None = None  # the thread's, closed by stop() to cancel a call in flight
+        self._channel_lock = threading.Lock()
         self.warm = False
         self.log_id = 0
         self.seq = 0
@@ -76,6 +81,8 @@ class Follower:
         self.changes = 0  # log changes applied
 
     def start(self) -> Follower:
+        self.warm = False
+        self.log_id = self.seq = 0
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="kvpool-master-follower", daemon=True)
         self._thread.start()
@@ -84,6 +91,9 @@ class Follower:
     def stop(self) -> None:
         """Stop following; returns once the thread applied its last batch. Idempotent."""
         self._stop.set()
+        with self._channel_lock:
+            if self._channel is not None:
+                self._channel.close()  # a call in flight ends now (CANCELLED)
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -100,7 +110,11 @@ class Follower:
                     if channel is not None:
                         channel.close()
                     address = leader
-                    channel = make_channel(address, max_message_bytes=self._max_message_bytes, token=self._token)
+                    with self._channel_lock:
+                        if self._stop.is_set():
+                            break
+                        channel = self._channel = make_channel(address, max_message_bytes=self._max_message_bytes,
+                                                               token=self._token)
                     stub = master_pb2_grpc.MasterStub(channel)
                 assert stub is not None, "Follower: no stub for the leader"
                 try:
@@ -117,8 +131,10 @@ class Follower:
                 if idle:
                     self._stop.wait(self.poll_s)
         finally:
-            if channel is not None:
-                channel.close()
+            with self._channel_lock:
+                if channel is not None:
+                    channel.close()
+                self._channel = None
 
     def _cold(self) -> None:
         self.warm = False

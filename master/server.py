@@ -37,7 +37,8 @@ Invariants:
   the leader is) and its health service says NOT_SERVING; a master that stops
   leading drops every node and worker (soft state: leading again starts from
   the nodes' full reports, as after a restart).
-- Warm standby (always, but with TLS: a standby then stays cold): a standby
+- Warm standby (unless TLS or KV events are on: a standby then stays cold, see
+  docs/reliability.md): a standby
   follows its leader's change log (:mod:`~kvpool.master.follower`) and, if
   it is warm when elected, leads with its nodes (inherited: each registers
   again and re-syncs in the background, :mod:`~kvpool.master.membership`)
@@ -71,6 +72,7 @@ from kvpool.event_publisher import EventLimits, EventPublisher
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.lifecycle import wait_for_shutdown
 from kvpool.malloc import limit_arenas
+from kvpool.master.changelog import LOCATION
 from kvpool.master.election import Election, check_access
 from kvpool.master.engine_names import EngineNames
 from kvpool.master.follower import Follower
@@ -141,7 +143,11 @@ class MasterServer:
         )
         self.metrics = MasterMetrics(self.registry, self.index, self.hbm, self.membership, self.errors, tenants or [""])
         self.servicer = MasterServicer(config, self.index, self.hbm, self.membership, self.metrics, self.names)
-        self.servicer.changes.max_bytes = config.follow_log_bytes
+        changes = self.servicer.changes
+        changes.max_bytes = config.follow_log_bytes
+        limit = max_message_bytes(config)  # what a standby's channel takes in one reply
+        changes.reply_bytes = min(changes.reply_bytes, limit // 2)
+        changes.chunk_locations = min(changes.chunk_locations, limit // 2 // LOCATION.itemsize)
         self.port: int = 0  # the bound gRPC port, once started
         self.metrics_port: int = 0  # the bound metrics port, once started (0: no endpoint)
         self._server: grpc.Server | None = None
@@ -261,10 +267,11 @@ class MasterServer:
         servicer.cluster = self.config.cluster
         servicer.leading = lambda: self._ready.is_set() and election.leading()
         servicer.leader_address = lambda: leader.address if (leader := election.leader()) is not None else ""
-        if self._tls is None:
+        if self._tls is None and self.events is None:
             token = self.authority.master_token() if self.authority is not None else ""
             self.follower = Follower(self.membership, self.index, self._leader_to_follow,
-                                     max_message_bytes=max_message_bytes(self.config), token=token)
+                                     max_message_bytes=max_message_bytes(self.config), token=token,
+                                     rpc_timeout_s=max(2.0, self.config.leader_ttl_s))
             self.follower.start()
         self.election = election.start()
 
