@@ -3,6 +3,8 @@ nodes and index exactly; the log is bounded; an elected standby's inherited node
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from models import check_index
 
@@ -11,6 +13,7 @@ from kvpool.master.changelog import ChangeLog, followed_node
 from kvpool.master.follower import Follower
 from kvpool.master.index import BlockIndex, HbmIndex
 from kvpool.master.membership import Membership
+from kvpool.rpc import proto_tier
 from kvpool.v1 import master_pb2
 from kvpool.vocabulary import NodeRef, Tier
 
@@ -31,18 +34,19 @@ class Master:
             note(master_pb2.IndexChange(joined=followed_node(info)), 0)
         return info.number, info.incarnation
 
-    def report(self, node_id: str, tier: Tier, added: list[BlockKey], removed: list[BlockKey] = (),
+    def report(self, node_id: str, tier: Tier, added: list[BlockKey], removed: Sequence[BlockKey] = (),
                full_sync: bool = False) -> None:
         number = next(i.number for i in self.membership.live_nodes() if i.ref.node_id == node_id)
-        request = master_pb2.ReportBlocksRequest(node_id=node_id, tier=int(tier), full_sync=full_sync,
+        request = master_pb2.ReportBlocksRequest(node_id=node_id, tier=proto_tier(tier), full_sync=full_sync,
                                                  added_keys=pack_keys(added), added_sizes=[4096] * len(added),
-                                                 added_checksums=[9] * len(added), removed_keys=pack_keys(removed))
+                                                 added_checksums=[9] * len(added),
+                                                 removed_keys=pack_keys(list(removed)))
         with self.log.applying() as note:
             if full_sync:
                 self.index.replace_node_tier(number, tier, added, [4096] * len(added), [9] * len(added))
             else:
                 self.index.add(number, tier, added, [4096] * len(added), [9] * len(added))
-            self.index.remove(number, tier, removed)
+            self.index.remove(number, tier, list(removed))
             note(master_pb2.IndexChange(blocks=master_pb2.FollowedBlocks(
                 number=number, tier=request.tier, full_sync=full_sync, added_keys=request.added_keys,
                 added_sizes=request.added_sizes, added_checksums=request.added_checksums,
@@ -74,7 +78,7 @@ def standby() -> Follower:
 
 
 def catch_up(follower: Follower, stub: Stub) -> None:
-    while not follower._step(stub):
+    while not follower._step(stub):  # type: ignore[arg-type]
         pass
 
 
