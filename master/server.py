@@ -37,8 +37,8 @@ Invariants:
   the leader is) and its health service says NOT_SERVING; a master that stops
   leading drops every node and worker (soft state: leading again starts from
   the nodes' full reports, as after a restart).
-- Warm standby (unless TLS or KV events are on: a standby then stays cold, see
-  docs/reliability.md): a standby
+- Warm standby (``warm_standby``; not with TLS or KV events: a standby then
+  stays cold, see docs/reliability.md): a standby
   follows its leader's change log (:mod:`~kvpool.master.follower`) and, if
   it is warm when elected, leads with its nodes (inherited: each registers
   again and re-syncs in the background, :mod:`~kvpool.master.membership`)
@@ -267,7 +267,7 @@ class MasterServer:
         servicer.cluster = self.config.cluster
         servicer.leading = lambda: self._ready.is_set() and election.leading()
         servicer.leader_address = lambda: leader.address if (leader := election.leader()) is not None else ""
-        if self._tls is None and self.events is None:
+        if self.config.warm_standby and self._tls is None and self.events is None:
             token = self.authority.master_token() if self.authority is not None else ""
             self.follower = Follower(self.membership, self.index, self._leader_to_follow,
                                      max_message_bytes=max_message_bytes(self.config), token=token,
@@ -313,7 +313,7 @@ class MasterServer:
                      "again and re-sync in the background", nodes, len(self.index), follower.seq)
         else:
             self.membership.drop_all()
-        self.servicer.changes.reset(on=True)
+        self.servicer.changes.reset(on=self.follower is not None)  # no log where no standby can follow
         self.servicer.elected()
         if self.events is not None:
             self.events.cleared()

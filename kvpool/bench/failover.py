@@ -9,9 +9,11 @@ process speaking the node protocol (register, heartbeat every second, report;
 on "unknown", register again and send its full inventory in 65,536-key
 chunks, as a node's link does) for N keys it holds no bytes of: a cheap way to
 fill 10 million blocks, which a real arena (a 4 KiB slot each) could not hold
-here. The standby is warm (it follows the leader's log,
-:mod:`kvpool.master.follower`): the bench waits until its index holds the N
-blocks too. Then the leader is killed with SIGKILL and, from that moment:
+here. With ``--standby warm`` the standby follows the leader's log
+(:mod:`kvpool.master.follower`) and the bench waits until its index holds the N
+blocks too; ``cold`` is a standby that starts empty (``--no-warm-standby``:
+the failover before issue 29). Then the leader is killed with SIGKILL and, from
+that moment:
 
 - **elected**: the leader key in etcd names the other master;
 - **lookups hit**: a network-path client (every lookup asks the master) finds
@@ -60,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-bytes", type=int, default=4096)
     parser.add_argument("--ttl", type=int, default=5, help="the masters' --leader-ttl-s")
     parser.add_argument("--sample", type=int, default=64, help="keys the lookup client checks")
+    parser.add_argument("--standby", default="warm", help="comma-separated: warm, cold (default: %(default)s)")
     parser.add_argument("--node", choices=("real", "synthetic"), default="real",
                         help="a kvpool node process storing the blocks, or this process reporting keys only "
                              "(cheap fills of 10M blocks; default: %(default)s)")
@@ -181,7 +184,7 @@ class _SyntheticNode:
 
 
 def measure(etcd_endpoint: str, tmp: Path, blocks: int, block_bytes: int, ttl: int, sample: int,
-            synthetic: bool = False) -> dict:
+            synthetic: bool = False, warm: bool = True) -> dict:
     from kvpool.client.pool import PoolClient
     from kvpool.config import ClientConfig
     from kvpool.metrics import scrape_samples
@@ -193,7 +196,8 @@ def measure(etcd_endpoint: str, tmp: Path, blocks: int, block_bytes: int, ttl: i
     metrics_ports = {name: _free_port() for name in ports}
     masters = {name: _kvpool(tmp / f"master-{name}-{blocks}.log", "master", "--port", str(port), "--metrics-port",
                              str(metrics_ports[name]), "--call-port", str(_free_port()), "--etcd", etcd_endpoint,
-                             "--cluster", cluster, "--leader-ttl-s", str(ttl), "--max-keys-per-call", "65536")
+                             "--cluster", cluster, "--leader-ttl-s", str(ttl), "--max-keys-per-call", "65536",
+                             "--warm-standby" if warm else "--no-warm-standby")
                for name, port in ports.items()}
     arena = f"kvpool-bench-failover-{os.getpid()}-{blocks}"
     dram = max(64 << 20, int(blocks * max(block_bytes, 4096) * 1.25))  # the arena has a slot per 4 KiB
@@ -255,7 +259,8 @@ def measure(etcd_endpoint: str, tmp: Path, blocks: int, block_bytes: int, ttl: i
                     return False
                 return values.get("kvpool_master_standby_warm") == 1 and values.get("kvpool_index_blocks", 0) >= blocks
 
-            _until(standby_holds, 1200, 0.1)
+            if warm:
+                _until(standby_holds, 1200, 0.1)
             warm_s = time.monotonic() - started - fill_s
             probe = [keys[int(i)] for i in np.linspace(0, blocks - 1, min(sample, blocks))]
             if len(reader.lookup(probe)) != len(probe):
@@ -273,7 +278,8 @@ def measure(etcd_endpoint: str, tmp: Path, blocks: int, block_bytes: int, ttl: i
         finally:
             writer.close()
             reader.close()
-        return {"blocks": blocks, "ttl_s": ttl, "fill_s": fill_s, "warm_s": warm_s, "elected_s": elected, "hit_s": hit,
+        return {"blocks": blocks, "standby": "warm" if warm else "cold", "ttl_s": ttl, "fill_s": fill_s,
+                "warm_s": warm_s, "elected_s": elected, "hit_s": hit,
                 "whole_s": whole, "metric_elected_s": said[0], "metric_resync_s": said[1]}
     finally:
         if synthetic_node is not None:
@@ -314,22 +320,25 @@ def _failover_metrics(port: int) -> tuple[float, float] | None:
 
 def run(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.blocks.split(",") if x]
+    modes = [m for m in args.standby.split(",") if m]
+    if not modes or set(modes) - {"warm", "cold"}:
+        raise ValueError("--standby: warm, cold or both")
     with tempfile.TemporaryDirectory(prefix="kvpool-failover-") as tmp_name:
         tmp = Path(tmp_name)
         etcd_proc, endpoint = _start_etcd(tmp)
         try:
-            rows = [measure(endpoint, tmp, n, args.block_bytes, args.ttl, args.sample, args.node == "synthetic")
-                    for n in sizes]
+            rows = [measure(endpoint, tmp, n, args.block_bytes, args.ttl, args.sample, args.node == "synthetic",
+                            mode == "warm") for n in sizes for mode in modes]
         finally:
             etcd_proc.terminate()
             etcd_proc.wait(30)
-    print(f"kill -9 of the leading master (warm standby); leader TTL {args.ttl} s; {args.node} node; blocks of "
+    print(f"kill -9 of the leading master; leader TTL {args.ttl} s; {args.node} node; blocks of "
           f"{args.block_bytes} B; seconds after the kill")
-    print(f"{'blocks':>9s} {'fill s':>7s} {'warm s':>7s} {'elected':>8s} {'lookups hit':>12s} {'index whole':>12s} "
-          f"{'aim: hit <= elected+1':>22s}   {'metrics: failover':>17s} {'resync':>7s}")
+    print(f"{'blocks':>9s} {'standby':>7s} {'fill s':>7s} {'warm s':>7s} {'elected':>8s} {'lookups hit':>12s} "
+          f"{'index whole':>12s} {'aim (warm): hit <= elected+1':>29s}   {'metrics: failover':>17s} {'resync':>7s}")
     for r in rows:
-        verdict = "ok    " if r["hit_s"] <= r["elected_s"] + 1.0 else "MISSED"
-        print(f"{r['blocks']:9d} {r['fill_s']:7.1f} {r['warm_s']:7.1f} {r['elected_s']:8.2f} {r['hit_s']:12.2f} "
-              f"{r['whole_s']:12.2f} {r['elected_s'] + 1.0:22.2f} {verdict} {r['metric_elected_s']:17.2f} "
-              f"{r['metric_resync_s']:7.2f}")
+        verdict = ("ok    " if r["hit_s"] <= r["elected_s"] + 1.0 else "MISSED") if r["standby"] == "warm" else "-     "
+        print(f"{r['blocks']:9d} {r['standby']:>7s} {r['fill_s']:7.1f} {r['warm_s']:7.1f} {r['elected_s']:8.2f} "
+              f"{r['hit_s']:12.2f} {r['whole_s']:12.2f} {r['elected_s'] + 1.0:29.2f} {verdict} "
+              f"{r['metric_elected_s']:17.2f} {r['metric_resync_s']:7.2f}")
     return 0
