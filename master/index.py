@@ -48,7 +48,7 @@ verifies on every read (a mismatch is a miss too).
   without end, would let one broken node exhaust the master's memory.
 - Per open node number, :class:`~kvpool.master.node_keys.NodeKeys` lists a
   superset of the keys it holds (every key a report linked to it, compacted
-  lazily: 16-48 bytes per location, ~24 at steady state). Dropping a node or
+  lazily: ~24 bytes per location, up to 1.5 x 16 per the node's peak). Dropping a node or
   replacing a node's tier looks those keys up instead of scanning every row,
   so it costs that node's blocks, not the index's (a node holding more than
   1/:data:`SCAN_RATIO` of the table is served by one vectorised scan instead,

@@ -19,9 +19,10 @@ Invariants (the owner serialises all calls; this class has no lock):
   the one append) the keys its node held at the last compaction, and each
   compaction (O(list) work) follows at least ``capacity * (1 - 1 / GROWTH)``
   appended keys: O(1) amortised per reported location.
-- Memory: 16 bytes a slot, ``GROWTH`` (1.5) slots per held location right after
-  a growth and at most ``2 * GROWTH`` between compactions (stale entries):
-  16-48 bytes per (key, node) location, about 24 at steady state.
+- Memory: 16 bytes a slot; an array has at most ``GROWTH`` times as many slots
+  as its node held keys at its last compaction (plus one append), ~24 bytes
+  per (key, node) location at steady state. It does not shrink when a node's
+  blocks go (it follows the node's peak); it goes with the node.
 """
 
 from __future__ import annotations
