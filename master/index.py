@@ -48,8 +48,9 @@ verifies on every read (a mismatch is a miss too).
   without end, would let one broken node exhaust the master's memory.
 - Per open node number, :class:`~kvpool.master.node_keys.NodeKeys` lists a
   superset of the keys it holds (every key a report linked to it, compacted
-  lazily: ~24 bytes per location, up to 1.5 x 16 per the node's peak). Dropping a node or
-  replacing a node's tier looks those keys up instead of scanning every row,
+  lazily: ~24 bytes per location, 1.5 x 16 per location of the node's peak
+  at most). Dropping a node or replacing a node's tier looks those keys up
+  instead of scanning every row,
   so it costs that node's blocks, not the index's (a node holding more than
   1/:data:`SCAN_RATIO` of the table is served by one vectorised scan instead,
   which is cheaper then: a drop costs the smaller of the two).
