@@ -4,7 +4,8 @@
 tier) locations holding it. It keeps no Python object per block: its rows live
 in a :class:`~kvpool.master.keytable.KeyTable` (numpy arrays, 42 bytes a slot,
 46 when it keeps tenant tags for the KV event feed; at the table's load of
-0.25-0.7 that is 60-180 bytes per indexed block, 60-130 while it grows), and
+0.25-0.7 that is 60-180 bytes per indexed block, 60-130 while it grows; plus
+~24 per location for the per-node key lists below), and
 a batch of keys is looked up by a fixed number of numpy calls, no loop over
 keys or probe steps, at 10 million blocks as at a thousand.
 
