@@ -13,7 +13,10 @@ Invariants:
   ``authorization: Bearer <token>``; fast calls and bulk: the connection's
   first frame); tokens are compared with :func:`hmac.compare_digest`.
 - A node token may call only the node-facing methods (:data:`NODE_METHODS`)
-  and the informational ones (:data:`ANY_ROLE_METHODS`); a client token
+  and the informational ones (:data:`ANY_ROLE_METHODS`); the master token
+  (:meth:`Authority.master_token`, derived from the secret: only masters
+  hold it) only a warm standby's (:data:`MASTER_METHODS`: the whole index,
+  every tenant's keys) and the informational ones; a client token
   everything else. The wrong role is PERMISSION_DENIED, no or an unknown
   token UNAUTHENTICATED.
 - Tenant isolation is the server's doing: every key a client names is
@@ -50,6 +53,8 @@ TAG_BYTES = 4  # the last bytes of a stored key: the tenant's tag
 MAX_TOKEN_BYTES = 512
 ROLE_NODE = "node"
 ROLE_CLIENT = "client"
+ROLE_MASTER = "master"
+_MASTER_TOKEN_LABEL = b"kvpool.v1/master-token"
 _TOKEN_RE = re.compile(r"^[\x21-\x7e]{16,512}$")  # printable ASCII, no spaces: valid in gRPC metadata
 _TENANT_RE = re.compile(r"^[\x21-\x7e]{1,128}$")
 _MASK_TAG = b"kvpool.v1/tenant-mask\x00"
@@ -59,6 +64,7 @@ TOKEN_HINT = "generate one with: python -c 'import secrets;print(secrets.token_h
 NODE_METHODS = frozenset(
     f"/kvpool.v1.Master/{m}" for m in ("RegisterNode", "Heartbeat", "ReportBlocks", "UnregisterNode")
 )
+MASTER_METHODS = frozenset(f"/kvpool.v1.Master/{m}" for m in ("Follow", "Snapshot"))
 ANY_ROLE_METHODS = frozenset({"/kvpool.v1.Master/Info", "/kvpool.v1.Master/ClusterStatus", "/kvpool.v1.Node/Info"})
 OPEN_PREFIX = "/grpc.health.v1.Health/"  # liveness probes carry no token
 
@@ -166,6 +172,7 @@ class Authority:
         tokens = [(t.encode(), Identity(ROLE_NODE)) for t in node_tokens]
         tokens += [(t.encode(), Identity(ROLE_CLIENT, tenant, self._masks[tenant], quota))
                    for t, (tenant, quota) in clients.items()]
+        tokens.append((self.master_token().encode(), Identity(ROLE_MASTER)))
         # Found by the sha256 of the token (a lookup whose timing says nothing usable about the token),
         # then confirmed with a constant-time comparison.
         self._tokens = {hashlib.sha256(t).digest(): (t, identity) for t, identity in tokens}
@@ -216,6 +223,11 @@ class Authority:
                 return known.decode()
         return None
 
+    def master_token(self) -> str:
+        """The token masters of this auth file call each other with (a warm standby following its leader):
+        derived from the secret, so only holders of the secret (masters and nodes) can make it."""
+        return self.derive(_MASTER_TOKEN_LABEL).hex()
+
     def mask(self, tenant: str) -> bytes:
         """The mask of a tenant named in the file; KeyError otherwise."""
         return self._masks[tenant]
@@ -256,9 +268,9 @@ def denied(identity: Identity | None, method: str) -> tuple[grpc.StatusCode, str
         return grpc.StatusCode.UNAUTHENTICATED, f"{method}: no valid token (send authorization: Bearer <token>)"
     if method in ANY_ROLE_METHODS:
         return None
-    if (method in NODE_METHODS) != (identity.role == ROLE_NODE):
-        need = "a node token" if method in NODE_METHODS else "a client token"
-        return grpc.StatusCode.PERMISSION_DENIED, f"{method} needs {need}"
+    need = ROLE_NODE if method in NODE_METHODS else ROLE_MASTER if method in MASTER_METHODS else ROLE_CLIENT
+    if identity.role != need:
+        return grpc.StatusCode.PERMISSION_DENIED, f"{method} needs a {need} token"
     return None
 
 

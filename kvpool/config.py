@@ -619,6 +619,12 @@ class MasterConfig:
                                  "it as etcd://ETCD/CLUSTER", check=cluster_check)
     leader_ttl_s: int = opt(5, "etcd lease of the leader key, whole seconds (>= 2): a killed leader is replaced "
                                "about this long after its last renewal", check=at_least(2))
+    warm_standby: bool = opt(True, "a standby follows its leader's accepted changes and, elected, leads with its index "
+                                   "(lookups hit at once; nodes re-sync in the background); off: it starts empty "
+                                   "and waits for every node's full report (not with TLS or KV events: cold)")
+    follow_log_bytes: int = opt(256 << 20, "the leader keeps its latest accepted changes up to about this many bytes "
+                                          "for warm standbys to follow (~50 bytes a reported key); a standby "
+                                          "further behind takes a snapshot again", size=True, check=size_check(1))
     etcd_ca: str = etcd_opt("etcd_ca")
     etcd_cert: str = etcd_opt("etcd_cert")
     etcd_key: str = etcd_opt("etcd_key")

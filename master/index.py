@@ -4,7 +4,8 @@
 tier) locations holding it. It keeps no Python object per block: its rows live
 in a :class:`~kvpool.master.keytable.KeyTable` (numpy arrays, 42 bytes a slot,
 46 when it keeps tenant tags for the KV event feed; at the table's load of
-0.25-0.7 that is 60-180 bytes per indexed block, 60-130 while it grows), and
+0.25-0.7 that is 60-180 bytes per indexed block, 60-130 while it grows; plus
+~24 per location for the per-node key lists below), and
 a batch of keys is looked up by a fixed number of numpy calls, no loop over
 keys or probe steps, at 10 million blocks as at a thousand.
 
@@ -46,9 +47,14 @@ verifies on every read (a mismatch is a miss too).
   than 32 keys hashing to one home (see :mod:`~kvpool.master.keytable`),
   which sha256 keys never do; the alternative, growing the table for them
   without end, would let one broken node exhaust the master's memory.
-- There is no key set per location: dropping a node or replacing a node's tier
-  scans the location fields instead (vectorised: ~0.2 s for 10 million blocks
-  on a 2-core VM), because such sets would cost more memory than the table.
+- Per open node number, :class:`~kvpool.master.node_keys.NodeKeys` lists a
+  superset of the keys it holds (every key a report linked to it, compacted
+  lazily: ~24 bytes per location, 1.5 x 16 per location of the node's peak
+  at most). Dropping a node or replacing a node's tier looks those keys up
+  instead of scanning every row,
+  so it costs that node's blocks, not the index's (a node holding more than
+  1/:data:`SCAN_RATIO` of the table is served by one vectorised scan instead,
+  which is cheaper then: a drop costs the smaller of the two).
 
 :class:`HbmIndex` holds, per worker (by its tenant-scoped id), the keys in its
 own HBM tier, up to per-worker and per-tenant caps. It feeds stats (HBM block
@@ -86,6 +92,7 @@ import numpy.typing as npt
 
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master.keytable import KeyTable, Rows, last_wins
+from kvpool.master.node_keys import NodeKeys
 from kvpool.vocabulary import NO_TIER, Tier
 from kvpool.worker_ids import scoped_id, split_scoped_id
 
@@ -96,6 +103,7 @@ MAX_NODES = 1 << _NODE_BITS  # node numbers are 0 .. MAX_NODES - 1
 _NODE_MASK = np.uint32(MAX_NODES - 1)
 _NONE = np.uint32(0xFFFF_FFFF)  # loc2: the row has one location
 _MORE = np.uint32(0xFFFF_FFFE)  # loc2: three or more locations, listed in _more[key]
+SCAN_RATIO = 16  # a key looked up costs about this many slots scanned (measured: ~300 ns vs ~17 ns)
 _TIERS = tuple(Tier)  # Tier by value, without an enum lookup per block
 assert [int(t) for t in _TIERS] == list(range(len(_TIERS))) and len(_TIERS) <= 3  # packed tiers stay below _MORE
 
@@ -159,6 +167,7 @@ class BlockIndex:
         self._table = KeyTable({**payload, "tag": np.uint32} if tags else payload, min_capacity)
         self._more: dict[tuple[int, int], list[int]] = {}  # (k0, k1) -> 3+ sorted locations
         self._open: set[int] = set()
+        self._node_keys = NodeKeys(self._held_by)  # open node number -> a superset of its keys
 
     # -- node numbers -----------------------------------------------------------------
 
@@ -169,14 +178,17 @@ class BlockIndex:
         with self._lock:
             assert node not in self._open, f"BlockIndex: node number {node} opened twice (membership bug)"
             self._open.add(node)
+            self._node_keys.open(node)
 
     def drop_node(self, node: int) -> int:
         """Close ``node``'s number and remove every entry it holds; returns how many locations went."""
         with self._lock:
             self._open.discard(node)
+            k0, k1 = self._node_keys.close(node)
             if not self._table.live:
                 return 0
-            removed = self._strip_all((lambda locs: (locs & _NODE_MASK) == node, lambda loc: loc & _NODE_MASK == node))
+            match: _Match = (lambda locs: (locs & _NODE_MASK) == node, lambda loc: loc & _NODE_MASK == node)
+            removed = self._strip_node(k0, k1, match)
             self._table.compact()
             self._report_changes()
             return removed
@@ -225,11 +237,44 @@ class BlockIndex:
             keep = np.zeros(len(t.k0), np.bool_)
             rows = t.find(q0, q1)  # rows may have moved while linking
             keep[rows[rows >= 0]] = True
-            self._strip_all(_exactly(loc), keep)
+            self._strip_node(*self._node_keys.keys(node), _exactly(loc), keep)
             t.compact()
             self._report_changes()
         _refused(refused)
         return True
+
+    # -- copies (warm standbys, :mod:`~kvpool.master.changelog`) ------------------------
+
+    def locations(self) -> tuple[U64, U64, U32, U64, U64, U32]:
+        """Every (key, location) pair, as columns: k0, k1, packed location, size, checksum, tag (0 without
+        tags). A consistent copy (taken under the lock): 40 bytes per location."""
+        with self._lock:
+            t = self._table
+            live = t.live_rows()
+            loc2 = t.rec["loc2"][live]
+            two = live[loc2 < _MORE]
+            listed = live[loc2 == _MORE]
+            extra = [(row, loc) for row in listed.tolist() for loc in self._more[t.key(row)][1:]]
+            more_rows = np.array([row for row, _ in extra], np.intp)
+            rows = np.concatenate([live, two, more_rows])
+            loc = np.concatenate([t.rec["loc1"][live], t.rec["loc2"][two],
+                                  np.array([loc for _, loc in extra], np.uint32)])
+            tag = t.rec["tag"][rows] if self._tags else np.zeros(len(rows), np.uint32)
+            return t.k0[rows], t.k1[rows], loc, t.rec["size"][rows], t.rec["checksum"][rows], tag
+
+    def restore(self, k0: U64, k1: U64, loc: U32, size: U64, checksum: U64, tag: U32) -> int:
+        """Add (key, location) pairs as :meth:`locations` gives them (a leader's snapshot); pairs on node numbers
+        that are not open are skipped. Returns how many pairs were applied."""
+        applied = 0
+        with self._lock:
+            for where in np.unique(loc).tolist():
+                if where & int(_NODE_MASK) not in self._open or where >> _NODE_BITS >= len(_TIERS):
+                    continue
+                pick = loc == where
+                _refused(self._link(k0[pick], k1[pick], size[pick], checksum[pick], tag[pick], where))
+                applied += int(np.count_nonzero(pick))
+            self._report_changes()
+        return applied
 
     # -- queries ----------------------------------------------------------------------
 
@@ -319,6 +364,7 @@ class BlockIndex:
         """Add ``loc`` to each key's locations and set its size and checksum; returns how many keys the
         table refused (see :func:`_refused`)."""
         q0, q1, size, checksum, tag = last_wins(q0, q1, size, checksum, tag)
+        self._node_keys.append(loc & int(_NODE_MASK), q0, q1)
         t = self._table
         rows = t.find(q0, q1)
         before = self._tier_masks(rows) if self._on_change is not None else None
@@ -361,6 +407,16 @@ class BlockIndex:
             placed = t.insert(q0[new], q1[new], columns)
             return fresh - placed
         return 0
+
+    def _strip_node(self, k0: U64, k1: U64, match: _Match, keep: npt.NDArray[np.bool_] | None = None) -> int:
+        """Remove the locations ``match`` selects (all of one node's) from the rows of the node's listed keys
+        ``k0``, ``k1`` (but those ``keep`` marks); returns how many went. Looking a key up costs about
+        :data:`SCAN_RATIO` times scanning one slot, so a node listing more keys than the table's slots over
+        that ratio is served by one scan of every row instead: a drop costs min(its keys, the table)."""
+        if len(k0) * SCAN_RATIO > len(self._table.fp):
+            return self._strip_all(match, keep)
+        rows = self._rows_listed(k0, k1)
+        return self._strip(rows if keep is None else rows[~keep[rows]], match)
 
     def _strip_all(self, match: _Match, keep: npt.NDArray[np.bool_] | None = None) -> int:
         """Remove the locations ``match`` selects from every row (but those ``keep`` marks); returns how many
@@ -472,12 +528,33 @@ class BlockIndex:
             except Exception:  # the sink must never undo or fail a change that already happened
                 log.exception("BlockIndex: the change sink failed; its events are lost")
 
+    def _rows_listed(self, k0: U64, k1: U64) -> Rows:
+        """The distinct live rows of the keys of a node's list (keys no longer indexed are skipped)."""
+        return _distinct(self._table.find(k0, k1))
+
+    def _held_by(self, node: int, k0: U64, k1: U64) -> tuple[U64, U64]:
+        """Of these keys, the distinct ones ``node`` holds in any tier (:class:`NodeKeys`' compaction)."""
+        t = self._table
+        rows = _distinct(t.find(k0, k1))
+        loc1, loc2 = t.rec["loc1"][rows], t.rec["loc2"][rows]
+        mine = ((loc1 & _NODE_MASK) == node) | ((loc2 < _MORE) & ((loc2 & _NODE_MASK) == node))
+        for i in np.flatnonzero(~mine & (loc2 == _MORE)).tolist():
+            mine[i] = any(loc & _NODE_MASK == node for loc in self._more[t.key(int(rows[i]))])
+        rows = rows[mine]
+        return t.k0[rows], t.k1[rows]
+
     def _rows_of(self, keys: Iterable[tuple[int, int]]) -> Rows:
         """Rows of keys known to be indexed (``_more``'s keys)."""
         pairs = np.array(list(keys), np.uint64).reshape(-1, 2)
         rows = self._table.find(pairs[:, 0], pairs[:, 1])
         assert (rows >= 0).all(), "BlockIndex: a key of _more is not in the table"
         return rows
+
+
+def _distinct(rows: Rows) -> Rows:
+    """The distinct non-negative rows, ascending (a sort: numpy's hashing unique is slower here)."""
+    rows = np.sort(rows[rows >= 0])
+    return rows[np.concatenate(([True], rows[1:] != rows[:-1]))] if rows.size else rows
 
 
 def _losses(

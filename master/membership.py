@@ -30,6 +30,17 @@ Invariants:
   has at most ``max_workers_per_tenant`` workers: a new one past it is a
   ValueError (INVALID_ARGUMENT) naming the setting, until one times out.
 
+- Warm standby (:mod:`~kvpool.master.follower`): a standby mirrors its
+  leader's nodes with :meth:`Membership.adopt` / :meth:`Membership.forget`
+  (the leader's numbers and incarnations). Elected, it marks them all
+  *inherited* (:meth:`Membership.inherit`): their silence counts from then,
+  and their heartbeats and reports answer "unknown", so each node registers
+  again and re-syncs. Re-registering an inherited node keeps its old number's
+  entries (lookups hit them, resolved to the node) as *retiring* until the
+  node's full sync completes (:meth:`Membership.synced`) or the new
+  registration goes (dropped, expired, registered again): only then are they
+  dropped. So lookups hit from the election on, and the index reconciles.
+
 The lock is taken only with ``with``; the only calls made under it are the
 constant-time :meth:`BlockIndex.open_node` and :meth:`HbmIndex.drop_worker`
 (lock order: membership, then index).
@@ -63,6 +74,8 @@ class NodeInfo:
     last_heartbeat: float  # time.monotonic()
     max_block_bytes: int = 0  # largest block it stores at all (on SSD if larger); 0: dram_max_block_bytes
     stalled_at_heartbeat: float = 0.0  # the master's stalled time (Membership.stalled) at its last heartbeat
+    inherited: bool = False  # followed from the old leader: its calls answer "unknown" until it registers again
+    retiring: int = -1  # the number of its inherited entries, kept until its full sync completes (-1: none)
 
     def snapshot(self) -> NodeInfo:
         return dataclasses.replace(self, tiers={t: dataclasses.replace(s) for t, s in self.tiers.items()})
@@ -114,8 +127,16 @@ class Membership:
         """
         with self._lock:
             old = self._nodes.pop(ref.node_id, None)
+            drop: list[int] = []  # numbers whose entries go now
+            retiring = -1
             if old is not None:
-                del self._by_number[old.number]
+                drop = [n for n in (old.retiring,) if n >= 0]
+                for n in (old.number, *drop):
+                    self._by_number.pop(n, None)
+                if old.inherited:  # its entries stay, resolved to the node, until its full sync completes
+                    retiring = old.number
+                else:
+                    drop.append(old.number)
             self._last_incarnation = max(time.time_ns(), self._last_incarnation + 1)
             info = NodeInfo(
                 ref=ref,
@@ -126,15 +147,20 @@ class Membership:
                 last_heartbeat=self._clock(),
                 max_block_bytes=max_block_bytes,
                 stalled_at_heartbeat=self._stalled_s,
+                retiring=retiring,
             )
             self._next_number += 1
             self._index.open_node(info.number)
             self._nodes[ref.node_id] = info
             self._by_number[info.number] = info
+            if retiring >= 0:
+                self._by_number[retiring] = info  # lookups of its inherited entries resolve to the node
             snapshot = info.snapshot()
+        dropped = sum(self._index.drop_node(number) for number in drop)
         if old is not None:
-            dropped = self._index.drop_node(old.number)
-            log.info("node %s re-registered: dropped %d entries of its previous incarnation", ref.node_id, dropped)
+            log.info("node %s re-registered: %s", ref.node_id,
+                     f"dropped {dropped} entries of its previous incarnation" if retiring < 0 else
+                     f"its inherited entries stay until its full sync completes (number {retiring})")
         return snapshot
 
     def heartbeat(self, node_id: str, incarnation: int, tiers: Iterable[TierStats] = ()) -> bool:
@@ -149,7 +175,7 @@ class Membership:
         usage = {s.tier: s for s in tiers}
         with self._lock:
             info = self._nodes.get(node_id)
-            if info is None or info.incarnation != incarnation:
+            if info is None or info.incarnation != incarnation or info.inherited:
                 return None
             info.last_heartbeat = self._clock()
             info.stalled_at_heartbeat = self._stalled_s
@@ -164,9 +190,17 @@ class Membership:
             if info is None or info.incarnation != incarnation:
                 return False
             del self._nodes[node_id]
-            del self._by_number[info.number]
-        self._index.drop_node(info.number)
+            numbers = self._unmap(info)
+        for number in numbers:
+            self._index.drop_node(number)
         return True
+
+    def _unmap(self, info: NodeInfo) -> list[int]:
+        """Remove a node's numbers (its own and a retiring one) from ``_by_number``; returns them (lock held)."""
+        numbers = [n for n in (info.number, info.retiring) if n >= 0]
+        for number in numbers:
+            self._by_number.pop(number, None)
+        return numbers
 
     def stalled(self, seconds: float) -> None:
         """The master did not run for ``seconds`` (its sweeper woke that late): no node's silence counts them."""
@@ -188,14 +222,14 @@ class Membership:
                     if self._silent_for(info, now) > self.node_timeout_s]
             for info, _ in dead:
                 del self._nodes[info.ref.node_id]
-                del self._by_number[info.number]
+                self._unmap(info)
             gone_workers = [w for w, seen in self._workers.items() if now - seen > self.worker_timeout_s]
             for worker in gone_workers:
                 del self._workers[worker]
                 self._forget_one(split_scoped_id(worker)[0])
                 self._hbm.drop_worker(worker)  # under the lock: a worker seen again cannot lose a fresh report
         for info, silent in dead:
-            dropped = self._index.drop_node(info.number)
+            dropped = sum(self._index.drop_node(n) for n in (info.number, info.retiring) if n >= 0)
             stalls = now - info.last_heartbeat - silent
             log.warning(
                 "node %s (%s) silent for %.1fs%s: dropped with %d index entries",
@@ -215,8 +249,61 @@ class Membership:
             self._tenant_workers.clear()
             self._hbm.clear()
         for info in gone:
-            self._index.drop_node(info.number)
+            for number in (info.number, info.retiring):
+                if number >= 0:
+                    self._index.drop_node(number)
         return len(gone)
+
+    # -- warm standby (see the module docstring) ----------------------------------------
+
+    def adopt(self, ref: NodeRef, number: int, incarnation: int, tiers: Iterable[TierStats],
+              dram_max_block_bytes: int, max_block_bytes: int) -> None:
+        """Mirror the leader's registration of a node as number ``number`` (a standby following its log):
+        a previous number of the node goes with its entries; the same number again only updates the node."""
+        with self._lock:
+            old = self._nodes.get(ref.node_id)
+            if old is not None and old.number > number:
+                return  # the snapshot already holds a later registration (the log replays an earlier one)
+            drop = [] if old is None or old.number == number else self._unmap(old)
+            info = NodeInfo(ref=ref, number=number, incarnation=incarnation, tiers={s.tier: s for s in tiers},
+                            dram_max_block_bytes=dram_max_block_bytes, last_heartbeat=self._clock(),
+                            max_block_bytes=max_block_bytes, stalled_at_heartbeat=self._stalled_s)
+            if old is None or old.number != number:
+                self._index.open_node(number)
+            self._nodes[ref.node_id] = info
+            self._by_number[number] = info
+            self._next_number = max(self._next_number, number + 1)
+            self._last_incarnation = max(self._last_incarnation, incarnation)
+        for n in drop:
+            self._index.drop_node(n)
+
+    def forget(self, node_id: str) -> int:
+        """Mirror the leader dropping a node (unregistered or expired) with its entries; returns how many went."""
+        with self._lock:
+            info = self._nodes.pop(node_id, None)
+            numbers = self._unmap(info) if info is not None else []
+        return sum(self._index.drop_node(n) for n in numbers)
+
+    def inherit(self) -> int:
+        """This standby was elected with its leader's nodes: mark them inherited (see the module docstring), their
+        silence counted from now. Returns how many."""
+        with self._lock:
+            now = self._clock()
+            for info in self._nodes.values():
+                info.inherited = True
+                info.last_heartbeat = now
+                info.stalled_at_heartbeat = self._stalled_s
+            return len(self._nodes)
+
+    def synced(self, node_id: str, incarnation: int) -> int:
+        """The node's full sync completed: its retiring entries go. Returns how many."""
+        with self._lock:
+            info = self._nodes.get(node_id)
+            if info is None or info.incarnation != incarnation or info.retiring < 0:
+                return 0
+            number, info.retiring = info.retiring, -1
+            self._by_number.pop(number, None)
+        return self._index.drop_node(number)
 
     def live_nodes(self) -> list[NodeInfo]:
         """Snapshots of all registered nodes, in registration order."""

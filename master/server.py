@@ -37,6 +37,16 @@ Invariants:
   the leader is) and its health service says NOT_SERVING; a master that stops
   leading drops every node and worker (soft state: leading again starts from
   the nodes' full reports, as after a restart).
+- Warm standby (``warm_standby``; not with TLS or KV events: a standby then
+  stays cold, see docs/reliability.md): a standby
+  follows its leader's change log (:mod:`~kvpool.master.follower`) and, if
+  it is warm when elected, leads with its nodes (inherited: each registers
+  again and re-syncs in the background, :mod:`~kvpool.master.membership`)
+  and index, so lookups hit from the election on; a cold one drops what it
+  had and leads as above. Only a leader records its log
+  (:mod:`~kvpool.master.changelog`), and serves calls only once
+  ``on_elected`` has run (the standby's state is settled); only a leader's
+  sweeper expires nodes (a standby's nodes come and go with its leader's log).
 """
 
 from __future__ import annotations
@@ -62,8 +72,10 @@ from kvpool.event_publisher import EventLimits, EventPublisher
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.lifecycle import wait_for_shutdown
 from kvpool.malloc import limit_arenas
+from kvpool.master.changelog import LOCATION
 from kvpool.master.election import Election, check_access
 from kvpool.master.engine_names import EngineNames
+from kvpool.master.follower import Follower
 from kvpool.master.index import BlockIndex, HbmIndex, TierChange
 from kvpool.master.kv_events import MasterEventFeed, Tenants
 from kvpool.master.membership import Membership
@@ -133,6 +145,11 @@ class MasterServer:
         )
         self.metrics = MasterMetrics(self.registry, self.index, self.hbm, self.membership, self.errors, tenants or [""])
         self.servicer = MasterServicer(config, self.index, self.hbm, self.membership, self.metrics, self.names)
+        changes = self.servicer.changes
+        changes.max_bytes = config.follow_log_bytes
+        limit = max_message_bytes(config)  # what a standby's channel takes in one reply
+        changes.reply_bytes = min(changes.reply_bytes, limit // 2)
+        changes.chunk_locations = min(changes.chunk_locations, limit // 2 // LOCATION.itemsize)
         self.port: int = 0  # the bound gRPC port, once started
         self.metrics_port: int = 0  # the bound metrics port, once started (0: no endpoint)
         self._server: grpc.Server | None = None
@@ -144,6 +161,8 @@ class MasterServer:
         self._stopped = threading.Event()
         self._lifecycle = threading.Lock()
         self.election: Election | None = None  # with config.etcd, once started
+        self.follower: Follower | None = None  # a warm standby's (config.etcd, no TLS), once started
+        self._ready = threading.Event()  # leading, and the standby's state settled (on_elected ran)
         self._leader_gauge = Gauge("kvpool_master_leader", "1 while this master leads its cluster (always 1 without "
                                    "etcd), 0 while it stands by", registry=self.registry)
         self._elections = Counter("kvpool_master_elections", "Times this master became its cluster's leader",
@@ -154,6 +173,13 @@ class MasterServer:
         Gauge("kvpool_master_shard_info", "Always 1; labels: the index shard this master's group owns, and the "
               "cluster's shard count", ["shard", "shards"], registry=self.registry).labels(
             shard=str(config.shard), shards=str(config.shards)).set(1)
+        Gauge("kvpool_master_standby_warm", "1 while this standby holds a copy of its leader's index (a snapshot and "
+              "every change since: elected, it leads with it)", registry=self.registry).set_function(
+            lambda: int(self.follower is not None and self.follower.warm and not self._ready.is_set()))
+        Gauge("kvpool_master_standby_snapshots", "Snapshots of the leader's index this standby took",
+              registry=self.registry).set_function(lambda: self.follower.snapshots if self.follower else 0)
+        Gauge("kvpool_master_standby_changes", "Changes of the leader's log this standby applied",
+              registry=self.registry).set_function(lambda: self.follower.changes if self.follower else 0)
 
     @property
     def address(self) -> str:
@@ -245,9 +271,23 @@ class MasterServer:
                             on_deposed=self._deposed, shard=self.config.shard)
         servicer = self.servicer
         servicer.cluster = self.config.cluster
-        servicer.leading = election.leading
+        servicer.leading = lambda: self._ready.is_set() and election.leading()
         servicer.leader_address = lambda: leader.address if (leader := election.leader()) is not None else ""
+        if self.config.warm_standby and self._tls is None and self.events is None:
+            token = self.authority.master_token() if self.authority is not None else ""
+            self.follower = Follower(self.membership, self.index, self._leader_to_follow,
+                                     max_message_bytes=max_message_bytes(self.config), token=token,
+                                     rpc_timeout_s=max(2.0, self.config.leader_ttl_s))
+            self.follower.start()
         self.election = election.start()
+
+    def _leader_to_follow(self) -> str:
+        """The address of the leader, unless this master leads (or none is known): ""."""
+        election = self.election
+        if election is None or election.leading():
+            return ""
+        leader = election.leader()
+        return leader.address if leader is not None and leader.address != self.advertised_address() else ""
 
     def _pool_changed(self, changes: list[TierChange]) -> None:
         if self.events is not None:
@@ -270,15 +310,30 @@ class MasterServer:
         self._elections.inc()
         if election.failover_s is not None:
             self.metrics.failover_seconds.observe(election.failover_s)
+        follower = self.follower
+        if follower is not None:
+            follower.stop()
+        if follower is not None and follower.warm:
+            nodes = self.membership.inherit()
+            log.info("master: elected warm: %d nodes and %d blocks from the old leader (log seq %d); they register "
+                     "again and re-sync in the background", nodes, len(self.index), follower.seq)
+        else:
+            self.membership.drop_all()
+        self.servicer.changes.reset(on=self.follower is not None)  # no log where no standby can follow
         self.servicer.elected()
         if self.events is not None:
             self.events.cleared()
+        self._ready.set()
         self._serving(True)
 
     def _deposed(self) -> None:
+        self._ready.clear()
         self._serving(False)
+        self.servicer.changes.reset(on=False)
         dropped = self.membership.drop_all()
         log.info("master: standing by; dropped %d nodes (they register with the new leader)", dropped)
+        if self.follower is not None and not self._stopping.is_set():
+            self.follower.start()
 
     def _call_listener(self) -> TcpListener:
         """The wire listener for fast calls (:mod:`kvpool.wire`) over the same servicer as gRPC."""
@@ -307,7 +362,10 @@ class MasterServer:
                 if late >= STALL_LOG_S:
                     log.warning("master: sweeper woke %.1fs late (this process or its host stalled); that time is "
                                 "not counted as its nodes' silence", late)
-                self.membership.expire(now)
+                if self.election is None or self._ready.is_set():  # a standby's nodes follow its leader's log
+                    with self.servicer.changes.applying() as note:
+                        for node_id in self.membership.expire(now):
+                            note(master_pb2.IndexChange(left=node_id), 0)
             except Exception:  # a sweeper bug must be loud but not kill liveness checks
                 log.exception("master sweeper failed")
             asleep = time.monotonic()
@@ -320,6 +378,8 @@ class MasterServer:
             self._stopping.set()
             if self.election is not None:  # resign first: a standby takes over while this one winds down
                 self.election.stop()
+            if self.follower is not None:
+                self.follower.stop()
             if self._etcd is not None:
                 self._etcd.close()
             if self._server is not None:

@@ -45,6 +45,11 @@ Invariants:
 - On a standby (an election says this master does not lead) every call but
   ``Info`` is UNAVAILABLE before it reads or changes anything; ``Info`` says
   ``standby`` and where the leader is.
+- Every accepted change to membership and index (RegisterNode,
+  UnregisterNode, ReportBlocks known) is applied and noted in the change log
+  as one step (:meth:`~kvpool.master.changelog.ChangeLog.applying`): what warm
+  standbys follow with ``Follow`` and ``Snapshot`` (leader only; with auth on,
+  the master token only: the stream is every tenant's keys).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from kvpool import __version__
 from kvpool.auth import ROLE_CLIENT, caller, caller_keys, caller_tenant
 from kvpool.config import MasterConfig
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
+from kvpool.master.changelog import ChangeLog, followed_node
 from kvpool.master.engine_names import EngineNames
 from kvpool.master.index import BlockIndex, HbmIndex, RunArrays
 from kvpool.master.membership import Membership
@@ -108,6 +114,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self.events_server_key = ""  # the KV event ports' CURVE public key, told to clients (auth and events on)
         self._lookup = LookupSteps(self)
         self.together = {"Lookup": self._lookup}  # fast calls answered together (kvpool.wire.Together)
+        self.changes = ChangeLog(membership, index)  # off until reset(on=True): MasterServer turns it on when leading
 
     def elected(self) -> None:
         """This master was just elected: nodes registering within ``node_timeout_s`` count as following from the
@@ -231,10 +238,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if not ref.address:
             raise ValueError(f"RegisterNode: node {ref.node_id!r} has no address")
         tiers = self._tier_stats(request.tiers)
-        info = self._membership.register(
-            NodeRef(ref.node_id, ref.address, ref.host_id, ref.arena, ref.data_address), tiers,
-            request.dram_max_block_bytes, request.max_block_bytes,
-        )
+        with self.changes.applying() as note:
+            info = self._membership.register(
+                NodeRef(ref.node_id, ref.address, ref.host_id, ref.arena, ref.data_address), tiers,
+                request.dram_max_block_bytes, request.max_block_bytes,
+            )
+            note(master_pb2.IndexChange(joined=followed_node(info)), 0)
         if self._elected_at and time.monotonic() - self._elected_at <= self._config.node_timeout_s:
             self._resyncing.add(ref.node_id)
         return master_pb2.RegisterNodeResponse(
@@ -263,12 +272,17 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         if number is None:
             return master_pb2.ReportBlocksResponse(known=False)
         sizes, checksums = list(request.added_sizes), list(request.added_checksums)
-        if request.full_sync:
-            known = self._index.replace_node_tier(number, tier, added, sizes, checksums)
-        else:
-            known = self._index.add(number, tier, added, sizes, checksums) if added else True
-        if removed:  # after the additions: a key in both lists ends up absent
-            known = self._index.remove(number, tier, removed) and known
+        with self.changes.applying() as note:
+            if request.full_sync:
+                known = self._index.replace_node_tier(number, tier, added, sizes, checksums)
+            else:
+                known = self._index.add(number, tier, added, sizes, checksums) if added else True
+            if removed:  # after the additions: a key in both lists ends up absent
+                known = self._index.remove(number, tier, removed) and known
+            if known:
+                note(functools.partial(_followed_blocks, number, request), len(added) + len(removed))
+        if request.sync_complete and known:
+            self._membership.synced(request.node_id, request.incarnation)  # its inherited entries go (if any)
         if request.sync_complete and known and request.node_id in self._resyncing:
             try:
                 self._resyncing.remove(request.node_id)
@@ -282,8 +296,22 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
         self, request: master_pb2.UnregisterNodeRequest, context: Any
     ) -> master_pb2.UnregisterNodeResponse:
         self._lead(context)
-        self._membership.unregister(request.node_id, request.incarnation)
+        with self.changes.applying() as note:
+            if self._membership.unregister(request.node_id, request.incarnation):
+                note(master_pb2.IndexChange(left=request.node_id), 0)
         return master_pb2.UnregisterNodeResponse()
+
+    # -- warm standbys --------------------------------------------------------------------
+
+    def Follow(self, request: master_pb2.FollowRequest, context: Any) -> master_pb2.FollowResponse:
+        """The change log after ``after_seq`` (:mod:`~kvpool.master.changelog`)."""
+        self._lead(context)
+        return self.changes.follow(request.log_id, request.after_seq)
+
+    def Snapshot(self, request: master_pb2.SnapshotRequest, context: Any) -> master_pb2.SnapshotResponse:
+        """One chunk of a consistent copy of the index and nodes (:mod:`~kvpool.master.changelog`)."""
+        self._lead(context)
+        return self.changes.snapshot(request.snapshot_id, request.offset)
 
     # -- clients --------------------------------------------------------------------------
 
@@ -544,3 +572,9 @@ class LookupSteps:
             )
         s._metrics.lookup_seconds.observe(time.perf_counter() - begun.started)
         return response
+def _followed_blocks(number: int, request: master_pb2.ReportBlocksRequest) -> master_pb2.IndexChange:
+    """An accepted report as the change log carries it (built when a follower asks)."""
+    r = request
+    return master_pb2.IndexChange(blocks=master_pb2.FollowedBlocks(
+        number=number, tier=r.tier, full_sync=r.full_sync, added_keys=r.added_keys, added_sizes=r.added_sizes,
+        added_checksums=r.added_checksums, removed_keys=r.removed_keys))

@@ -41,7 +41,22 @@ def check_index(index: BlockIndex) -> int:
             copies += len(locs) - 1
             held.update(loc & int(_NODE_MASK) for loc in locs)
         assert held <= index._open, f"BlockIndex: entries on closed node numbers {sorted(held - index._open)}"
+        _check_node_keys(index, live)
         return copies
+
+
+def _check_node_keys(index: BlockIndex, live: np.ndarray) -> None:
+    """Every (key, node) location is in that node's NodeKeys list; lists exist for open numbers only (lock held)."""
+    lists = index._node_keys._lists
+    assert set(lists) == index._open, "BlockIndex: NodeKeys lists and open node numbers disagree"
+    listed = {node: set(zip(*(a.tolist() for a in index._node_keys.keys(node)))) for node in lists}
+    t = index._table
+    for row in live.tolist():
+        key = t.key(row)
+        loc1, loc2 = int(t.rec["loc1"][row]), int(t.rec["loc2"][row])
+        locs = index._more[key] if loc2 == _MORE else [loc1] + ([loc2] if loc2 < _MORE else [])
+        for loc in locs:
+            assert key in listed[loc & int(_NODE_MASK)], f"BlockIndex: key {key} missing from its node's NodeKeys"
 
 
 def index_nbytes(index: BlockIndex) -> int:

@@ -8,10 +8,12 @@ link's job is to keep the master's picture of this node whole:
   keys, fewer if the master's registration reply says it takes fewer in one
   call: the first chunk replaces, later ones add). Only then is the link
   ``registered``.
-- A background thread sends queued inventory changes promptly
-  (``COALESCE_S`` after the first change, so a burst of puts is one report:
-  puts do not wait for it, and on a small machine each report costs the puts
-  CPU). :meth:`MasterLink.flush` sends them synchronously (``FlushReports``,
+- A background thread sends queued inventory changes promptly (a
+  :class:`~kvpool.node.report_window.ReportWindow` after the first change: 2 ms
+  when quiet, widening up to 100 ms while reports are in flight or the master
+  answers slowly, so a burst of puts is one report and a busy node's calls per
+  second fall as its put rate rises: puts do not wait for it, and on a small
+  machine each report costs the puts CPU). :meth:`MasterLink.flush` sends them synchronously (``FlushReports``,
   a writer's barrier, and ``Remove``).
 - Heartbeats have a thread of their own, at the interval the master returned,
   from the moment ``RegisterNode`` answers: no report, full sync, lock or
@@ -55,6 +57,7 @@ import grpc
 from kvpool.etcd import EtcdAccess
 from kvpool.keys import BlockKey
 from kvpool.master_client import MasterApi, MasterConnection
+from kvpool.node.report_window import ReportWindow
 from kvpool.rpc import proto_tier, tier_usage
 from kvpool.tcp import ConnectionPool
 from kvpool.tiers.base import ChangeListener
@@ -67,7 +70,6 @@ log = logging.getLogger(__name__)
 
 CHUNK_KEYS = 50_000
 _UNSTATED_MAX_KEYS = 65536  # a master that states no max_keys_per_call (one from before the field) takes this
-COALESCE_S = 0.002  # after a change wakes the thread, it waits this long for more before reporting
 RETRY_S = 0.25  # a failed heartbeat is tried again this soon (not a whole interval later)
 # Reconnect quickly after a master restart (gRPC's default backoff grows to minutes).
 _RECONNECT_OPTIONS = [
@@ -150,6 +152,7 @@ class MasterLink:
         self._failing_since: float | None = None  # reports have failed since then (monotonic)
         self._warned = False
         self.registrations = 0  # successful (re-)registrations, for tests and logs
+        self.window = ReportWindow()  # how long changes gather before a report (the report thread's)
 
     # -- what the stores call ------------------------------------------------------------
 
@@ -228,6 +231,7 @@ class MasterLink:
     def _run(self) -> None:
         """Registration and reports (heartbeats are :meth:`_heartbeats`')."""
         backoff = 0.05
+        quiet_since = time.monotonic()  # when the last report went (the window narrows as it grows quiet)
         while not self._stop.is_set():
             if not self._registered:
                 if not self._register():
@@ -236,10 +240,17 @@ class MasterLink:
                     continue
                 backoff = 0.05
             self._wake.clear()
+            with self._pending_lock:
+                had = any(self._pending.values())
+            started = time.monotonic()
             self.flush()
+            if had:  # a report went: widen the window if it was busy (see ReportWindow)
+                quiet_since = time.monotonic()
+                self.window.sent(quiet_since - started, self._wake.is_set())
             # a change wakes us; a report that failed is tried again an interval later
             if self._registered and self._wake.wait(self._interval):
-                self._stop.wait(COALESCE_S)  # let a burst of puts gather: one report for all of them
+                # let a burst of puts gather: one report for all of them
+                self._stop.wait(self.window.woke(time.monotonic() - quiet_since))
 
     def _heartbeats(self) -> None:
         """The heartbeat thread: every interval while an incarnation is to be kept alive, and nothing else."""

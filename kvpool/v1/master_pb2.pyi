@@ -308,3 +308,93 @@ class MasterInfoResponse(_message.Message):
     shard: int
     shard_count: int
     def __init__(self, call_port: _Optional[int] = ..., version: _Optional[str] = ..., tenant_mask: _Optional[bytes] = ..., standby: _Optional[bool] = ..., leader_address: _Optional[str] = ..., cluster: _Optional[str] = ..., kv_events_server_key: _Optional[str] = ..., max_keys_per_call: _Optional[int] = ..., shard: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
+
+class FollowedNode(_message.Message):
+    __slots__ = ("node", "number", "incarnation", "tiers", "dram_max_block_bytes", "max_block_bytes")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    node: _common_pb2.NodeRef
+    number: int
+    incarnation: int
+    tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierUsage]
+    dram_max_block_bytes: int
+    max_block_bytes: int
+    def __init__(self, node: _Optional[_Union[_common_pb2.NodeRef, _Mapping]] = ..., number: _Optional[int] = ..., incarnation: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierUsage, _Mapping]]] = ..., dram_max_block_bytes: _Optional[int] = ..., max_block_bytes: _Optional[int] = ...) -> None: ...
+
+class FollowedBlocks(_message.Message):
+    __slots__ = ("number", "tier", "full_sync", "added_keys", "added_sizes", "added_checksums", "removed_keys")
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    FULL_SYNC_FIELD_NUMBER: _ClassVar[int]
+    ADDED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ADDED_SIZES_FIELD_NUMBER: _ClassVar[int]
+    ADDED_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    number: int
+    tier: _common_pb2.Tier
+    full_sync: bool
+    added_keys: bytes
+    added_sizes: _containers.RepeatedScalarFieldContainer[int]
+    added_checksums: _containers.RepeatedScalarFieldContainer[int]
+    removed_keys: bytes
+    def __init__(self, number: _Optional[int] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., full_sync: _Optional[bool] = ..., added_keys: _Optional[bytes] = ..., added_sizes: _Optional[_Iterable[int]] = ..., added_checksums: _Optional[_Iterable[int]] = ..., removed_keys: _Optional[bytes] = ...) -> None: ...
+
+class IndexChange(_message.Message):
+    __slots__ = ("seq", "joined", "left", "blocks")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    joined: FollowedNode
+    left: str
+    blocks: FollowedBlocks
+    def __init__(self, seq: _Optional[int] = ..., joined: _Optional[_Union[FollowedNode, _Mapping]] = ..., left: _Optional[str] = ..., blocks: _Optional[_Union[FollowedBlocks, _Mapping]] = ...) -> None: ...
+
+class FollowRequest(_message.Message):
+    __slots__ = ("log_id", "after_seq")
+    LOG_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    log_id: int
+    after_seq: int
+    def __init__(self, log_id: _Optional[int] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class FollowResponse(_message.Message):
+    __slots__ = ("log_id", "behind", "changes")
+    LOG_ID_FIELD_NUMBER: _ClassVar[int]
+    BEHIND_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    log_id: int
+    behind: bool
+    changes: _containers.RepeatedCompositeFieldContainer[IndexChange]
+    def __init__(self, log_id: _Optional[int] = ..., behind: _Optional[bool] = ..., changes: _Optional[_Iterable[_Union[IndexChange, _Mapping]]] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("snapshot_id", "offset")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: int
+    offset: int
+    def __init__(self, snapshot_id: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class SnapshotResponse(_message.Message):
+    __slots__ = ("snapshot_id", "log_id", "seq", "nodes", "total", "locations", "offset")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    LOG_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: int
+    log_id: int
+    seq: int
+    nodes: _containers.RepeatedCompositeFieldContainer[FollowedNode]
+    total: int
+    locations: bytes
+    offset: int
+    def __init__(self, snapshot_id: _Optional[int] = ..., log_id: _Optional[int] = ..., seq: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[FollowedNode, _Mapping]]] = ..., total: _Optional[int] = ..., locations: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...

@@ -99,6 +99,16 @@ class MasterStub:
                 request_serializer=kvpool_dot_v1_dot_master__pb2.MasterInfoRequest.SerializeToString,
                 response_deserializer=kvpool_dot_v1_dot_master__pb2.MasterInfoResponse.FromString,
                 _registered_method=True)
+        self.Follow = channel.unary_unary(
+                '/kvpool.v1.Master/Follow',
+                request_serializer=kvpool_dot_v1_dot_master__pb2.FollowRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_master__pb2.FollowResponse.FromString,
+                _registered_method=True)
+        self.Snapshot = channel.unary_unary(
+                '/kvpool.v1.Master/Snapshot',
+                request_serializer=kvpool_dot_v1_dot_master__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=kvpool_dot_v1_dot_master__pb2.SnapshotResponse.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -203,6 +213,23 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Follow(self, request, context):
+        """Warm standbys (masters of the cluster only: the cluster's master token,
+        docs/security.md). The leader's accepted index changes after `after_seq`
+        of its change log, in order, a bounded batch per call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Snapshot(self, request, context):
+        """A consistent copy of the leader's index and nodes, in bounded chunks, and
+        the log sequence number to Follow from after it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -270,6 +297,16 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=kvpool_dot_v1_dot_master__pb2.MasterInfoRequest.FromString,
                     response_serializer=kvpool_dot_v1_dot_master__pb2.MasterInfoResponse.SerializeToString,
+            ),
+            'Follow': grpc.unary_unary_rpc_method_handler(
+                    servicer.Follow,
+                    request_deserializer=kvpool_dot_v1_dot_master__pb2.FollowRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_master__pb2.FollowResponse.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=kvpool_dot_v1_dot_master__pb2.SnapshotRequest.FromString,
+                    response_serializer=kvpool_dot_v1_dot_master__pb2.SnapshotResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -623,6 +660,60 @@ class Master:
             '/kvpool.v1.Master/Info',
             kvpool_dot_v1_dot_master__pb2.MasterInfoRequest.SerializeToString,
             kvpool_dot_v1_dot_master__pb2.MasterInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Follow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/Follow',
+            kvpool_dot_v1_dot_master__pb2.FollowRequest.SerializeToString,
+            kvpool_dot_v1_dot_master__pb2.FollowResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpool.v1.Master/Snapshot',
+            kvpool_dot_v1_dot_master__pb2.SnapshotRequest.SerializeToString,
+            kvpool_dot_v1_dot_master__pb2.SnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

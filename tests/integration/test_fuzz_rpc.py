@@ -93,6 +93,8 @@ MASTER_METHODS = {
     "NameBlocks": (master_pb2.NameBlocksRequest, master_pb2.NameBlocksResponse),
     "ClusterStatus": (master_pb2.ClusterStatusRequest, master_pb2.ClusterStatusResponse),
     "Info": (master_pb2.MasterInfoRequest, master_pb2.MasterInfoResponse),
+    "Follow": (master_pb2.FollowRequest, master_pb2.FollowResponse),
+    "Snapshot": (master_pb2.SnapshotRequest, master_pb2.SnapshotResponse),
 }
 NODE_METHODS = {
     "Put": (node_pb2.PutRequest, node_pb2.PutResponse),
@@ -424,6 +426,30 @@ def test_master_info(pool, extra):
     code, reply = checked(pool, "master", "Info", master_pb2.MasterInfoRequest(), extra, "valid")
     assert reply.call_port == pool.master.servicer.call_port and reply.version
     pool.count("Master.Info")
+
+
+@FUZZ
+@given(log_id=small_u64, after=small_u64, extra=unknown_fields())
+def test_follow(pool, log_id, after, extra):
+    """A single master keeps no change log (log id 0): any other log, or any position past its end, is "behind";
+    never an error."""
+    code, reply = checked(pool, "master", "Follow", master_pb2.FollowRequest(log_id=log_id, after_seq=after), extra,
+                          "valid")
+    assert reply.behind == (log_id != 0 or after != 0) and not reply.changes
+    pool.count("Master.Follow")
+
+
+@FUZZ
+@given(snapshot_id=small_u64, offset=small_u64, extra=unknown_fields())
+def test_snapshot(pool, snapshot_id, offset, extra):
+    """A new snapshot (id 0) is a consistent copy served from ``offset``; a snapshot that is gone is
+    INVALID_ARGUMENT."""
+    request = master_pb2.SnapshotRequest(snapshot_id=snapshot_id, offset=offset)
+    code, reply = checked(pool, "master", "Snapshot", request, extra, valid_if(snapshot_id == 0))
+    if snapshot_id == 0:
+        assert reply.total >= len(KNOWN_KEYS) and len(reply.locations) == 40 * max(0, min(reply.total - offset,
+                                                                                          100_000))
+    pool.count("Master.Snapshot")
 
 
 # -- Node ---------------------------------------------------------------------------------------------------

@@ -278,7 +278,8 @@ def test_a_killed_leader_is_replaced_and_a_node_and_a_client_follow_it_without_a
         elected_s = metric(samples, "kvpool_master_failover_seconds_sum")
         resync_s = metric(samples, "kvpool_master_failover_resync_seconds_sum")
         assert TTL_S * 2 / 3 - 0.5 <= elected_s <= hit_again + TTL_S / 3 + 0.5, (elected_s, hit_again)
-        assert 0 < resync_s <= hit_again - TTL_S * 2 / 3 + 0.2, (resync_s, hit_again)  # hits follow the resync
+        # The standby was warm (it followed the leader): lookups hit from its election, before the node re-synced.
+        assert 0 < resync_s <= 5, (resync_s, hit_again)
         print(f"failover: lookups hit again {hit_again:.2f} s after kill -9 of the leader (TTL {TTL_S} s); "
               f"metrics: elected {elected_s:.2f} s after the last renewal, node resynced {resync_s:.2f} s later")
     finally:

@@ -124,7 +124,7 @@ BAD_VALUES = {
         "max_workers_per_tenant": 0, "max_hbm_keys_per_worker": 0, "max_hbm_keys_per_tenant": -1,
         "kv_events_buffer_bytes": "64K",
         "kv_events_subscriber_bytes": 0, "kv_events_max_connections": 0, "kv_events_max_connections_per_peer": 0,
-        "kv_events_max_replays": 0, "kv_events_max_replays_per_peer": -1,
+        "kv_events_max_replays": 0, "kv_events_max_replays_per_peer": -1, "follow_log_bytes": 0, "warm_standby": "yes",
     },
     NodeConfig: {
         "master": "no-port", "host": "two words", "port": -1, "metrics_port": 70000, "data_port": -5,

@@ -11,7 +11,6 @@ import hashlib
 import logging
 import os
 import random
-import time
 import tracemalloc
 
 import numpy as np
@@ -19,6 +18,7 @@ import pytest
 from models import check_index, index_nbytes
 
 from kvpool.keys import BlockKey
+from kvpool.master import index as index_module
 from kvpool.master import keytable
 from kvpool.master.index import BlockIndex, Hit
 from kvpool.master.keytable import KeyTable
@@ -383,18 +383,55 @@ def test_memory_per_block_at_200k_blocks_is_under_200_bytes():
     assert index.exists([batches[3][-1], bytes(32)]) == [True, False]
 
 
-def test_drop_node_of_100k_blocks_is_one_vectorised_scan():
+def test_drop_node_costs_its_own_blocks_not_a_scan_of_the_index(monkeypatch):
     rng = np.random.default_rng(6)
-    index = opened(0, 1)
+    index = opened(0, 1, 2)
     keys = random_keys(200000, rng)
     assert index.add(0, DRAM, keys[:100000], [1] * 100000, [2] * 100000)
     assert index.add(1, SSD, keys[50000:], [1] * 150000, [2] * 150000)
-    start = time.perf_counter()
-    assert index.drop_node(1) == 150000
-    assert time.perf_counter() - start < 1.0  # ~10 ms here; a per-key Python loop would take far longer
+    assert index.add(2, DRAM, keys[:10], [1] * 10, [2] * 10)
+
+    def no_scan(*_args):
+        raise AssertionError("a node drop scanned every row")
+
+    monkeypatch.setattr(KeyTable, "chunks", no_scan)
+    monkeypatch.setattr(KeyTable, "live_rows", no_scan)
+    calls: list[int] = []
+    find = KeyTable.find
+    monkeypatch.setattr(KeyTable, "find", lambda self, k0, k1: calls.append(len(k0)) or find(self, k0, k1))
+    assert index.drop_node(2) == 10
+    assert calls == [10]  # the node's own keys looked up, nothing else
+    monkeypatch.undo()
+    assert index.drop_node(1) == 150000  # (the table then shrinks: a rehash, as any large removal makes)
     assert len(index) == 100000
     assert index.leading_run(keys[49999:50001]) == [Hit(DRAM, 0, 1, 2), Hit(DRAM, 0, 1, 2)]
     check_index(index)
+
+
+def test_a_nodes_key_list_stays_bounded_under_churn_and_full_syncs_use_it():
+    index, ref = opened(0, 1, 2), Reference()
+    rng = np.random.default_rng(8)
+    big = random_keys(100000, rng)  # on node 2: a table large enough that node 1's full sync uses its list
+    index.add(2, DRAM, big, *sizes_for(big))
+    ref.add(2, DRAM, big, *sizes_for(big))
+    kept = random_keys(3000, rng)
+    index.add(1, SSD, kept, *sizes_for(kept))
+    ref.add(1, SSD, kept, *sizes_for(kept))
+    for _ in range(40):  # 40 x 2,000 keys linked to node 0, never more than 2,000 held at once
+        keys = random_keys(2000, rng)
+        index.add(0, DRAM, keys, *sizes_for(keys))
+        index.add(0, DRAM, keys[:500], *sizes_for(keys[:500]))  # repeats too
+        ref.add(0, DRAM, keys, *sizes_for(keys))
+        index.remove(0, DRAM, keys)
+        ref.remove(0, DRAM, keys)
+    assert index._node_keys.keys(0)[0].size <= 2 * 2500 + 1024  # not 100,000: compacted as it went
+    synced = kept[:1000]
+    assert 3000 * index_module.SCAN_RATIO < len(index._table.fp)
+    index.replace_node_tier(1, SSD, synced, *sizes_for(synced))
+    ref.replace(1, SSD, synced, *sizes_for(synced))
+    assert_agrees(index, ref, kept)
+    assert index.drop_node(1) == ref.drop(1) == 1000
+    assert_agrees(index, ref, kept)
 
 
 def test_leading_run_arrays_agree_with_leading_run():
