@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from support import TESTS, PoolProcesses
+from support import TESTS, EtcdServer, PoolProcesses
 
 from kvpool.tiers.arena import shm_path
 
@@ -46,6 +46,14 @@ def procs(tmp_path):
 
 
 TIERS = {"unit": "unit", "integration": "integration", "fault": "integration", "engines": "engines", "ops": "ops"}
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    """A real etcd (the Debian ``etcd`` binary) for one test module, on free ports, stopped after it."""
+    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
+    yield server
+    server.stop()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -17,7 +17,6 @@ import uuid
 
 import grpc
 import numpy as np
-import pytest
 from support import EtcdServer, free_port, kvpool_process, stop_process, wait_until
 
 from kvpool.client.pool import PoolClient
@@ -30,13 +29,6 @@ from kvpool.status import MasterUnreachable, cluster_status
 from kvpool.v1 import master_pb2
 
 TTL_S = 2
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
-    yield server
-    server.stop()
 
 
 def connection(target: str, shard: int) -> MasterConnection:

@@ -26,13 +26,6 @@ from kvpool.v1 import common_pb2, master_pb2, master_pb2_grpc
 TTL_S = 2
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
-    yield server
-    server.stop()
-
-
 def new_cluster() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
 

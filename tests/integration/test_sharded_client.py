@@ -9,7 +9,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import pytest
 from support import EtcdServer, free_port, kvpool_process, stop_process, wait_until
 
 from kvpool.client.pool import PoolClient
@@ -24,13 +23,6 @@ from kvpool.v1 import master_pb2, node_pb2, node_pb2_grpc
 
 BLOCKS = 32
 BLOCK = 4096
-
-
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
-    yield server
-    server.stop()
 
 
 class Cluster:

@@ -28,13 +28,6 @@ from kvpool.vocabulary import Tier
 TTL_S = 2
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
-    yield server
-    server.stop()
-
-
 def new_cluster() -> str:
     return f"s-{uuid.uuid4().hex[:10]}"
 

@@ -33,13 +33,6 @@ TTL_S = 2
 DRAM = common_pb2.TIER_DRAM
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    server = EtcdServer(tmp_path_factory.mktemp("etcd"))
-    yield server
-    server.stop()
-
-
 def keys(tag: str, n: int) -> list[BlockKey]:
     return [BlockKey(hashlib.sha256(f"{tag}-{i}".encode()).digest()) for i in range(n)]
 
