@@ -373,6 +373,22 @@ class Step(NamedTuple):
     final: bytes | None = None
 
 
+MAX_TOGETHER_BYTES = 2 << 20  # requests answered in one pass hold at most this much (a lookup of 64 keys: ~2 KiB)
+
+
+def _parts(positions: list[int], sizes: list[int], most: int) -> list[list[int]]:
+    """``positions`` cut, in order, into runs whose ``sizes`` add up to at most ``most`` (a larger one alone)."""
+    parts: list[list[int]] = [[]]
+    total = 0
+    for position, size in zip(positions, sizes):
+        if parts[-1] and total + size > most:
+            parts.append([])
+            total = 0
+        parts[-1].append(position)
+        total += size
+    return parts
+
+
 class Together(Protocol):
     """A unary method whose requests that arrived together can be answered in one pass (the master's Lookup:
     one index pass for all of them). ``begin`` and ``end`` run under each caller's identity, as ``fn`` does;
@@ -496,7 +512,9 @@ class WireHandler:
     def answer_together(self, requests: Sequence[tuple[Step, bytes, Peer, str]]) -> list[tuple[bytes, bool] | None]:
         """The replies to complete requests that arrived together (each as :meth:`answer` takes it): those of a
         method with a :class:`Together` answered in one pass where two or more came, None for the rest (to be
-        answered one by one). Each reply is exactly what :meth:`answer` would have sent."""
+        answered one by one). Each reply is exactly what :meth:`answer` would have sent. One pass takes requests
+        of at most :data:`MAX_TOGETHER_BYTES` in all (so a pass costs no more memory than a few requests alone:
+        1,000 connections of requests at the key limit are many passes, not one)."""
         answers: list[tuple[bytes, bool] | None] = [None] * len(requests)
         groups: dict[str, list[int]] = {}
         for i, (step, _, _, _) in enumerate(requests):
@@ -504,8 +522,9 @@ class WireHandler:
             if route is not None and route.together is not None and not step.discard:
                 groups.setdefault(route.name, []).append(i)
         for positions in groups.values():
-            if len(positions) > 1:
-                self._answer_group(requests, positions, answers)
+            for part in _parts(positions, [len(requests[i][1]) for i in positions], MAX_TOGETHER_BYTES):
+                if len(part) > 1:
+                    self._answer_group(requests, part, answers)
         return answers
 
     def _answer_group(self, requests: Sequence[tuple[Step, bytes, Peer, str]], positions: list[int],

@@ -108,3 +108,27 @@ def test_other_methods_and_single_lookups_are_left_to_answer_alone():
     head, body = request_frame(Method.EXISTS, master_pb2.ExistsRequest(keys=opaque_key("x")))
     exists = (handler.begin(head, peer), body, peer, "127.0.0.1")
     assert handler.answer_together(lookup + [exists]) == [None, None]
+
+
+def test_one_pass_takes_at_most_max_together_bytes_of_requests(monkeypatch):
+    """However many requests arrive together, one index pass holds at most MAX_TOGETHER_BYTES of them (the
+    memory a pass costs stays that of a few requests); every reply is still what it would be alone."""
+    from kvpool import wire
+
+    forty = len(master_pb2.LookupRequest(keys=bytes(40 * 32)).SerializeToString())
+    monkeypatch.setattr(wire, "MAX_TOGETHER_BYTES", 3 * forty)  # three 40-key lookups a pass
+    server = MasterServer(MasterConfig())
+    keys = [opaque_key(f"parts-{i}") for i in range(40)]
+    _store(server, "n1", b"".join(keys), common_pb2.TIER_DRAM)
+    handler = _handler(server, None)
+    passes: list[int] = []
+    steps = server.servicer.together["Lookup"]
+    run = steps.run
+    monkeypatch.setattr(steps, "run", lambda begun: passes.append(len(begun)) or run(begun))
+    peer = Peer(None)
+    requests = _requests(handler, [(peer, master_pb2.LookupRequest(keys=b"".join(keys[:n]))) for n in
+                                   [40] * 7 + [1]])
+    together, alone = _answers(handler, requests)
+    assert passes == [3, 3, 2]  # (the last: one 40-key lookup and the 1-key one)
+    assert together == alone
+    assert wire._parts([5, 6, 7], [10, 99, 1], 20) == [[5], [6], [7]]
