@@ -379,3 +379,28 @@ def assert_refused(code: int, stderr: str, command: str, *words: str) -> str:
     for word in words:
         assert word in refusals[0], refusals[0]
     return refusals[0]
+
+
+def replayed_events(replay_endpoint: str) -> list[list]:
+    """Every batch a master's KV event publisher has kept, by replay from sequence 0 (each batch's events, in
+    order), as a subscriber recovering from the start asks for them."""
+    import msgspec
+    import zmq
+
+    from kvpool.events import KVEventBatch
+
+    decode = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(replay_endpoint)
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        out: list[list] = []
+        while True:
+            assert dealer.poll(5000), "replay: no answer"
+            _, _, seq, payload = dealer.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                return out
+            out.append(decode.decode(payload).events)
+    finally:
+        ctx.destroy(linger=0)

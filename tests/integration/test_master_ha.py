@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from support import EtcdServer, free_port, kvpool_process, metric, scrape, stop_process, wait_until
+from support import EtcdServer, free_port, kvpool_process, metric, replayed_events, scrape, stop_process, wait_until
 
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig, MasterConfig
@@ -127,36 +127,17 @@ def test_a_stopped_leader_resigns_and_the_standby_takes_over(etcd):
 def test_a_newly_elected_masters_event_stream_clears_then_carries_its_own_index(etcd):
     """Issue 16 with HA: each master publishes its own stream; the one elected tells its subscribers to start
     from empty (AllBlocksCleared) and then publishes what its nodes report to it."""
-    import msgspec
-
-    from kvpool.events import AllBlocksCleared, BlockStored, KVEventBatch, key_hash
+    from kvpool.events import AllBlocksCleared, BlockStored, key_hash
     from kvpool.vocabulary import NodeRef, Tier
 
     cluster = new_cluster()
     masters = [MasterServer(MasterConfig.of(port=0, metrics_port=0, call_port=0, etcd=etcd.endpoint, cluster=cluster,
                                          leader_ttl_s=TTL_S, kv_events_endpoint="tcp://127.0.0.1:0",
                                          kv_events_replay_endpoint="tcp://127.0.0.1:0")).start() for _ in range(2)]
-    decode = msgspec.msgpack.Decoder(type=KVEventBatch)
-
     def stream(master: MasterServer) -> list[list]:
         """Every batch the master has published, by replay from 0 (events of each batch, in order)."""
-        import zmq
-
         assert master.events is not None and master.events.publisher.replay_endpoint is not None
-        ctx = zmq.Context()
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.connect(master.events.publisher.replay_endpoint)
-        try:
-            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-            out: list[list] = []
-            while True:
-                assert dealer.poll(5000), "replay: no answer"
-                _, _, seq, payload = dealer.recv_multipart()
-                if seq == (-1).to_bytes(8, "big", signed=True):
-                    return out
-                out.append(decode.decode(payload).events)
-        finally:
-            ctx.destroy(linger=0)
+        return replayed_events(master.events.publisher.replay_endpoint)
 
     def report(master: MasterServer, tag: str) -> bytes:
         key = opaque_key(tag)

@@ -253,6 +253,46 @@ def test_a_node_reports_each_key_to_its_shards_leader_only(etcd, tmp_path):
             m.stop()
 
 
+def test_each_shard_leader_publishes_the_kv_events_of_its_own_keys_only(etcd, tmp_path):
+    """KV events across shards (docs/routing.md): one stream per shard leader, each naming the blocks of its own
+    shard, so a subscriber of every shard's stream sees every block once."""
+    from support import replayed_events
+
+    from kvpool.events import BlockStored, key_hash
+
+    cluster = new_cluster()
+    masters = [shard_master(etcd, cluster, shard, kv_events_endpoint="tcp://127.0.0.1:0",
+                            kv_events_replay_endpoint="tcp://127.0.0.1:0") for shard in range(2)]
+    node, arena = start_node(etcd, cluster, tmp_path)
+    pool = None
+    try:
+        for m in masters:
+            wait_until(lambda m=m: leader_of([m]), timeout=15)
+        wait_until(lambda: all(m.membership.node_count() == 1 for m in masters), timeout=20)
+        pool = PoolClient(ClientConfig(master=f"etcd://{etcd.endpoint}/{cluster}", shared_memory=False))
+        wait_until(lambda: pool.cluster.refresh() and len(pool.cluster.nodes()) == 1, timeout=20)
+        keys = [opaque_key(f"{cluster}-ev-{i}") for i in range(24)]
+        assert pool.store(keys, [np.full(4096, i, np.uint8) for i in range(len(keys))]) == [True] * len(keys)
+        wait_until(pool.flush, timeout=20)
+        expected = [{key_hash(k) for k in keys if shard_of(k, 2) == shard} for shard in range(2)]
+        assert expected[0] and expected[1]
+
+        def stored(m: MasterServer) -> set[int]:
+            assert m.events is not None and m.events.publisher.replay_endpoint is not None
+            return {h for batch in replayed_events(m.events.publisher.replay_endpoint) for e in batch
+                    if isinstance(e, BlockStored) for h in e.block_hashes}
+
+        for shard, m in enumerate(masters):
+            assert wait_until(lambda m=m, shard=shard: stored(m) == expected[shard], timeout=10)
+    finally:
+        if pool is not None:
+            pool.close()
+        stop_process(node)
+        unlink_arena(arena)
+        for m in masters:
+            m.stop()
+
+
 def test_with_tenants_a_key_lands_in_the_shard_of_its_stored_key(etcd, tmp_path):
     """kvpool/shards.py's rule: the shard of a tenant's key is that of its stored key (masked), which the node
     reports and the master guards; a client of the tenant computes it from the mask its master's Info gives."""
