@@ -277,7 +277,7 @@ def test_each_shard_leader_publishes_the_kv_events_of_its_own_keys_only(etcd, tm
         expected = [{key_hash(k) for k in keys if shard_of(k, 2) == shard} for shard in range(2)]
         assert expected[0] and expected[1]
 
-        def stored(m: MasterServer) -> set[int]:
+        def stored(m: MasterServer) -> set[bytes | int]:
             assert m.events is not None and m.events.publisher.replay_endpoint is not None
             return {h for batch in replayed_events(m.events.publisher.replay_endpoint) for e in batch
                     if isinstance(e, BlockStored) for h in e.block_hashes}
