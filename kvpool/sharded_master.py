@@ -35,9 +35,10 @@ Merge rules (invariants):
   shard); ``info().max_keys_per_call`` is the least of the shards' that are known, so a batch cut to it fits
   every shard.
 - Node calls raise ValueError: a node links each shard separately (:mod:`kvpool.node.shard_links`).
-- :func:`connect_master` reads the shard map once, when it is made; a map etcd cannot give then (etcd
-  unreachable) is taken as one shard (logged): on a sharded cluster the other shards' keys then miss until
-  the client is made again.
+- :func:`connect_master` reads the shard map once it is settled (:func:`kvpool.shards.settled_shard_map`):
+  a client made before any master of its cluster started (or while etcd does not answer) calls shard 0's
+  leader alone (none yet: UNAVAILABLE, a lookup misses) and learns the count in the background as calls
+  come; it never takes a sharded cluster for one shard.
 - Keys go to the shard of their *stored* key (:mod:`kvpool.shards`): with auth on, the caller's tenant mask
   (from the shards' ``Info``, asked once) applied; the keys are sent as the caller gave them (the master
   masks them itself). Until a shard has told the mask, keyed calls are UNAVAILABLE (a lookup: a miss).
@@ -48,6 +49,8 @@ Merge rules (invariants):
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -59,7 +62,7 @@ from kvpool.auth import MASK_BYTES, mask_keys
 from kvpool.etcd import EtcdAccess, EtcdTarget
 from kvpool.keys import KEY_BYTES
 from kvpool.master_client import MasterApi, MasterConnection, OnError
-from kvpool.shards import read_shard_map, shards_of_packed
+from kvpool.shards import settled_shard_map, shards_of_packed
 from kvpool.tcp import ConnectionPool
 from kvpool.v1 import master_pb2
 from kvpool.wire import CallError
@@ -67,6 +70,9 @@ from kvpool.wire import CallError
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+SETTLE_S = 0.5  # while the shard count is not known, etcd is asked again at most this often
+# Every shard's master (shard 0's first) once the cluster's shard count is settled; None until then.
+Settle = Callable[[], "Sequence[MasterApi] | None"]
 # Counts one lookup as the master would (hbm_blocks, the run's tier bytes, requested blocks, block_tokens):
 # a client's LookupStats.count.
 CountLookup = Callable[[int, bytes, int, int], None]
@@ -118,25 +124,70 @@ class ShardedMaster:
     """One :class:`MasterApi` over ``masters`` (one per index shard, in shard order; see the module docstring).
     Owns them (:meth:`close`). Thread-safe."""
 
-    def __init__(self, masters: Sequence[MasterApi], *, parallel: bool = True, count_lookup: CountLookup | None = None):
+    def __init__(self, masters: Sequence[MasterApi], *, parallel: bool = True, count_lookup: CountLookup | None = None,
+                 settle: Settle | None = None):
         """``parallel=False``: ask the shards one after another on the calling thread (no threads; for measuring
         the fan-out, ``benchmarks/shard_scale.py``). ``count_lookup`` (a client's
         :meth:`kvpool.client.lookup_stats.LookupStats.count`): a lookup split over shards is counted once, merged,
         there, and its parts ask the shards to leave their hit counters alone; None: each shard counts its part
-        (a lookup then counts once per shard asked)."""
+        (a lookup then counts once per shard asked). ``settle``: the shard count is not known yet (``masters``
+        is shard 0's alone, and every call goes to it); in the background, at most every ``SETTLE_S`` while
+        calls come, ``settle()`` is asked for every shard's master, and once it gives them they serve."""
         if len(masters) < 1:
             raise ValueError("ShardedMaster: give one master per shard (at least one)")
-        self.masters = list(masters)
-        self.count = len(self.masters)
-        self._threads = ThreadPoolExecutor(max_workers=self.count - 1, thread_name_prefix="kvpool-shards") \
-            if self.count > 1 and parallel else None
+        self._parallel = parallel
+        self._threads: ThreadPoolExecutor | None = None
+        self.masters: list[MasterApi] = []
+        self.count = 0
+        self._use(list(masters))
         self._mask: bytes | None = None  # this caller's tenant mask, once a shard's Info told it (b"": none)
         self._count_lookup = count_lookup
+        self._settle = settle
+        self._settle_lock = threading.Lock()
+        self._settling = False  # a background settle() runs
+        self._next_settle = 0.0
+
+    def _use(self, masters: list[MasterApi]) -> None:
+        """Serve with ``masters``, one per shard (the first is the one already serving, if any). Assigned in an
+        order that keeps every caller consistent: a call that reads ``count`` finds at least that many
+        ``masters``, and the thread pool before either."""
+        count = len(masters)
+        if count > 1 and self._parallel:
+            self._threads = ThreadPoolExecutor(max_workers=count - 1, thread_name_prefix="kvpool-shards")
+        self.masters = masters
+        self.count = count
+
+    def _settled(self) -> None:
+        """While the shard count is not known: ask ``settle`` in the background (at most every ``SETTLE_S``)."""
+        if self._settle is None:
+            return
+        now = time.monotonic()
+        with self._settle_lock:
+            if self._settling or now < self._next_settle:
+                return
+            self._settling, self._next_settle = True, now + SETTLE_S
+        threading.Thread(target=self._settle_once, name="kvpool-shard-map", daemon=True).start()
+
+    def _settle_once(self) -> None:
+        try:
+            settle = self._settle
+            masters = settle() if settle is not None else None
+            if masters is not None:
+                self._use([self.masters[0], *masters[1:]])
+                self._settle = None
+                if self.count > 1:
+                    log.info("kvpool: the cluster has %d index shards: a master per shard from now on", self.count)
+        except Exception as exc:  # noqa: BLE001 - a background thread: say it, ask again later
+            log.warning("kvpool: reading the shard map failed: %r", exc)
+        finally:
+            with self._settle_lock:
+                self._settling = False
 
     def _split(self, packed: bytes) -> _Split:
         """``packed`` cut by the shards of its stored keys (:mod:`kvpool.shards`: with auth on, a tenant's key is
         stored masked, and the stored key decides its shard); UNAVAILABLE while no shard's ``Info`` has told
         this caller's tenant mask."""
+        self._settled()
         if self.count == 1:
             return _Split(packed, 1)
         if self._mask is None:
@@ -482,30 +533,44 @@ def connect_master(master: str, *, pool: ConnectionPool | None, timeout_s: float
     """The client's master for ``master`` (``host:port`` or ``etcd://HOST:PORT[,...]/CLUSTER``): a
     :class:`MasterConnection` for ``host:port`` and for a cluster of one index shard (exactly today's object), a
     :class:`ShardedMaster` of one ``MasterConnection(..., shard=K)`` per shard when the cluster's shard map
-    (:func:`kvpool.shards.read_shard_map`) says more. A shard map etcd cannot give now (etcd unreachable) is
-    taken as one shard, and said in the log. ``count_lookup``: see :class:`ShardedMaster`."""
+    says more. While the count is not settled (:func:`kvpool.shards.settled_shard_map`: no master of the cluster
+    has started yet, or etcd cannot be reached), a :class:`ShardedMaster` of shard 0's connection alone that
+    learns the count in the background as calls come. ``count_lookup``: see :class:`ShardedMaster`."""
     kw: dict[str, Any] = dict(pool=pool, timeout_s=timeout_s, max_message_bytes=max_message_bytes, token=token,
                               tls_ca=tls_ca, etcd_access=etcd_access, refuse_start=refuse_start)
     first = MasterConnection(master, **kw)
     target = EtcdTarget.parse(master)
-    if target is None or first.etcd is None:
+    etcd = first.etcd
+    if target is None or etcd is None:
         return first
+    kw["refuse_start"] = False  # (etcd accepted us once: later connections log a refusal, as the first does)
+
+    def shards(count: int) -> list[MasterApi]:
+        made: list[MasterApi] = [first]
+        try:
+            for k in range(1, count):
+                made.append(MasterConnection(master, shard=k, **kw))
+        except BaseException:
+            for m in made[1:]:
+                m.close()
+            raise
+        return made
+
+    def settle() -> list[MasterApi] | None:
+        try:
+            found = settled_shard_map(etcd, target.cluster, timeout=min(timeout_s, 2.0))
+        except (grpc.RpcError, CallError) as exc:
+            log.debug("kvpool: cannot read the shard map of %s (%s); asking again", master, exc)
+            return None
+        return shards(found.count) if found is not None else None
+
     try:
-        count = read_shard_map(first.etcd, target.cluster, timeout=min(timeout_s, 2.0)).count
-    except (grpc.RpcError, CallError) as exc:
-        log.warning("kvpool: cannot read the shard map of %s (%s); using one index shard", master, exc)
-        return first
+        settled = settle()
     except ValueError as exc:
         first.close()
         raise ValueError(f"{master}: {exc}") from None
-    if count == 1:
-        return first
-    shards: list[MasterApi] = [first]
-    try:
-        for k in range(1, count):
-            shards.append(MasterConnection(master, shard=k, **kw))
-    except BaseException:
-        for made in shards:
-            made.close()
-        raise
-    return ShardedMaster(shards, count_lookup=count_lookup)
+    if settled is None:
+        log.info("kvpool: the shard count of %s is not known yet (no master has started, or etcd does not "
+                 "answer); shard 0 serves until it is", master)
+        return ShardedMaster([first], count_lookup=count_lookup, settle=settle)
+    return first if len(settled) == 1 else ShardedMaster(settled, count_lookup=count_lookup)

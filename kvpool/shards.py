@@ -27,7 +27,8 @@ Invariants:
   the shard whose index holds the key, and only that shard's KV events name
   it).
 - The shard map (:class:`ShardMap`) is one etcd key per cluster,
-  :func:`shard_map_key`. Absent means one shard. The first master started with
+  :func:`shard_map_key`. Absent means one shard once shard 0 has a leader
+  (:func:`settled_shard_map`: nodes and clients wait for that). The first master started with
   a count writes it (create-if-absent); a master started with another count
   refuses to start: changing the count of a live cluster would move keys
   between groups, which is not supported (docs/scaling.md).
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.etcd import EtcdClient, cluster_prefix
+from kvpool.etcd import EtcdClient, cluster_prefix, leader_key
 from kvpool.keys import KEY_BYTES
 
 MAX_SHARDS = 256
@@ -115,6 +116,20 @@ def read_shard_map(etcd: EtcdClient, cluster: str, timeout: float | None = None)
     """``cluster``'s shard map; one shard where none was written."""
     kv = etcd.get(shard_map_key(cluster), timeout=timeout)
     return ShardMap() if kv is None else ShardMap.decode(kv.value)
+
+
+def settled_shard_map(etcd: EtcdClient, cluster: str, timeout: float | None = None) -> ShardMap | None:
+    """``cluster``'s shard map once it is settled, None before (no master of the cluster has started yet).
+
+    A written map is settled. No map means one shard only once shard 0 has a leader: a master writes the
+    map before it campaigns, so a leader without a map leads an unsharded cluster, while a node or client
+    started before any master could otherwise take a sharded cluster for one shard. The leader key is read
+    first and the map after it, so a map written before that leader's election is always seen."""
+    leader = etcd.get(leader_key(cluster, 0), timeout=timeout)
+    kv = etcd.get(shard_map_key(cluster), timeout=timeout)
+    if kv is not None:
+        return ShardMap.decode(kv.value)
+    return ShardMap() if leader is not None else None
 
 
 def publish_shard_map(etcd: EtcdClient, cluster: str, count: int, timeout: float | None = None) -> ShardMap:

@@ -1,7 +1,7 @@
 """A node's links to a sharded cluster: one :class:`~kvpool.node.master_link.MasterLink` per index shard.
 
 A node whose master is ``etcd://HOSTS/CLUSTER`` reads the cluster's shard map
-(:func:`kvpool.shards.read_shard_map`) and keeps one link per shard, each
+(:func:`kvpool.shards.settled_shard_map`) and keeps one link per shard, each
 following that shard's leader (``MasterConnection(..., shard=K)``). A node
 with a fixed ``host:port`` master keeps one plain link (:func:`master_links`).
 
@@ -19,9 +19,12 @@ Invariants:
   leader the node cannot reach delays or drops only that shard's link, which
   registers again and re-syncs its shard when the leader answers; the other
   shards keep hearing heartbeats and reports.
-- The shard count is read once. etcd refusing the node's credentials is the
-  same start-up ValueError a single link gives; etcd unreachable at start is
-  not: the node starts, and the links are made and started once etcd answers
+- The shard count is read once, once it is settled: a node started before
+  any master of its cluster (no map, and no leader of shard 0 yet:
+  :func:`kvpool.shards.settled_shard_map`) waits for one, so that it never
+  takes a sharded cluster for one shard. etcd refusing the node's credentials
+  is the same start-up ValueError a single link gives; etcd unreachable or no
+  master yet at start is not: the node starts, and the links are made and started once etcd answers
   (until then ``registered`` is False, ``flush`` returns False and store
   changes are not queued: each link's registration snapshot covers them).
 """
@@ -39,7 +42,7 @@ import numpy as np
 from kvpool.etcd import EtcdAccess, EtcdClient, EtcdRefused, EtcdTarget
 from kvpool.keys import BlockKey
 from kvpool.node.master_link import InventoryStore, MasterLink
-from kvpool.shards import read_shard_map, shards_of_packed, split_by_shard
+from kvpool.shards import settled_shard_map, shards_of_packed, split_by_shard
 from kvpool.tiers.base import ChangeListener
 from kvpool.v1 import common_pb2
 from kvpool.vocabulary import BlockMeta, Tier, TierStats
@@ -86,6 +89,7 @@ class ShardLinks:
         self._options = link_options
         self._lock = threading.Lock()
         self._links: list[MasterLink] | None = None  # made once the shard count is known
+        self._said_waiting = False  # "no master yet" was logged
         self._listeners: dict[Tier, list[ChangeListener]] = {}  # per tier, each link's listener, by shard
         self._started = False
         self._stop = threading.Event()
@@ -179,9 +183,15 @@ class ShardLinks:
     # -- inside ---------------------------------------------------------------------------
 
     def _read_count(self) -> int | None:
-        """The cluster's shard count; None while etcd cannot be reached. ValueError if etcd refuses us."""
+        """The cluster's shard count; None while it is not settled (no master has started:
+        :func:`~kvpool.shards.settled_shard_map`) or etcd cannot be reached. ValueError if etcd refuses us."""
         try:
-            return read_shard_map(self._etcd, self._target.cluster).count
+            found = settled_shard_map(self._etcd, self._target.cluster)
+            if found is None and not self._said_waiting:
+                log.info("node: no master of %s has started yet; waiting for one to learn its shard count",
+                         self.master)
+                self._said_waiting = True
+            return found.count if found is not None else None
         except EtcdRefused as exc:
             raise ValueError(f"etcd refused to name the master of {self.master}: {exc.details()}") from None
         except grpc.RpcError as exc:

@@ -367,3 +367,36 @@ def test_a_node_started_while_etcd_is_unreachable_links_every_shard_once_it_answ
         for m in masters:
             m.stop()
         own.stop()
+
+
+def test_a_node_and_a_client_started_before_any_master_find_every_shard(etcd, tmp_path):
+    """No shard map and no leader yet is not one shard: a node and a client made before the masters of a
+    sharded cluster wait for the count (kvpool.shards.settled_shard_map), then link and split by shard. (Taking
+    it for one shard, the node would report every key to shard 0, which refuses the other shard's keys.)"""
+    cluster = new_cluster()
+    target = f"etcd://{etcd.endpoint}/{cluster}"
+    node, arena = start_node(etcd, cluster, tmp_path)
+    pool = PoolClient(ClientConfig(master=target, shared_memory=False, lookup_timeout_s=2.0))
+    masters: list[MasterServer] = []
+    try:
+        log = tmp_path / "n1.log"
+        wait_until(lambda: log.exists() and "no master of" in log.read_text(), timeout=30)
+        masters = [shard_master(etcd, cluster, shard) for shard in range(2)]
+        for m in masters:
+            wait_until(lambda m=m: leader_of([m]), timeout=15)
+        wait_until(lambda: all(m.membership.node_count() == 1 for m in masters), timeout=30)
+        keys = [opaque_key(f"{cluster}-early-{i}") for i in range(32)]
+        wait_until(lambda: pool.cluster.refresh() and len(pool.cluster.nodes()) == 1, timeout=20)
+        assert pool.store(keys, [np.full(4096, i, np.uint8) for i in range(len(keys))]) == [True] * len(keys)
+        wait_until(pool.flush, timeout=20)
+        owner = [shard_of(k, 2) for k in keys]
+        for shard, m in enumerate(masters):
+            assert present(m, keys) == [int(o == shard) for o in owner]
+        assert wait_until(lambda: len(pool.lookup(keys)) == len(keys), timeout=10)  # the client splits now
+        assert getattr(pool.master, "count", 1) == 2
+    finally:
+        pool.close()
+        stop_process(node)
+        unlink_arena(arena)
+        for m in masters:
+            m.stop()

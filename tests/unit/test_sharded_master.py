@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -372,3 +373,32 @@ def test_keyed_calls_wait_for_a_shard_to_tell_the_tenant_mask():
     with pytest.raises(grpc.RpcError) as raised:
         lookup(c.sharded, keys(4))
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and "tenant mask" in raised.value.details()
+
+
+def test_a_client_made_before_the_shard_count_is_known_learns_it_and_then_splits():
+    """connect_master before any master started: a ShardedMaster of shard 0 alone that asks ``settle`` in the
+    background as calls come, and once it gives every shard's master, splits as a settled one does."""
+    import threading
+
+    c = Cluster()
+    asked = threading.Event()
+    answer: list = [None]
+
+    def settle():
+        asked.set()
+        return answer[0]
+
+    pending = ShardedMaster([c.shards[0]], settle=settle)
+    ks = keys(40)
+    c.store("node-a", DRAM, ks)
+    first = lookup(pending, ks)  # shard 0 alone: its run ends at the first shard-1 key
+    assert len(first.tiers) == shard_positions(ks, 1)[0] and pending.count == 1
+    assert asked.wait(5)
+    answer[0] = c.shards
+    deadline = time.monotonic() + 5
+    while pending.count == 1 and time.monotonic() < deadline:
+        lookup(pending, ks)  # calls keep asking (at most every SETTLE_S) until settle answers
+        time.sleep(0.05)
+    assert pending.count == 2 and pending.masters[0] is c.shards[0]
+    assert by_block(lookup(pending, ks)) == by_block(lookup(c.one, ks))
+    pending.close()
