@@ -97,7 +97,10 @@ def test_calls_per_second_fall_as_the_put_rate_rises_and_a_quiet_node_reports_wi
     fixed = run_rates(link, calls, [200, 20000])
     print("fixed 2 ms window: " + "; ".join(f"{r} {n} {c:.0f}" for r, n, c, _ in fixed))
     keys_per_call = [n / max(c * PHASE_S, 1) for _, n, c, _ in figures]
-    assert keys_per_call == sorted(keys_per_call)  # each call carries more keys as the rate rises...
+    # Each call carries more keys as the rate rises (at 5 and 200 puts/s alike one key a call, give or take the
+    # clock: within 5%; at 20,000 far more)...
+    assert all(b >= a * 0.95 for a, b in zip(keys_per_call, keys_per_call[1:])), keys_per_call
+    assert keys_per_call[-1] > 10 * keys_per_call[0], keys_per_call
     assert figures[-1][2] < figures[1][2] * 2 and figures[-1][3] > BASE_S  # ...calls/s do not rise with it
     assert figures[-1][2] * 4 < fixed[-1][2]  # and a busy node makes far fewer calls than with a fixed window
     assert sum(k for _, _, k in calls) >= sum(n for _, n, _, _ in figures + fixed)  # every key was reported
