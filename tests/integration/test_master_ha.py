@@ -246,7 +246,12 @@ def test_a_killed_leader_is_replaced_and_a_node_and_a_client_follow_it_without_a
         # The new leader's failover metrics: from the old leader's last renewal it saw to its election, and from
         # the election to the node's inventory being whole. The lease outlived the kill by at least 2/3 TTL (the
         # last renewal came at most TTL/3 before it), less one standby poll (0.5 s) for seeing the key move.
-        samples = scrape(metrics_ports[second])
+        # A warm standby answers lookups from its election, so the node's re-sync may still be on its way: wait for it.
+        def resynced() -> dict | None:
+            samples = scrape(metrics_ports[second])
+            return samples if metric(samples, "kvpool_master_failover_resync_seconds_count") >= 1 else None
+
+        samples = wait_until(resynced, timeout=20)
         assert metric(samples, "kvpool_master_failover_seconds_count") == 1
         assert metric(samples, "kvpool_master_failover_resync_seconds_count") == 1
         elected_s = metric(samples, "kvpool_master_failover_seconds_sum")
