@@ -20,7 +20,8 @@ Invariants:
   leadership starts a new ``log_id``) is told ``behind`` and takes a snapshot.
   A Follow reply carries at most ``reply_bytes`` (and at least one change).
 - **One snapshot at a time**, served in chunks of ``chunk_locations``
-  locations (40 bytes each) from a copy made at once under the lock: its memory
+  locations (40 bytes each) from a copy made under the log lock (no change is
+  applied meanwhile; lookups go on between the index copy's steps): its memory
   is 40 bytes per (key, node, tier) location while any follower pulls it, and
   it is dropped when a follower has taken the last chunk or nobody asked for a
   chunk for ``snapshot_idle_s``. A second standby starting meanwhile joins it

@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import random
+import threading
 import tracemalloc
 
 import numpy as np
@@ -705,3 +706,55 @@ def test_the_feed_names_named_blocks_by_their_engine_hash_in_every_tier():
         assert hashes == [sorted([11, 12, *plain]), [11], [11], sorted([11, 12, *plain])]
     finally:
         publisher.close()
+
+
+def _pairs(columns) -> list[tuple]:
+    return sorted(zip(*[c.tolist() for c in columns]))
+
+
+def _many_located_index() -> BlockIndex:
+    """Keys on one, two and three locations (the three-location ones listed apart), over many copy steps."""
+    index = BlockIndex(min_capacity=1024)
+    for node in range(3):
+        index.open_node(node)
+    keys = make_keys(600)
+    index.add(0, Tier.DRAM, keys, [4096] * 600, list(range(600)))
+    index.add(1, Tier.SSD, keys[:300], [4096] * 300, list(range(300)))
+    index.add(2, Tier.DRAM, keys[:100], [4096] * 100, list(range(100)))
+    return index
+
+
+def test_a_copy_of_every_location_is_taken_in_steps_that_let_lookups_in(monkeypatch):
+    index = _many_located_index()
+    with index._lock:
+        whole = index._locations_in(slice(0, len(index._table.fp)))
+    assert len(whole[0]) == 600 + 300 + 100
+    steps = []
+    real = index._locations_in
+    monkeypatch.setattr(index_module, "COPY_ROWS", 64)
+    monkeypatch.setattr(index, "_locations_in", lambda slots: steps.append(slots) or real(slots))
+    assert _pairs(index.locations()) == _pairs(whole)
+    assert len(steps) == -(-len(index._table.fp) // 64) > 1  # the lock was let go between steps
+
+
+def test_a_copy_that_a_change_overtakes_is_taken_again_whole(monkeypatch):
+    index = _many_located_index()
+    index._lock = threading.RLock()  # so that the change below can land inside a step, as if between two
+    real = index._locations_in
+    steps = []
+
+    def step_then_change(slots: slice):
+        steps.append(slots)
+        if len(steps) == 2:
+            index.remove(0, Tier.DRAM, make_keys(600)[500:])
+            index.add(1, Tier.DRAM, make_keys(50, "late"), [4096] * 50, [7] * 50)
+        return real(slots)
+
+    monkeypatch.setattr(index_module, "COPY_ROWS", 64)
+    monkeypatch.setattr(index, "_locations_in", step_then_change)
+    copy = index.locations()
+    assert 2 < len(steps) < -(-len(index._table.fp) // 64) + 1  # stopped at the change, then one whole copy
+    assert steps[-1] == slice(0, len(index._table.fp))
+    with index._lock:
+        after = real(slice(0, len(index._table.fp)))
+    assert _pairs(copy) == _pairs(after) and len(copy[0]) == 500 + 300 + 100 + 50
