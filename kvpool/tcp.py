@@ -37,12 +37,14 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import ssl
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -141,15 +143,28 @@ def set_io_timeout(sock: socket.socket, seconds: float) -> None:
     A timeout then surfaces as ``BlockingIOError`` (see :func:`is_timeout`).
     A TLS socket gets a plain ``settimeout`` (its reads are Python's anyway).
     ``seconds`` below a microsecond count as one: for the kernel a zero timeout means none at all.
+    A socket whose timeouts are already within ``TIMEOUT_SLACK_US`` (or 1/128) of ``seconds`` keeps them:
+    a pooled connection's calls each ask for nearly the same, and the two ``setsockopt`` calls cost a
+    fast call's client ~10% of its CPU; its reads may so end that much before or after the deadline.
     """
     usec = max(1, int(seconds * 1e6))
     if isinstance(sock, ssl.SSLSocket):
         sock.settimeout(usec / 1e6)
         return
-    sock.settimeout(None)
+    if sock.gettimeout() is None:
+        current = _io_timeouts.get(sock)
+        if current is not None and abs(current - usec) <= max(TIMEOUT_SLACK_US, usec >> 7):
+            return
+    else:
+        sock.settimeout(None)
     timeval = struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    _io_timeouts[sock] = usec
+
+
+TIMEOUT_SLACK_US = 1000  # set_io_timeout leaves a socket's kernel timeouts alone when this close to the wanted
+_io_timeouts: weakref.WeakKeyDictionary[socket.socket, int] = weakref.WeakKeyDictionary()  # what it last set
 
 
 def is_timeout(exc: BaseException) -> bool:
@@ -614,12 +629,14 @@ class Exchange:
     ``spin_s``: how long the exchange polls for its reply before it blocks (the pool's ``spin_wait_s``; see
     :func:`await_bytes`). ``deadline``: the call's ``time.monotonic()`` deadline (None: none), shared by
     every wait of the call (connecting, AUTH, the spin, the blocking read): no wait outlives it.
+    ``wait_s``: the longest one socket wait may block within the deadline (the pool's ``timeout_s``).
     """
 
-    def __init__(self, spin_s: float = 0.0, deadline: float | None = None):
+    def __init__(self, spin_s: float = 0.0, deadline: float | None = None, wait_s: float = math.inf):
         self.replied = False
         self.spin_s = spin_s
         self.deadline = deadline
+        self.wait_s = wait_s
 
     def left(self) -> float | None:
         """Seconds to the deadline (None: no deadline); TimeoutError once it passed."""
@@ -762,7 +779,7 @@ class ConnectionPool:
             time_left(deadline)  # TimeoutError: spent before a connection was touched
             sock, reused = self._acquire(address, attempt > 0, deadline)  # the retry: a new connection, not
             # another pooled one (the listener may have closed several idle ones to make room)
-            state = Exchange(self.spin_wait_s, deadline)
+            state = Exchange(self.spin_wait_s, deadline, self.timeout_s)
             try:
                 set_io_timeout(sock, capped(self.timeout_s, deadline))
                 result = fn(sock, state, *args)

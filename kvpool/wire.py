@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 import socket
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -223,7 +222,7 @@ def read_reply(sock: socket.socket, state: Exchange | None, max_header: int) -> 
     """
     if state is not None and not await_bytes(sock, state.spin_s, state.deadline) and state.deadline is not None:
         state.left()  # TimeoutError: the spin ran to the deadline
-        set_io_timeout(sock, capped(math.inf, state.deadline))  # the blocking read gets what the spin left
+        set_io_timeout(sock, capped(state.wait_s, state.deadline))  # the blocking read: what the spin left
     head = parse(recv_exact(sock, FRAME.size))
     if state is not None:
         state.replied = True

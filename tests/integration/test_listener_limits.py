@@ -297,12 +297,16 @@ def test_a_client_whose_pooled_connections_were_all_closed_retries_on_a_fresh_on
                     together.wait(10)  # three calls at once: three connections, all pooled afterwards
                     fast.Exists(request, timeout=5.0)
 
-                threads = [threading.Thread(target=call) for _ in range(3)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(10)
-                wait_until(lambda: master._calls.connections == 3)
+                for _ in range(20):  # calls at once may still take turns on one connection on a busy machine
+                    threads = [threading.Thread(target=call) for _ in range(3)]
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join(10)
+                    if master._calls.connections >= 2:
+                        break
+                # Two pooled connections at least: the first try fails on one, the retry must not take another.
+                assert master._calls.connections >= 2
                 for sock in list(master._calls._conns):  # the listener closes them all (as to make room)
                     sock.shutdown(socket.SHUT_RDWR)
                 wait_until(lambda: master._calls.connections == 0)
