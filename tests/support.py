@@ -67,6 +67,14 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05):
         time.sleep(interval)
 
 
+def print_logs(folder, tail_lines: int = 40) -> None:
+    """Print the last lines of every ``*.log`` under ``folder`` (a failing test's processes: pytest shows it)."""
+    for path in sorted(Path(folder).rglob("*.log")):
+        lines = path.read_text(errors="replace").splitlines()
+        print(f"--- {path.name} (last {min(tail_lines, len(lines))} of {len(lines)} lines)")
+        print("\n".join(lines[-tail_lines:]))
+
+
 def kvpool_process(*args: str, log_path=None, cwd=None) -> subprocess.Popen:
     """Start ``python -m kvpool.cli ARGS`` (the same code as the ``kvpool`` script)."""
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL

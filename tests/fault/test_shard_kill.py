@@ -17,7 +17,7 @@ import uuid
 
 import grpc
 import numpy as np
-from support import EtcdServer, free_port, kvpool_process, stop_process, wait_until
+from support import EtcdServer, free_port, kvpool_process, print_logs, stop_process, wait_until
 
 from kvpool.client.pool import PoolClient
 from kvpool.config import ClientConfig
@@ -71,8 +71,10 @@ def test_kill_9_of_one_shards_leader_fails_over_while_the_other_shard_answers_ev
         wait_until(pool.flush, timeout=30)  # every shard's link has sent its part
         mine = [[k for k in keys if shard_of(k, 2) == s] for s in range(2)]
         assert mine[0] and mine[1]
-        assert present(conns[0], mine[0]) == [1] * len(mine[0])
-        assert present(conns[1], mine[1]) == [1] * len(mine[1])
+        # Each shard's leader has its keys (a leader that lost its lease meanwhile on a busy machine hands over
+        # to a standby, which has them once the node has re-synced with it: bounded, not instant).
+        for shard in range(2):
+            wait_until(lambda k=shard: present(conns[k], mine[k]) == [1] * len(mine[k]), timeout=20)
 
         # Shard 0 is asked without pause through the failover of shard 1.
         answered, failed, short = [0], [], [0]
@@ -110,6 +112,9 @@ def test_kill_9_of_one_shards_leader_fails_over_while_the_other_shard_answers_ev
         assert node.poll() is None
         print(f"shard 1's keys found again {back:.2f} s after kill -9 of its leader (TTL {TTL_S} s); shard 0 "
               f"answered all {during} lookups sent meanwhile")
+    except BaseException:
+        print_logs(tmp_path)
+        raise
     finally:
         if pool is not None:
             pool.close()
