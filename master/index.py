@@ -267,10 +267,8 @@ class BlockIndex:
                     break
                 parts.append(self._locations_in(slice(start, start + COPY_ROWS)))
             time.sleep(0)  # let a lookup waiting for the lock take it (Python's locks do not queue)
-        else:
-            if parts:
-                return cast(tuple[U64, U64, U32, U64, U64, U32],
-                            tuple(np.concatenate(column) for column in zip(*parts)))
+        else:  # (the table always has slots: at least one step was taken)
+            return cast(tuple[U64, U64, U32, U64, U64, U32], tuple(np.concatenate(column) for column in zip(*parts)))
         with self._lock:
             return self._locations_in(slice(0, len(self._table.fp)))
 

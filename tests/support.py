@@ -405,7 +405,7 @@ def replayed_events(replay_endpoint: str) -> list[list]:
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
         out: list[list] = []
         while True:
-            assert dealer.poll(5000), "replay: no answer"
+            assert dealer.poll(10_000), f"no replay from {replay_endpoint}"
             _, _, seq, payload = dealer.recv_multipart()
             if seq == (-1).to_bytes(8, "big", signed=True):
                 return out

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from driver_support import kvpool_dirs, kvpool_frames
-from support import PoolProcesses, free_port, metric, scrape, wait_until
+from support import PoolProcesses, free_port, metric, replayed_events, scrape, wait_until
 from vllm_runtime import save_model, vllm_python
 from vllm_support import BLOCK, NODE, connector, drive, prompt, req
 
@@ -57,28 +57,10 @@ def test_the_traceback_check_names_kvpools_files_not_the_checkouts_folder(tmp_pa
 
 def replayed_hashes(endpoint: str) -> set[int]:
     """Every block hash in the BlockStored events a KV event stream (vLLM's or kvpool's) still buffers."""
-    import msgspec
-    import zmq
+    from kvpool.events import BlockStored
 
-    from kvpool.events import BlockStored, KVEventBatch
-
-    decode = msgspec.msgpack.Decoder(type=KVEventBatch)
-    ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(endpoint)
-    try:
-        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        hashes: set[int] = set()
-        while True:
-            assert dealer.poll(10_000), f"no replay from {endpoint}"
-            _, _, seq, payload = dealer.recv_multipart()
-            if seq == (-1).to_bytes(8, "big", signed=True):
-                return hashes
-            for event in decode.decode(payload).events:
-                if isinstance(event, BlockStored):
-                    hashes.update(h for h in event.block_hashes if isinstance(h, int))
-    finally:
-        ctx.destroy(linger=0)
+    return {h for batch in replayed_events(endpoint) for event in batch if isinstance(event, BlockStored)
+            for h in event.block_hashes if isinstance(h, int)}
 
 
 def test_a_fresh_vllm_process_loads_what_another_stored_generated_blocks_included(python, model, procs, tmp_path):
