@@ -401,6 +401,7 @@ def test_a_tenant_over_quota_loses_its_own_oldest_blocks_and_never_another_tenan
         assert node.quota.used("a") == 3 * MIB
         assert put_via(path, master, node, TOKEN_A, ka[3:], va[3:]) == [True, True]
         assert node.quota.used("a") == 3 * MIB
+        assert node.link.flush()  # the node reports its evictions in the background: the master has them now
         with client(master, TOKEN_A) as a, client(master, TOKEN_B) as b:
             assert a.exists(ka) == [False, False, True, True, True]  # its two oldest made room
             assert b.exists(kb) == [True] * 3
