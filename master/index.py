@@ -94,12 +94,14 @@ import numpy.typing as npt
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master.keytable import KeyTable, Rows, last_wins
 from kvpool.master.node_keys import NodeKeys
+from kvpool.master.probe import leading_run
 from kvpool.vocabulary import NO_TIER, Tier
 from kvpool.worker_ids import scoped_id, split_scoped_id
 
 log = logging.getLogger(__name__)
 
 _NODE_BITS = 30
+_NODE_BITS64 = np.uint64(_NODE_BITS)
 MAX_NODES = 1 << _NODE_BITS  # node numbers are 0 .. MAX_NODES - 1
 _NODE_MASK = np.uint32(MAX_NODES - 1)
 _NONE = np.uint32(0xFFFF_FFFF)  # loc2: the row has one location
@@ -315,43 +317,20 @@ class BlockIndex:
 
     def leading_run_arrays(self, packed: bytes) -> RunArrays:
         """:meth:`leading_run` of packed keys, as numpy columns (no Python object per block)."""
-        words = _words(packed)
-        with self._lock:
-            t = self._table
-            rows = t.find(words[:, 0], words[:, 1])
-            if len(rows):
-                end = int((rows >= 0).argmin())  # the first miss (0 also when all are present: checked)
-                if rows[end] < 0:
-                    rows = rows[:end]
-            cols = t.cols
-            best = cols["loc1"][rows]  # field by field: gathering whole records is slower
-            sizes = cols["size"][rows]
-            checksums = cols["checksum"][rows]
-        return RunArrays((best >> _NODE_BITS).astype(np.uint8), best & _NODE_MASK, sizes, checksums)
+        return self.leading_runs_arrays([packed])[0]
 
     def leading_runs_arrays(self, packed: Sequence[bytes]) -> list[RunArrays]:
-        """:meth:`leading_run_arrays` of several prompts' packed keys at once: one probe of the table for all of
-        them (what lookups that arrive together share), each run cut at its own first miss."""
-        if len(packed) == 1:
-            return [self.leading_run_arrays(packed[0])]
-        counts = np.fromiter(map(len, packed), np.int64, len(packed)) // KEY_BYTES
-        starts = np.zeros(len(packed), np.int64)
-        np.cumsum(counts[:-1], out=starts[1:])
-        words = _words(b"".join(packed))
+        """:meth:`leading_run_arrays` of several prompts' packed keys under one hold of the lock (what lookups
+        that arrive together share); each run is probed up to its own first miss (compiled:
+        :func:`kvpool.master.probe.leading_run`)."""
+        if any(len(p) % KEY_BYTES for p in packed):
+            raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
+        words = [np.frombuffer(p, np.uint64) for p in packed]
         with self._lock:
             t = self._table
-            rows = t.find(words[:, 0], words[:, 1])
-            cols = t.cols
-            best = cols["loc1"][rows]  # (a miss reads some row: cut away below)
-            sizes = cols["size"][rows]
-            checksums = cols["checksum"][rows]
-        # Each prompt's run ends at its first miss: the least missing position from its start on.
-        missing = np.where(rows < 0, np.arange(len(rows)), len(rows))
-        firsts = np.minimum.reduceat(np.append(missing, len(rows)), starts) if len(rows) else starts
-        ends = (np.minimum(firsts, starts + counts) - starts).tolist()
-        tiers, nodes = (best >> _NODE_BITS).astype(np.uint8), best & _NODE_MASK
-        return [RunArrays(tiers[lo:lo + n], nodes[lo:lo + n], sizes[lo:lo + n], checksums[lo:lo + n])
-                for lo, n in zip(starts.tolist(), ends)]
+            table, cols = t.probed(), t.cols
+            loc, size, checksum = cols["loc1"], cols["size"], cols["checksum"]
+            return [RunArrays(*leading_run(w, *table, loc, size, checksum, _NODE_BITS64)) for w in words]
 
     def best_tiers(self, packed: bytes) -> npt.NDArray[np.uint8]:
         """Per packed key, the tier a lookup would serve it from (its best location's), or :data:`NO_TIER`."""

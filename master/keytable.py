@@ -2,12 +2,12 @@
 
 Rows, not objects. Row ``r`` is ``fp[r]`` (a 16-bit fingerprint, 0 when the
 slot is empty) and ``rec[r]``, one record holding the key (``k0``, ``k1``) and
-the owner's payload fields (BlockIndex: 40 bytes). Every key lives within
-:data:`H` slots of its home, so a batch lookup is one gather of each key's
-fingerprint neighbourhood (64 bytes), one compare, and one record read per
-candidate: a fixed number of numpy calls, no probing loop, whatever the
-table's size or load. An absent key touches one or two cache lines (its
-neighbourhood), a present one two or three more (its record).
+the owner's payload fields (BlockIndex: 40 bytes, padded to 8-byte records).
+Every key lives within :data:`H` slots of its home, so a lookup reads one
+fingerprint neighbourhood (64 bytes) and one record per candidate, whatever
+the table's size or load: an absent key touches one or two cache lines, a
+present one two or three more. Lookups run compiled
+(:mod:`kvpool.master.probe`, one call a batch); changes are numpy calls.
 
 Invariants (the owner serialises all calls; the table has no lock):
 
@@ -45,6 +45,8 @@ import numpy as np
 import numpy.typing as npt
 from numpy.lib.stride_tricks import sliding_window_view
 
+from kvpool.master.probe import FP_SHIFT, GOLDEN, probe
+
 H = 32  # neighbourhood: the slots a key may sit in, from its home on
 ALIGN = 8  # homes are multiples of this (fewer hops to make room; windows start 16-byte aligned)
 MAX_LOAD = 0.7  # live keys per slot before the table grows (H = 32 fills to ~0.75 before inserts fail)
@@ -54,29 +56,31 @@ SPARSE_LOAD = 0.25  # below this, a key that finds no room is refused instead of
 REACH = 1024  # how far past a full neighbourhood an insert looks for a free slot before growing
 CHUNK = 1 << 20  # rows per step in full scans and bulk re-inserts (bounds temporaries)
 
-_GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing multiplier
+_GOLDEN = int(GOLDEN)  # Fibonacci hashing multiplier (the compiled probe's)
 _U64 = (1 << 64) - 1
 _ALIGN_BITS = ALIGN.bit_length() - 1
 _H_BITS = H.bit_length() - 1
 # The constants of the hot path as numpy scalars, so no call converts a Python int.
-_GOLDEN64, _ALIGN64, _FP_SHIFT, _FP_MIN = np.uint64(_GOLDEN), np.uint64(_ALIGN_BITS), np.uint64(48), np.uint16(1)
-_H_BITS_INTP, _H_MASK_INTP = np.intp(_H_BITS), np.intp(H - 1)
+_GOLDEN64, _ALIGN64, _FP_MIN = GOLDEN, np.uint64(_ALIGN_BITS), np.uint16(1)
 assert ALIGN == 1 << _ALIGN_BITS and H == 1 << _H_BITS and H % ALIGN == 0
 
 U64 = npt.NDArray[np.uint64]
 Rows = npt.NDArray[np.intp]
+Probed = tuple[npt.NDArray[np.uint16], U64, U64, np.uint64, np.uint64, np.uint64, int]
 
 
 def fingerprint(k0: U64) -> npt.NDArray[np.uint16]:
     """The top 16 bits of k0 (the home uses a salted hash of all of it), never 0."""
-    return np.maximum((k0 >> _FP_SHIFT).astype(np.uint16), _FP_MIN)
+    return np.maximum((k0 >> FP_SHIFT).astype(np.uint16), _FP_MIN)
 
 
 class KeyTable:
     """Hopscotch hashing over (k0, k1) uint64 pairs with owner-declared payload fields."""
 
     def __init__(self, payload: Mapping[str, npt.DTypeLike], min_capacity: int = 1024) -> None:
-        self._dtype = np.dtype([("k0", np.uint64), ("k1", np.uint64), *((n, np.dtype(d)) for n, d in payload.items())])
+        # Aligned (padded to 8 bytes a record): the compiled probe reads k0 and k1 in place.
+        self._dtype = np.dtype([("k0", np.uint64), ("k1", np.uint64), *((n, np.dtype(d)) for n, d in payload.items())],
+                               align=True)
         self._fields = tuple(payload)
         self._min = 1 << max(H.bit_length(), (min_capacity - 1).bit_length())
         # Keys are sha256 outputs, but a per-process salt keeps crafted keys from piling onto one home.
@@ -114,18 +118,19 @@ class KeyTable:
 
     def find(self, k0: U64, k1: U64) -> Rows:
         """The row of each key, -1 where absent."""
-        n = len(k0)
-        rows = np.empty(n, np.intp)
-        rows.fill(-1)  # (np.full is a Python function: slower for the small batches of a Lookup)
-        if n == 0 or self.live == 0:
-            return rows
-        home = self._home(k0)
-        (hits,) = (self._hoods[home] == fingerprint(k0)[:, None]).ravel().nonzero()  # 1-D: far faster than 2-D
-        which = hits >> _H_BITS_INTP
-        slot = home[which] + (hits & _H_MASK_INTP)
-        ok = (self.k0[slot] == k0[which]) & (self.k1[slot] == k1[which])
-        rows[which[ok]] = slot[ok]
+        rows = np.empty(len(k0), np.intp)
+        probe(k0, k1, *self.probed(), rows, False)
         return rows
+
+    def find_leading(self, k0: U64, k1: U64) -> Rows:
+        """The rows of the leading run of present keys: of the keys before the first absent one (all of them
+        when every key is present). The keys after it are not probed."""
+        rows = np.empty(len(k0), np.intp)
+        return rows[: probe(k0, k1, *self.probed(), rows, True)]
+
+    def probed(self) -> Probed:
+        """The table as :mod:`kvpool.master.probe`'s kernels read it (valid until the next change)."""
+        return self.fp, self.k0, self.k1, self._salt64, self._shift64, _ALIGN64, H
 
     def chunks(self) -> Iterator[slice]:
         """All slots as CHUNK-sized slices: full scans go chunk by chunk, which bounds their temporaries."""

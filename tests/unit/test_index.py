@@ -311,6 +311,33 @@ def test_keytable_makes_room_by_hopping_and_by_growing(monkeypatch):
     assert np.array_equal(table.rec["v"][table.find(k[1::2, 0], k[1::2, 1])], np.arange(1, len(k), 2))
 
 
+def test_the_compiled_probe_finds_exactly_the_rows_a_search_of_the_table_finds():
+    """KeyTable.find / find_leading (master/probe.py, compiled) against a plain search of every live row, on a
+    table grown, hopped and emptied in part: keys whose first word's top 16 bits are 0 (fingerprint 1), keys
+    sharing a first word, keys given as read-only strided words of a packed buffer or as arrays of their own."""
+    rng = np.random.default_rng(7)
+    table = KeyTable({"v": np.uint32}, min_capacity=1 << 10)
+    k = rng.integers(0, 1 << 63, (3000, 2), dtype=np.uint64) * 2 + 1
+    k[:50, 0] >>= np.uint64(20)  # top 16 bits 0
+    k[50:100, 0] = k[100:150, 0]  # a shared first word, told apart by the second
+    assert table.insert(k[:, 0].copy(), k[:, 1].copy(), {"v": np.arange(3000, dtype=np.uint32)}) == 3000
+    table.delete(table.find(k[::3, 0], k[::3, 1]))
+    table.check()
+    live = table.live_rows()
+    where = {(int(a), int(b)): int(r) for a, b, r in zip(table.k0[live], table.k1[live], live)}
+    absent = rng.integers(0, 1 << 63, (200, 2), dtype=np.uint64) * 2
+    queries = np.concatenate([k, absent])[rng.permutation(3200)]
+    expected = [where.get((int(a), int(b)), -1) for a, b in queries]
+    packed = np.frombuffer(np.concatenate([queries, queries], axis=1).tobytes(), np.uint64).reshape(-1, 4)
+    for q0, q1 in ((queries[:, 0].copy(), queries[:, 1].copy()), (packed[:, 0], packed[:, 1])):
+        assert table.find(q0, q1).tolist() == expected
+        first_miss = expected.index(-1)
+        assert table.find_leading(q0, q1).tolist() == expected[:first_miss]
+        present = np.array([e >= 0 for e in expected])
+        assert table.find_leading(q0[present], q1[present]).tolist() == [e for e in expected if e >= 0]
+    assert table.find_leading(queries[:0, 0], queries[:0, 1]).tolist() == []
+
+
 def test_keys_sharing_a_first_word_are_told_apart_by_the_second():
     index = opened(0)
     head = os.urandom(8)

@@ -1,0 +1,110 @@
+"""The index's lookups compiled (numba): a batch of keys probed in one call, no numpy call per step.
+
+:func:`probe` is :meth:`kvpool.master.keytable.KeyTable.find` as one loop over the keys: each key's home
+(a salted Fibonacci hash of k0), then the first slot of its neighbourhood whose fingerprint, k0 and k1
+match. :func:`leading_run` is a Lookup's whole pass over the index: the keys of a request probed up to the
+first miss, each hit's location, size and checksum gathered on the way. A 64-key Lookup's index pass costs
+~4 us in process against ~17 us as a dozen numpy calls, and far less of the cache that a master's loop
+thread finds cold between two requests (``docs/benchmarks.md``, "The index probe compiled").
+
+Why numba: the probe is the master's one hot loop over keys, and numba (a well-kept JIT for numpy code; it
+needs numpy and llvmlite, nothing of protobuf or grpcio) compiles it from this Python with no C of ours to
+build, ship or audit. The compiled code is cached on disk (numba's ``cache=True``: ``__pycache__`` beside
+this file, or the user's cache when that is not writable): a process compiles the kernels at import once
+per machine (~1 s), and loads them in ~0.3 s after that. One signature each, given here, takes every array
+a caller has (read-only or not, strided or not): no call waits for a compilation.
+
+Invariants: the arguments are a table's own columns (:meth:`KeyTable.probed`: ``fp`` uint16, ``k0`` and
+``k1`` uint64 views of its aligned records, its salt, shift, alignment and neighbourhood), read, never
+written; the kernels write only their outputs. The home and fingerprint are the table's (its inserts
+compute them with numpy from the same constants: a key inserted is found, ``tests/unit/test_index.py``).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import numpy.typing as npt
+from numba.core import types
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier (keytable's _GOLDEN)
+FP_SHIFT = np.uint64(48)  # a key's fingerprint: the top 16 bits of k0, 1 where those are 0
+
+
+def _readonly(item: types.Type) -> types.Array:
+    return types.Array(item, 1, "A", readonly=True)  # (writable and contiguous arrays convert to it)
+
+
+_U64S = _readonly(types.uint64)
+_SIGNATURE = types.intp(_U64S, _U64S, _readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64,
+                        types.uint64, types.intp, types.Array(types.intp, 1, "C"), types.boolean)
+_RUN_SIGNATURE = types.Tuple([types.Array(t, 1, "C") for t in (types.uint8, types.uint32, types.uint64, types.uint64)])(
+    _U64S, _readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64, types.uint64, types.intp,
+    _readonly(types.uint32), _U64S, _U64S, types.uint64)
+
+
+@numba.njit(cache=True)
+def _slot(a, b, fp, k0, k1, salt, shift, align_bits, hood):
+    """The slot of key (a, b), -1 if absent (inlined into the kernels below)."""
+    home = np.intp((((a ^ salt) * GOLDEN) >> shift) << align_bits)
+    f = np.uint16(a >> FP_SHIFT)
+    if f == 0:
+        f = np.uint16(1)
+    for slot in range(home, home + hood):
+        if fp[slot] == f and k0[slot] == a and k1[slot] == b:
+            return slot
+    return -1
+
+
+@numba.njit([_SIGNATURE], cache=True)
+def _probe(q0, q1, fp, k0, k1, salt, shift, align_bits, hood, rows, leading):
+    for i in range(q0.shape[0]):
+        found = _slot(q0[i], q1[i], fp, k0, k1, salt, shift, align_bits, hood)
+        rows[i] = found
+        if found < 0 and leading:
+            return i
+    return q0.shape[0]
+
+
+@numba.njit([_RUN_SIGNATURE], cache=True)
+def _leading_run(words, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits):
+    n = words.shape[0] // 4
+    tiers = np.empty(n, np.uint8)
+    nodes = np.empty(n, np.uint32)
+    sizes = np.empty(n, np.uint64)
+    checksums = np.empty(n, np.uint64)
+    node_mask = (np.uint64(1) << node_bits) - np.uint64(1)
+    end = 0
+    while end < n:
+        found = _slot(words[4 * end], words[4 * end + 1], fp, k0, k1, salt, shift, align_bits, hood)
+        if found < 0:
+            break
+        where = np.uint64(loc[found])
+        tiers[end] = np.uint8(where >> node_bits)
+        nodes[end] = np.uint32(where & node_mask)
+        sizes[end] = size[found]
+        checksums[end] = checksum[found]
+        end += 1
+    return tiers[:end], nodes[:end], sizes[:end], checksums[:end]
+
+
+def probe(q0: npt.NDArray[np.uint64], q1: npt.NDArray[np.uint64], fp: npt.NDArray[np.uint16],
+          k0: npt.NDArray[np.uint64], k1: npt.NDArray[np.uint64], salt: np.uint64, shift: np.uint64,
+          align_bits: np.uint64, hood: int, rows: npt.NDArray[np.intp], leading: bool) -> int:
+    """Fill ``rows[i]`` with the slot of key ``(q0[i], q1[i])``, -1 where absent. Returns the number of keys
+    probed; with ``leading``, probing stops at the first absent key and the return value is its position
+    (the count of keys before it: the rows from there on are not written)."""
+    return int(_probe(q0, q1, fp, k0, k1, salt, shift, align_bits, hood, rows, leading))
+
+
+Columns = tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint32], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]
+
+
+def leading_run(words: npt.NDArray[np.uint64], fp: npt.NDArray[np.uint16], k0: npt.NDArray[np.uint64],
+                k1: npt.NDArray[np.uint64], salt: np.uint64, shift: np.uint64, align_bits: np.uint64, hood: int,
+                loc: npt.NDArray[np.uint32], size: npt.NDArray[np.uint64], checksum: npt.NDArray[np.uint64],
+                node_bits: np.uint64) -> Columns:
+    """The leading run of present keys among packed 32-byte keys (``words``: four uint64 words a key; a key's
+    first two are its table key), as columns: per key its location's tier (``loc >> node_bits``) and node
+    number (the low ``node_bits``), its size and checksum. Probing stops at the first absent key."""
+    return _leading_run(words, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits)
