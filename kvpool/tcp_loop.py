@@ -22,10 +22,13 @@ Invariants, per connection:
   its socket (a client that pipelines or never reads its replies leaves its bytes in the kernel's
   buffers), so its memory is at most one request (bytes allocated as they arrive, at most the method's
   header limit) and one reply;
-- exactly one actor at a time: each socket is armed in epoll one-shot, so the loop sees one event and
-  then nothing until whoever owns the connection (the loop, or the thread answering its request:
-  ``busy``) re-arms it. Only the loop thread of the moment polls, reads and closes sockets, and never a
-  busy one: a deposed thread hands a connection that was cut while it answered back to the loop;
+- exactly one actor at a time: a connection whose request is being answered (``busy``) belongs to the
+  thread answering it. Sockets stay registered level-triggered for what their phase waits for (to read,
+  or to send the rest of a reply), so an ordinary request costs no ``epoll_ctl``: it is read, answered
+  and replied to within one turn of the loop, before the next poll. The loop skips a busy connection's
+  events and quiets its socket (no events, under the lock) until its owner hands it back, re-armed under
+  the lock. Only the loop thread of the moment polls, reads and closes sockets, and never a busy one: a
+  deposed thread hands a connection that was cut while it answered back to the loop;
 - the limits of :class:`~kvpool.tcp.TcpListener` hold: ``max_connections`` with the same eviction
   ranks, the first-frame, request and idle deadlines (checked by the loop every
   ``WATCH_INTERVAL_S``), refusal frames; a frame out of step gets its final reply, a half-close and up
@@ -55,8 +58,9 @@ TAKEOVER_S = 0.05  # a request answered on the loop longer than this hands the l
 ACCEPTS_PER_WAKE = 64  # connections accepted per wake-up before the loop serves the rest
 FINAL_SEND_S = 1.0  # how long a final reply may take to go out before its connection is closed
 
-_IN = select.EPOLLIN | select.EPOLLONESHOT
-_OUT = select.EPOLLOUT | select.EPOLLONESHOT
+# What a socket is registered for: level-triggered reading or writing, or quiet (one-shot with no events: a
+# hang-up, which epoll reports whatever the mask, is reported once, not at every poll)
+_IN, _OUT, _QUIET = select.EPOLLIN, select.EPOLLOUT, select.EPOLLONESHOT
 
 # A connection's phase (what its next bytes are for)
 HEAD, BODY, SKIP, SEND, FINAL, DRAIN = "head", "body", "skip", "send", "final", "drain"
@@ -81,7 +85,7 @@ class FrameServer(Protocol):
 class LoopConnection(Connection):
     """A :class:`~kvpool.tcp.Connection` served by the loop: its request cycle and its bytes in flight."""
 
-    __slots__ = ("peer", "phase", "need", "buf", "step", "out", "busy", "until", "answer")
+    __slots__ = ("peer", "phase", "need", "buf", "step", "out", "busy", "until", "answer", "armed")
 
     def __init__(self, listener: TcpListener, sock: socket.socket, host: str, peer: Any):
         super().__init__(listener, sock, host)
@@ -94,6 +98,7 @@ class LoopConnection(Connection):
         self.busy = False  # its request is being answered (the answering thread owns it)
         self.until = 0.0  # FINAL / DRAIN: when it is closed whatever the peer does
         self.answer: tuple[bytes, bool] | None = None  # its request's reply, made with others that came together
+        self.armed = _IN  # the events its socket is registered for
 
 
 class LoopListener(TcpListener):
@@ -206,7 +211,7 @@ class LoopListener(TcpListener):
                         pass
                 else:
                     conn = self._by_fd.get(fd)
-                    if conn is not None and not conn.busy:  # (busy: an event of a closed fd's former owner)
+                    if conn is not None and not (conn.busy and self._quiet(conn)):
                         self._on_event(conn, ready)
             if len(ready) - fresh > 1:
                 self._answer_together(ready[fresh:])
@@ -436,11 +441,23 @@ class LoopListener(TcpListener):
         """Every connection (under the lock): all of them are this listener's LoopConnections."""
         return cast(list[LoopConnection], list(self._conns.values()))
 
+    def _quiet(self, conn: LoopConnection) -> bool:
+        """An event of a busy connection (its peer sent more, or closed, while another thread answers it):
+        True if it is still busy, and then its socket is quiet until that thread hands it back."""
+        with self.lock:
+            if not conn.busy:
+                return False
+            self._arm(conn, _QUIET)
+            return True
+
     def _arm(self, conn: LoopConnection, events: int) -> None:
-        """Let the loop see the connection's next event (one-shot). A socket already closed by a cut is
-        left alone (its owner sees the cut)."""
+        """Register the connection's socket for ``events`` (a no-op when it is registered for them already).
+        A socket already closed by a cut is left alone (its owner sees the cut)."""
+        if conn.armed == events:
+            return
         try:
             self._epoll.modify(conn.sock.fileno(), events)
+            conn.armed = events
         except (OSError, ValueError) as exc:
             log.debug("%s listener: could not arm a connection from %s: %s", self.name, conn.host, exc)
             conn.cut = True

@@ -188,12 +188,20 @@ def test_a_slow_request_does_not_stall_the_loop(stuck):
                     assert call(other, exists_frame(3)) == [0, 0, 0]
                 with socket.create_connection(("127.0.0.1", port), timeout=5) as newcomer:
                     assert call(newcomer, exists_frame(1)) == [0]
+                # A stuck request's client sends its next request meanwhile: the loop leaves it in the socket
+                # (one request at a time) and does not spin on it (its socket is quiet while another thread
+                # owns the connection): the process is all but idle for a second.
+                held[0].sendall(exists_frame(2, "next"))
+                cpu = time.process_time()
+                time.sleep(1.0)  # (a window to measure, not a wait for something to happen)
+                assert time.process_time() - cpu < 0.3
                 assert not release.is_set()
             finally:
                 release.set()
             for sock in held:
                 head, body = wire.read_reply(sock, None, 1 << 20)
                 assert head.code == 0 and list(master_pb2.ExistsResponse.FromString(body).present) == [0]
+            assert call(held[0], b"") == [0, 0]  # the request sent meanwhile, answered after the stuck one
 
 
 def test_lookups_that_arrive_together_share_one_index_pass_and_each_gets_its_own_run(master):
