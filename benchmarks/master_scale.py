@@ -1,7 +1,8 @@
 """A master under many lookup clients: kvpool's next to Mooncake Store's, in one run (issue 29's table).
 
     python benchmarks/master_scale.py [--clients 1,32,128,256,1024] [--seconds 5] [--procs 8]
-                                      [--systems kvpool,mooncake] [--lookup-keys 64] [--rate R] [--out FILE]
+                                      [--systems kvpool,mooncake] [--lookup-keys 64] [--rate R] [--spin-us US]
+                                      [--out FILE]
                                       [--quick]
 
 (``--rate``: lookups/s offered by all clients together, paced; 0, the default, loops flat out.
@@ -18,7 +19,8 @@ Starts, once for the whole run:
 Then per client count C and per system: C client threads spread over ``min(C, --procs)`` processes, each
 looping 64-key lookups, half the keys present (present first, as a prompt's leading run): kvpool's
 ``Lookup`` through ``MasterApi`` (``DirectMaster``, the fast-call wire, one connection per thread, the
-request ``PoolClient.lookup`` sends with ``shared_memory=False``); Mooncake's ``batch_is_exist`` (one store
+request ``PoolClient.lookup`` sends with ``shared_memory=False``, and a ``PoolClient``'s reply spin:
+``--spin-us``, ``ClientConfig.spin_wait_us`` unless given); Mooncake's ``batch_is_exist`` (one store
 per process, shared by its threads). After every thread has made its first call, the lookups completed
 over ``--seconds`` are counted, and the master process's CPU over the same window is read from
 ``/proc/PID/stat`` (utime + stime): lookups/s and master CPU per lookup, each with its ratio.
@@ -63,7 +65,7 @@ def kvpool_lookups(args: argparse.Namespace) -> Callable[[], Callable[[], None]]
     addresses = args.master.split(",")
 
     def make() -> Callable[[], None]:
-        pool = ConnectionPool(10.0)
+        pool = ConnectionPool(10.0, spin_wait_s=args.spin_us * 1e-6)  # a PoolClient's reply spin
         shards = [DirectMaster(a, pool=pool, timeout_s=30.0, max_message_bytes=64 << 20) for a in addresses]
         master: MasterApi = shards[0] if len(shards) == 1 else ShardedMaster(shards, parallel=args.fanout == "threads")
 
@@ -172,6 +174,7 @@ class System:
         workers = [subprocess.Popen([self.python, __file__, "worker", "--system", self.name, "--id", str(i),
                                      "--threads", str(n), "--lookup-keys", str(args.lookup_keys),
                                      "--fanout", args.fanout, "--thread-rate", f"{args.rate / clients:g}",
+                                     "--spin-us", str(args.spin_us),
                                      *self.flags],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                     stderr=subprocess.DEVNULL if self.name == "mooncake" else None)  # glog lines
@@ -300,7 +303,7 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
                       for r in rows)
     lines += ["", f"{args.lookup_keys}-key lookups, half present; {args.seconds:g} s counted per point after every "
                   f"thread's first call; client processes per point ({procs}); master CPU from /proc "
-                  "(utime + stime) over the counted window."]
+                  f"(utime + stime) over the counted window; kvpool clients spin {args.spin_us} us for a reply."]
     return "\n".join(lines)
 
 
@@ -328,9 +331,16 @@ def main() -> int:
     parser.add_argument("--thread-rate", type=float, default=0.0, help="(worker) one thread's share of --rate")
     parser.add_argument("--fanout", choices=["threads", "serial"], default="threads",
                         help="how a ShardedMaster asks its shards (one master per shard in --master)")
+    parser.add_argument("--spin-us", type=int,
+                        help="how long a kvpool client polls for its reply before it blocks (a PoolClient's "
+                             "spin_wait_us; its default unless given; 0: block at once)")
     parser.add_argument("--master-port", type=int)
     parser.add_argument("--metadata-port", type=int)
     args = parser.parse_args()
+    if args.spin_us is None:
+        from kvpool.config import ClientConfig
+
+        args.spin_us = ClientConfig().spin_wait_us
     if args.role == "worker":
         return worker(args)
     if args.quick:

@@ -43,6 +43,8 @@ sys.path.insert(0, str(HERE))
 from compare_mooncake import free_port, stop, wait_port  # noqa: E402
 from master_scale import VALUE_BYTES, System, store_blocks  # noqa: E402
 
+from kvpool.config import ClientConfig  # noqa: E402
+
 
 def start_etcd(tmp: Path, keep: list[subprocess.Popen]) -> str:
     """A single-member etcd on free loopback ports; its client endpoint."""
@@ -132,6 +134,8 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=4096, help="blocks stored on each cluster")
     parser.add_argument("--out", help="also write the table here (and the raw figures as JSON next to it)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 1 and 8 clients, 64 keys, 1 s each")
+    parser.add_argument("--spin-us", type=int, default=ClientConfig().spin_wait_us,
+                        help="how long a client polls for its reply before it blocks (ClientConfig.spin_wait_us)")
     args = parser.parse_args()
     if args.quick:
         args.clients, args.lookup_keys, args.seconds, args.procs, args.keys = "1,8", "64", 1.0, 4, 1024
@@ -156,7 +160,7 @@ def main() -> int:
                             rate = 0.0 if load == "flat out" else \
                                 args.equal_load * min(row[f"S{s}"]["lookups_per_s"] for s in clusters)
                             point = argparse.Namespace(seconds=args.seconds, procs=args.procs, lookup_keys=size,
-                                                       fanout=fanout, rate=rate)
+                                                       fanout=fanout, rate=rate, spin_us=args.spin_us)
                             for s, system in clusters.items():
                                 key = f"S{s}" if load == "flat out" else f"S{s}_equal"
                                 row[key] = m = system.measure(c, point)
