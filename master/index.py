@@ -94,7 +94,7 @@ import numpy.typing as npt
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master.keytable import KeyTable, Rows, last_wins
 from kvpool.master.node_keys import NodeKeys
-from kvpool.master.probe import leading_run
+from kvpool.master.probe import leading_run, leading_runs
 from kvpool.vocabulary import NO_TIER, Tier
 from kvpool.worker_ids import scoped_id, split_scoped_id
 
@@ -316,21 +316,35 @@ class BlockIndex:
         return list(map(_new_hit, columns))
 
     def leading_run_arrays(self, packed: bytes) -> RunArrays:
-        """:meth:`leading_run` of packed keys, as numpy columns (no Python object per block)."""
-        return self.leading_runs_arrays([packed])[0]
-
-    def leading_runs_arrays(self, packed: Sequence[bytes]) -> list[RunArrays]:
-        """:meth:`leading_run_arrays` of several prompts' packed keys under one hold of the lock (what lookups
-        that arrive together share); each run is probed up to its own first miss (compiled:
+        """:meth:`leading_run` of packed keys, as numpy columns (no Python object per block; compiled:
         :func:`kvpool.master.probe.leading_run`)."""
-        if any(len(p) % KEY_BYTES for p in packed):
+        if len(packed) % KEY_BYTES:
             raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
-        words = [np.frombuffer(p, np.uint64) for p in packed]
+        words = np.frombuffer(packed, np.uint64)
         with self._lock:
             t = self._table
-            table, cols = t.probed(), t.cols
-            loc, size, checksum = cols["loc1"], cols["size"], cols["checksum"]
-            return [RunArrays(*leading_run(w, *table, loc, size, checksum, _NODE_BITS64)) for w in words]
+            cols = t.cols
+            return RunArrays(*leading_run(words, *t.probed(), cols["loc1"], cols["size"], cols["checksum"],
+                                          _NODE_BITS64))
+
+    def leading_runs_arrays(self, packed: Sequence[bytes]) -> list[RunArrays]:
+        """:meth:`leading_run_arrays` of several prompts' packed keys in one pass (what lookups that arrive
+        together share: one compiled call, :func:`kvpool.master.probe.leading_runs`); each run is probed up to
+        its own first miss."""
+        if len(packed) == 1:
+            return [self.leading_run_arrays(packed[0])]
+        if any(len(p) % KEY_BYTES for p in packed):
+            raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
+        starts = [0, *itertools.accumulate(len(p) // KEY_BYTES for p in packed)]
+        words = np.frombuffer(b"".join(packed), np.uint64)
+        with self._lock:
+            t = self._table
+            cols = t.cols
+            (tiers, nodes, sizes, checksums), ends = leading_runs(
+                words, np.array(starts, np.int64), *t.probed(), cols["loc1"], cols["size"], cols["checksum"],
+                _NODE_BITS64)
+        return [RunArrays(tiers[lo:end], nodes[lo:end], sizes[lo:end], checksums[lo:end])
+                for lo, end in zip(starts, ends.tolist())]
 
     def best_tiers(self, packed: bytes) -> npt.NDArray[np.uint8]:
         """Per packed key, the tier a lookup would serve it from (its best location's), or :data:`NO_TIER`."""

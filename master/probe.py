@@ -2,8 +2,9 @@
 
 :func:`probe` is :meth:`kvpool.master.keytable.KeyTable.find` as one loop over the keys: each key's home
 (a salted Fibonacci hash of k0), then the first slot of its neighbourhood whose fingerprint, k0 and k1
-match. :func:`leading_run` is a Lookup's whole pass over the index: the keys of a request probed up to the
-first miss, each hit's location, size and checksum gathered on the way. A 64-key Lookup's index pass costs
+match. :func:`leading_run` is a Lookup's whole index pass: its keys probed up to the first miss, each hit's
+location, size and checksum gathered on the way; :func:`leading_runs` the same for the Lookups that reach
+the master together, in one call. A 64-key Lookup's index pass costs
 ~4 us in process against ~17 us as a dozen numpy calls, and far less of the cache that a master's loop
 thread finds cold between two requests (``docs/benchmarks.md``, "The index probe compiled").
 
@@ -38,9 +39,13 @@ def _readonly(item: types.Type) -> types.Array:
 _U64S = _readonly(types.uint64)
 _SIGNATURE = types.intp(_U64S, _U64S, _readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64,
                         types.uint64, types.intp, types.Array(types.intp, 1, "C"), types.boolean)
+_TABLE = (_readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64, types.uint64, types.intp)
+_RUN_COLUMNS = (_readonly(types.uint32), _U64S, _U64S, types.uint64)
 _RUN_SIGNATURE = types.Tuple([types.Array(t, 1, "C") for t in (types.uint8, types.uint32, types.uint64, types.uint64)])(
-    _U64S, _readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64, types.uint64, types.intp,
-    _readonly(types.uint32), _U64S, _U64S, types.uint64)
+    _U64S, *_TABLE, *_RUN_COLUMNS)
+_RUNS_SIGNATURE = types.Tuple([types.Array(t, 1, "C") for t in (types.uint8, types.uint32, types.uint64, types.uint64,
+                                                                types.int64)])(
+    _U64S, _readonly(types.int64), *_TABLE, *_RUN_COLUMNS)
 
 
 @numba.njit(cache=True)
@@ -66,26 +71,46 @@ def _probe(q0, q1, fp, k0, k1, salt, shift, align_bits, hood, rows, leading):
     return q0.shape[0]
 
 
-@numba.njit([_RUN_SIGNATURE], cache=True)
-def _leading_run(words, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits):
-    n = words.shape[0] // 4
-    tiers = np.empty(n, np.uint8)
-    nodes = np.empty(n, np.uint32)
-    sizes = np.empty(n, np.uint64)
-    checksums = np.empty(n, np.uint64)
+@numba.njit(cache=True)
+def _run_into(words, lo, hi, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits,
+              tiers, nodes, sizes, checksums):
+    """Keys ``lo`` to ``hi`` of ``words`` probed up to the first absent one, each hit's columns written at its
+    key's row; returns the key the run ends at (inlined into the kernels below)."""
     node_mask = (np.uint64(1) << node_bits) - np.uint64(1)
-    end = 0
-    while end < n:
-        found = _slot(words[4 * end], words[4 * end + 1], fp, k0, k1, salt, shift, align_bits, hood)
+    key = lo
+    while key < hi:
+        found = _slot(words[4 * key], words[4 * key + 1], fp, k0, k1, salt, shift, align_bits, hood)
         if found < 0:
             break
         where = np.uint64(loc[found])
-        tiers[end] = np.uint8(where >> node_bits)
-        nodes[end] = np.uint32(where & node_mask)
-        sizes[end] = size[found]
-        checksums[end] = checksum[found]
-        end += 1
+        tiers[key] = np.uint8(where >> node_bits)
+        nodes[key] = np.uint32(where & node_mask)
+        sizes[key] = size[found]
+        checksums[key] = checksum[found]
+        key += 1
+    return key
+
+
+@numba.njit([_RUN_SIGNATURE], cache=True)
+def _leading_run(words, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits):
+    n = words.shape[0] // 4
+    tiers, nodes = np.empty(n, np.uint8), np.empty(n, np.uint32)
+    sizes, checksums = np.empty(n, np.uint64), np.empty(n, np.uint64)
+    end = _run_into(words, 0, n, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits,
+                    tiers, nodes, sizes, checksums)
     return tiers[:end], nodes[:end], sizes[:end], checksums[:end]
+
+
+@numba.njit([_RUNS_SIGNATURE], cache=True)
+def _leading_runs(words, starts, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits):
+    n = words.shape[0] // 4
+    tiers, nodes = np.empty(n, np.uint8), np.empty(n, np.uint32)
+    sizes, checksums = np.empty(n, np.uint64), np.empty(n, np.uint64)
+    ends = np.empty(starts.shape[0] - 1, np.int64)
+    for p in range(starts.shape[0] - 1):
+        ends[p] = _run_into(words, starts[p], starts[p + 1], fp, k0, k1, salt, shift, align_bits, hood, loc, size,
+                            checksum, node_bits, tiers, nodes, sizes, checksums)
+    return tiers, nodes, sizes, checksums, ends
 
 
 def probe(q0: npt.NDArray[np.uint64], q1: npt.NDArray[np.uint64], fp: npt.NDArray[np.uint16],
@@ -97,6 +122,8 @@ def probe(q0: npt.NDArray[np.uint64], q1: npt.NDArray[np.uint64], fp: npt.NDArra
     return int(_probe(q0, q1, fp, k0, k1, salt, shift, align_bits, hood, rows, leading))
 
 
+
+
 Columns = tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint32], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]
 
 
@@ -104,7 +131,21 @@ def leading_run(words: npt.NDArray[np.uint64], fp: npt.NDArray[np.uint16], k0: n
                 k1: npt.NDArray[np.uint64], salt: np.uint64, shift: np.uint64, align_bits: np.uint64, hood: int,
                 loc: npt.NDArray[np.uint32], size: npt.NDArray[np.uint64], checksum: npt.NDArray[np.uint64],
                 node_bits: np.uint64) -> Columns:
-    """The leading run of present keys among packed 32-byte keys (``words``: four uint64 words a key; a key's
-    first two are its table key), as columns: per key its location's tier (``loc >> node_bits``) and node
-    number (the low ``node_bits``), its size and checksum. Probing stops at the first absent key."""
+    """The leading run of present keys of one prompt (``words``: its packed 32-byte keys, four uint64 words a
+    key; a key's first two are its table key), as columns with a row per key of the run: its location's tier
+    (``loc >> node_bits``) and node number (the low ``node_bits``), its size and checksum. Probing stops at
+    the first absent key."""
     return _leading_run(words, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits)
+
+
+def leading_runs(words: npt.NDArray[np.uint64], starts: npt.NDArray[np.int64], fp: npt.NDArray[np.uint16],
+                 k0: npt.NDArray[np.uint64], k1: npt.NDArray[np.uint64], salt: np.uint64, shift: np.uint64,
+                 align_bits: np.uint64, hood: int, loc: npt.NDArray[np.uint32], size: npt.NDArray[np.uint64],
+                 checksum: npt.NDArray[np.uint64], node_bits: np.uint64) -> tuple[Columns, npt.NDArray[np.int64]]:
+    """:func:`leading_run` of several prompts in one call: ``words`` holds their keys one after another, prompt
+    ``p`` is keys ``starts[p]`` to ``starts[p + 1]`` (``starts`` ascending, from 0 to the number of keys).
+    Returns the columns with a row per key, and per prompt the key its run ends at (its first absent key, or
+    its end): rows ``starts[p]`` up to there hold its run; the rows past a run's end are garbage."""
+    *columns, ends = _leading_runs(words, starts, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum,
+                                   node_bits)
+    return (columns[0], columns[1], columns[2], columns[3]), ends
