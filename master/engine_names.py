@@ -8,7 +8,7 @@ and the event feed names the block by it (:mod:`~kvpool.master.kv_events`), kvpo
 
 Invariants:
 
-- Keyed like the index, by the key's first 16 bytes (a :class:`~kvpool.master.keytable.KeyTable`, about 50
+- Keyed like the index, by the key's first 16 bytes (a :class:`~kvpool.master.keytable.KeyTable`, about 60
   bytes a name); a name is never 0 (0 means none). Keys are stored keys, so a tenant can only name its own
   blocks (the servicer maps a client's keys to its tenant's first).
 - A name outlives its key's absences from the index (a demotion can report the DRAM copy gone before the
