@@ -11,9 +11,11 @@ thread finds cold between two requests (``docs/benchmarks.md``, "The index probe
 Why numba: the probe is the master's one hot loop over keys, and numba (a well-kept JIT for numpy code; it
 needs numpy and llvmlite, nothing of protobuf or grpcio) compiles it from this Python with no C of ours to
 build, ship or audit. The compiled code is cached on disk (numba's ``cache=True``: ``__pycache__`` beside
-this file, or the user's cache when that is not writable): a process compiles the kernels at import once
-per machine (~1 s), and loads them in ~0.3 s after that. One signature each, given here, takes every array
-a caller has (read-only or not, strided or not): no call waits for a compilation.
+this file, or ``NUMBA_CACHE_DIR``, or the user's cache): a process compiles the kernels at import once per
+machine (~1 s), and loads them in ~0.3 s after that. Where no cache can be written (a read-only install
+and home: the hardened systemd unit, a read-only container), each process compiles them in memory at
+import instead. One signature each, given here, takes every array a caller has (read-only or not, strided
+or not): no call waits for a compilation.
 
 Invariants: the arguments are a table's own columns (:meth:`KeyTable.probed`: ``fp`` uint16, ``k0`` and
 ``k1`` uint64 views of its aligned records, its salt, shift, alignment and neighbourhood), read, never
@@ -23,13 +25,36 @@ compute them with numpy from the same constants: a key inserted is found, ``test
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any
+
 import numba
 import numpy as np
 import numpy.typing as npt
 from numba.core import types
 
+log = logging.getLogger(__name__)
+
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier (keytable's _GOLDEN)
 FP_SHIFT = np.uint64(48)  # a key's fingerprint: the top 16 bits of k0, 1 where those are 0
+
+
+def _compiled(signature: Any = None) -> Callable[[Callable[..., Any]], Any]:
+    """``numba.njit`` (with ``signature``: compiled now, else when a kernel that calls it is), cached on disk
+    where a cache can be written, compiled in memory where none can (numba refuses the cache when it finds
+    no writable place for it: RuntimeError at decoration)."""
+    def jit(cache: bool) -> Any:
+        return numba.njit(cache=cache) if signature is None else numba.njit([signature], cache=cache)
+
+    def compile_(fn: Callable[..., Any]) -> Any:
+        try:
+            return jit(True)(fn)
+        except RuntimeError as exc:
+            log.info("the index kernels are compiled in memory, not cached: %s (NUMBA_CACHE_DIR names a "
+                     "writable directory for the cache)", exc)
+            return jit(False)(fn)
+    return compile_
 
 
 def _readonly(item: types.Type) -> types.Array:
@@ -48,7 +73,7 @@ _RUNS_SIGNATURE = types.Tuple([types.Array(t, 1, "C") for t in (types.uint8, typ
     _U64S, _readonly(types.int64), *_TABLE, *_RUN_COLUMNS)
 
 
-@numba.njit(cache=True)
+@_compiled()
 def _slot(a, b, fp, k0, k1, salt, shift, align_bits, hood):
     """The slot of key (a, b), -1 if absent (inlined into the kernels below)."""
     home = np.intp((((a ^ salt) * GOLDEN) >> shift) << align_bits)
@@ -61,7 +86,7 @@ def _slot(a, b, fp, k0, k1, salt, shift, align_bits, hood):
     return -1
 
 
-@numba.njit([_SIGNATURE], cache=True)
+@_compiled(_SIGNATURE)
 def _probe(q0, q1, fp, k0, k1, salt, shift, align_bits, hood, rows, leading):
     for i in range(q0.shape[0]):
         found = _slot(q0[i], q1[i], fp, k0, k1, salt, shift, align_bits, hood)
@@ -71,7 +96,7 @@ def _probe(q0, q1, fp, k0, k1, salt, shift, align_bits, hood, rows, leading):
     return q0.shape[0]
 
 
-@numba.njit(cache=True)
+@_compiled()
 def _run_into(words, lo, hi, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits,
               tiers, nodes, sizes, checksums):
     """Keys ``lo`` to ``hi`` of ``words`` probed up to the first absent one, each hit's columns written at its
@@ -91,7 +116,7 @@ def _run_into(words, lo, hi, fp, k0, k1, salt, shift, align_bits, hood, loc, siz
     return key
 
 
-@numba.njit([_RUN_SIGNATURE], cache=True)
+@_compiled(_RUN_SIGNATURE)
 def _leading_run(words, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits):
     n = words.shape[0] // 4
     tiers, nodes = np.empty(n, np.uint8), np.empty(n, np.uint32)
@@ -101,7 +126,7 @@ def _leading_run(words, fp, k0, k1, salt, shift, align_bits, hood, loc, size, ch
     return tiers[:end], nodes[:end], sizes[:end], checksums[:end]
 
 
-@numba.njit([_RUNS_SIGNATURE], cache=True)
+@_compiled(_RUNS_SIGNATURE)
 def _leading_runs(words, starts, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits):
     n = words.shape[0] // 4
     tiers, nodes = np.empty(n, np.uint8), np.empty(n, np.uint32)

@@ -11,6 +11,8 @@ import hashlib
 import logging
 import os
 import random
+import subprocess
+import sys
 import threading
 import tracemalloc
 
@@ -336,6 +338,31 @@ def test_the_compiled_probe_finds_exactly_the_rows_a_search_of_the_table_finds()
         present = np.array([e >= 0 for e in expected])
         assert table.find_leading(q0[present], q1[present]).tolist() == [e for e in expected if e >= 0]
     assert table.find_leading(queries[:0, 0], queries[:0, 1]).tolist() == []
+
+
+def test_the_kernels_compile_in_memory_where_no_cache_can_be_written():
+    """A hardened service (read-only install, no home: deploy/systemd, a read-only container) leaves numba no
+    writable place for its on-disk cache, and numba then refuses ``cache=True`` at import. The index's kernels are
+    compiled in memory instead, and lookups work. Numba's own condition is made here by emptying its list of
+    cache locations (root writes anywhere, so permissions cannot make it)."""
+    code = """
+import logging
+logging.basicConfig(level=logging.INFO)
+from numba.core import caching
+caching.CacheImpl._locator_classes = []
+from kvpool.keys import opaque_key
+from kvpool.master.index import BlockIndex
+from kvpool.vocabulary import Tier
+index = BlockIndex()
+index.open_node(0)
+keys = [opaque_key(f"k{i}") for i in range(3)]
+index.add(0, Tier.DRAM, keys[:2], [1, 2], [3, 4])
+print(len(index.leading_run(keys)), index.exists(keys))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "2 [True, True, False]"
+    assert "compiled in memory, not cached" in done.stderr
 
 
 def test_keys_sharing_a_first_word_are_told_apart_by_the_second():
