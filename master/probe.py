@@ -40,20 +40,17 @@ GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier (keytable
 FP_SHIFT = np.uint64(48)  # a key's fingerprint: the top 16 bits of k0, 1 where those are 0
 
 
-def _compiled(signature: Any = None) -> Callable[[Callable[..., Any]], Any]:
-    """``numba.njit`` (with ``signature``: compiled now, else when a kernel that calls it is), cached on disk
-    where a cache can be written, compiled in memory where none can (numba refuses the cache when it finds
-    no writable place for it: RuntimeError at decoration)."""
-    def jit(cache: bool) -> Any:
-        return numba.njit(cache=cache) if signature is None else numba.njit([signature], cache=cache)
-
+def _compiled(signature: Any) -> Callable[[Callable[..., Any]], Any]:
+    """``numba.njit([signature])``: compiled now, from numba's on-disk cache where it can keep one; compiled in
+    memory where it cannot, or where what it finds there does not load (numba refuses ``cache=True`` when it
+    has no writable place for it, and a damaged cache file fails the load: both raise at decoration)."""
     def compile_(fn: Callable[..., Any]) -> Any:
         try:
-            return jit(True)(fn)
-        except RuntimeError as exc:
-            log.info("the index kernels are compiled in memory, not cached: %s (NUMBA_CACHE_DIR names a "
-                     "writable directory for the cache)", exc)
-            return jit(False)(fn)
+            return numba.njit([signature], cache=True)(fn)
+        except Exception as exc:  # noqa: BLE001 (whatever the cache did, the kernel still compiles in memory)
+            log.warning("the index kernel %s is compiled in memory, not cached: %s: %s (NUMBA_CACHE_DIR names a "
+                        "writable directory for numba's cache)", fn.__name__, type(exc).__name__, exc)
+            return numba.njit([signature])(fn)
     return compile_
 
 
@@ -73,7 +70,7 @@ _RUNS_SIGNATURE = types.Tuple([types.Array(t, 1, "C") for t in (types.uint8, typ
     _U64S, _readonly(types.int64), *_TABLE, *_RUN_COLUMNS)
 
 
-@_compiled()
+@numba.njit  # (inlined into the kernels: cached with them)
 def _slot(a, b, fp, k0, k1, salt, shift, align_bits, hood):
     """The slot of key (a, b), -1 if absent (inlined into the kernels below)."""
     home = np.intp((((a ^ salt) * GOLDEN) >> shift) << align_bits)
@@ -96,7 +93,7 @@ def _probe(q0, q1, fp, k0, k1, salt, shift, align_bits, hood, rows, leading):
     return q0.shape[0]
 
 
-@_compiled()
+@numba.njit  # (inlined into the kernels: cached with them)
 def _run_into(words, lo, hi, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits,
               tiers, nodes, sizes, checksums):
     """Keys ``lo`` to ``hi`` of ``words`` probed up to the first absent one, each hit's columns written at its

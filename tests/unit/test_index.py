@@ -340,16 +340,18 @@ def test_the_compiled_probe_finds_exactly_the_rows_a_search_of_the_table_finds()
     assert table.find_leading(queries[:0, 0], queries[:0, 1]).tolist() == []
 
 
-def test_the_kernels_compile_in_memory_where_no_cache_can_be_written():
-    """A hardened service (read-only install, no home: deploy/systemd, a read-only container) leaves numba no
-    writable place for its on-disk cache, and numba then refuses ``cache=True`` at import. The index's kernels are
-    compiled in memory instead, and lookups work. Numba's own condition is made here by emptying its list of
-    cache locations (root writes anywhere, so permissions cannot make it)."""
+def test_the_kernels_compile_in_memory_where_their_cache_cannot_be_written_or_read(tmp_path):
+    """The index's kernels are cached on disk by numba. Where that cannot be (a hardened service: read-only
+    install, no home; numba then refuses ``cache=True`` at import) or the cache is damaged (its files fail to
+    load), they are compiled in memory instead: the master starts, lookups work, and the log says why. Numba's
+    "nowhere to write" condition is made by emptying its list of cache locations (root writes anywhere, so
+    permissions cannot make it); the damage by overwriting the cache's files."""
     code = """
-import logging
+import logging, sys
 logging.basicConfig(level=logging.INFO)
-from numba.core import caching
-caching.CacheImpl._locator_classes = []
+if sys.argv[1] == "nowhere":
+    from numba.core import caching
+    caching.CacheImpl._locator_classes = []
 from kvpool.keys import opaque_key
 from kvpool.master.index import BlockIndex
 from kvpool.vocabulary import Tier
@@ -357,12 +359,24 @@ index = BlockIndex()
 index.open_node(0)
 keys = [opaque_key(f"k{i}") for i in range(3)]
 index.add(0, Tier.DRAM, keys[:2], [1, 2], [3, 4])
-print(len(index.leading_run(keys)), index.exists(keys))
+print(len(index.leading_run(keys)), len(index.leading_runs_arrays([b"".join(keys)] * 2)), index.exists(keys))
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip() == "2 [True, True, False]"
-    assert "compiled in memory, not cached" in done.stderr
+    cache = tmp_path / "numba"
+
+    def run(case: str) -> str:
+        done = subprocess.run([sys.executable, "-c", code, case], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "NUMBA_CACHE_DIR": str(cache)})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip() == "2 2 [True, True, False]"
+        return done.stderr
+
+    assert "compiled in memory" not in run("cached")
+    files = [f for f in cache.rglob("*") if f.is_file()]
+    assert files  # the kernels were cached there
+    for f in files:
+        f.write_bytes(b"\xb1 not a cache file")
+    assert run("damaged").count("compiled in memory, not cached") == 3  # each of the three kernels
+    assert run("nowhere").count("compiled in memory, not cached") == 3
 
 
 def test_keys_sharing_a_first_word_are_told_apart_by_the_second():
