@@ -118,6 +118,22 @@ def test_connections_trickling_a_header_do_not_hold_up_other_clients(master):
             t.join(5)
 
 
+def test_requests_sent_back_to_back_are_answered_in_order(master):
+    """Three requests and half of a fourth sent in one go: the loop reads one request at a time, the rest waiting in
+    the socket (registered level-triggered: what is left is seen at the next poll, no event is lost), so three
+    replies come in order, and the fourth its own once its rest arrives."""
+    pool, _ = master
+    frames = [exists_frame(n, f"ahead-{n}") for n in (1, 2, 3, 4)]
+    half = len(frames[3]) // 2
+    with socket.create_connection(("127.0.0.1", pool.master_call_port), timeout=10) as sock:
+        sock.sendall(frames[0] + frames[1] + frames[2] + frames[3][:half])
+        for n in (1, 2, 3):
+            assert call(sock, b"") == [0] * n
+        sock.sendall(frames[3][half:])
+        assert call(sock, b"") == [0] * 4
+        assert call(sock, exists_frame(5)) == [0] * 5  # and the connection goes on
+
+
 def test_a_client_that_never_reads_its_replies_cannot_grow_the_master(master):
     """128 MiB of pipelined Exists requests (4,096 keys each) whose replies are never read: the master reads
     a request, answers it, and reads the next only once that reply went out, so what it holds for the
