@@ -422,6 +422,8 @@ def test_the_proxy_bounds_what_one_client_can_make_it_spend(monkeypatch):
 
     try:
         for length, status in ((1 << 40, b" 413 "), (-1, b" 400 "), ("x", b" 400 ")):
+            # the previous refusal's thread lets its slot go once its reply is out (a busy machine: not at once)
+            wait_until(lambda: proxy.serving == 0, timeout=10)
             reply = ask(f"POST /v1/completions HTTP/1.0\r\nContent-Length: {length}\r\n\r\n".encode())
             assert status in reply.split(b"\r\n")[0], reply
         assert decode.bodies == []  # nothing went upstream

@@ -220,8 +220,8 @@ class ProxyServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._serving(-1)
             self._slots.release()
+            self._serving(-1)  # after the slot is free: serving == 0 means a newcomer is served
 
 
 def main(argv: Sequence[str] | None = None) -> int:
