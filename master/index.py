@@ -318,9 +318,7 @@ class BlockIndex:
     def leading_run_arrays(self, packed: bytes) -> RunArrays:
         """:meth:`leading_run` of packed keys, as numpy columns (no Python object per block; compiled:
         :func:`kvpool.master.probe.leading_run`)."""
-        if len(packed) % KEY_BYTES:
-            raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
-        words = np.frombuffer(packed, np.uint64)
+        words = _key_words(packed)
         with self._lock:
             t = self._table
             cols = t.cols
@@ -606,11 +604,16 @@ def _exactly(loc: int) -> _Match:
     return (lambda locs: locs == want, lambda other: other == loc)
 
 
-def _words(packed: bytes) -> npt.NDArray[np.uint64]:
-    """Packed 32-byte keys as rows of four uint64 words; ValueError if ``packed`` is ragged."""
+def _key_words(packed: bytes) -> npt.NDArray[np.uint64]:
+    """Packed 32-byte keys as uint64 words, four a key; ValueError if ``packed`` is ragged."""
     if len(packed) % KEY_BYTES:
         raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
-    return np.frombuffer(packed, np.uint64).reshape(-1, KEY_BYTES // 8)
+    return np.frombuffer(packed, np.uint64)
+
+
+def _words(packed: bytes) -> npt.NDArray[np.uint64]:
+    """Packed 32-byte keys as rows of four uint64 words; ValueError if ``packed`` is ragged."""
+    return _key_words(packed).reshape(-1, KEY_BYTES // 8)
 
 
 def _prefixes(keys: Iterable[BlockKey]) -> tuple[U64, U64, U32]:

@@ -119,14 +119,8 @@ class KeyTable:
     def find(self, k0: U64, k1: U64) -> Rows:
         """The row of each key, -1 where absent."""
         rows = np.empty(len(k0), np.intp)
-        probe(k0, k1, *self.probed(), rows, False)
+        probe(k0, k1, *self.probed(), rows)
         return rows
-
-    def find_leading(self, k0: U64, k1: U64) -> Rows:
-        """The rows of the leading run of present keys: of the keys before the first absent one (all of them
-        when every key is present). The keys after it are not probed."""
-        rows = np.empty(len(k0), np.intp)
-        return rows[: probe(k0, k1, *self.probed(), rows, True)]
 
     def probed(self) -> Probed:
         """The table as :mod:`kvpool.master.probe`'s kernels read it (valid until the next change)."""

@@ -60,7 +60,7 @@ def _readonly(item: types.Type) -> types.Array:
 
 _U64S = _readonly(types.uint64)
 _SIGNATURE = types.intp(_U64S, _U64S, _readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64,
-                        types.uint64, types.intp, types.Array(types.intp, 1, "C"), types.boolean)
+                        types.uint64, types.intp, types.Array(types.intp, 1, "C"))
 _TABLE = (_readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64, types.uint64, types.intp)
 _RUN_COLUMNS = (_readonly(types.uint32), _U64S, _U64S, types.uint64)
 _RUN_SIGNATURE = types.Tuple([types.Array(t, 1, "C") for t in (types.uint8, types.uint32, types.uint64, types.uint64)])(
@@ -84,12 +84,9 @@ def _slot(a, b, fp, k0, k1, salt, shift, align_bits, hood):
 
 
 @_compiled(_SIGNATURE)
-def _probe(q0, q1, fp, k0, k1, salt, shift, align_bits, hood, rows, leading):
+def _probe(q0, q1, fp, k0, k1, salt, shift, align_bits, hood, rows):
     for i in range(q0.shape[0]):
-        found = _slot(q0[i], q1[i], fp, k0, k1, salt, shift, align_bits, hood)
-        rows[i] = found
-        if found < 0 and leading:
-            return i
+        rows[i] = _slot(q0[i], q1[i], fp, k0, k1, salt, shift, align_bits, hood)
     return q0.shape[0]
 
 
@@ -137,13 +134,9 @@ def _leading_runs(words, starts, fp, k0, k1, salt, shift, align_bits, hood, loc,
 
 def probe(q0: npt.NDArray[np.uint64], q1: npt.NDArray[np.uint64], fp: npt.NDArray[np.uint16],
           k0: npt.NDArray[np.uint64], k1: npt.NDArray[np.uint64], salt: np.uint64, shift: np.uint64,
-          align_bits: np.uint64, hood: int, rows: npt.NDArray[np.intp], leading: bool) -> int:
-    """Fill ``rows[i]`` with the slot of key ``(q0[i], q1[i])``, -1 where absent. Returns the number of keys
-    probed; with ``leading``, probing stops at the first absent key and the return value is its position
-    (the count of keys before it: the rows from there on are not written)."""
-    return int(_probe(q0, q1, fp, k0, k1, salt, shift, align_bits, hood, rows, leading))
-
-
+          align_bits: np.uint64, hood: int, rows: npt.NDArray[np.intp]) -> None:
+    """Fill ``rows[i]`` with the slot of key ``(q0[i], q1[i])``, -1 where absent."""
+    _probe(q0, q1, fp, k0, k1, salt, shift, align_bits, hood, rows)
 
 
 Columns = tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint32], npt.NDArray[np.uint64], npt.NDArray[np.uint64]]

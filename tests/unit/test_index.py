@@ -25,6 +25,7 @@ from kvpool.master import index as index_module
 from kvpool.master import keytable
 from kvpool.master.index import BlockIndex, Hit
 from kvpool.master.keytable import KeyTable
+from kvpool.master.probe import leading_run, leading_runs
 from kvpool.vocabulary import Tier
 
 DRAM, SSD = Tier.DRAM, Tier.SSD
@@ -313,16 +314,19 @@ def test_keytable_makes_room_by_hopping_and_by_growing(monkeypatch):
     assert np.array_equal(table.rec["v"][table.find(k[1::2, 0], k[1::2, 1])], np.arange(1, len(k), 2))
 
 
-def test_the_compiled_probe_finds_exactly_the_rows_a_search_of_the_table_finds():
-    """KeyTable.find / find_leading (master/probe.py, compiled) against a plain search of every live row, on a
-    table grown, hopped and emptied in part: keys whose first word's top 16 bits are 0 (fingerprint 1), keys
-    sharing a first word, keys given as read-only strided words of a packed buffer or as arrays of their own."""
+def test_the_compiled_kernels_find_exactly_what_a_search_of_the_table_finds():
+    """KeyTable.find and the leading-run kernels (master/probe.py, compiled) against a plain search of every live
+    row, on a table grown, hopped and emptied in part: keys whose first word's top 16 bits are 0 (fingerprint 1),
+    keys sharing a first word, keys given as read-only strided words of a packed buffer or as arrays of their
+    own. A run stops at its first absent key and carries each hit's tier, node, size and checksum."""
     rng = np.random.default_rng(7)
-    table = KeyTable({"v": np.uint32}, min_capacity=1 << 10)
+    table = KeyTable({"loc1": np.uint32, "size": np.uint64, "checksum": np.uint64}, min_capacity=1 << 10)
     k = rng.integers(0, 1 << 63, (3000, 2), dtype=np.uint64) * 2 + 1
     k[:50, 0] >>= np.uint64(20)  # top 16 bits 0
     k[50:100, 0] = k[100:150, 0]  # a shared first word, told apart by the second
-    assert table.insert(k[:, 0].copy(), k[:, 1].copy(), {"v": np.arange(3000, dtype=np.uint32)}) == 3000
+    n = np.arange(3000, dtype=np.uint64)
+    loc = ((n % 3) << np.uint64(30) | n % 5).astype(np.uint32)  # tier << 30 | node
+    assert table.insert(k[:, 0].copy(), k[:, 1].copy(), {"loc1": loc, "size": n + 7, "checksum": n * 11}) == 3000
     table.delete(table.find(k[::3, 0], k[::3, 1]))
     table.check()
     live = table.live_rows()
@@ -333,11 +337,30 @@ def test_the_compiled_probe_finds_exactly_the_rows_a_search_of_the_table_finds()
     packed = np.frombuffer(np.concatenate([queries, queries], axis=1).tobytes(), np.uint64).reshape(-1, 4)
     for q0, q1 in ((queries[:, 0].copy(), queries[:, 1].copy()), (packed[:, 0], packed[:, 1])):
         assert table.find(q0, q1).tolist() == expected
-        first_miss = expected.index(-1)
-        assert table.find_leading(q0, q1).tolist() == expected[:first_miss]
-        present = np.array([e >= 0 for e in expected])
-        assert table.find_leading(q0[present], q1[present]).tolist() == [e for e in expected if e >= 0]
-    assert table.find_leading(queries[:0, 0], queries[:0, 1]).tolist() == []
+
+    cols = table.cols
+    columns = (cols["loc1"], cols["size"], cols["checksum"], np.uint64(30))
+
+    def run_of(rows: list[int]) -> list[list[int]]:
+        at = np.array(rows, np.intp)
+        return [(cols["loc1"][at] >> 30).tolist(), (cols["loc1"][at] & (1 << 30) - 1).tolist(),
+                cols["size"][at].tolist(), cols["checksum"][at].tolist()]
+
+    first_miss = expected.index(-1)
+    present = [e for e in expected if e >= 0]
+    words = packed.ravel()
+    assert [c.tolist() for c in leading_run(words, *table.probed(), *columns)] == run_of(expected[:first_miss])
+    whole = np.frombuffer(packed[np.array(expected) >= 0].tobytes(), np.uint64)
+    assert [c.tolist() for c in leading_run(whole, *table.probed(), *columns)] == run_of(present)
+    assert [len(c) for c in leading_run(words[:0], *table.probed(), *columns)] == [0] * 4
+    # several prompts in one call: each stops at its own first miss
+    starts = np.array([0, 0, first_miss + 3, 2000, 3200], np.int64)
+    got, ends = leading_runs(words, starts, *table.probed(), *columns)
+    for p in range(4):
+        lo, hi = int(starts[p]), int(starts[p + 1])
+        end = next((i for i in range(lo, hi) if expected[i] < 0), hi)
+        assert int(ends[p]) == end
+        assert [c[lo:end].tolist() for c in got] == run_of(expected[lo:end])
 
 
 def test_the_kernels_compile_in_memory_where_their_cache_cannot_be_written_or_read(tmp_path):
