@@ -6,8 +6,9 @@ Builds the master's parts as ``kvpool master`` does (``MasterServer``, nothing b
 indexes ``--blocks`` blocks, then times, best of 3 rounds of ``--calls``: the request's decode, the whole
 servicer ``Lookup`` (validation, tenant mapping, the index, the reply, the metrics), and its parts on their own
 (``BlockIndex.leading_run_arrays``, ``KeyTable.find``, the lookup counters, the latency histogram, the worker's
-liveness, the node's ref), the reply's encode, and per lookup, 32 lookups answered together through the
-fast-call handler (one index pass; wire decode and encode included). ``master_scale.py`` measures the same
+liveness, the node's ref, the reply's encode), gRPC's parse of the reply, one lookup through the fast-call
+handler, and per lookup, 32 lookups answered together through it (one index pass; wire decode and encode
+included). ``master_scale.py`` measures the same
 path in a real master under load (where each stage costs more: caches are shared with the clients); this one
 is steady enough to compare two versions on a busy machine. ``--profile``: cProfile of the servicer's Lookup
 after the table.
@@ -24,6 +25,7 @@ import numpy as np
 
 from kvpool.config import MasterConfig
 from kvpool.keys import opaque_key
+from kvpool.master.lookup_reply import encode
 from kvpool.master.server import MasterServer
 from kvpool.v1 import common_pb2, master_pb2
 
@@ -62,7 +64,9 @@ def main() -> int:
     if len(reply.tiers) != half:
         raise SystemExit(f"lookup found {len(reply.tiers)} of {half} present keys")
     index, table = server.index, server.index._table
-    words = np.frombuffer(request.keys, np.uint64).reshape(-1, 4)  # the key's four words, as the index reads them
+    words = np.frombuffer(request.keys, np.uint64).reshape(-1, 4)
+    run, ref_bytes = index.leading_run_arrays(request.keys), servicer._node_ref_bytes(server.membership.refs([0])[0])
+    encoded = reply.SerializeToString()  # the key's four words, as the index reads them
     stages: list[tuple[str, Callable[[], Any]]] = [
         ("request decode", lambda: master_pb2.LookupRequest.FromString(body)),
         ("servicer Lookup (all of the below)", lambda: servicer.Lookup(request, ctx)),
@@ -72,10 +76,14 @@ def main() -> int:
             hbm=0, dram=half, ssd=0, requested=LOOKUP_KEYS, block_tokens=0)),
         ("  latency histogram (observe)", lambda: server.metrics.lookup_seconds.observe(1e-4)),
         ("  worker liveness (worker_seen)", lambda: server.membership.worker_seen("scale-0")),
-        ("  node refs + wire NodeRef", lambda: servicer._node_ref(server.membership.refs([0])[0])),
-        ("reply encode", lambda: reply.SerializeToString()),
+        ("  node refs + wire NodeRef", lambda: servicer._node_ref_bytes(server.membership.refs([0])[0])),
+        ("  reply encode (lookup_reply.encode)", lambda: encode(run.tiers, np.zeros(len(run.tiers), np.uint32),
+                                                                run.sizes, run.checksums, [ref_bytes], half, 0)),
+        ("gRPC's reply message from those bytes", lambda: master_pb2.LookupResponse.FromString(encoded)),
     ]
     together = _together_requests(server, keys[:half], TOGETHER)
+    stages.append(("one lookup on the fast-call wire (WireHandler.answer)",
+                   lambda: together[0].answer(*together[1][0])))
     stages.append((f"{TOGETHER} lookups answered together, per lookup (WireHandler.answer_together)",
                    lambda: together[0].answer_together(together[1])))
     print(f"{LOOKUP_KEYS}-key Lookup, {half} present, {args.blocks} blocks indexed; best of 3 x {args.calls} calls")

@@ -392,13 +392,14 @@ class Together(Protocol):
     """A unary method whose requests that arrived together can be answered in one pass (the master's Lookup:
     one index pass for all of them). ``begin`` and ``end`` run under each caller's identity, as ``fn`` does;
     ``run`` once for all the requests begun, and its results are in their order. ``end(begin(r, c),
-    run([...])[i])`` answers exactly what ``fn(r, c)`` would."""
+    run([...])[i])`` answers exactly what ``fn(r, c)`` would, as a message or already serialized (sent as
+    it is). A request that comes alone is answered by the same steps (a pass of one)."""
 
     def begin(self, request: Any, context: Any) -> Any: ...
 
     def run(self, begun: Sequence[Any]) -> Sequence[Any]: ...
 
-    def end(self, begun: Any, result: Any) -> Message: ...
+    def end(self, begun: Any, result: Any) -> Message | bytes: ...
 
 
 @dataclass(frozen=True)
@@ -503,6 +504,11 @@ class WireHandler:
                 return error_frame(grpc.StatusCode.UNIMPLEMENTED, f"no method {step.head.code} here"), True
             return self._login(peer, body)
         assert not route.bulk, f"wire: {route.name} is a bulk method, served from its stream"
+        if route.together is not None:  # a pass of one: its steps may answer in fewer steps than route.fn
+            answers: list[tuple[bytes, bool] | None] = [None]
+            self._answer_group([(step, body, peer, host)], [0], answers)
+            if answers[0] is not None:
+                return answers[0]
         request = self._decode(route, body, peer)
         if isinstance(request, bytes):
             return request, True
@@ -572,7 +578,7 @@ class WireHandler:
             return error_frame(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         if not serialize:
             return reply
-        out = reply.SerializeToString()
+        out = reply if isinstance(reply, bytes) else reply.SerializeToString()
         return pack(0, len(out)) + out
 
     def _decode(self, route: Route, body: bytes, peer: Peer) -> Message | bytes:

@@ -40,7 +40,7 @@ GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier (keytable
 FP_SHIFT = np.uint64(48)  # a key's fingerprint: the top 16 bits of k0, 1 where those are 0
 
 
-def _compiled(signature: Any) -> Callable[[Callable[..., Any]], Any]:
+def compiled(signature: Any) -> Callable[[Callable[..., Any]], Any]:
     """``numba.njit([signature])``: compiled now, from numba's on-disk cache where it can keep one; compiled in
     memory where it cannot, or where what it finds there does not load (numba refuses ``cache=True`` when it
     has no writable place for it, and a damaged cache file fails the load: both raise at decoration)."""
@@ -48,26 +48,26 @@ def _compiled(signature: Any) -> Callable[[Callable[..., Any]], Any]:
         try:
             return numba.njit([signature], cache=True)(fn)
         except Exception as exc:  # noqa: BLE001 (whatever the cache did, the kernel still compiles in memory)
-            log.warning("the index kernel %s is compiled in memory, not cached: %s: %s (NUMBA_CACHE_DIR names a "
+            log.warning("the master's kernel %s is compiled in memory, not cached: %s: %s (NUMBA_CACHE_DIR names a "
                         "writable directory for numba's cache)", fn.__name__, type(exc).__name__, exc)
             return numba.njit([signature])(fn)
     return compile_
 
 
-def _readonly(item: types.Type) -> types.Array:
+def readonly(item: types.Type) -> types.Array:
     return types.Array(item, 1, "A", readonly=True)  # (writable and contiguous arrays convert to it)
 
 
-_U64S = _readonly(types.uint64)
-_SIGNATURE = types.intp(_U64S, _U64S, _readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64,
+_U64S = readonly(types.uint64)
+_SIGNATURE = types.intp(_U64S, _U64S, readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64,
                         types.uint64, types.intp, types.Array(types.intp, 1, "C"))
-_TABLE = (_readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64, types.uint64, types.intp)
-_RUN_COLUMNS = (_readonly(types.uint32), _U64S, _U64S, types.uint64)
+_TABLE = (readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64, types.uint64, types.intp)
+_RUN_COLUMNS = (readonly(types.uint32), _U64S, _U64S, types.uint64)
 _RUN_SIGNATURE = types.Tuple([types.Array(t, 1, "C") for t in (types.uint8, types.uint32, types.uint64, types.uint64)])(
     _U64S, *_TABLE, *_RUN_COLUMNS)
 _RUNS_SIGNATURE = types.Tuple([types.Array(t, 1, "C") for t in (types.uint8, types.uint32, types.uint64, types.uint64,
                                                                 types.int64)])(
-    _U64S, _readonly(types.int64), *_TABLE, *_RUN_COLUMNS)
+    _U64S, readonly(types.int64), *_TABLE, *_RUN_COLUMNS)
 
 
 @numba.njit  # (inlined into the kernels: cached with them)
@@ -83,7 +83,7 @@ def _slot(a, b, fp, k0, k1, salt, shift, align_bits, hood):
     return -1
 
 
-@_compiled(_SIGNATURE)
+@compiled(_SIGNATURE)
 def _probe(q0, q1, fp, k0, k1, salt, shift, align_bits, hood, rows):
     for i in range(q0.shape[0]):
         rows[i] = _slot(q0[i], q1[i], fp, k0, k1, salt, shift, align_bits, hood)
@@ -110,7 +110,7 @@ def _run_into(words, lo, hi, fp, k0, k1, salt, shift, align_bits, hood, loc, siz
     return key
 
 
-@_compiled(_RUN_SIGNATURE)
+@compiled(_RUN_SIGNATURE)
 def _leading_run(words, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits):
     n = words.shape[0] // 4
     tiers, nodes = np.empty(n, np.uint8), np.empty(n, np.uint32)
@@ -120,7 +120,7 @@ def _leading_run(words, fp, k0, k1, salt, shift, align_bits, hood, loc, size, ch
     return tiers[:end], nodes[:end], sizes[:end], checksums[:end]
 
 
-@_compiled(_RUNS_SIGNATURE)
+@compiled(_RUNS_SIGNATURE)
 def _leading_runs(words, starts, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits):
     n = words.shape[0] // 4
     tiers, nodes = np.empty(n, np.uint8), np.empty(n, np.uint32)

@@ -69,6 +69,7 @@ from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.master.changelog import ChangeLog, followed_node
 from kvpool.master.engine_names import EngineNames
 from kvpool.master.index import BlockIndex, HbmIndex, RunArrays
+from kvpool.master.lookup_reply import encode
 from kvpool.master.membership import Membership
 from kvpool.master.stats import MasterMetrics
 from kvpool.placement import TOO_LARGE, Candidate, NoPoolNodes, place
@@ -223,6 +224,12 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
             data_address=ref.data_address,
         )
 
+    @staticmethod
+    @functools.lru_cache(maxsize=4096)
+    def _node_ref_bytes(ref: NodeRef) -> bytes:
+        """:meth:`_node_ref` serialized, made once per ref."""
+        return MasterServicer._node_ref(ref).SerializeToString()
+
     # -- nodes ----------------------------------------------------------------------------
 
     def RegisterNode(self, request: master_pb2.RegisterNodeRequest, context: Any) -> master_pb2.RegisterNodeResponse:
@@ -316,8 +323,9 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     # -- clients --------------------------------------------------------------------------
 
     def Lookup(self, request: master_pb2.LookupRequest, context: Any) -> master_pb2.LookupResponse:
+        """(gRPC's; the fast-call wire answers with :class:`LookupSteps`' bytes as they are.)"""
         begun = self._lookup.begin(request, context)
-        return self._lookup.end(begun, self._index.leading_run_arrays(begun.keys))
+        return master_pb2.LookupResponse.FromString(self._lookup.end(begun, self._index.leading_run_arrays(begun.keys)))
 
     def Exists(self, request: master_pb2.ExistsRequest, context: Any) -> master_pb2.ExistsResponse:
         self._lead(context)
@@ -524,10 +532,12 @@ class LookupSteps:
 
     def run(self, begun: Sequence[_Begun]) -> list[RunArrays]:
         runs = self._s._index.leading_runs_arrays([b.keys for b in begun])
-        self._s._metrics.lookups_together.inc(len(begun))
+        if len(begun) > 1:  # (a lookup that came alone is answered by the same steps)
+            self._s._metrics.lookups_together.inc(len(begun))
         return runs
 
-    def end(self, begun: _Begun, run: RunArrays) -> master_pb2.LookupResponse:
+    def end(self, begun: _Begun, run: RunArrays) -> bytes:
+        """The serialized LookupResponse (:mod:`kvpool.master.lookup_reply`); the lookup counted."""
         s = self._s
         request = begun.request
         end = len(run.nodes)
@@ -536,7 +546,7 @@ class LookupSteps:
             refs = s._membership.refs([int(run.nodes[0])])
             order = [int(run.nodes[0])] if refs else []
             end = end if refs else 0
-            node_indexes: list[int] = [0] * end
+            node_indexes = np.zeros(end, np.uint32)
         else:
             numbers, indexes = np.unique(run.nodes, return_inverse=True)
             refs = s._membership.refs(numbers.tolist())
@@ -546,21 +556,15 @@ class LookupSteps:
             # Renumber the nodes the run still uses, in order of first use.
             used, first = np.unique(indexes[:end], return_index=True)
             by_use = used[np.argsort(first)]
-            renumber = np.empty(len(numbers), dtype=np.int64)
+            renumber = np.empty(len(numbers), dtype=np.uint32)
             renumber[by_use] = np.arange(len(by_use))
-            node_indexes = renumber[indexes[:end]].tolist()
+            node_indexes = renumber[indexes[:end]]
             order = [int(numbers[i]) for i in by_use]
-        tiers = run.tiers[:end].tobytes()  # one byte a block: counted with bytes.count, no numpy pass
-        dram, ssd = tiers.count(_DRAM_BYTE), tiers.count(_SSD_BYTE)
-        response = master_pb2.LookupResponse(
-            tiers=tiers,
-            node_indexes=node_indexes,
-            sizes=run.sizes[:end].tolist(),
-            checksums=run.checksums[:end].tolist(),
-            nodes=[s._node_ref(refs[n]) for n in order],
-            dram_blocks=dram,
-            ssd_blocks=ssd,
-        )
+        tiers = run.tiers[:end]
+        counted = tiers.tobytes()  # one byte a block: counted with bytes.count, no numpy pass
+        dram, ssd = counted.count(_DRAM_BYTE), counted.count(_SSD_BYTE)
+        response = encode(tiers, node_indexes, run.sizes[:end], run.checksums[:end],
+                          [s._node_ref_bytes(refs[n]) for n in order], dram, ssd)
         if not request.counted_by_caller:  # (a sharded client's part: it reports the merged lookup itself)
             s._metrics.record_lookup(
                 hbm=request.hbm_prefix_blocks,

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from support import free_port
 
-from kvpool import wire
+from kvpool import tcp, wire
 from kvpool.calls import FastStub
 from kvpool.config import MasterConfig
 from kvpool.keys import BlockKey, pack_keys
@@ -97,7 +97,8 @@ def test_a_spinning_pool_gets_the_same_answers_and_a_slow_reply_still_arrives(ma
             return real(request, context)
 
         handler = server._calls._serve.__self__  # the WireHandler behind the fast-call listener
-        handler.replace(Method.LOOKUP, dataclasses.replace(handler.route(Method.LOOKUP), fn=slow))
+        # (answered by fn alone: no steps to answer it in)
+        handler.replace(Method.LOOKUP, dataclasses.replace(handler.route(Method.LOOKUP), fn=slow, together=None))
         assert fast.lookup(request, 2.0) == stub.Lookup(request, timeout=2.0)
         assert served == [request]  # the slow handler answered it, over the wire
         fast.close()
@@ -122,6 +123,28 @@ def test_await_bytes_returns_when_a_byte_is_there_leaves_it_unread_and_gives_up_
         assert time.perf_counter() - started < 4.0
         assert a.recv(1) == b""
 
+
+def test_one_thread_of_a_process_polls_for_its_reply_at_a_time():
+    """While a thread polls for its reply, another thread's wait does not poll (it returns False at once, to
+    block on its read); once the first is answered, the next wait polls again."""
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    with a, b, c, d:
+        first: list[bool] = []
+        poller = threading.Thread(target=lambda: first.append(await_bytes(a, 30.0)))
+        poller.start()
+        deadline = time.monotonic() + 10
+        while tcp._SPINNING._value and time.monotonic() < deadline:  # (until the poller holds the one turn)
+            time.sleep(0.001)
+        assert not tcp._SPINNING._value and poller.is_alive()
+        started = time.perf_counter()
+        assert await_bytes(c, 30.0) is False  # not its turn: it does not poll for 30 s
+        assert time.perf_counter() - started < 10.0 and poller.is_alive()
+        b.sendall(b"x")
+        poller.join(10)
+        assert first == [True]
+        d.sendall(b"y")
+        assert await_bytes(c, 30.0) is True  # its turn now
 
 def test_bad_requests_get_a_clear_status_and_change_nothing(master, pool):
     server, stub = master

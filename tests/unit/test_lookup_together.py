@@ -129,6 +129,7 @@ def test_one_pass_takes_at_most_max_together_bytes_of_requests(monkeypatch):
     requests = _requests(handler, [(peer, master_pb2.LookupRequest(keys=b"".join(keys[:n]))) for n in
                                    [40] * 7 + [1]])
     together, alone = _answers(handler, requests)
-    assert passes == [3, 3, 2]  # (the last: one 40-key lookup and the 1-key one)
+    # (the last: one 40-key lookup and the 1-key one; then each of the eight alone, a pass of one)
+    assert passes == [3, 3, 2] + [1] * 8
     assert together == alone
     assert wire._parts([5, 6, 7], [10, 99, 1], 20) == [[5], [6], [7]]
