@@ -25,7 +25,7 @@ import numpy as np
 
 from kvpool.config import MasterConfig
 from kvpool.keys import opaque_key
-from kvpool.master.lookup_reply import encode
+from kvpool.master.lookup_reply import encode_runs, reply
 from kvpool.master.server import MasterServer
 from kvpool.v1 import common_pb2, master_pb2
 
@@ -60,13 +60,14 @@ def main() -> int:
     absent = b"".join(opaque_key(f"absent-{i}") for i in range(half))
     request = master_pb2.LookupRequest(keys=b"".join(keys[:half]) + absent, worker_id="scale-0")
     body = request.SerializeToString()
-    reply = servicer.Lookup(request, ctx)
-    if len(reply.tiers) != half:
-        raise SystemExit(f"lookup found {len(reply.tiers)} of {half} present keys")
+    answer = servicer.Lookup(request, ctx)
+    if len(answer.tiers) != half:
+        raise SystemExit(f"lookup found {len(answer.tiers)} of {half} present keys")
     index, table = server.index, server.index._table
     words = np.frombuffer(request.keys, np.uint64).reshape(-1, 4)
-    run, ref_bytes = index.leading_run_arrays(request.keys), servicer._node_ref_bytes(server.membership.refs([0])[0])
-    encoded = reply.SerializeToString()  # the key's four words, as the index reads them
+    run, field = index.leading_run_arrays(request.keys), servicer._node_field(server.membership.refs([0])[0])
+    rows = np.array([0], np.int64), np.array([half], np.int64)
+    encoded = answer.SerializeToString()  # the key's four words, as the index reads them
     stages: list[tuple[str, Callable[[], Any]]] = [
         ("request decode", lambda: master_pb2.LookupRequest.FromString(body)),
         ("servicer Lookup (all of the below)", lambda: servicer.Lookup(request, ctx)),
@@ -76,9 +77,8 @@ def main() -> int:
             hbm=0, dram=half, ssd=0, requested=LOOKUP_KEYS, block_tokens=0)),
         ("  latency histogram (observe)", lambda: server.metrics.lookup_seconds.observe(1e-4)),
         ("  worker liveness (worker_seen)", lambda: server.membership.worker_seen("scale-0")),
-        ("  node refs + wire NodeRef", lambda: servicer._node_ref_bytes(server.membership.refs([0])[0])),
-        ("  reply encode (lookup_reply.encode)", lambda: encode(run.tiers, np.zeros(len(run.tiers), np.uint32),
-                                                                run.sizes, run.checksums, [ref_bytes], half, 0)),
+        ("  node refs + wire NodeRef", lambda: servicer._node_field(server.membership.refs([0])[0])),
+        ("  reply encode (lookup_reply.encode_runs, reply)", lambda: reply(encode_runs(*run, *rows)[0], [field])),
         ("gRPC's reply message from those bytes", lambda: master_pb2.LookupResponse.FromString(encoded)),
     ]
     together = _together_requests(server, keys[:half], TOGETHER)

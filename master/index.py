@@ -86,7 +86,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, cast
+from typing import NamedTuple, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -97,6 +97,8 @@ from kvpool.master.node_keys import NodeKeys
 from kvpool.master.probe import leading_run, leading_runs
 from kvpool.vocabulary import NO_TIER, Tier
 from kvpool.worker_ids import scoped_id, split_scoped_id
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -326,23 +328,36 @@ class BlockIndex:
                                           _NODE_BITS64))
 
     def leading_runs_arrays(self, packed: Sequence[bytes]) -> list[RunArrays]:
-        """:meth:`leading_run_arrays` of several prompts' packed keys in one pass (what lookups that arrive
-        together share: one compiled call, :func:`kvpool.master.probe.leading_runs`); each run is probed up to
-        its own first miss."""
+        """:meth:`leading_run_arrays` of several prompts' packed keys in one pass (:meth:`leading_runs_columns`)."""
         if len(packed) == 1:
             return [self.leading_run_arrays(packed[0])]
+        (tiers, nodes, sizes, checksums), starts, ends = self.leading_runs_columns(packed)
+        return [RunArrays(tiers[lo:end], nodes[lo:end], sizes[lo:end], checksums[lo:end])
+                for lo, end in zip(starts.tolist(), ends.tolist())]
+
+    def leading_runs_columns(self, packed: Sequence[bytes]) -> tuple[RunArrays, npt.NDArray[np.int64],
+                                                                     npt.NDArray[np.int64]]:
+        """The leading runs of several prompts' packed keys in one compiled call (what lookups that arrive
+        together share: :func:`kvpool.master.probe.leading_runs`), each probed up to its own first miss: the
+        columns (a row per key given) and per prompt where its rows start and where its run ends (rows
+        ``starts[p]`` up to ``ends[p]``)."""
+        (columns, ends), starts = self.leading_runs_pass(leading_runs, packed)
+        return RunArrays(*columns), starts[:-1], ends
+
+    def leading_runs_pass(self, kernel: Callable[..., T], packed: Sequence[bytes]) -> tuple[T, npt.NDArray[np.int64]]:
+        """``kernel(words, starts, *table)`` over several prompts' packed keys, under the index's lock, and
+        ``starts``: ``words`` holds the keys one after another, prompt ``p``'s from key ``starts[p]`` up to
+        ``starts[p + 1]``; ``table`` is what :func:`kvpool.master.probe.leading_runs` takes after them (the
+        table's probe arguments, its location, size and checksum columns, the node bits)."""
         if any(len(p) % KEY_BYTES for p in packed):
             raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
-        starts = [0, *itertools.accumulate(len(p) // KEY_BYTES for p in packed)]
-        words = np.frombuffer(b"".join(packed), np.uint64)
+        starts = np.array([0, *itertools.accumulate(len(p) // KEY_BYTES for p in packed)], np.int64)
+        words = np.frombuffer(packed[0] if len(packed) == 1 else b"".join(packed), np.uint64)
         with self._lock:
             t = self._table
             cols = t.cols
-            (tiers, nodes, sizes, checksums), ends = leading_runs(
-                words, np.array(starts, np.int64), *t.probed(), cols["loc1"], cols["size"], cols["checksum"],
-                _NODE_BITS64)
-        return [RunArrays(tiers[lo:end], nodes[lo:end], sizes[lo:end], checksums[lo:end])
-                for lo, end in zip(starts, ends.tolist())]
+            return kernel(words, starts, *t.probed(), cols["loc1"], cols["size"], cols["checksum"],
+                          _NODE_BITS64), starts
 
     def best_tiers(self, packed: bytes) -> npt.NDArray[np.uint8]:
         """Per packed key, the tier a lookup would serve it from (its best location's), or :data:`NO_TIER`."""

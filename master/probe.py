@@ -61,13 +61,15 @@ def readonly(item: types.Type) -> types.Array:
 _U64S = readonly(types.uint64)
 _SIGNATURE = types.intp(_U64S, _U64S, readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64,
                         types.uint64, types.intp, types.Array(types.intp, 1, "C"))
-_TABLE = (readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64, types.uint64, types.intp)
-_RUN_COLUMNS = (readonly(types.uint32), _U64S, _U64S, types.uint64)
+PROBED_TYPES = (  # the table's arguments to a kernel (KeyTable.probed)
+    readonly(types.uint16), _U64S, _U64S, types.uint64, types.uint64, types.uint64, types.intp)
+RUN_COLUMN_TYPES = (  # the columns a run gathers (loc, size, checksum) and node_bits
+    readonly(types.uint32), _U64S, _U64S, types.uint64)
 _RUN_SIGNATURE = types.Tuple([types.Array(t, 1, "C") for t in (types.uint8, types.uint32, types.uint64, types.uint64)])(
-    _U64S, *_TABLE, *_RUN_COLUMNS)
+    _U64S, *PROBED_TYPES, *RUN_COLUMN_TYPES)
 _RUNS_SIGNATURE = types.Tuple([types.Array(t, 1, "C") for t in (types.uint8, types.uint32, types.uint64, types.uint64,
                                                                 types.int64)])(
-    _U64S, readonly(types.int64), *_TABLE, *_RUN_COLUMNS)
+    _U64S, readonly(types.int64), *PROBED_TYPES, *RUN_COLUMN_TYPES)
 
 
 @numba.njit  # (inlined into the kernels: cached with them)
@@ -91,7 +93,7 @@ def _probe(q0, q1, fp, k0, k1, salt, shift, align_bits, hood, rows):
 
 
 @numba.njit  # (inlined into the kernels: cached with them)
-def _run_into(words, lo, hi, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits,
+def run_into(words, lo, hi, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits,
               tiers, nodes, sizes, checksums):
     """Keys ``lo`` to ``hi`` of ``words`` probed up to the first absent one, each hit's columns written at its
     key's row; returns the key the run ends at (inlined into the kernels below)."""
@@ -115,7 +117,7 @@ def _leading_run(words, fp, k0, k1, salt, shift, align_bits, hood, loc, size, ch
     n = words.shape[0] // 4
     tiers, nodes = np.empty(n, np.uint8), np.empty(n, np.uint32)
     sizes, checksums = np.empty(n, np.uint64), np.empty(n, np.uint64)
-    end = _run_into(words, 0, n, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits,
+    end = run_into(words, 0, n, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits,
                     tiers, nodes, sizes, checksums)
     return tiers[:end], nodes[:end], sizes[:end], checksums[:end]
 
@@ -127,7 +129,7 @@ def _leading_runs(words, starts, fp, k0, k1, salt, shift, align_bits, hood, loc,
     sizes, checksums = np.empty(n, np.uint64), np.empty(n, np.uint64)
     ends = np.empty(starts.shape[0] - 1, np.int64)
     for p in range(starts.shape[0] - 1):
-        ends[p] = _run_into(words, starts[p], starts[p + 1], fp, k0, k1, salt, shift, align_bits, hood, loc, size,
+        ends[p] = run_into(words, starts[p], starts[p + 1], fp, k0, k1, salt, shift, align_bits, hood, loc, size,
                             checksum, node_bits, tiers, nodes, sizes, checksums)
     return tiers, nodes, sizes, checksums, ends
 

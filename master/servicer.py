@@ -68,8 +68,8 @@ from kvpool.config import MasterConfig
 from kvpool.keys import KEY_BYTES, BlockKey, unpack_keys
 from kvpool.master.changelog import ChangeLog, followed_node
 from kvpool.master.engine_names import EngineNames
-from kvpool.master.index import BlockIndex, HbmIndex, RunArrays
-from kvpool.master.lookup_reply import encode
+from kvpool.master.index import BlockIndex, HbmIndex
+from kvpool.master.lookup_reply import RunReply, encode_runs, lookup_replies, node_field, reply
 from kvpool.master.membership import Membership
 from kvpool.master.stats import MasterMetrics
 from kvpool.placement import TOO_LARGE, Candidate, NoPoolNodes, place
@@ -88,7 +88,6 @@ MAX_SCORE_CELLS = 1 << 21
 MAX_REPORTED_LOOKUPS = 1 << 22  # most lookups one ReportLookups may report (clients: ~1 s worth)
 MAX_BLOCK_TOKENS = 1 << 20  # most tokens per block a Lookup or ReportLookups may say
 _U64_MAX = (1 << 64) - 1
-_DRAM_BYTE, _SSD_BYTE = int(Tier.DRAM), int(Tier.SSD)  # a tier as the byte a Lookup reply's ``tiers`` holds
 
 
 class MasterServicer(master_pb2_grpc.MasterServicer):
@@ -226,9 +225,10 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     @staticmethod
     @functools.lru_cache(maxsize=4096)
-    def _node_ref_bytes(ref: NodeRef) -> bytes:
-        """:meth:`_node_ref` serialized, made once per ref."""
-        return MasterServicer._node_ref(ref).SerializeToString()
+    def _node_field(ref: NodeRef) -> bytes:
+        """:meth:`_node_ref` as a Lookup reply's ``nodes`` field (:func:`~kvpool.master.lookup_reply.node_field`),
+        made once per ref."""
+        return node_field(MasterServicer._node_ref(ref).SerializeToString())
 
     # -- nodes ----------------------------------------------------------------------------
 
@@ -325,7 +325,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
     def Lookup(self, request: master_pb2.LookupRequest, context: Any) -> master_pb2.LookupResponse:
         """(gRPC's; the fast-call wire answers with :class:`LookupSteps`' bytes as they are.)"""
         begun = self._lookup.begin(request, context)
-        return master_pb2.LookupResponse.FromString(self._lookup.end(begun, self._index.leading_run_arrays(begun.keys)))
+        return master_pb2.LookupResponse.FromString(self._lookup.end(begun, self._lookup.run([begun])[0]))
 
     def Exists(self, request: master_pb2.ExistsRequest, context: Any) -> master_pb2.ExistsResponse:
         self._lead(context)
@@ -508,6 +508,9 @@ class _Begun(NamedTuple):
     started: float
 
 
+_FIRST = np.zeros(1, np.int64)  # a run of one prompt's columns starts at row 0
+
+
 class LookupSteps:
     """``Lookup`` in three steps (:class:`kvpool.wire.Together`), so that lookups that reach the fast-call loop
     together are answered with one pass over the index: ``begin`` (checks, the caller's tenant; under the
@@ -530,41 +533,21 @@ class LookupSteps:
             s._membership.worker_seen(s._worker(request.worker_id, "Lookup"))
         return _Begun(request, caller_keys(request.keys), n_keys, caller_tenant(), started)
 
-    def run(self, begun: Sequence[_Begun]) -> list[RunArrays]:
-        runs = self._s._index.leading_runs_arrays([b.keys for b in begun])
+    def run(self, begun: Sequence[_Begun]) -> list[RunReply]:
+        replies, _ = self._s._index.leading_runs_pass(lookup_replies, [b.keys for b in begun])
         if len(begun) > 1:  # (a lookup that came alone is answered by the same steps)
             self._s._metrics.lookups_together.inc(len(begun))
-        return runs
+        return replies
 
-    def end(self, begun: _Begun, run: RunArrays) -> bytes:
+    def end(self, begun: _Begun, run: RunReply) -> bytes:
         """The serialized LookupResponse (:mod:`kvpool.master.lookup_reply`); the lookup counted."""
         s = self._s
         request = begun.request
-        end = len(run.nodes)
-        packed_nodes = run.nodes.tobytes()
-        if end and packed_nodes == packed_nodes[: run.nodes.itemsize] * end:  # the usual case: one node holds the run
-            refs = s._membership.refs([int(run.nodes[0])])
-            order = [int(run.nodes[0])] if refs else []
-            end = end if refs else 0
-            node_indexes = np.zeros(end, np.uint32)
-        else:
-            numbers, indexes = np.unique(run.nodes, return_inverse=True)
-            refs = s._membership.refs(numbers.tolist())
-            alive = np.array([int(n) in refs for n in numbers], dtype=bool)
-            if not alive.all():  # a node dropped while we looked: the run ends at its first block
-                end = int(np.flatnonzero(~alive[indexes])[0])
-            # Renumber the nodes the run still uses, in order of first use.
-            used, first = np.unique(indexes[:end], return_index=True)
-            by_use = used[np.argsort(first)]
-            renumber = np.empty(len(numbers), dtype=np.uint32)
-            renumber[by_use] = np.arange(len(by_use))
-            node_indexes = renumber[indexes[:end]]
-            order = [int(numbers[i]) for i in by_use]
-        tiers = run.tiers[:end]
-        counted = tiers.tobytes()  # one byte a block: counted with bytes.count, no numpy pass
-        dram, ssd = counted.count(_DRAM_BYTE), counted.count(_SSD_BYTE)
-        response = encode(tiers, node_indexes, run.sizes[:end], run.checksums[:end],
-                          [s._node_ref_bytes(refs[n]) for n in order], dram, ssd)
+        refs = s._membership.refs(run.nodes)
+        if len(refs) < len(run.nodes):  # a node dropped while we looked
+            run, refs = self._without_dropped_nodes(begun)
+        response = reply(run, [s._node_field(refs[n]) for n in run.nodes])
+        dram, ssd = run.dram_blocks, run.ssd_blocks
         if not request.counted_by_caller:  # (a sharded client's part: it reports the merged lookup itself)
             s._metrics.record_lookup(
                 hbm=request.hbm_prefix_blocks,
@@ -576,6 +559,19 @@ class LookupSteps:
             )
         s._metrics.lookup_seconds.observe(time.perf_counter() - begun.started)
         return response
+
+    def _without_dropped_nodes(self, begun: _Begun) -> tuple[RunReply, dict[int, NodeRef]]:
+        """The run looked up again, ending at its first block on a node that is gone (the index drops a node's
+        blocks once its drop is through; meanwhile a lookup must not name it), and its nodes' refs."""
+        s = self._s
+        tiers, nodes, sizes, checksums = s._index.leading_run_arrays(begun.keys)
+        refs = s._membership.refs(np.unique(nodes).tolist())
+        gone = ~np.isin(nodes, np.fromiter(refs, np.uint32, len(refs)))
+        end = int(np.argmax(gone)) if gone.any() else len(nodes)
+        run = encode_runs(tiers, nodes, sizes, checksums, _FIRST, np.array([end], np.int64))[0]
+        return run, refs
+
+
 def _followed_blocks(number: int, request: master_pb2.ReportBlocksRequest) -> master_pb2.IndexChange:
     """An accepted report as the change log carries it (built when a follower asks)."""
     r = request

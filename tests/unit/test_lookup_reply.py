@@ -1,41 +1,67 @@
 """A Lookup's reply encoded from its run's columns (master/lookup_reply.py) is byte for byte the protobuf
-message's serialization, for runs of every shape."""
+message's serialization, for runs of every shape, one at a time or several in one call."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvpool.master.lookup_reply import encode, varint
+from kvpool.master.lookup_reply import RunReply, encode_runs, node_field, reply, varint
 from kvpool.v1 import common_pb2, master_pb2
 
-REFS = [common_pb2.NodeRef(node_id=f"n{i}", address=f"10.0.0.{i}:7610", host_id="h" * i, arena=f"kvpool-{i}",
-                           data_address=f"10.0.0.{i}:7611" if i % 2 else "") for i in range(3)]
-LONG_REF = common_pb2.NodeRef(node_id="n" * 200, address="a" * 300)  # a length that takes two varint bytes
+REFS = {100 + i: common_pb2.NodeRef(node_id=f"n{i}", address=f"10.0.0.{i}:7610", host_id="h" * i,
+                                    arena=f"kvpool-{i}", data_address=f"10.0.0.{i}:7611" if i % 2 else "")
+        for i in range(3)}
+REFS[7] = common_pb2.NodeRef(node_id="n" * 200, address="a" * 300)  # a length that takes two varint bytes
+
+
+def expected(tiers, nodes, sizes, checksums) -> master_pb2.LookupResponse:
+    """The reply as the servicer built it before: the run's nodes in order of first use, indexed per block."""
+    order = list(dict.fromkeys(nodes.tolist()))
+    return master_pb2.LookupResponse(
+        tiers=tiers.tobytes(), node_indexes=[order.index(n) for n in nodes.tolist()], sizes=sizes.tolist(),
+        checksums=checksums.tolist(), nodes=[REFS[n] for n in order], dram_blocks=int(np.count_nonzero(tiers == 1)),
+        ssd_blocks=int(np.count_nonzero(tiers == 2)))
+
+
+def encoded(run: RunReply) -> bytes:
+    return reply(run, [node_field(REFS[n].SerializeToString()) for n in run.nodes])
+
+
+def columns(blocks: int, shape: str, seed: int):
+    rng = np.random.default_rng(seed)
+    tiers = rng.integers(0, 3, blocks).astype(np.uint8)
+    if shape == "one node, one size":
+        nodes, sizes = np.full(blocks, 101, np.uint32), np.full(blocks, 4096, np.uint64)
+    else:
+        nodes = rng.choice(np.array(list(REFS), np.uint32), blocks)
+        widths = rng.integers(0, 64, blocks).astype(np.uint64)  # 0 to 64-bit values: 1 to 10 varint bytes
+        sizes = (rng.integers(0, 1 << 63, blocks).astype(np.uint64) * np.uint64(2) + np.uint64(1)) >> widths
+        sizes[: min(blocks, 3)] = [0, 127, (1 << 64) - 1][: min(blocks, 3)]
+    checksums = rng.integers(0, 1 << 63, blocks).astype(np.uint64) * np.uint64(2) + np.uint64(1)
+    return tiers, nodes, sizes, checksums
 
 
 @pytest.mark.parametrize("blocks", [0, 1, 2, 31, 127, 128, 300])
 @pytest.mark.parametrize("shape", ["one node, one size", "nodes and sizes of every width"])
 def test_the_encoded_reply_is_the_messages_serialization(blocks, shape):
-    rng = np.random.default_rng(blocks)
-    tiers = rng.integers(0, 3, blocks).astype(np.uint8)
-    if shape == "one node, one size":
-        refs, node_indexes, sizes = REFS[:1], np.zeros(blocks, np.uint32), np.full(blocks, 4096, np.uint64)
-    else:
-        refs = [*REFS, LONG_REF]
-        node_indexes = rng.integers(0, len(refs), blocks).astype(np.uint32)
-        widths = rng.integers(0, 64, blocks).astype(np.uint64)  # 0 to 64-bit values: 1 to 10 varint bytes
-        sizes = (rng.integers(0, 1 << 63, blocks).astype(np.uint64) * np.uint64(2) + np.uint64(1)) >> widths
-        sizes[: min(blocks, 3)] = [0, 127, (1 << 64) - 1][: min(blocks, 3)]
-    checksums = rng.integers(0, 1 << 63, blocks).astype(np.uint64) * np.uint64(2) + np.uint64(1)
-    dram, ssd = int(np.count_nonzero(tiers == 1)), int(np.count_nonzero(tiers == 2))
-    refs = refs if blocks else []
-    message = master_pb2.LookupResponse(
-        tiers=tiers.tobytes(), node_indexes=node_indexes.tolist(), sizes=sizes.tolist(), checksums=checksums.tolist(),
-        nodes=refs, dram_blocks=dram, ssd_blocks=ssd)
-    got = encode(tiers, node_indexes, sizes, checksums, [r.SerializeToString() for r in refs], dram, ssd)
-    assert got == message.SerializeToString()
-    assert master_pb2.LookupResponse.FromString(got) == message
+    cols = columns(blocks, shape, blocks)
+    (run,) = encode_runs(*cols, np.array([0]), np.array([blocks]))
+    message = expected(*cols)
+    assert encoded(run) == message.SerializeToString()
+    assert master_pb2.LookupResponse.FromString(encoded(run)) == message
+    assert (run.dram_blocks, run.ssd_blocks) == (message.dram_blocks, message.ssd_blocks)
+
+
+def test_several_runs_in_one_call_are_each_their_own_reply():
+    """Runs are rows ``starts[p]`` up to ``ends[p]`` of shared columns; rows past a run's end (a pass's keys
+    after a prompt's first miss) are not part of it."""
+    cols = columns(400, "nodes and sizes of every width", 3)
+    starts, ends = np.array([0, 10, 10, 200, 390]), np.array([5, 10, 150, 390, 400])
+    runs = encode_runs(*cols, starts, ends)
+    assert len(runs) == 5
+    for run, lo, end in zip(runs, starts, ends):
+        assert encoded(run) == expected(*(c[lo:end] for c in cols)).SerializeToString()
 
 
 def test_strided_and_read_only_columns_encode_as_their_values():
@@ -43,13 +69,34 @@ def test_strided_and_read_only_columns_encode_as_their_values():
     wide = np.arange(40, dtype=np.uint64).reshape(20, 2)
     sizes, checksums = wide[:, 0], wide[:, 1]
     sizes.flags.writeable = False
-    tiers, nodes = np.ones(20, np.uint8), np.zeros(20, np.uint32)
-    message = master_pb2.LookupResponse(tiers=tiers.tobytes(), node_indexes=[0] * 20, sizes=sizes.tolist(),
-                                        checksums=checksums.tolist(), nodes=REFS[:1], dram_blocks=20)
-    assert encode(tiers, nodes, sizes, checksums, [REFS[0].SerializeToString()], 20, 0) == message.SerializeToString()
+    tiers, nodes = np.ones(20, np.uint8), np.full(20, 100, np.uint32)
+    (run,) = encode_runs(tiers, nodes, sizes, checksums, np.array([0]), np.array([20]))
+    assert encoded(run) == expected(tiers, nodes, sizes, checksums).SerializeToString()
 
 
 @pytest.mark.parametrize("value", [0, 1, 127, 128, 300, 1 << 32, (1 << 64) - 1])
 def test_a_varint_is_protobufs(value):
     packed = master_pb2.LookupResponse(sizes=[value]).SerializeToString()  # tag, length (one byte), the varint
     assert varint(value) == packed[2:]
+
+
+def test_a_lookup_pass_finds_and_encodes_what_its_two_halves_do():
+    """lookup_replies (the index probe and the encoding in one compiled call) answers what
+    leading_runs_columns, then encode_runs, answer (each tested against a plain search and the message)."""
+    from kvpool.keys import opaque_key
+    from kvpool.master.index import BlockIndex
+    from kvpool.master.lookup_reply import lookup_replies
+    from kvpool.vocabulary import Tier
+
+    index = BlockIndex()
+    for node in (3, 4):
+        index.open_node(node)
+    keys = [opaque_key(f"pass-{i}") for i in range(100)]
+    index.add(3, Tier.DRAM, keys[:40], list(range(40)), list(range(1000, 1040)))
+    index.add(4, Tier.SSD, keys[30:70], [1 << 40] * 40, list(range(40)))
+    prompts = [b"".join(keys[:80]), b"", b"".join(keys[50:60] + keys[90:]), b"".join(keys[35:45]), keys[99]]
+    together, starts = index.leading_runs_pass(lookup_replies, prompts)
+    columns, firsts, ends = index.leading_runs_columns(prompts)
+    assert together == encode_runs(*columns, firsts, ends)
+    assert [len(master_pb2.LookupResponse.FromString(r.fields).tiers) for r in together] == [70, 0, 10, 10, 0]
+    assert starts.tolist() == [0, 80, 80, 100, 110, 111]

@@ -133,3 +133,27 @@ def test_one_pass_takes_at_most_max_together_bytes_of_requests(monkeypatch):
     assert passes == [3, 3, 2] + [1] * 8
     assert together == alone
     assert wire._parts([5, 6, 7], [10, 99, 1], 20) == [[5], [6], [7]]
+
+
+def test_a_node_dropped_while_a_lookup_looked_ends_its_run_at_its_first_block(monkeypatch):
+    """The index still lists a dropped node's blocks until its drop is through; a lookup that meets one ends its
+    run there and never names the node, alone or together with others."""
+    server = MasterServer(MasterConfig())
+    keys = [opaque_key(f"dropped-{i}") for i in range(12)]
+    _store(server, "n1", b"".join(keys[:4] + keys[6:]), common_pb2.TIER_DRAM)
+    _store(server, "n22", b"".join(keys[4:6]), common_pb2.TIER_SSD)
+    membership = server.membership
+    (gone,) = [info.number for info in membership.live_nodes() if info.ref.node_id == "n22"]
+    refs = membership.refs
+    monkeypatch.setattr(membership, "refs", lambda numbers: {n: r for n, r in refs(numbers).items() if n != gone})
+    handler = _handler(server, None)
+    peer = Peer(None)
+    calls = [(peer, master_pb2.LookupRequest(keys=b"".join(keys))),
+             (peer, master_pb2.LookupRequest(keys=b"".join(keys[6:])))]
+    together, alone = _answers(handler, _requests(handler, calls))
+    assert together == alone
+    runs = [master_pb2.LookupResponse.FromString(reply[32:]) for reply, _ in together]
+    assert [len(r.tiers) for r in runs] == [4, 6]  # the first ends at keys[4], on the dropped node
+    assert [[n.node_id for n in r.nodes] for r in runs] == [["n1"], ["n1"]]
+    assert list(runs[0].sizes) == [1, 2, 3, 4] and runs[0].ssd_blocks == 0 and runs[0].dram_blocks == 4
+    assert runs[0] == server.servicer.Lookup(calls[0][1], _Ctx())  # gRPC's answer too
