@@ -59,7 +59,7 @@ _LOOKUP_COUNTERS = (
     ("kvpool_hit_tokens", "Tokens of the leading hit run, by tier", True),
     ("kvpool_miss_blocks", "Blocks after the leading hit run", False),
 )
-_TIER_INDEX = {tier: i for i, tier in enumerate(TIER_LABELS)}
+_TIER_INDEX = {tier: i for i, tier in enumerate(TIER_LABELS)}  # (LookupMetrics.add takes hits in this order)
 # A tally's slots: lookups, blocks, tokens, hit blocks per tier, hit tokens per tier, misses.
 _HIT_BLOCKS, _HIT_TOKENS, _MISSES = 3, 3 + len(TIER_LABELS), 3 + 2 * len(TIER_LABELS)
 
@@ -96,21 +96,30 @@ class LookupMetrics(Collector):
                tenant: str = "") -> None:
         """Count ``lookups`` lookups of ``requested`` blocks in all, whose leading runs were served as
         ``hits_by_tier`` (``tenant``: whose, with ``by_tenant``)."""
-        hit = sum(hits_by_tier.values())
-        if min(lookups, requested, block_tokens, requested - hit, *hits_by_tier.values()) < 0:
+        hits = [0] * len(TIER_LABELS)
+        for tier, n in hits_by_tier.items():
+            hits[_TIER_INDEX[tier]] += n  # KeyError: no such tier
+        self.add(tenant, lookups, requested, block_tokens, *hits)
+
+    def add(self, tenant: str, lookups: int, requested: int, block_tokens: int, hbm: int, dram: int,
+            ssd: int) -> None:
+        """:meth:`record` with the hits by tier given in :data:`TIER_LABELS`' order (the master's hot path:
+        no dict)."""
+        if min(lookups, requested, block_tokens, hbm, dram, ssd, requested - hbm - dram - ssd) < 0:
             raise ValueError(f"lookup counts must not be negative: lookups {lookups}, requested {requested}, "
-                             f"block_tokens {block_tokens}, hits {hits_by_tier}")
-        tiers = [_TIER_INDEX[tier] for tier, n in hits_by_tier.items() if n]  # KeyError: no such tier
+                             f"block_tokens {block_tokens}, hits hbm {hbm} dram {dram} ssd {ssd}")
         with self._lock:
             c = self._of(tenant if self._by_tenant else "")
             c[0] += lookups
             c[1] += requested
             c[2] += requested * block_tokens
-            for i in tiers:
-                n = hits_by_tier[TIER_LABELS[i]]
-                c[_HIT_BLOCKS + i] += n
-                c[_HIT_TOKENS + i] += n * block_tokens
-            c[_MISSES] += requested - hit
+            c[_HIT_BLOCKS] += hbm
+            c[_HIT_BLOCKS + 1] += dram
+            c[_HIT_BLOCKS + 2] += ssd
+            c[_HIT_TOKENS] += hbm * block_tokens
+            c[_HIT_TOKENS + 1] += dram * block_tokens
+            c[_HIT_TOKENS + 2] += ssd * block_tokens
+            c[_MISSES] += requested - hbm - dram - ssd
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:

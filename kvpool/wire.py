@@ -393,13 +393,17 @@ class Together(Protocol):
     one index pass for all of them). ``begin`` and ``end`` run under each caller's identity, as ``fn`` does;
     ``run`` once for all the requests begun, and its results are in their order. ``end(begin(r, c),
     run([...])[i])`` answers exactly what ``fn(r, c)`` would, as a message or already serialized (sent as
-    it is). A request that comes alone is answered by the same steps (a pass of one)."""
+    it is). A request that comes alone is answered by the same steps (``alone``: a pass of one)."""
 
     def begin(self, request: Any, context: Any) -> Any: ...
 
     def run(self, begun: Sequence[Any]) -> Sequence[Any]: ...
 
     def end(self, begun: Any, result: Any) -> Message | bytes: ...
+
+    def alone(self, request: Any, context: Any) -> Message | bytes:
+        """A request that came alone: ``end(begin(request, context), run([...])[0])``, as ``fn`` answers it."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -504,15 +508,11 @@ class WireHandler:
                 return error_frame(grpc.StatusCode.UNIMPLEMENTED, f"no method {step.head.code} here"), True
             return self._login(peer, body)
         assert not route.bulk, f"wire: {route.name} is a bulk method, served from its stream"
-        if route.together is not None:  # a pass of one: its steps may answer in fewer steps than route.fn
-            answers: list[tuple[bytes, bool] | None] = [None]
-            self._answer_group([(step, body, peer, host)], [0], answers)
-            if answers[0] is not None:
-                return answers[0]
         request = self._decode(route, body, peer)
         if isinstance(request, bytes):
             return request, True
-        return self._reply(route, peer, route.fn, request, _Context(f"tcp:{host}")), True
+        fn = route.fn if route.together is None else route.together.alone
+        return self._reply(route, peer, fn, request, _Context(f"tcp:{host}")), True
 
     def answer_together(self, requests: Sequence[tuple[Step, bytes, Peer, str]]) -> list[tuple[bytes, bool] | None]:
         """The replies to complete requests that arrived together (each as :meth:`answer` takes it): those of a

@@ -351,8 +351,11 @@ class BlockIndex:
         table's probe arguments, its location, size and checksum columns, the node bits)."""
         if any(len(p) % KEY_BYTES for p in packed):
             raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
-        starts = np.array([0, *itertools.accumulate(len(p) // KEY_BYTES for p in packed)], np.int64)
-        words = np.frombuffer(packed[0] if len(packed) == 1 else b"".join(packed), np.uint64)
+        if len(packed) == 1:  # (a lookup alone: the usual case at low load)
+            starts, words = np.array((0, len(packed[0]) // KEY_BYTES), np.int64), np.frombuffer(packed[0], np.uint64)
+        else:
+            starts = np.array([0, *itertools.accumulate(len(p) // KEY_BYTES for p in packed)], np.int64)
+            words = np.frombuffer(b"".join(packed), np.uint64)
         with self._lock:
             t = self._table
             cols = t.cols

@@ -168,6 +168,8 @@ class RunReply(NamedTuple):
 def _replies(out: npt.NDArray[np.uint8], meta: npt.NDArray[np.int64], prompts: int) -> list[RunReply]:
     """The replies :func:`_encode` wrote (``out``, ``meta``) for ``prompts`` runs."""
     buf, m = out.tobytes(), meta.tolist()
+    if prompts == 1:  # (a lookup alone: meta is its two offsets, two node offsets, two counts, its nodes)
+        return [RunReply(buf, m[6:], m[4], m[5])]
     at, first, counts, used = m[:prompts + 1], m[prompts + 1:2 * prompts + 2], m[2 * prompts + 2:], 4 * prompts + 2
     return [RunReply(buf[at[p]:at[p + 1]], m[used + first[p]:used + first[p + 1]], counts[2 * p], counts[2 * p + 1])
             for p in range(prompts)]

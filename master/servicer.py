@@ -324,8 +324,7 @@ class MasterServicer(master_pb2_grpc.MasterServicer):
 
     def Lookup(self, request: master_pb2.LookupRequest, context: Any) -> master_pb2.LookupResponse:
         """(gRPC's; the fast-call wire answers with :class:`LookupSteps`' bytes as they are.)"""
-        begun = self._lookup.begin(request, context)
-        return master_pb2.LookupResponse.FromString(self._lookup.end(begun, self._lookup.run([begun])[0]))
+        return master_pb2.LookupResponse.FromString(self._lookup.alone(request, context))
 
     def Exists(self, request: master_pb2.ExistsRequest, context: Any) -> master_pb2.ExistsResponse:
         self._lead(context)
@@ -532,6 +531,10 @@ class LookupSteps:
         if request.worker_id:
             s._membership.worker_seen(s._worker(request.worker_id, "Lookup"))
         return _Begun(request, caller_keys(request.keys), n_keys, caller_tenant(), started)
+
+    def alone(self, request: master_pb2.LookupRequest, context: Any) -> bytes:
+        begun = self.begin(request, context)
+        return self.end(begun, self.run((begun,))[0])
 
     def run(self, begun: Sequence[_Begun]) -> list[RunReply]:
         replies, _ = self._s._index.leading_runs_pass(lookup_replies, [b.keys for b in begun])

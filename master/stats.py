@@ -117,7 +117,7 @@ class MasterMetrics:
         """Count ``lookups`` lookups of ``tenant``: ``requested`` blocks (HBM prefix included), the runs served as
         given."""
         with self._lock:
-            self._lookup.record({"hbm": hbm, "dram": dram, "ssd": ssd}, requested, block_tokens, lookups, tenant)
+            self._lookup.add(tenant, lookups, requested, block_tokens, hbm, dram, ssd)
             t = self._totals  # in LookupTotals' field order
             t[0] += lookups
             t[1] += requested
