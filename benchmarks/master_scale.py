@@ -23,10 +23,12 @@ request ``PoolClient.lookup`` sends with ``shared_memory=False``, and a ``PoolCl
 ``--spin-us``, ``ClientConfig.spin_wait_us`` unless given); Mooncake's ``batch_is_exist`` (one store
 per process, shared by its threads). After every thread has made its first call, the lookups completed
 over ``--seconds`` are counted, and the master process's CPU over the same window is read from
-``/proc/PID/stat`` (utime + stime): lookups/s and master CPU per lookup, each with its ratio.
+``/proc/PID/stat`` (utime + stime): lookups/s and master CPU per lookup, each with its ratio, and the client
+processes' CPU per lookup (summed over them).
 
-The clients share the machine's cores with the masters: a rate is what this machine sustains, the CPU per
-lookup what one lookup costs the master. ``--systems kvpool`` runs without Mooncake.
+The clients share the machine's cores with the masters: a rate is what this machine sustains (the master's
+and the clients' CPU per lookup together), the master's CPU per lookup what one lookup costs the master.
+``--systems kvpool`` runs without Mooncake.
 """
 
 from __future__ import annotations
@@ -185,10 +187,13 @@ class System:
                 line = w.stdout.readline().strip()
                 if line != "ready":
                     raise RuntimeError(f"{self.name} worker did not start: {line or w.wait()}")
+            pids = [w.pid for w in workers]
             self._tell(workers, "go")
             cpu0, t0 = sum(map(cpu_seconds, self.master_pids)), time.monotonic()
+            clients0 = sum(map(cpu_seconds, pids))
             time.sleep(args.seconds)
             cpu1, t1 = sum(map(cpu_seconds, self.master_pids)), time.monotonic()
+            clients1 = sum(map(cpu_seconds, pids))
             self._tell(workers, "stop")
             results = [json.loads(w.stdout.readline()) for w in workers if w.stdout is not None]
         finally:
@@ -201,7 +206,8 @@ class System:
             raise RuntimeError(f"{self.name} lookups failed at {clients} clients: {errors[:3]}")
         lookups = sum(r["lookups"] for r in results)
         return {"lookups_per_s": lookups / (t1 - t0), "cpu_us": 1e6 * (cpu1 - cpu0) / max(1, lookups),
-                "cpu_pct": 100 * (cpu1 - cpu0) / (t1 - t0), "procs": procs}
+                "cpu_pct": 100 * (cpu1 - cpu0) / (t1 - t0), "procs": procs,
+                "client_cpu_us": 1e6 * (clients1 - clients0) / max(1, lookups)}
 
     @staticmethod
     def _tell(workers: list[subprocess.Popen], line: str) -> None:
@@ -289,7 +295,8 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
         return f"{a / b:.2f}" if a is not None and b else "-"
 
     lines = ["| clients | kvpool lookups/s | Mooncake lookups/s | rate kvpool/Mooncake "
-             "| master CPU per lookup kvpool / Mooncake |", "|---|---|---|---|---|"]
+             "| master CPU per lookup kvpool / Mooncake | client CPU per lookup kvpool / Mooncake |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         k, m = r.get("kvpool"), r.get("mooncake")
         rate_k = f"{k['lookups_per_s']:,.0f}" if k else "-"
@@ -297,13 +304,17 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
         cpu_k = f"{k['cpu_us']:.0f}" if k else "-"
         cpu_m = f"{m['cpu_us']:.0f}" if m else "-"
         cpu_r = f" ({k['cpu_us'] / m['cpu_us']:.2f} x)" if k and m and m["cpu_us"] else ""
+        client_k = f"{k['client_cpu_us']:.0f}" if k else "-"
+        client_m = f"{m['client_cpu_us']:.0f}" if m else "-"
         lines.append(f"| {r['clients']} | {rate_k} | {rate_m} | "
-                     f"{ratio(k and k['lookups_per_s'], m and m['lookups_per_s'])} | {cpu_k} / {cpu_m} us{cpu_r} |")
+                     f"{ratio(k and k['lookups_per_s'], m and m['lookups_per_s'])} | {cpu_k} / {cpu_m} us{cpu_r} | "
+                     f"{client_k} / {client_m} us |")
     procs = ", ".join(f"{r['clients']}: {next(iter(v['procs'] for s, v in r.items() if s in SYSTEMS))}"
                       for r in rows)
     lines += ["", f"{args.lookup_keys}-key lookups, half present; {args.seconds:g} s counted per point after every "
-                  f"thread's first call; client processes per point ({procs}); master CPU from /proc "
-                  f"(utime + stime) over the counted window; kvpool clients spin {args.spin_us} us for a reply."]
+                  f"thread's first call; client processes per point ({procs}); master and client CPU from /proc "
+                  f"(utime + stime, the client processes' summed) over the counted window; kvpool clients spin "
+                  f"{args.spin_us} us for a reply."]
     return "\n".join(lines)
 
 
