@@ -5,10 +5,11 @@
 Builds the master's parts as ``kvpool master`` does (``MasterServer``, nothing bound), registers one node and
 indexes ``--blocks`` blocks, then times, best of 3 rounds of ``--calls``: the request's decode, the whole
 servicer ``Lookup`` (validation, tenant mapping, the index, the reply, the metrics), and its parts on their own
-(``BlockIndex.leading_run_arrays``, ``KeyTable.find``, the lookup counters, the latency histogram, the worker's
-liveness, the node's ref, the reply's encode), gRPC's parse of the reply, one lookup through the fast-call
-handler, and per lookup, 32 lookups answered together through it (one index pass; wire decode and encode
-included). ``master_scale.py`` measures the same
+(the pass that finds and encodes the run in one compiled call, the lookup counters, the latency histogram,
+the worker's liveness, the node's ref, the reply's bytes), for reference the index's run alone
+(``BlockIndex.leading_run_arrays``, ``KeyTable.find``) and a found run's encoding, gRPC's parse of the
+reply, one lookup through the fast-call handler, and per lookup, 32 lookups answered together through it
+(one pass; wire decode and encode included). ``master_scale.py`` measures the same
 path in a real master under load (where each stage costs more: caches are shared with the clients); this one
 is steady enough to compare two versions on a busy machine. ``--profile``: cProfile of the servicer's Lookup
 after the table.
@@ -25,7 +26,7 @@ import numpy as np
 
 from kvpool.config import MasterConfig
 from kvpool.keys import opaque_key
-from kvpool.master.lookup_reply import encode_runs, reply
+from kvpool.master.lookup_reply import encode_runs, lookup_replies, reply
 from kvpool.master.server import MasterServer
 from kvpool.v1 import common_pb2, master_pb2
 
@@ -64,21 +65,25 @@ def main() -> int:
     if len(answer.tiers) != half:
         raise SystemExit(f"lookup found {len(answer.tiers)} of {half} present keys")
     index, table = server.index, server.index._table
-    words = np.frombuffer(request.keys, np.uint64).reshape(-1, 4)
+    words = np.frombuffer(request.keys, np.uint64).reshape(-1, 4)  # the key's four words, as the index reads them
     run, field = index.leading_run_arrays(request.keys), servicer._node_field(server.membership.refs([0])[0])
     rows = np.array([0], np.int64), np.array([half], np.int64)
-    encoded = answer.SerializeToString()  # the key's four words, as the index reads them
+    (found,) = index.leading_runs_pass(lookup_replies, [request.keys])[0]
+    encoded = answer.SerializeToString()
     stages: list[tuple[str, Callable[[], Any]]] = [
         ("request decode", lambda: master_pb2.LookupRequest.FromString(body)),
-        ("servicer Lookup (all of the below)", lambda: servicer.Lookup(request, ctx)),
-        ("  BlockIndex.leading_run_arrays", lambda: index.leading_run_arrays(request.keys)),
-        ("    KeyTable.find", lambda: table.find(words[:, 0], words[:, 1])),
+        ("servicer Lookup (gRPC's: all of the below, and the reply parsed)", lambda: servicer.Lookup(request, ctx)),
+        ("  the pass: probe and reply fields, one compiled call (leading_runs_pass, lookup_replies)",
+         lambda: index.leading_runs_pass(lookup_replies, [request.keys])),
         ("  lookup counters (record_lookup)", lambda: server.metrics.record_lookup(
             hbm=0, dram=half, ssd=0, requested=LOOKUP_KEYS, block_tokens=0)),
         ("  latency histogram (observe)", lambda: server.metrics.lookup_seconds.observe(1e-4)),
         ("  worker liveness (worker_seen)", lambda: server.membership.worker_seen("scale-0")),
-        ("  node refs + wire NodeRef", lambda: servicer._node_field(server.membership.refs([0])[0])),
-        ("  reply encode (lookup_reply.encode_runs, reply)", lambda: reply(encode_runs(*run, *rows)[0], [field])),
+        ("  node refs (Membership.refs)", lambda: server.membership.refs(found.nodes)),
+        ("  the reply's bytes (lookup_reply.reply)", lambda: reply(found, [field])),
+        ("the index alone (BlockIndex.leading_run_arrays)", lambda: index.leading_run_arrays(request.keys)),
+        ("  KeyTable.find", lambda: table.find(words[:, 0], words[:, 1])),
+        ("a found run encoded (lookup_reply.encode_runs)", lambda: encode_runs(*run, *rows)),
         ("gRPC's reply message from those bytes", lambda: master_pb2.LookupResponse.FromString(encoded)),
     ]
     together = _together_requests(server, keys[:half], TOGETHER)
