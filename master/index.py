@@ -94,7 +94,7 @@ import numpy.typing as npt
 from kvpool.keys import KEY_BYTES, BlockKey
 from kvpool.master.keytable import KeyTable, Rows, last_wins
 from kvpool.master.node_keys import NodeKeys
-from kvpool.master.probe import leading_run, leading_runs
+from kvpool.master.probe import leading_run
 from kvpool.vocabulary import NO_TIER, Tier
 from kvpool.worker_ids import scoped_id, split_scoped_id
 
@@ -327,28 +327,12 @@ class BlockIndex:
             return RunArrays(*leading_run(words, *t.probed(), cols["loc1"], cols["size"], cols["checksum"],
                                           _NODE_BITS64))
 
-    def leading_runs_arrays(self, packed: Sequence[bytes]) -> list[RunArrays]:
-        """:meth:`leading_run_arrays` of several prompts' packed keys in one pass (:meth:`leading_runs_columns`)."""
-        if len(packed) == 1:
-            return [self.leading_run_arrays(packed[0])]
-        (tiers, nodes, sizes, checksums), starts, ends = self.leading_runs_columns(packed)
-        return [RunArrays(tiers[lo:end], nodes[lo:end], sizes[lo:end], checksums[lo:end])
-                for lo, end in zip(starts.tolist(), ends.tolist())]
-
-    def leading_runs_columns(self, packed: Sequence[bytes]) -> tuple[RunArrays, npt.NDArray[np.int64],
-                                                                     npt.NDArray[np.int64]]:
-        """The leading runs of several prompts' packed keys in one compiled call (what lookups that arrive
-        together share: :func:`kvpool.master.probe.leading_runs`), each probed up to its own first miss: the
-        columns (a row per key given) and per prompt where its rows start and where its run ends (rows
-        ``starts[p]`` up to ``ends[p]``)."""
-        (columns, ends), starts = self.leading_runs_pass(leading_runs, packed)
-        return RunArrays(*columns), starts[:-1], ends
-
     def leading_runs_pass(self, kernel: Callable[..., T], packed: Sequence[bytes]) -> tuple[T, npt.NDArray[np.int64]]:
         """``kernel(words, starts, *table)`` over several prompts' packed keys, under the index's lock, and
         ``starts``: ``words`` holds the keys one after another, prompt ``p``'s from key ``starts[p]`` up to
-        ``starts[p + 1]``; ``table`` is what :func:`kvpool.master.probe.leading_runs` takes after them (the
-        table's probe arguments, its location, size and checksum columns, the node bits)."""
+        ``starts[p + 1]``; ``table`` is what :func:`kvpool.master.probe.leading_run` takes after its words
+        (the table's probe arguments, its location, size and checksum columns, the node bits). The Lookups
+        that reach the master together share one such call (:func:`kvpool.master.lookup_reply.lookup_replies`)."""
         if any(len(p) % KEY_BYTES for p in packed):
             raise ValueError(f"block keys must be {KEY_BYTES} bytes each")
         if len(packed) == 1:  # (a lookup alone: the usual case at low load)

@@ -58,13 +58,13 @@ def _put_varint(out, at, value):
 
 
 @numba.njit  # (inlined into the kernel: cached with it)
-def _put_packed(out, at, tag, values):
-    """Write a packed repeated varint field of ``values`` (nothing when there are none); return where it ends.
-    Its length is counted first, so the bytes are written once."""
-    if values.shape[0] == 0:
+def _put_packed(out, at, tag, values, lo, hi):
+    """Write a packed repeated varint field of ``values[lo:hi]`` (nothing when that is empty); return where it
+    ends. Its length is counted first, so the bytes are written once."""
+    if hi == lo:
         return at
     length = 0
-    for i in range(values.shape[0]):
+    for i in range(lo, hi):
         v = np.uint64(values[i])
         length += 1
         while v > _LOW:
@@ -72,7 +72,7 @@ def _put_packed(out, at, tag, values):
             length += 1
     out[at] = tag
     at = _put_varint(out, at + 1, np.uint64(length))
-    for i in range(values.shape[0]):
+    for i in range(lo, hi):
         at = _put_varint(out, at, np.uint64(values[i]))
     return at
 
@@ -121,10 +121,11 @@ def _encode(tiers, nodes, sizes, checksums, starts, ends):
         if n:
             out[o] = _TIERS
             o = _put_varint(out, o + 1, np.uint64(n))
-            out[o:o + n] = tiers[lo:hi]
-            o += n
-        o = _put_packed(out, o, _NODE_INDEXES, index[lo:hi])
-        o = _put_packed(out, o, _SIZES, sizes[lo:hi])
+            for r in range(lo, hi):
+                out[o] = tiers[r]
+                o += 1
+        o = _put_packed(out, o, _NODE_INDEXES, index, lo, hi)
+        o = _put_packed(out, o, _SIZES, sizes, lo, hi)
         if n:
             out[o] = _CHECKSUMS
             o = _put_varint(out, o + 1, np.uint64(8 * n))
@@ -186,8 +187,9 @@ def encode_runs(tiers: npt.NDArray[np.uint8], nodes: npt.NDArray[np.uint32], siz
 
 def lookup_replies(words: npt.NDArray[np.uint64], starts: npt.NDArray[np.int64], *table: Any) -> list[RunReply]:
     """The replies of several prompts' lookups in one compiled call: each prompt's leading run found as
-    :func:`kvpool.master.probe.leading_runs` finds it (``words``, ``starts`` and ``table`` as it takes them),
-    then encoded as :func:`encode_runs` encodes it."""
+    :func:`kvpool.master.probe.leading_run` finds it (``words``: the prompts' keys one after another, prompt
+    ``p`` from key ``starts[p]`` up to ``starts[p + 1]``; ``table`` as :meth:`BlockIndex.leading_runs_pass`
+    gives it), then encoded as :func:`encode_runs` encodes it."""
     out, meta = _lookup_replies(words, starts, *table)
     return _replies(out, meta, len(starts) - 1)
 

@@ -2,20 +2,21 @@
 
 :func:`probe` is :meth:`kvpool.master.keytable.KeyTable.find` as one loop over the keys: each key's home
 (a salted Fibonacci hash of k0), then the first slot of its neighbourhood whose fingerprint, k0 and k1
-match. :func:`leading_run` is a Lookup's whole index pass: its keys probed up to the first miss, each hit's
-location, size and checksum gathered on the way; :func:`leading_runs` the same for the Lookups that reach
-the master together, in one call. A 64-key Lookup's index pass costs
+match. :func:`leading_run` is one prompt's whole index pass: its keys probed up to the first miss, each
+hit's location, size and checksum gathered on the way (:func:`run_into`, which the Lookups' pass of
+:mod:`kvpool.master.lookup_reply` runs for each of its prompts too). A 64-key Lookup's index pass costs
 ~4 us in process against ~17 us as a dozen numpy calls, and far less of the cache that a master's loop
 thread finds cold between two requests (``docs/benchmarks.md``, "The index probe compiled").
 
 Why numba: the probe is the master's one hot loop over keys, and numba (a well-kept JIT for numpy code; it
 needs numpy and llvmlite, nothing of protobuf or grpcio) compiles it from this Python with no C of ours to
 build, ship or audit. The compiled code is cached on disk (numba's ``cache=True``: ``__pycache__`` beside
-this file, or ``NUMBA_CACHE_DIR``, or the user's cache): a process compiles the kernels at import once per
-machine (~1 s), and loads them in ~0.3 s after that. Where no cache can be written (a read-only install
-and home: the hardened systemd unit, a read-only container), each process compiles them in memory at
-import instead. One signature each, given here, takes every array a caller has (read-only or not, strided
-or not): no call waits for a compilation.
+this file, or ``NUMBA_CACHE_DIR``, or the user's cache): a process compiles the master's kernels (these and
+:mod:`kvpool.master.lookup_reply`'s) at import once per machine (~4 s), and loads them in ~0.5 s after
+that. Where no cache can be written (a read-only install and home, a read-only container: the deploy files
+give both a cache directory), each process compiles them in memory at import instead. One signature each,
+given here, takes every array a caller has (read-only or not, strided or not): no call waits for a
+compilation.
 
 Invariants: the arguments are a table's own columns (:meth:`KeyTable.probed`: ``fp`` uint16, ``k0`` and
 ``k1`` uint64 views of its aligned records, its salt, shift, alignment and neighbourhood), read, never
@@ -67,9 +68,6 @@ RUN_COLUMN_TYPES = (  # the columns a run gathers (loc, size, checksum) and node
     readonly(types.uint32), _U64S, _U64S, types.uint64)
 _RUN_SIGNATURE = types.Tuple([types.Array(t, 1, "C") for t in (types.uint8, types.uint32, types.uint64, types.uint64)])(
     _U64S, *PROBED_TYPES, *RUN_COLUMN_TYPES)
-_RUNS_SIGNATURE = types.Tuple([types.Array(t, 1, "C") for t in (types.uint8, types.uint32, types.uint64, types.uint64,
-                                                                types.int64)])(
-    _U64S, readonly(types.int64), *PROBED_TYPES, *RUN_COLUMN_TYPES)
 
 
 @numba.njit  # (inlined into the kernels: cached with them)
@@ -122,18 +120,6 @@ def _leading_run(words, fp, k0, k1, salt, shift, align_bits, hood, loc, size, ch
     return tiers[:end], nodes[:end], sizes[:end], checksums[:end]
 
 
-@compiled(_RUNS_SIGNATURE)
-def _leading_runs(words, starts, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits):
-    n = words.shape[0] // 4
-    tiers, nodes = np.empty(n, np.uint8), np.empty(n, np.uint32)
-    sizes, checksums = np.empty(n, np.uint64), np.empty(n, np.uint64)
-    ends = np.empty(starts.shape[0] - 1, np.int64)
-    for p in range(starts.shape[0] - 1):
-        ends[p] = run_into(words, starts[p], starts[p + 1], fp, k0, k1, salt, shift, align_bits, hood, loc, size,
-                            checksum, node_bits, tiers, nodes, sizes, checksums)
-    return tiers, nodes, sizes, checksums, ends
-
-
 def probe(q0: npt.NDArray[np.uint64], q1: npt.NDArray[np.uint64], fp: npt.NDArray[np.uint16],
           k0: npt.NDArray[np.uint64], k1: npt.NDArray[np.uint64], salt: np.uint64, shift: np.uint64,
           align_bits: np.uint64, hood: int, rows: npt.NDArray[np.intp]) -> None:
@@ -153,16 +139,3 @@ def leading_run(words: npt.NDArray[np.uint64], fp: npt.NDArray[np.uint16], k0: n
     (``loc >> node_bits``) and node number (the low ``node_bits``), its size and checksum. Probing stops at
     the first absent key."""
     return _leading_run(words, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum, node_bits)
-
-
-def leading_runs(words: npt.NDArray[np.uint64], starts: npt.NDArray[np.int64], fp: npt.NDArray[np.uint16],
-                 k0: npt.NDArray[np.uint64], k1: npt.NDArray[np.uint64], salt: np.uint64, shift: np.uint64,
-                 align_bits: np.uint64, hood: int, loc: npt.NDArray[np.uint32], size: npt.NDArray[np.uint64],
-                 checksum: npt.NDArray[np.uint64], node_bits: np.uint64) -> tuple[Columns, npt.NDArray[np.int64]]:
-    """:func:`leading_run` of several prompts in one call: ``words`` holds their keys one after another, prompt
-    ``p`` is keys ``starts[p]`` to ``starts[p + 1]`` (``starts`` ascending, from 0 to the number of keys).
-    Returns the columns with a row per key, and per prompt the key its run ends at (its first absent key, or
-    its end): rows ``starts[p]`` up to there hold its run; the rows past a run's end are garbage."""
-    *columns, ends = _leading_runs(words, starts, fp, k0, k1, salt, shift, align_bits, hood, loc, size, checksum,
-                                   node_bits)
-    return (columns[0], columns[1], columns[2], columns[3]), ends

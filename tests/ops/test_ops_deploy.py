@@ -207,6 +207,8 @@ def test_systemd_units_restart_are_hardened_and_run_kvpool_with_the_config(name)
     if name == "kvpool-node.service":
         # A private /dev would hide the arena from same-host engines; the SSD tier lives in the StateDirectory.
         assert service.get("PrivateDevices", "no") == "no" and service["StateDirectory"] == "kvpool"
+    else:  # numba caches the index's compiled kernels where the read-only system lets it write
+        assert f"NUMBA_CACHE_DIR=%C/{service['CacheDirectory']}/" in service["Environment"]
 
 
 def test_systemd_example_config_and_environment_load():

@@ -25,7 +25,8 @@ from kvpool.master import index as index_module
 from kvpool.master import keytable
 from kvpool.master.index import BlockIndex, Hit
 from kvpool.master.keytable import KeyTable
-from kvpool.master.probe import leading_run, leading_runs
+from kvpool.master.lookup_reply import encode_runs, lookup_replies
+from kvpool.master.probe import leading_run
 from kvpool.vocabulary import Tier
 
 DRAM, SSD = Tier.DRAM, Tier.SSD
@@ -353,14 +354,14 @@ def test_the_compiled_kernels_find_exactly_what_a_search_of_the_table_finds():
     whole = np.frombuffer(packed[np.array(expected) >= 0].tobytes(), np.uint64)
     assert [c.tolist() for c in leading_run(whole, *table.probed(), *columns)] == run_of(present)
     assert [len(c) for c in leading_run(words[:0], *table.probed(), *columns)] == [0] * 4
-    # several prompts in one call: each stops at its own first miss
+    # several prompts in one call (the Lookups' pass, encoding each run): each stops at its own first miss
     starts = np.array([0, 0, first_miss + 3, 2000, 3200], np.int64)
-    got, ends = leading_runs(words, starts, *table.probed(), *columns)
+    replies = lookup_replies(words, starts, *table.probed(), *columns)
     for p in range(4):
         lo, hi = int(starts[p]), int(starts[p + 1])
         end = next((i for i in range(lo, hi) if expected[i] < 0), hi)
-        assert int(ends[p]) == end
-        assert [c[lo:end].tolist() for c in got] == run_of(expected[lo:end])
+        run = [np.array(c, t) for c, t in zip(run_of(expected[lo:end]), (np.uint8, np.uint32, np.uint64, np.uint64))]
+        assert replies[p] == encode_runs(*run, np.array([0]), np.array([end - lo]))[0]
 
 
 def test_the_kernels_compile_in_memory_where_their_cache_cannot_be_written_or_read(tmp_path):
@@ -377,12 +378,14 @@ if sys.argv[1] == "nowhere":
     caching.CacheImpl._locator_classes = []
 from kvpool.keys import opaque_key
 from kvpool.master.index import BlockIndex
+from kvpool.master.lookup_reply import lookup_replies
 from kvpool.vocabulary import Tier
 index = BlockIndex()
 index.open_node(0)
 keys = [opaque_key(f"k{i}") for i in range(3)]
 index.add(0, Tier.DRAM, keys[:2], [1, 2], [3, 4])
-print(len(index.leading_run(keys)), len(index.leading_runs_arrays([b"".join(keys)] * 2)), index.exists(keys))
+replies, _ = index.leading_runs_pass(lookup_replies, [b"".join(keys)] * 2)
+print(len(index.leading_run(keys)), [r.dram_blocks for r in replies], index.exists(keys))
 """
     cache = tmp_path / "numba"
 
@@ -390,7 +393,7 @@ print(len(index.leading_run(keys)), len(index.leading_runs_arrays([b"".join(keys
         done = subprocess.run([sys.executable, "-c", code, case], capture_output=True, text=True, timeout=300,
                               env={**os.environ, "NUMBA_CACHE_DIR": str(cache)})
         assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stdout.strip() == "2 2 [True, True, False]"
+        assert done.stdout.strip() == "2 [2, 2] [True, True, False]"
         return done.stderr
 
     assert "compiled in memory" not in run("cached")
@@ -398,7 +401,7 @@ print(len(index.leading_run(keys)), len(index.leading_runs_arrays([b"".join(keys
     assert files  # the kernels were cached there
     for f in files:
         f.write_bytes(b"\xb1 not a cache file")
-    kernels = 5  # probe.py's three and lookup_reply.py's two (the package imports the servicer)
+    kernels = 4  # probe.py's two and lookup_reply.py's two
     assert run("damaged").count("compiled in memory, not cached") == kernels
     assert run("nowhere").count("compiled in memory, not cached") == kernels
 
@@ -547,8 +550,9 @@ def test_leading_run_arrays_agree_with_leading_run():
 
 
 def test_runs_of_prompts_looked_up_together_equal_each_alone():
-    """leading_runs_arrays (lookups that arrived together, one probe) cuts each prompt at its own first miss,
-    whatever the others hold: empty prompts, all-present, all-absent, a miss first or last, in any order."""
+    """The Lookups' pass (lookup_replies: lookups that arrived together, one compiled call) cuts each prompt at
+    its own first miss, whatever the others hold: empty prompts, all-present, all-absent, a miss first or last,
+    in any order; each reply is its prompt's run alone, encoded."""
     from kvpool.keys import opaque_key
 
     rng = random.Random(29)
@@ -564,15 +568,15 @@ def test_runs_of_prompts_looked_up_together_equal_each_alone():
         lo = rng.randrange(0, 380)
         prompts.append(b"".join(keys[lo:lo + rng.randrange(0, 20)]))
     for batch in (prompts, prompts[1:2], prompts[:1], [b"", b""], list(reversed(prompts))):
-        together = index.leading_runs_arrays(batch)
-        assert len(together) == len(batch)
-        for packed, run in zip(batch, together):
+        together, starts = index.leading_runs_pass(lookup_replies, batch)
+        assert len(together) == len(batch) and starts[-1] == sum(len(p) for p in batch) // 32
+        for packed, reply in zip(batch, together):
             alone = index.leading_run_arrays(packed)
-            for field in ("tiers", "nodes", "sizes", "checksums"):
-                assert getattr(run, field).tolist() == getattr(alone, field).tolist(), field
-    assert sum(len(r.tiers) for r in index.leading_runs_arrays(prompts)) > 100  # (hits, not only misses)
+            assert reply == encode_runs(*alone, np.array([0]), np.array([len(alone.tiers)]))[0]
+    replies, _ = index.leading_runs_pass(lookup_replies, prompts)
+    assert sum(r.dram_blocks + r.ssd_blocks for r in replies) > 100  # (hits, not only misses)
     with pytest.raises(ValueError):
-        index.leading_runs_arrays([b"", b"x" * 33])
+        index.leading_runs_pass(lookup_replies, [b"", b"x" * 33])
 
 
 # -- tier transitions (the master's KV events) ----------------------------------------------

@@ -78,25 +78,3 @@ def test_strided_and_read_only_columns_encode_as_their_values():
 def test_a_varint_is_protobufs(value):
     packed = master_pb2.LookupResponse(sizes=[value]).SerializeToString()  # tag, length (one byte), the varint
     assert varint(value) == packed[2:]
-
-
-def test_a_lookup_pass_finds_and_encodes_what_its_two_halves_do():
-    """lookup_replies (the index probe and the encoding in one compiled call) answers what
-    leading_runs_columns, then encode_runs, answer (each tested against a plain search and the message)."""
-    from kvpool.keys import opaque_key
-    from kvpool.master.index import BlockIndex
-    from kvpool.master.lookup_reply import lookup_replies
-    from kvpool.vocabulary import Tier
-
-    index = BlockIndex()
-    for node in (3, 4):
-        index.open_node(node)
-    keys = [opaque_key(f"pass-{i}") for i in range(100)]
-    index.add(3, Tier.DRAM, keys[:40], list(range(40)), list(range(1000, 1040)))
-    index.add(4, Tier.SSD, keys[30:70], [1 << 40] * 40, list(range(40)))
-    prompts = [b"".join(keys[:80]), b"", b"".join(keys[50:60] + keys[90:]), b"".join(keys[35:45]), keys[99]]
-    together, starts = index.leading_runs_pass(lookup_replies, prompts)
-    columns, firsts, ends = index.leading_runs_columns(prompts)
-    assert together == encode_runs(*columns, firsts, ends)
-    assert [len(master_pb2.LookupResponse.FromString(r.fields).tiers) for r in together] == [70, 0, 10, 10, 0]
-    assert starts.tolist() == [0, 80, 80, 100, 110, 111]
