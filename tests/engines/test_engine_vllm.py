@@ -132,16 +132,20 @@ def test_a_pool_down_or_killed_between_lookup_and_load_costs_misses_never_wrong_
     prompts = {f"p{i}": prompt(10 + i, 256) for i in range(1, 6)}
     longer = {name: toks + prompt(20, 40) for name, toks in prompts.items()}
     drive(python, model, tmp_path, [{"name": "A", "kvpool": kv, "requests": [req(n, t) for n, t in prompts.items()]}])
-    state = {"master": master, "node": node}
+    state: dict[str, Any] = {"master": master, "node": node}
 
     def on_pause(name: str) -> None:
         if name == "down":  # the whole pool, before B asks it anything
+            state["indexed"] = procs.status().indexed_blocks  # (A's blocks: on SSD too, write-through)
             kill_9(state["master"])
             kill_9(state["node"])
         elif name == "up":
             state["master"] = start_master(procs, **master_flags)
             state["node"] = start_node(procs, "n1", **node_flags)
             procs.wait_nodes(1)
+            # The node registers, then re-reports its SSD inventory: wait for that, not only the registration
+            # (a lookup between the two is a miss, as it would be for any client).
+            wait_until(lambda: procs.status().indexed_blocks >= state["indexed"], 20)
         elif name == "kill-node":  # lookups still find its blocks, the loads then fail
             kill_9(state["node"])
 
