@@ -31,6 +31,7 @@ from kvpool.vocabulary import Tier
 # The LookupResponse fields' tags (field number << 3 | wire type: 2 length-delimited, 0 varint)
 _TIERS, _NODE_INDEXES, _SIZES, _CHECKSUMS, _NODES, _DRAM, _SSD = 0x0A, 0x12, 0x1A, 0x22, 0x2A, 0x30, 0x38
 _DRAM_TIER, _SSD_TIER = np.uint8(Tier.DRAM), np.uint8(Tier.SSD)  # a tier as a reply's tiers byte holds it
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing of node numbers
 _SEVEN = np.uint64(7)
 _LOW = np.uint64(0x7F)
 _MORE = np.uint64(0x80)
@@ -98,6 +99,17 @@ def _encode(tiers, nodes, sizes, checksums, starts, ends):
     meta = np.zeros(4 * prompts + 2 + blocks, np.int64)
     counts, used = 2 * prompts + 2, 4 * prompts + 2
     index = np.empty(tiers.shape[0], np.uint32)  # per row, its node's place in its run's nodes
+    # A run's nodes, numbered in order of first use through a hash table (open addressing; a slot belongs to
+    # the run whose number it is stamped with): O(1) a block however many nodes a run spans.
+    longest = 0
+    for p in range(prompts):
+        longest = max(longest, ends[p] - starts[p])
+    bits = 3
+    while (1 << bits) < 2 * longest:
+        bits += 1
+    mask = (1 << bits) - 1
+    slot_node, slot_place = np.empty(1 << bits, np.int64), np.empty(1 << bits, np.int64)
+    slot_run = np.full(1 << bits, -1, np.int64)
     o = 0
     u = used
     for p in range(prompts):
@@ -106,13 +118,15 @@ def _encode(tiers, nodes, sizes, checksums, starts, ends):
         first = u
         lo, hi = starts[p], ends[p]
         for r in range(lo, hi):
-            k = first
-            while k < u and meta[k] != nodes[r]:  # (a run's nodes are few: most often one)
-                k += 1
-            if k == u:
-                meta[u] = nodes[r]
+            node = np.int64(nodes[r])
+            h = np.int64((np.uint64(node) * _GOLDEN) >> np.uint64(64 - bits))
+            while slot_run[h] == p and slot_node[h] != node:
+                h = (h + 1) & mask
+            if slot_run[h] != p:
+                slot_run[h], slot_node[h], slot_place[h] = p, node, u - first
+                meta[u] = node
                 u += 1
-            index[r] = k - first
+            index[r] = slot_place[h]
             if tiers[r] == _DRAM_TIER:
                 meta[counts + 2 * p] += 1
             elif tiers[r] == _SSD_TIER:

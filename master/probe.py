@@ -12,7 +12,7 @@ Why numba: the probe is the master's one hot loop over keys, and numba (a well-k
 needs numpy and llvmlite, nothing of protobuf or grpcio) compiles it from this Python with no C of ours to
 build, ship or audit. The compiled code is cached on disk (numba's ``cache=True``: ``__pycache__`` beside
 this file, or ``NUMBA_CACHE_DIR``, or the user's cache): a process compiles the master's kernels (these and
-:mod:`kvpool.master.lookup_reply`'s) at import once per machine (~4 s), and loads them in ~0.5 s after
+:mod:`kvpool.master.lookup_reply`'s) at import once per machine (~5 s), and loads them in ~0.8 s after
 that. Where no cache can be written (a read-only install and home, a read-only container: the deploy files
 give both a cache directory), each process compiles them in memory at import instead. One signature each,
 given here, takes every array a caller has (read-only or not, strided or not): no call waits for a

@@ -78,3 +78,19 @@ def test_strided_and_read_only_columns_encode_as_their_values():
 def test_a_varint_is_protobufs(value):
     packed = master_pb2.LookupResponse(sizes=[value]).SerializeToString()  # tag, length (one byte), the varint
     assert varint(value) == packed[2:]
+
+
+def test_a_run_over_thousands_of_nodes_numbers_each_by_first_use():
+    """A run's nodes are numbered through a hash table (a run may span every node of the pool; a scan of the
+    nodes seen so far would cost blocks x nodes). Node numbers up to 2^30 - 1, repeats far apart."""
+    rng = np.random.default_rng(11)
+    numbers = rng.choice(np.arange((1 << 30) - 3000, 1 << 30, dtype=np.uint32), 6000)
+    numbers[:3] = [0, 1 << 29, 0]
+    tiers, sizes = np.ones(6000, np.uint8), np.arange(6000, dtype=np.uint64)
+    (run,) = encode_runs(tiers, numbers, sizes, sizes, np.array([0]), np.array([6000]))
+    order = list(dict.fromkeys(numbers.tolist()))
+    assert run.nodes == order and len(order) > 2000
+    parsed = master_pb2.LookupResponse.FromString(run.fields)
+    place = {n: i for i, n in enumerate(order)}
+    assert list(parsed.node_indexes) == [place[n] for n in numbers.tolist()]
+    assert run.dram_blocks == 6000 and list(parsed.sizes) == sizes.tolist()
