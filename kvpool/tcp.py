@@ -630,10 +630,12 @@ class Exchange:
     :func:`await_bytes`). ``deadline``: the call's ``time.monotonic()`` deadline (None: none), shared by
     every wait of the call (connecting, AUTH, the spin, the blocking read): no wait outlives it.
     ``wait_s``: the longest one socket wait may block within the deadline (the pool's ``timeout_s``).
+    ``waited``: set by the exchange function, how long its reply took to come (the pool's spin follows it).
     """
 
     def __init__(self, spin_s: float = 0.0, deadline: float | None = None, wait_s: float = math.inf):
         self.replied = False
+        self.waited: float | None = None  # seconds from the request sent to its reply's first bytes, if measured
         self.spin_s = spin_s
         self.deadline = deadline
         self.wait_s = wait_s
@@ -665,6 +667,8 @@ def capped(limit: float, deadline: float | None) -> float:
 
 _PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # (an int: the flags' enum OR costs a poll ~1 us)
 _SPINNING = threading.Semaphore(1)  # one thread of a process polls for its reply at a time
+REPLY_WAIT_WEIGHT = 1 / 8  # a pool's typical reply wait per address: each reply's weight in the moving average
+MAX_WAIT_ADDRESSES = 4096  # addresses whose reply waits a pool tracks
 
 
 def await_bytes(sock: socket.socket, spin_s: float, deadline: float | None = None) -> bool:
@@ -676,6 +680,10 @@ def await_bytes(sock: socket.socket, spin_s: float, deadline: float | None = Non
     long has its virtual CPU halted, and waking it costs ~100-300 us here, more than a small call's work
     (``benchmarks/reply_spin.py``). The poll holds the GIL only between system calls, and ``sched_yield``
     gives the core to anything runnable. TLS sockets are not polled (their reads are Python's).
+
+    A :class:`ConnectionPool` polls only for the replies of a peer that typically answers within the spin
+    (its recent replies' waits, per address); a loaded peer's reply comes later than any spin, and polling for
+    it only takes the CPU that peer or the host's other callers need.
 
     One thread of a process polls at a time; the others waiting meanwhile block at once. A process with
     one waiter is the one whose core would go idle; with many (a benchmark's 128 client threads), each
@@ -715,6 +723,7 @@ class ConnectionPool:
                  spin_wait_s: float = 0.0):
         self.timeout_s = timeout_s
         self.spin_wait_s = spin_wait_s
+        self._reply_waits: dict[str, float] = {}  # per address: recent replies' typical wait (s), when spinning
         self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         self.max_idle_per_address = max_idle_per_address
         self.tls = tls
@@ -795,10 +804,12 @@ class ConnectionPool:
             time_left(deadline)  # TimeoutError: spent before a connection was touched
             sock, reused = self._acquire(address, attempt > 0, deadline)  # the retry: a new connection, not
             # another pooled one (the listener may have closed several idle ones to make room)
-            state = Exchange(self.spin_wait_s, deadline, self.timeout_s)
+            state = Exchange(self._spin_for(address), deadline, self.timeout_s)
             try:
                 set_io_timeout(sock, capped(self.timeout_s, deadline))
                 result = fn(sock, state, *args)
+                if state.waited is not None and self.spin_wait_s:
+                    self._reply_waited(address, state.waited)
             except OSError as exc:
                 sock.close()
                 if reused and not state.replied and attempt == 0 and not is_timeout(exc):
@@ -810,6 +821,20 @@ class ConnectionPool:
             self._release(address, sock)
             return result
         raise AssertionError("connection pool: retry loop fell through")
+
+    def _spin_for(self, address: str) -> float:
+        """How long this call polls for its reply: ``spin_wait_s`` while ``address``'s replies typically come
+        within it (a spin that pays), else 0 (a loaded peer's reply comes later than any spin: polling for it
+        only takes CPU from the peer and the other callers on the host)."""
+        return self.spin_wait_s if self._reply_waits.get(address, 0.0) < self.spin_wait_s else 0.0
+
+    def _reply_waited(self, address: str, waited: float) -> None:
+        """Fold one reply's wait into ``address``'s typical wait (a moving average of the last ~8; its reads and
+        writes race between threads without harm: it is an estimate)."""
+        typical = self._reply_waits.get(address)
+        if typical is None and len(self._reply_waits) >= MAX_WAIT_ADDRESSES:
+            self._reply_waits.clear()  # (a client of very many peers: start their estimates over)
+        self._reply_waits[address] = waited if typical is None else typical + (waited - typical) * REPLY_WAIT_WEIGHT
 
     def close(self) -> None:
         with self._lock:

@@ -73,6 +73,7 @@ import enum
 import logging
 import socket
 import struct
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -111,6 +112,8 @@ MAX_ERROR_BYTES = 64 << 10  # an error message is cut to this
 MAX_GET_BYTES = 256 << 20  # a GET's hits may hold at most this (or max_request_bytes if larger): clients ask for less
 CALL_SLACK_BYTES = 64 << 10  # a header's bytes beyond its per-key fields (ids, flags, field tags)
 PER_ELEMENT_BYTES = 11  # most bytes one element of a repeated number field takes (tag + 10-byte varint)
+REPLY_READ_BYTES = 16 << 10  # a reply's first read takes up to this much (a small reply: all of it)
+SMALL_REQUEST_BYTES = 64 << 10  # a unary request this small is sent as one joined buffer
 AUTH_HEADER_LIMIT = MAX_TOKEN_BYTES + 16  # an AuthRequest with a token of MAX_TOKEN_BYTES, with its tag and length
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -213,32 +216,59 @@ class CallError(StatusError):
         super().__init__(code, details, f"{code.name}: {details}")
 
 
-def read_reply(sock: socket.socket, state: Exchange | None, max_header: int) -> tuple[Head, bytes]:
+def read_reply(sock: socket.socket, state: Exchange | None, max_header: int, *,
+               unary: bool = False) -> tuple[Head, bytes]:
     """A reply's fixed header and header section (for an error: its message, and the status in ``Head.code``).
+
+    ``unary``: the reply is all its peer sends until the next request (a unary call's). Its first read then
+    takes the fixed header and whatever came with it, up to :data:`REPLY_READ_BYTES` (a small reply: one system
+    call); a payload, a trailer or bytes past the reply are a CallError. Otherwise exactly the fixed header and
+    the header section are read, and a payload is left for the caller.
 
     Raises :class:`~kvpool.tcp.Refused` for a full listener's refusal, and
     CallError for a reply this protocol does not allow (the connection is then
     out of step: drop it). An error reply leaves the connection usable.
     """
+    sent = time.monotonic()
     if state is not None and not await_bytes(sock, state.spin_s, state.deadline) and state.deadline is not None:
         state.left()  # TimeoutError: the spin ran to the deadline
         set_io_timeout(sock, capped(state.wait_s, state.deadline))  # the blocking read: what the spin left
-    head = parse(recv_exact(sock, FRAME.size))
+    if unary:
+        first = sock.recv(REPLY_READ_BYTES)
+        if not first:
+            raise ConnectionError("peer closed the connection before its reply")
+        if len(first) < FRAME.size:
+            first += recv_exact(sock, FRAME.size - len(first))
+    else:
+        first = bytes(recv_exact(sock, FRAME.size))
     if state is not None:
         state.replied = True
+        state.waited = time.monotonic() - sent
+    head = parse(first[:FRAME.size])
     if head is None:
         raise CallError(grpc.StatusCode.UNIMPLEMENTED, "the peer does not speak the kvpool wire (version 2)")
     if head.code != 0:
         if head.header > MAX_ERROR_BYTES or head.payload or head.trailer:
             raise CallError(grpc.StatusCode.INTERNAL, "malformed error reply")
-        text = bytes(recv_exact(sock, head.header)).decode("utf-8", "replace")
+        text = _rest(sock, first, head.header).decode("utf-8", "replace")
         if head.flags & FLAG_REFUSED:
             raise Refused(text)
         return head, text.encode()
+    if unary and (head.payload or head.trailer):
+        raise CallError(grpc.StatusCode.INTERNAL, "a unary reply with a payload or trailer")
     if head.header > max_header:
         raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                         f"a reply header of {head.header} bytes (at most {max_header} expected)")
-    return head, bytes(recv_exact(sock, head.header))
+    return head, _rest(sock, first, head.header)
+
+
+def _rest(sock: socket.socket, first: bytes, length: int) -> bytes:
+    """The ``length`` bytes after the fixed header; ``first``, the reply's first read, holds some of them."""
+    missing = FRAME.size + length - len(first)
+    if missing < 0:
+        raise CallError(grpc.StatusCode.INTERNAL, f"{-missing} bytes past the reply: the peer is out of step")
+    body = first[FRAME.size:]
+    return body + recv_incremental(sock, missing) if missing else body
 
 
 def status_error(head: Head, body: bytes) -> CallError:
@@ -251,11 +281,11 @@ def unary_exchange(sock: socket.socket, state: Exchange, method: Method, body: b
     """A :meth:`~kvpool.tcp.ConnectionPool.exchange` function: one unary call, its reply (maybe an error).
 
     The socket comes armed with the call's timeout; the reply's wait ends at ``state.deadline``."""
-    send_buffers(sock, request_frame(method, body))
-    head, reply = read_reply(sock, state, max_reply)
-    if head.payload or head.trailer:
-        raise CallError(grpc.StatusCode.INTERNAL, f"a reply to method {method} with a payload or trailer")
-    return head, reply
+    if len(body) <= SMALL_REQUEST_BYTES:  # one joining copy is cheaper than a gathered write's views
+        sock.sendall(pack(method, len(body)) + body)
+    else:
+        send_buffers(sock, request_frame(method, body))
+    return read_reply(sock, state, max_reply, unary=True)
 
 
 def auth_hello(token: str) -> Callable[[socket.socket], None]:

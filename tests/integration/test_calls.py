@@ -146,6 +146,53 @@ def test_one_thread_of_a_process_polls_for_its_reply_at_a_time():
         d.sendall(b"y")
         assert await_bytes(c, 30.0) is True  # its turn now
 
+def test_a_pool_polls_for_replies_only_while_its_peer_answers_within_the_spin():
+    """A peer whose replies come later than the spin (a loaded master) is waited for blocked, not polled; once
+    its replies come quickly again, the pool polls again. Each exchange sees the spin it was given."""
+    delay = [0.0]
+    server = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:  # one connection: each request frame answered "ok" after ``delay``
+        conn, _ = server.accept()
+        with conn:
+            while not stop.is_set():
+                try:
+                    head = wire.parse(recv_exact(conn, wire.FRAME.size))
+                except ConnectionError:
+                    return
+                assert head is not None
+                recv_exact(conn, head.header)
+                time.sleep(delay[0])  # (the peer's load)
+                conn.sendall(wire.pack(0, 2) + b"ok")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    pool = ConnectionPool(10.0, spin_wait_s=0.002)
+    spins: list[float] = []
+
+    def call(sock: socket.socket, state: tcp.Exchange) -> bytes:
+        spins.append(state.spin_s)
+        return wire.unary_exchange(sock, state, Method.LOOKUP, b"", 1 << 10)[1]
+
+    try:
+        assert pool.exchange(address, call) == b"ok" and spins == [0.002]  # nothing known yet: it polls
+        delay[0] = 0.02  # replies take 10 x the spin
+        for _ in range(12):
+            assert pool.exchange(address, call) == b"ok"
+        assert spins[-4:] == [0.0] * 4  # blocked on, not polled for
+        delay[0] = 0.0
+        for _ in range(40):
+            pool.exchange(address, call)
+        assert spins[-4:] == [0.002] * 4  # quick again: polled for again
+    finally:
+        stop.set()
+        pool.close()
+        server.close()
+        thread.join(5)
+
+
 def test_bad_requests_get_a_clear_status_and_change_nothing(master, pool):
     server, stub = master
     fast = DirectMaster(server.address, pool=pool, timeout_s=2.0, max_message_bytes=MESSAGE_BYTES)
