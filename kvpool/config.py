@@ -752,8 +752,8 @@ class ClientConfig:
     io_timeout_s: float = opt(5.0, "deadline of a node data call; past it the blocks are misses", check=seconds_check)
     spin_wait_us: int = opt(300, "poll this long for a master or node reply before blocking on it (a blocked "
                             "thread's wake-up can cost more than a small call; one thread of a process polls at a "
-                            "time, the others block; a peer whose replies typically take longer, a loaded one, is "
-                            "not polled for); 0: block at once; at most "
+                            "time, the others block; after a poll that went unanswered, a loaded peer's, that peer is "
+                            "not polled for a while, up to 64 calls); 0: block at once; at most "
                             f"{MAX_SPIN_WAIT_US} (never past the call's deadline)",
                             check=in_range(0, MAX_SPIN_WAIT_US, "0: block at once"))
     put_queue_bytes: int = opt(1 << 30, "write-behind bound in bytes; a full queue drops new puts (counted)", size=True,

@@ -630,12 +630,12 @@ class Exchange:
     :func:`await_bytes`). ``deadline``: the call's ``time.monotonic()`` deadline (None: none), shared by
     every wait of the call (connecting, AUTH, the spin, the blocking read): no wait outlives it.
     ``wait_s``: the longest one socket wait may block within the deadline (the pool's ``timeout_s``).
-    ``waited``: set by the exchange function, how long its reply took to come (the pool's spin follows it).
+    ``polled``: set by the exchange function, what its poll for the reply gave (None: it did not poll).
     """
 
     def __init__(self, spin_s: float = 0.0, deadline: float | None = None, wait_s: float = math.inf):
         self.replied = False
-        self.waited: float | None = None  # seconds from the request sent to its reply's first bytes, if measured
+        self.polled: bool | None = None  # its reply poll (await_bytes): True: the reply came; False: it did not
         self.spin_s = spin_s
         self.deadline = deadline
         self.wait_s = wait_s
@@ -667,23 +667,24 @@ def capped(limit: float, deadline: float | None) -> float:
 
 _PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # (an int: the flags' enum OR costs a poll ~1 us)
 _SPINNING = threading.Semaphore(1)  # one thread of a process polls for its reply at a time
-REPLY_WAIT_WEIGHT = 1 / 8  # a pool's typical reply wait per address: each reply's weight in the moving average
-MAX_WAIT_ADDRESSES = 4096  # addresses whose reply waits a pool tracks
+MAX_POLL_PAUSE = 64  # most calls a pool does not poll for an address's reply after its polls went unanswered
+MAX_PAUSED_ADDRESSES = 4096  # addresses a pool tracks pauses for
 
 
-def await_bytes(sock: socket.socket, spin_s: float, deadline: float | None = None) -> bool:
+def await_bytes(sock: socket.socket, spin_s: float, deadline: float | None = None) -> bool | None:
     """Poll ``sock`` until a byte is readable, for up to ``spin_s`` and never past ``deadline``
     (``time.monotonic()``), yielding the CPU between polls. True: a byte is there (or the peer closed, or
-    the socket failed: the caller's read reports it); False: the spin ended first, nothing read.
+    the socket failed: the caller's read reports it); False: the spin ended first, nothing read; None: it did
+    not poll (no spin, a TLS socket, or another thread of the process polls).
 
     A reply that comes within a few hundred microseconds then costs no wake-up: on a VM a thread blocked that
     long has its virtual CPU halted, and waking it costs ~100-300 us here, more than a small call's work
     (``benchmarks/reply_spin.py``). The poll holds the GIL only between system calls, and ``sched_yield``
     gives the core to anything runnable. TLS sockets are not polled (their reads are Python's).
 
-    A :class:`ConnectionPool` polls only for the replies of a peer that typically answers within the spin
-    (its recent replies' waits, per address); a loaded peer's reply comes later than any spin, and polling for
-    it only takes the CPU that peer or the host's other callers need.
+    A :class:`ConnectionPool` polls for a peer's replies while its polls pay (see :meth:`ConnectionPool.exchange`):
+    a loaded peer's reply comes later than any spin, and polling for it only takes the CPU that peer or the
+    host's other callers need.
 
     One thread of a process polls at a time; the others waiting meanwhile block at once. A process with
     one waiter is the one whose core would go idle; with many (a benchmark's 128 client threads), each
@@ -691,7 +692,7 @@ def await_bytes(sock: socket.socket, spin_s: float, deadline: float | None = Non
     at 1,024 clients: 12,483 lookups/s with one poller a process, 9,803 with all of them).
     """
     if spin_s <= 0 or isinstance(sock, ssl.SSLSocket) or not _SPINNING.acquire(blocking=False):
-        return False
+        return None
     try:
         return _spin(sock, spin_s, deadline)
     finally:
@@ -723,7 +724,7 @@ class ConnectionPool:
                  spin_wait_s: float = 0.0):
         self.timeout_s = timeout_s
         self.spin_wait_s = spin_wait_s
-        self._reply_waits: dict[str, float] = {}  # per address: recent replies' typical wait (s), when spinning
+        self._poll_pauses: dict[str, list[int]] = {}  # per address: [calls left not polling, pause length]
         self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         self.max_idle_per_address = max_idle_per_address
         self.tls = tls
@@ -808,8 +809,8 @@ class ConnectionPool:
             try:
                 set_io_timeout(sock, capped(self.timeout_s, deadline))
                 result = fn(sock, state, *args)
-                if state.waited is not None and self.spin_wait_s:
-                    self._reply_waited(address, state.waited)
+                if state.polled is not None:
+                    self._poll_paid(address, state.polled)
             except OSError as exc:
                 sock.close()
                 if reused and not state.replied and attempt == 0 and not is_timeout(exc):
@@ -823,18 +824,31 @@ class ConnectionPool:
         raise AssertionError("connection pool: retry loop fell through")
 
     def _spin_for(self, address: str) -> float:
-        """How long this call polls for its reply: ``spin_wait_s`` while ``address``'s replies typically come
-        within it (a spin that pays), else 0 (a loaded peer's reply comes later than any spin: polling for it
-        only takes CPU from the peer and the other callers on the host)."""
-        return self.spin_wait_s if self._reply_waits.get(address, 0.0) < self.spin_wait_s else 0.0
+        """How long this call polls for its reply: ``spin_wait_s``, unless ``address``'s polls lately went
+        unanswered (a loaded peer: its reply comes later than any spin, and polling for it only takes CPU from
+        it and the host's other callers); then not for a pause that doubles with each poll that fails again,
+        up to :data:`MAX_POLL_PAUSE` calls, and ends at the first that pays (:meth:`_poll_paid`)."""
+        pause = self._poll_pauses.get(address)
+        if pause is None or pause[0] <= 0:
+            return self.spin_wait_s
+        pause[0] -= 1
+        return 0.0
 
-    def _reply_waited(self, address: str, waited: float) -> None:
-        """Fold one reply's wait into ``address``'s typical wait (a moving average of the last ~8; its reads and
-        writes race between threads without harm: it is an estimate)."""
-        typical = self._reply_waits.get(address)
-        if typical is None and len(self._reply_waits) >= MAX_WAIT_ADDRESSES:
-            self._reply_waits.clear()  # (a client of very many peers: start their estimates over)
-        self._reply_waits[address] = waited if typical is None else typical + (waited - typical) * REPLY_WAIT_WEIGHT
+    def _poll_paid(self, address: str, paid: bool) -> None:
+        """Whether a poll for ``address``'s reply got it (its reads and writes race between threads without
+        harm: the pause is a heuristic)."""
+        pause = self._poll_pauses.get(address)
+        if paid:
+            if pause is not None:
+                del self._poll_pauses[address]
+            return
+        if pause is None:
+            if len(self._poll_pauses) >= MAX_PAUSED_ADDRESSES:
+                self._poll_pauses.clear()  # (a client of very many loaded peers: start over)
+            self._poll_pauses[address] = [1, 1]
+        else:
+            pause[1] = min(2 * pause[1], MAX_POLL_PAUSE)
+            pause[0] = pause[1]
 
     def close(self) -> None:
         with self._lock:

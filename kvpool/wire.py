@@ -73,7 +73,6 @@ import enum
 import logging
 import socket
 import struct
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -229,10 +228,11 @@ def read_reply(sock: socket.socket, state: Exchange | None, max_header: int, *,
     CallError for a reply this protocol does not allow (the connection is then
     out of step: drop it). An error reply leaves the connection usable.
     """
-    sent = time.monotonic()
-    if state is not None and not await_bytes(sock, state.spin_s, state.deadline) and state.deadline is not None:
-        state.left()  # TimeoutError: the spin ran to the deadline
-        set_io_timeout(sock, capped(state.wait_s, state.deadline))  # the blocking read: what the spin left
+    if state is not None:
+        state.polled = await_bytes(sock, state.spin_s, state.deadline)
+        if not state.polled and state.deadline is not None:
+            state.left()  # TimeoutError: the spin ran to the deadline
+            set_io_timeout(sock, capped(state.wait_s, state.deadline))  # the blocking read: what the spin left
     if unary:
         first = sock.recv(REPLY_READ_BYTES)
         if not first:
@@ -243,7 +243,6 @@ def read_reply(sock: socket.socket, state: Exchange | None, max_header: int, *,
         first = bytes(recv_exact(sock, FRAME.size))
     if state is not None:
         state.replied = True
-        state.waited = time.monotonic() - sent
     head = parse(first[:FRAME.size])
     if head is None:
         raise CallError(grpc.StatusCode.UNIMPLEMENTED, "the peer does not speak the kvpool wire (version 2)")

@@ -110,10 +110,11 @@ def test_await_bytes_returns_when_a_byte_is_there_leaves_it_unread_and_gives_up_
     a, b = socket.socketpair()
     with a, b:
         started = time.perf_counter()
-        await_bytes(a, 0.01)  # nothing comes: it returns after its spin, having read nothing
+        assert await_bytes(a, 0.01) is False  # nothing comes: it returns after its spin, having read nothing
         assert time.perf_counter() - started >= 0.01
+        assert await_bytes(a, 0.0) is None  # no spin: it does not poll
         threading.Timer(0.002, b.sendall, (b"xy",)).start()
-        await_bytes(a, 5.0)  # returns once the bytes are there, long before its spin ends
+        assert await_bytes(a, 5.0) is True  # returns once the bytes are there, long before its spin ends
         assert time.perf_counter() - started < 4.0
         a.settimeout(1.0)
         assert a.recv(2) == b"xy"  # peeked, not consumed
@@ -138,7 +139,7 @@ def test_one_thread_of_a_process_polls_for_its_reply_at_a_time():
             time.sleep(0.001)
         assert not tcp._SPINNING._value and poller.is_alive()
         started = time.perf_counter()
-        assert await_bytes(c, 30.0) is False  # not its turn: it does not poll for 30 s
+        assert await_bytes(c, 30.0) is None  # not its turn: it does not poll for 30 s
         assert time.perf_counter() - started < 10.0 and poller.is_alive()
         b.sendall(b"x")
         poller.join(10)
@@ -146,20 +147,20 @@ def test_one_thread_of_a_process_polls_for_its_reply_at_a_time():
         d.sendall(b"y")
         assert await_bytes(c, 30.0) is True  # its turn now
 
-def test_a_pool_polls_for_replies_only_while_its_peer_answers_within_the_spin():
-    """A peer whose replies come later than the spin (a loaded master) is waited for blocked, not polled; once
-    its replies come quickly again, the pool polls again. Each exchange sees the spin it was given."""
+def test_a_pool_pauses_its_polls_for_a_peer_whose_replies_come_after_the_spin():
+    """A peer whose replies come later than the spin (a loaded master) is polled for less and less often: the
+    pause after a poll that went unanswered doubles, up to MAX_POLL_PAUSE calls; the first poll that gets its
+    reply ends it. Each exchange sees the spin it was given."""
     delay = [0.0]
     server = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
 
     def serve() -> None:  # one connection: each request frame answered "ok" after ``delay``
         conn, _ = server.accept()
         with conn:
-            while not stop.is_set():
+            while True:
                 try:
                     head = wire.parse(recv_exact(conn, wire.FRAME.size))
-                except ConnectionError:
+                except (ConnectionError, OSError):
                     return
                 assert head is not None
                 recv_exact(conn, head.header)
@@ -169,7 +170,8 @@ def test_a_pool_polls_for_replies_only_while_its_peer_answers_within_the_spin():
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     address = f"127.0.0.1:{server.getsockname()[1]}"
-    pool = ConnectionPool(10.0, spin_wait_s=0.002)
+    spin = 0.001
+    pool = ConnectionPool(10.0, spin_wait_s=spin)
     spins: list[float] = []
 
     def call(sock: socket.socket, state: tcp.Exchange) -> bytes:
@@ -177,17 +179,22 @@ def test_a_pool_polls_for_replies_only_while_its_peer_answers_within_the_spin():
         return wire.unary_exchange(sock, state, Method.LOOKUP, b"", 1 << 10)[1]
 
     try:
-        assert pool.exchange(address, call) == b"ok" and spins == [0.002]  # nothing known yet: it polls
-        delay[0] = 0.02  # replies take 10 x the spin
-        for _ in range(12):
+        for _ in range(3):
             assert pool.exchange(address, call) == b"ok"
-        assert spins[-4:] == [0.0] * 4  # blocked on, not polled for
+        assert spins == [spin] * 3  # quick replies: polled for
+        delay[0] = 0.004  # replies take 4 x the spin
+        slow = 16 + 2 * tcp.MAX_POLL_PAUSE
+        for _ in range(slow):
+            assert pool.exchange(address, call) == b"ok"
+        polls = [i for i, s in enumerate(spins[3:]) if s]
+        assert polls[:5] == [0, 2, 5, 10, 19]  # pauses of 1, 2, 4, 8 calls
+        assert max(b - a for a, b in zip(polls, polls[1:])) == tcp.MAX_POLL_PAUSE + 1  # and no longer
+        assert slow - polls[-1] <= tcp.MAX_POLL_PAUSE + 1
         delay[0] = 0.0
-        for _ in range(40):
+        for _ in range(tcp.MAX_POLL_PAUSE + 8):
             pool.exchange(address, call)
-        assert spins[-4:] == [0.002] * 4  # quick again: polled for again
+        assert spins[-6:] == [spin] * 6  # quick again: the first poll that paid ended the pause
     finally:
-        stop.set()
         pool.close()
         server.close()
         thread.join(5)
