@@ -597,6 +597,11 @@ class MasterConfig:
                                        "0: any free port; -1: {port} + 2, or any free port if that is taken or "
                                        "{port} is 0",
                          check=port_check("0: any free port", "-1: port + 2"), default_text="{port} + 2")
+    call_poll_us: int = opt(100, "how long the fast-call loop polls for the next request before it blocks, while "
+                                 "such polls pay (a blocked loop's wake-up can cost more than a small call; after a "
+                                 "poll that went unanswered it blocks at once for a while, up to 64 waits); 0: block "
+                                 f"at once; at most {MAX_SPIN_WAIT_US}",
+                            check=in_range(0, MAX_SPIN_WAIT_US, "0: block at once"))
     node_timeout_s: float = opt(10.0, "a node silent this long is dropped with all its entries (time the master "
                                       "itself did not run is not counted); 10 heartbeats, so a busy host keeps its "
                                       "node", check=seconds_check)

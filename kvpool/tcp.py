@@ -667,8 +667,8 @@ def capped(limit: float, deadline: float | None) -> float:
 
 _PEEK_NOW = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)  # (an int: the flags' enum OR costs a poll ~1 us)
 _SPINNING = threading.Semaphore(1)  # one thread of a process polls for its reply at a time
-MAX_POLL_PAUSE = 64  # most calls a pool does not poll for an address's reply after its polls went unanswered
-MAX_PAUSED_ADDRESSES = 4096  # addresses a pool tracks pauses for
+MAX_POLL_PAUSE = 64  # most waits blocked at once after polls went unanswered (PollPause)
+MAX_PAUSED_ADDRESSES = 4096  # addresses a pool keeps a PollPause for
 
 
 def await_bytes(sock: socket.socket, spin_s: float, deadline: float | None = None) -> bool | None:
@@ -716,6 +716,32 @@ def _spin(sock: socket.socket, spin_s: float, deadline: float | None) -> bool:
         os.sched_yield()
 
 
+class PollPause:
+    """Whether to poll for a peer's next bytes before blocking, from how the last polls went: after a poll that
+    went unanswered, not for a pause of waits that doubles with each poll that fails again, up to
+    :data:`MAX_POLL_PAUSE`; the first poll that pays ends it. So a busy peer is polled for (no wake-up a wait)
+    and an idle or loaded one costs at most one failed poll in ``MAX_POLL_PAUSE + 1`` waits. Unlocked: its
+    reads and writes may race between threads without harm (it is a heuristic)."""
+
+    __slots__ = ("_left", "_length")
+
+    def __init__(self) -> None:
+        self._left = 0  # waits still to block at once
+        self._length = 0  # the pause after the last poll that failed (0: the last poll paid)
+
+    def due(self) -> bool:
+        """True: poll for this wait (False: block at once; the pause is a wait shorter)."""
+        if self._left <= 0:
+            return True
+        self._left -= 1
+        return False
+
+    def paid(self, answered: bool) -> None:
+        """A poll's outcome: ``answered``, the bytes came within it."""
+        self._length = 0 if answered else min(2 * self._length or 1, MAX_POLL_PAUSE)
+        self._left = self._length
+
+
 class ConnectionPool:
     """Idle connections per ``host:port`` (thread-safe); see the module docstring."""
 
@@ -724,7 +750,7 @@ class ConnectionPool:
                  spin_wait_s: float = 0.0):
         self.timeout_s = timeout_s
         self.spin_wait_s = spin_wait_s
-        self._poll_pauses: dict[str, list[int]] = {}  # per address: [calls left not polling, pause length]
+        self._poll_pauses: dict[str, PollPause] = {}  # per address: when to poll for its replies
         self.connect_timeout_s = timeout_s if connect_timeout_s is None else connect_timeout_s
         self.max_idle_per_address = max_idle_per_address
         self.tls = tls
@@ -824,31 +850,19 @@ class ConnectionPool:
         raise AssertionError("connection pool: retry loop fell through")
 
     def _spin_for(self, address: str) -> float:
-        """How long this call polls for its reply: ``spin_wait_s``, unless ``address``'s polls lately went
+        """How long this call polls for its reply: ``spin_wait_s`` unless ``address``'s polls lately went
         unanswered (a loaded peer: its reply comes later than any spin, and polling for it only takes CPU from
-        it and the host's other callers); then not for a pause that doubles with each poll that fails again,
-        up to :data:`MAX_POLL_PAUSE` calls, and ends at the first that pays (:meth:`_poll_paid`)."""
+        it and the host's other callers; :class:`PollPause`)."""
         pause = self._poll_pauses.get(address)
-        if pause is None or pause[0] <= 0:
-            return self.spin_wait_s
-        pause[0] -= 1
-        return 0.0
+        return self.spin_wait_s if pause is None or pause.due() else 0.0
 
     def _poll_paid(self, address: str, paid: bool) -> None:
-        """Whether a poll for ``address``'s reply got it (its reads and writes race between threads without
-        harm: the pause is a heuristic)."""
         pause = self._poll_pauses.get(address)
-        if paid:
-            if pause is not None:
-                del self._poll_pauses[address]
-            return
         if pause is None:
             if len(self._poll_pauses) >= MAX_PAUSED_ADDRESSES:
-                self._poll_pauses.clear()  # (a client of very many loaded peers: start over)
-            self._poll_pauses[address] = [1, 1]
-        else:
-            pause[1] = min(2 * pause[1], MAX_POLL_PAUSE)
-            pause[0] = pause[1]
+                self._poll_pauses.clear()  # (a client of very many peers: start over)
+            pause = self._poll_pauses[address] = PollPause()
+        pause.paid(paid)
 
     def close(self) -> None:
         with self._lock:

@@ -49,7 +49,16 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
-from kvpool.tcp import ERROR_DRAIN_S, GROW_STEP_BYTES, WAITING, WATCH_INTERVAL_S, Connection, TcpListener, _cut
+from kvpool.tcp import (
+    ERROR_DRAIN_S,
+    GROW_STEP_BYTES,
+    WAITING,
+    WATCH_INTERVAL_S,
+    Connection,
+    PollPause,
+    TcpListener,
+    _cut,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +113,12 @@ class LoopConnection(Connection):
 class LoopListener(TcpListener):
     """A :class:`~kvpool.tcp.TcpListener` served by one loop thread and ``standbys`` threads (module docstring).
 
-    ``frames``: the protocol (a :class:`FrameServer`).
+    ``frames``: the protocol (a :class:`FrameServer`). ``poll_s``: how long the loop polls for the next
+    request before it blocks, while such polls pay (:class:`~kvpool.tcp.PollPause`); 0: it blocks at once.
     """
 
     def __init__(self, name: str, host: str, port: int, frames: FrameServer, *, standbys: int = STANDBYS,
-                 **limits: Any):
+                 poll_s: float = 0.0, **limits: Any):
         if limits.get("tls") is not None:
             raise ValueError(f"{name} listener: the event loop does not serve TLS (use TcpListener)")
         if standbys < 1:
@@ -125,6 +135,8 @@ class LoopListener(TcpListener):
         self._orphans: list[tuple[LoopConnection, bytes]] = []  # complete requests a deposed loop thread left
         self._threads: list[threading.Thread] = []
         self._wake_r, self._wake_w = os.pipe()
+        self._poll_s = poll_s
+        self._poll_pause = PollPause()  # (only the loop thread of the moment uses it)
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
 
@@ -195,7 +207,7 @@ class LoopListener(TcpListener):
         next_watch = time.monotonic() + WATCH_INTERVAL_S
         while not self._stopping.is_set():
             try:
-                events = self._epoll.poll(max(0.0, next_watch - time.monotonic()))
+                events = self._poll(max(0.0, next_watch - time.monotonic()))
             except InterruptedError:
                 continue
             with self.lock:
@@ -234,6 +246,19 @@ class LoopListener(TcpListener):
             if now >= next_watch:
                 next_watch = now + WATCH_INTERVAL_S
                 self._watch_once(now)
+
+    def _poll(self, timeout: float) -> list[tuple[int, int]]:
+        """The sockets' events: polled for up to ``poll_s`` while such polls pay (a thread blocked in ``epoll``
+        for ~100 us has its virtual CPU halted on a VM, and its wake-up costs the master more than the poll:
+        ``docs/benchmarks.md``), then waited for up to ``timeout``."""
+        if self._poll_s and self._poll_pause.due():
+            end = time.monotonic() + self._poll_s
+            while not (events := self._epoll.poll(0)) and time.monotonic() < end:
+                os.sched_yield()
+            self._poll_pause.paid(bool(events))
+            if events:
+                return events
+        return self._epoll.poll(timeout)
 
     def _watch_once(self, now: float) -> None:
         """The deadlines: close connections whose final reply or drain ran out, cut those past their deadline."""

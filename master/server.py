@@ -348,7 +348,8 @@ class MasterServer:
                                       max_connections=self.config.server.max_connections, errors=self.errors)
         if self._tls is not None:  # TLS connections keep a thread each (the loop reads plain sockets only)
             return TcpListener("master-calls", self.config.server.host, port, handler.serve, tls=self._tls, **limits)
-        return LoopListener("master-calls", self.config.server.host, port, handler, **limits)
+        return LoopListener("master-calls", self.config.server.host, port, handler,
+                            poll_s=self.config.call_poll_us / 1e6, **limits)
 
     def _sweep(self) -> None:
         interval = min(self.config.node_timeout_s, self.config.worker_timeout_s) / 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -337,6 +338,13 @@ class EtcdServer:
         self.resume()
         stop_process(self.proc)
         self.log.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time ``pid`` has used (fields 14 and 15 of /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_bytes(pid: int) -> int:

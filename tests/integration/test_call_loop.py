@@ -7,7 +7,9 @@ client sends and reads):
 - connections trickling a header byte by byte do not hold up a client making calls meanwhile;
 - a client that pipelines requests and never reads its replies does not grow the master's memory (the loop
   reads one request at a time per connection: the rest stays in the kernel's buffers), and others are served;
-- lookups that reach the loop together share one index pass, and each still gets its own run.
+- lookups that reach the loop together share one index pass, and each still gets its own run;
+- the loop's poll for the next request (``call_poll_us``) costs an idle master, or one whose requests come
+  further apart than the poll, next to nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import threading
 import time
 
 import pytest
-from support import PoolProcesses, metric, rss_bytes, scrape
+from support import PoolProcesses, cpu_seconds, metric, rss_bytes, scrape
 
 from kvpool import wire
 from kvpool.keys import opaque_key, pack_keys
@@ -251,3 +253,27 @@ def test_lookups_that_arrive_together_share_one_index_pass_and_each_gets_its_own
             runs.append((len(reply.tiers), list(reply.checksums)))
     assert runs == [(n, list(range(n))) for n in range(1, 17)]
     assert metric(scrape(pool.master_metrics_port), "kvpool_master_lookups_together_total") >= 2
+
+
+def test_the_loops_poll_for_the_next_request_costs_an_idle_or_quiet_master_next_to_nothing(tmp_path):
+    """With the longest poll allowed (2 ms), requests 4 ms apart (each poll goes unanswered) and an idle second
+    cost the master next to nothing: the poll pauses after it fails (PollPause), where polling every wait would
+    spend ~0.6 s of CPU on the 300 requests."""
+    pool = PoolProcesses(tmp_path)
+    try:
+        proc = pool.start_master(**{"call-poll-us": "2000"})
+        with socket.create_connection(("127.0.0.1", pool.master_call_port), timeout=5) as sock:
+            frame = exists_frame(4)
+            assert call(sock, frame) == [0] * 4
+            cpu = cpu_seconds(proc.pid)
+            for _ in range(300):
+                assert call(sock, frame) == [0] * 4
+                time.sleep(0.004)  # (the pace of a quiet client, not a wait for something to happen)
+            quiet = cpu_seconds(proc.pid) - cpu
+            time.sleep(1.0)  # (a window to measure)
+            idle = cpu_seconds(proc.pid) - cpu - quiet
+            assert call(sock, frame) == [0] * 4
+        assert quiet < 0.3, f"{quiet:.2f} s of master CPU for 300 requests 4 ms apart"
+        assert idle < 0.1, f"{idle:.2f} s of master CPU idle for a second"
+    finally:
+        pool.close()

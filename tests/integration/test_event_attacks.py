@@ -36,7 +36,17 @@ import numpy as np
 import zmq
 from event_support import Collector, replay_all
 from prometheus_client import CollectorRegistry
-from support import PoolProcesses, free_port, metric, rss_bytes, scrape, stop_process, wait_serving, wait_until
+from support import (
+    PoolProcesses,
+    cpu_seconds,
+    free_port,
+    metric,
+    rss_bytes,
+    scrape,
+    stop_process,
+    wait_serving,
+    wait_until,
+)
 
 from kvpool.events import MEDIUM_CPU, BlockStored, key_hash
 from kvpool.keys import opaque_key, pack_keys
@@ -50,13 +60,6 @@ TOKEN_B = secrets.token_hex(32)
 
 
 # -- measuring a process ---------------------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time ``pid`` has used (fields 14 and 15 of /proc/PID/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def fd_count(pid: int) -> int:

@@ -114,7 +114,8 @@ NAN, INF = math.nan, math.inf
 _ETCD_SETTINGS = ("ca", "cert", "key", "user", "password_file")  # free-form file names and a user name
 BAD_VALUES = {
     MasterConfig: {
-        "host": "two words", "port": 65536, "metrics_port": -2, "call_port": -3, "node_timeout_s": NAN,
+        "host": "two words", "port": 65536, "metrics_port": -2, "call_port": -3, "call_poll_us": 2001,
+        "node_timeout_s": NAN,
         "heartbeat_interval_s": 0.0, "worker_timeout_s": INF, "max_keys_per_call": 0, "max_connections": 0,
         "max_concurrent_rpcs": -1, "auth_file": None, "tls_cert": 1, "tls_key": b"key",
         "etcd": "ftp://etcd:2379", "cluster": "a/b", "leader_ttl_s": 1, "advertise_host": "two words",
