@@ -133,6 +133,9 @@ class MixedLoad:
         self.report = LoadReport()
         self._rng = np.random.default_rng(seed)
         self._stop = threading.Event()
+        self._go = threading.Event()  # cleared while the loop is held (held())
+        self._go.set()
+        self._stepping = threading.Lock()  # held through each step
         self._thread = threading.Thread(target=self._run, name=f"fault-load-{tag}", daemon=True)
         self._expected: dict[BlockKey, np.ndarray] = {}
 
@@ -158,6 +161,18 @@ class MixedLoad:
         self._thread.join(timeout)
         assert not self._thread.is_alive(), f"load {self.tag}: a client call did not return within {timeout}s"
         return self.report
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The loop paused between two steps for the block (the step in flight finishes first; the client's
+        write-behind may still drain), then resumed."""
+        self._go.clear()
+        with self._stepping:  # (the step in flight is done)
+            pass
+        try:
+            yield
+        finally:
+            self._go.set()
 
     def wait_ops(self, n: int, since: float = 0.0, timeout: float = 20.0, **match: int) -> None:
         """Wait until ``n`` lookups started after ``since`` saw at least the given ``hbm``/``pool`` counts."""
@@ -197,10 +212,13 @@ class MixedLoad:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self._step()
-            except Exception:  # noqa: BLE001 - recorded: the test asserts there are none
-                self.report.exceptions.append(traceback.format_exc())
+            if not self._go.wait(0.1):
+                continue
+            with self._stepping:
+                try:
+                    self._step()
+                except Exception:  # noqa: BLE001 - recorded: the test asserts there are none
+                    self.report.exceptions.append(traceback.format_exc())
             if self.pause_s:
                 self._stop.wait(self.pause_s)
 

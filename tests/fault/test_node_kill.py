@@ -8,6 +8,7 @@ dead for a while, then restarted on its old SSD directory.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -54,7 +55,10 @@ def test_kill_9_of_a_node_under_load_loses_no_byte_and_its_ssd_comes_back(procs,
     loads = [MixedLoad(c, f"node-kill-{i}", prefixes=12, seed=i).start() for i, c in enumerate(clients)]
     try:
         wait_until(lambda: all(t == Tier.SSD for t in node_tiers(procs.node_address("n0"), cold_n0)), timeout=30)
-        wait_demoted(procs, "n0")  # on SSD, not only on their way there
+        with contextlib.ExitStack() as held:  # on SSD, not only on their way there: the load's own writes keep
+            for load in loads:                # demotions coming, so it pauses while the queue drains
+                held.enter_context(load.held())
+            wait_demoted(procs, "n0")
         for load in loads:
             load.wait_ops(20, pool=1)  # the pool serves the load before the fault
 
