@@ -209,7 +209,6 @@ class DirectMaster(MasterCalls):
             if pool is not None else None
         self._lock = threading.Lock()
         self._info: master_pb2.MasterInfoResponse | None = None
-        self._wire: tuple[master_pb2.MasterInfoResponse, str] | None = None  # the Info its fast-call address is of
         self._next_try = 0.0
 
     def call(self, name: str, request: Message, timeout: float | None) -> Any:
@@ -246,11 +245,7 @@ class DirectMaster(MasterCalls):
         info = self._info  # (known: no lock; a call that races _forget_info goes to the master it knew)
         if info is None:
             info = self.info()
-        if info is None or not info.call_port:
-            return None
-        if self._wire is None or self._wire[0] is not info:
-            self._wire = (info, f"{self._host}:{info.call_port}")
-        return self._wire[1]
+        return f"{self._host}:{info.call_port}" if info is not None and info.call_port else None
 
     def _forget_info(self) -> None:
         """The fast-call listener stopped answering (a master restart may have moved it): ask Info again."""

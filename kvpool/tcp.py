@@ -682,8 +682,8 @@ def await_bytes(sock: socket.socket, spin_s: float, deadline: float | None = Non
     (``benchmarks/reply_spin.py``). The poll holds the GIL only between system calls, and ``sched_yield``
     gives the core to anything runnable. TLS sockets are not polled (their reads are Python's).
 
-    A :class:`ConnectionPool` polls for a peer's replies while its polls pay (see :meth:`ConnectionPool.exchange`):
-    a loaded peer's reply comes later than any spin, and polling for it only takes the CPU that peer or the
+    A :class:`ConnectionPool` polls for a peer's replies while its polls pay (:class:`PollPause`): a loaded
+    peer's reply comes later than any spin, and polling for it only takes the CPU that peer or the
     host's other callers need.
 
     One thread of a process polls at a time; the others waiting meanwhile block at once. A process with

@@ -215,6 +215,8 @@ class MixedLoad:
             if not self._go.wait(0.1):
                 continue
             with self._stepping:
+                if not self._go.is_set():  # held between the wait and the lock: no step
+                    continue
                 try:
                     self._step()
                 except Exception:  # noqa: BLE001 - recorded: the test asserts there are none

@@ -147,6 +147,7 @@ def test_one_thread_of_a_process_polls_for_its_reply_at_a_time():
         d.sendall(b"y")
         assert await_bytes(c, 30.0) is True  # its turn now
 
+
 def test_a_pool_pauses_its_polls_for_a_peer_whose_replies_come_after_the_spin():
     """A peer whose replies come later than the spin (a loaded master) is polled for less and less often: the
     pause after a poll that went unanswered doubles, up to MAX_POLL_PAUSE calls; the first poll that gets its
